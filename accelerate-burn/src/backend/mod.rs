@@ -1,0 +1,83 @@
+//! Backend kinds: which Burn backend a process trains on, chosen by cargo feature.
+//!
+//! | marker | feature | device of local rank `r` | float dtypes |
+//! |---|---|---|---|
+//! | [`Cuda`] | `cuda` | `cuda(r)` | f32, f16, bf16 |
+//! | [`Wgpu`] | `wgpu` | the default adapter | f32; f16 where the adapter has it |
+//! | [`Flex`] | `flex` (default) | the CPU | f32, f16, bf16 |
+//! | [`NdArray`] | `ndarray` | the CPU | f32 |
+//!
+//! A marker that is not compiled in does not exist: `Accelerator::<Cuda>` without the `cuda`
+//! feature is a compile error, not a run-time surprise. [`DefaultBackend`] is the best enabled
+//! kind, in the order cuda, wgpu, flex, ndarray.
+
+use burn::tensor::{DType, Device};
+
+use crate::error::AccelerateError;
+
+#[cfg(feature = "cuda")]
+mod cuda;
+#[cfg(feature = "flex")]
+mod flex;
+#[cfg(feature = "ndarray")]
+mod ndarray;
+#[cfg(feature = "wgpu")]
+mod wgpu;
+
+#[cfg(feature = "cuda")]
+pub use cuda::Cuda;
+#[cfg(feature = "flex")]
+pub use flex::Flex;
+#[cfg(feature = "ndarray")]
+pub use ndarray::NdArray;
+#[cfg(feature = "wgpu")]
+pub use wgpu::Wgpu;
+
+/// A kind of Burn backend that an [`Accelerator`](crate::Accelerator) can train on.
+pub trait AcceleratorBackend: 'static + Send + Sync {
+    /// Short name, as printed by `accelerate env` and in errors ("flex", "cuda", ...).
+    const NAME: &'static str;
+
+    /// The (non-autodiff) device of the process with local rank `local_rank`.
+    fn device(local_rank: usize) -> Result<Device, AccelerateError>;
+
+    /// The floating-point dtypes `device` can compute in, as Burn reports them.
+    fn float_dtypes(device: &Device) -> Vec<DType> {
+        [DType::F32, DType::F16, DType::BF16]
+            .into_iter()
+            .filter(|&dtype| device.supports_dtype(dtype))
+            .collect()
+    }
+}
+
+/// The best backend kind enabled in this build: cuda, then wgpu, then flex, then ndarray.
+#[cfg(feature = "cuda")]
+pub type DefaultBackend = Cuda;
+/// The best backend kind enabled in this build: cuda, then wgpu, then flex, then ndarray.
+#[cfg(all(not(feature = "cuda"), feature = "wgpu"))]
+pub type DefaultBackend = Wgpu;
+/// The best backend kind enabled in this build: cuda, then wgpu, then flex, then ndarray.
+#[cfg(all(not(feature = "cuda"), not(feature = "wgpu"), feature = "flex"))]
+pub type DefaultBackend = Flex;
+/// The best backend kind enabled in this build: cuda, then wgpu, then flex, then ndarray.
+#[cfg(all(
+    not(feature = "cuda"),
+    not(feature = "wgpu"),
+    not(feature = "flex"),
+    feature = "ndarray"
+))]
+pub type DefaultBackend = NdArray;
+
+/// Names of the backend kinds compiled into this build, best first.
+pub fn enabled_backends() -> Vec<&'static str> {
+    let mut names = Vec::new();
+    #[cfg(feature = "cuda")]
+    names.push(Cuda::NAME);
+    #[cfg(feature = "wgpu")]
+    names.push(Wgpu::NAME);
+    #[cfg(feature = "flex")]
+    names.push(Flex::NAME);
+    #[cfg(feature = "ndarray")]
+    names.push(NdArray::NAME);
+    names
+}

@@ -1,0 +1,77 @@
+//! The error type of `accelerate-burn`: one enum, each message naming what failed, on which
+//! rank, and what to do about it.
+
+use std::path::PathBuf;
+
+use accelerate_core::{ConfigError, StateError};
+
+/// Everything the accelerated loop can report instead of panicking.
+#[derive(Debug, thiserror::Error)]
+pub enum AccelerateError {
+    /// The launcher environment is inconsistent.
+    #[error("launcher environment: {0}")]
+    State(#[from] StateError),
+
+    /// A configuration value is invalid.
+    #[error("configuration: {0}")]
+    Config(#[from] ConfigError),
+
+    /// The backend this build selected cannot run on this machine.
+    #[error("the {backend} backend is unavailable: {reason}. hint: {hint}")]
+    BackendUnavailable {
+        /// Backend name.
+        backend: &'static str,
+        /// What Burn or the system said.
+        reason: String,
+        /// What to do instead.
+        hint: &'static str,
+    },
+
+    /// The environment describes a multi-process job, which this version cannot run yet.
+    #[error(
+        "rank {rank} of {world_size}: this version of accelerate-rs trains in one process only; \
+         training each rank alone would silently diverge. hint: run without a launcher \
+         (unset RANK/WORLD_SIZE or the SLURM/MPI variables)"
+    )]
+    MultiProcessUnsupported {
+        /// This process's rank.
+        rank: usize,
+        /// Processes in the job.
+        world_size: usize,
+    },
+
+    /// The data set failed to produce an item.
+    #[error("rank {rank}: data set item for batch {batch} of epoch {epoch}: {source}")]
+    Data {
+        /// This process's rank.
+        rank: usize,
+        /// Epoch being iterated.
+        epoch: u64,
+        /// Batch index within the epoch.
+        batch: usize,
+        /// The data set's error.
+        source: burn::data::dataset::DatasetError,
+    },
+
+    /// The optimizer was asked to apply gradients that no accumulation window produced.
+    #[error(
+        "rank {rank}: optimizer step with gradients that did not come from Accelerator::backward \
+         for this update (or a second step for the same update). hint: call \
+         `acc.backward(loss, &model)` once per batch and pass its result to `optim.step`"
+    )]
+    UnexpectedGradients {
+        /// This process's rank.
+        rank: usize,
+    },
+
+    /// Writing model weights failed.
+    #[error("rank {rank}: saving the model to {path}: {reason}")]
+    Save {
+        /// This process's rank.
+        rank: usize,
+        /// The file or directory being written.
+        path: PathBuf,
+        /// What went wrong.
+        reason: String,
+    },
+}

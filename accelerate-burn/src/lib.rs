@@ -1,0 +1,90 @@
+//! One Burn training loop, written once, that runs on a laptop CPU, a GPU, or (soon) many
+//! processes: the user keeps a plain Rust loop and an [`Accelerator`] adds device placement,
+//! gradient accumulation, global gradient clipping and safe model saving.
+//!
+//! ```
+//! use accelerate_burn::{Accelerator, DataLoader, DefaultBackend};
+//! use burn::data::dataloader::batcher::Batcher;
+//! use burn::data::dataset::InMemDataset;
+//! use burn::nn::{Linear, LinearConfig};
+//! use burn::optim::SgdConfig;
+//! use burn::tensor::{Device, Tensor};
+//!
+//! #[derive(Clone)]
+//! struct Pairs;
+//! impl Batcher<[f32; 2], (Tensor<2>, Tensor<2>)> for Pairs {
+//!     fn batch(&self, items: Vec<[f32; 2]>, device: &Device) -> (Tensor<2>, Tensor<2>) {
+//!         let x: Vec<f32> = items.iter().map(|p| p[0]).collect();
+//!         let y: Vec<f32> = items.iter().map(|p| p[1]).collect();
+//!         let n = items.len();
+//!         (
+//!             Tensor::<1>::from_floats(x.as_slice(), device).reshape([n, 1]),
+//!             Tensor::<1>::from_floats(y.as_slice(), device).reshape([n, 1]),
+//!         )
+//!     }
+//! }
+//!
+//! // Learn y = 3x from 64 points.
+//! let data: Vec<[f32; 2]> = (0..64).map(|i| [i as f32 / 64.0, 3.0 * i as f32 / 64.0]).collect();
+//! let acc = Accelerator::<DefaultBackend>::from_env()?;
+//! let model: Linear = LinearConfig::new(1, 1).init(&acc.device());
+//! let loader = DataLoader::builder(Pairs).batch_size(16).shuffle(0).build(InMemDataset::new(data));
+//! let (mut model, mut optim, train) = acc.prepare((model, SgdConfig::new().init(), loader))?;
+//! for epoch in 0..200 {
+//!     train.set_epoch(epoch);
+//!     for batch in train.iter() {
+//!         let (x, y) = batch?;
+//!         let loss = (model.forward(x) - y).square().mean();
+//!         let grads = acc.backward(loss, &model)?;
+//!         model = optim.step(0.5, model, grads)?;
+//!     }
+//! }
+//! let w: f32 = model.weight.val().into_scalar();
+//! assert!((w - 3.0).abs() < 0.05, "learned weight {w}");
+//! # Ok::<(), accelerate_burn::AccelerateError>(())
+//! ```
+//!
+//! - [`Accelerator`]: the facade; [`AcceleratorBuilder`] for settings in code.
+//! - [`backend`]: backend kinds by feature; [`DefaultBackend`] is the best one enabled.
+//! - [`DataLoader`] / [`PreparedDataLoader`]: batches on the device, a reproducible order.
+//! - [`PreparedOptimizer`] / [`PreparedScheduler`]: one step per accumulation window.
+//!
+//! # Feature flags
+//!
+//! | feature | backend | notes |
+//! |---|---|---|
+//! | `flex` (default) | Burn's CPU backend | f32, f16, bf16; multi-threaded, SIMD |
+//! | `ndarray` | Burn's ndarray backend | f32 |
+//! | `wgpu` | Burn's wgpu backend | Vulkan / Metal / DX12; f16 where the adapter has it |
+//! | `cuda` | Burn's CUDA backend | local rank `r` uses `cuda(r)` |
+
+#![forbid(unsafe_code)]
+
+mod accelerator;
+pub mod backend;
+mod data;
+mod error;
+mod grads;
+mod loop_state;
+mod optim;
+mod prepare;
+
+pub use accelerator::{Accelerator, AcceleratorBuilder, MODEL_FILE};
+pub use backend::{AcceleratorBackend, DefaultBackend, enabled_backends};
+pub use data::{BatchIter, DataLoader, DataLoaderBuilder, PreparedDataLoader};
+pub use error::AccelerateError;
+pub use optim::{PreparedOptimizer, PreparedScheduler};
+pub use prepare::Prepare;
+
+pub use accelerate_core::{AcceleratorConfig, ProcessState};
+/// The Burn this crate is built on, re-exported so users match its version.
+pub use burn;
+
+#[cfg(feature = "cuda")]
+pub use backend::Cuda;
+#[cfg(feature = "flex")]
+pub use backend::Flex;
+#[cfg(feature = "ndarray")]
+pub use backend::NdArray;
+#[cfg(feature = "wgpu")]
+pub use backend::Wgpu;

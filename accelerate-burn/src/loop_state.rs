@@ -1,0 +1,36 @@
+//! The bookkeeping shared by an accelerator and what it prepared: the accumulation state
+//! machine and the gradients of the open window.
+
+use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
+
+use accelerate_core::GradientAccumulation;
+use burn::optim::GradientsParams;
+
+/// State shared between an [`Accelerator`](crate::Accelerator), its prepared optimizers,
+/// schedulers and training loaders.
+#[derive(Clone)]
+pub(crate) struct SharedLoop(Arc<Mutex<LoopState>>);
+
+pub(crate) struct LoopState {
+    pub accumulation: GradientAccumulation,
+    /// Gradients summed over the micro-batches of the open window (none when `steps == 1`).
+    pub accumulated: Option<GradientsParams>,
+    /// Rank of this process, for error messages.
+    pub rank: usize,
+}
+
+impl SharedLoop {
+    pub fn new(accumulation_steps: usize, rank: usize) -> Self {
+        Self(Arc::new(Mutex::new(LoopState {
+            accumulation: GradientAccumulation::new(accumulation_steps),
+            accumulated: None,
+            rank,
+        })))
+    }
+
+    /// Locks the state. A panic in another thread cannot leave it half-updated (every update
+    /// is a handful of field writes), so a poisoned lock is still used.
+    pub fn lock(&self) -> MutexGuard<'_, LoopState> {
+        self.0.lock().unwrap_or_else(PoisonError::into_inner)
+    }
+}

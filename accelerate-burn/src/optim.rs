@@ -1,0 +1,107 @@
+//! Prepared optimizers and learning-rate schedulers: they act once per optimizer update, not
+//! once per micro-batch.
+
+use burn::optim::LearningRate;
+use burn::lr_scheduler::LrScheduler;
+use burn::module::Module;
+use burn::optim::{GradientsParams, ModuleOptimizer};
+
+use crate::error::AccelerateError;
+use crate::loop_state::SharedLoop;
+
+/// Burn's [`ModuleOptimizer`], stepping only when the latest backward pass completed an
+/// accumulation window.
+pub struct PreparedOptimizer {
+    inner: ModuleOptimizer,
+    shared: SharedLoop,
+}
+
+impl PreparedOptimizer {
+    pub(crate) fn new(inner: ModuleOptimizer, shared: SharedLoop) -> Self {
+        Self { inner, shared }
+    }
+
+    /// Applies `grads` (from [`Accelerator::backward`](crate::Accelerator::backward)) with
+    /// learning rate `lr` when an update is due, and returns the updated model; on the other
+    /// micro-batches returns `model` unchanged.
+    ///
+    /// Gradients that no completed window produced (a second step for the same update, or
+    /// gradients from a plain `loss.backward()`) are an error rather than a silent no-op.
+    pub fn step<M: Module>(
+        &mut self,
+        lr: LearningRate,
+        model: M,
+        grads: GradientsParams,
+    ) -> Result<M, AccelerateError> {
+        let (due, rank) = {
+            let mut shared = self.shared.lock();
+            (shared.accumulation.take_update(), shared.rank)
+        };
+        if due {
+            Ok(self.inner.step(lr, model, grads))
+        } else if grads.is_empty() {
+            Ok(model)
+        } else {
+            Err(AccelerateError::UnexpectedGradients { rank })
+        }
+    }
+
+    /// Optimizer updates applied so far.
+    pub fn updates(&self) -> u64 {
+        self.shared.lock().accumulation.updates()
+    }
+
+    /// Burn's optimizer, for its records and settings.
+    pub fn inner(&self) -> &ModuleOptimizer {
+        &self.inner
+    }
+
+    /// Burn's optimizer, mutably (to load a record, for instance).
+    pub fn inner_mut(&mut self) -> &mut ModuleOptimizer {
+        &mut self.inner
+    }
+
+    /// Unwraps Burn's optimizer.
+    pub fn into_inner(self) -> ModuleOptimizer {
+        self.inner
+    }
+}
+
+/// A Burn learning-rate scheduler that advances once per optimizer update.
+///
+/// [`step`](Self::step) returns the learning rate of the next update to be applied: the
+/// `k`-th update uses the scheduler's `k`-th value however many micro-batches it accumulates,
+/// and whether `step` is called before or after `backward`. (Accelerate's prepared scheduler
+/// steps once per process per micro-batch; schedules here count updates.)
+pub struct PreparedScheduler<S> {
+    inner: S,
+    shared: SharedLoop,
+    advanced: u64,
+    lr: LearningRate,
+}
+
+impl<S: LrScheduler> PreparedScheduler<S> {
+    pub(crate) fn new(inner: S, shared: SharedLoop) -> Self {
+        Self {
+            inner,
+            shared,
+            advanced: 0,
+            lr: 0.0,
+        }
+    }
+
+    /// The learning rate for the next optimizer update.
+    pub fn step(&mut self) -> LearningRate {
+        let wanted = self.shared.lock().accumulation.updates() + 1;
+        while self.advanced < wanted {
+            self.lr = self.inner.step();
+            self.advanced += 1;
+        }
+        self.lr
+    }
+
+    /// Burn's scheduler, for its record.
+    pub fn inner(&self) -> &S {
+        &self.inner
+    }
+}

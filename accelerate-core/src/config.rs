@@ -1,0 +1,151 @@
+//! `AcceleratorConfig`: the knobs of an accelerated loop and where each value comes from.
+//!
+//! Precedence, highest first: a value set in code (on [`ConfigOverrides`]), then the
+//! `ACCELERATE_*` environment variable, then the default. Every value is validated once, here,
+//! and an error names the key, the source and what would have been accepted.
+
+use serde::{Deserialize, Serialize};
+
+use crate::error::ConfigError;
+use crate::state::{EnvSource, ProcessEnv};
+
+/// Environment variable for [`AcceleratorConfig::gradient_accumulation_steps`].
+pub const ENV_GRADIENT_ACCUMULATION_STEPS: &str = "ACCELERATE_GRADIENT_ACCUMULATION_STEPS";
+/// Environment variable for [`AcceleratorConfig::seed`].
+pub const ENV_SEED: &str = "ACCELERATE_SEED";
+
+/// The resolved configuration of an accelerated training loop.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct AcceleratorConfig {
+    /// Micro-batches whose gradients are summed before one optimizer update (default 1).
+    pub gradient_accumulation_steps: usize,
+    /// Seed for parameter initialisation and data order, when set (default: none).
+    pub seed: Option<u64>,
+}
+
+impl Default for AcceleratorConfig {
+    fn default() -> Self {
+        Self {
+            gradient_accumulation_steps: 1,
+            seed: None,
+        }
+    }
+}
+
+/// Values set in code; each one that is `Some` wins over the environment.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct ConfigOverrides {
+    /// See [`AcceleratorConfig::gradient_accumulation_steps`].
+    pub gradient_accumulation_steps: Option<usize>,
+    /// See [`AcceleratorConfig::seed`].
+    pub seed: Option<u64>,
+}
+
+impl ConfigOverrides {
+    /// Resolves against the process environment and the defaults.
+    pub fn resolve(&self) -> Result<AcceleratorConfig, ConfigError> {
+        self.resolve_with(&ProcessEnv)
+    }
+
+    /// Resolves against `env` and the defaults.
+    pub fn resolve_with(
+        &self,
+        env: &(impl EnvSource + ?Sized),
+    ) -> Result<AcceleratorConfig, ConfigError> {
+        let defaults = AcceleratorConfig::default();
+        let gradient_accumulation_steps = match self.gradient_accumulation_steps {
+            Some(0) => {
+                return Err(ConfigError::Invalid {
+                    key: "gradient_accumulation_steps",
+                    source_name: "code".into(),
+                    value: "0".into(),
+                    expected: "a positive integer",
+                });
+            }
+            Some(n) => n,
+            None => env_parse(env, ENV_GRADIENT_ACCUMULATION_STEPS, "a positive integer", |v| {
+                v.parse::<usize>().ok().filter(|&n| n > 0)
+            })?
+            .unwrap_or(defaults.gradient_accumulation_steps),
+        };
+        let seed = match self.seed {
+            Some(seed) => Some(seed),
+            None => env_parse(env, ENV_SEED, "an unsigned 64-bit integer", |v| {
+                v.parse::<u64>().ok()
+            })?,
+        };
+        Ok(AcceleratorConfig {
+            gradient_accumulation_steps,
+            seed,
+        })
+    }
+}
+
+fn env_parse<T>(
+    env: &(impl EnvSource + ?Sized),
+    key: &'static str,
+    expected: &'static str,
+    parse: impl Fn(&str) -> Option<T>,
+) -> Result<Option<T>, ConfigError> {
+    env.var(key)
+        .map(|v| {
+            parse(v.trim()).ok_or(ConfigError::Invalid {
+                key,
+                source_name: "env".into(),
+                value: v,
+                expected,
+            })
+        })
+        .transpose()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn defaults_without_env() {
+        let c = ConfigOverrides::default().resolve_with(&[][..]).unwrap();
+        assert_eq!(c, AcceleratorConfig::default());
+    }
+
+    #[test]
+    fn code_beats_env_beats_default() {
+        let env = [(ENV_GRADIENT_ACCUMULATION_STEPS, "4"), (ENV_SEED, "7")];
+        let from_env = ConfigOverrides::default().resolve_with(&env[..]).unwrap();
+        assert_eq!(from_env.gradient_accumulation_steps, 4);
+        assert_eq!(from_env.seed, Some(7));
+        let code = ConfigOverrides {
+            gradient_accumulation_steps: Some(2),
+            seed: Some(1),
+        };
+        let from_code = code.resolve_with(&env[..]).unwrap();
+        assert_eq!(from_code.gradient_accumulation_steps, 2);
+        assert_eq!(from_code.seed, Some(1));
+    }
+
+    #[test]
+    fn errors_name_key_source_and_expectation() {
+        let env = [(ENV_GRADIENT_ACCUMULATION_STEPS, "0")];
+        let err = ConfigOverrides::default()
+            .resolve_with(&env[..])
+            .unwrap_err()
+            .to_string();
+        assert_eq!(
+            err,
+            "ACCELERATE_GRADIENT_ACCUMULATION_STEPS (env) = 0: expected a positive integer"
+        );
+        let code = ConfigOverrides {
+            gradient_accumulation_steps: Some(0),
+            ..Default::default()
+        };
+        let err = code.resolve_with(&[][..]).unwrap_err().to_string();
+        assert!(err.starts_with("gradient_accumulation_steps (code) = 0"), "{err}");
+        let env = [(ENV_SEED, "-3")];
+        let err = ConfigOverrides::default()
+            .resolve_with(&env[..])
+            .unwrap_err()
+            .to_string();
+        assert!(err.starts_with("ACCELERATE_SEED (env) = -3"), "{err}");
+    }
+}

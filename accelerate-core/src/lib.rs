@@ -1,0 +1,38 @@
+//! The process layer of accelerate-rs: everything about processes and training-loop
+//! bookkeeping, nothing about tensors.
+//!
+//! This crate knows who a process is in a job ([`ProcessState`], read from `accelerate launch`,
+//! torchrun, SLURM, Open MPI or PMI variables), how the accelerated loop is configured
+//! ([`AcceleratorConfig`]: code over `ACCELERATE_*` env over defaults), when a gradient
+//! accumulation window completes ([`GradientAccumulation`]), and in which order an epoch visits
+//! the data ([`sampler`]). It has no Burn dependency, so all of it is tested in milliseconds.
+//!
+//! ```
+//! use accelerate_core::{BatchPosition, GradientAccumulation, ProcessState};
+//!
+//! // No launcher variables: rank 0 of 1.
+//! let state = ProcessState::from_source(&[][..]).unwrap();
+//! assert_eq!((state.rank, state.world_size), (0, 1));
+//!
+//! // Accumulating 4 micro-batches over an epoch of 6: the last window has 2.
+//! let mut acc = GradientAccumulation::new(4);
+//! acc.begin_batch(BatchPosition { index: 4, epoch_len: 6 });
+//! let step = acc.micro_step();
+//! assert_eq!((step.window_len, step.sync), (2, false));
+//! ```
+//!
+//! - [`state`]: the launcher environment, parsed and validated.
+//! - [`config`]: [`AcceleratorConfig`] and its sources.
+//! - [`accumulation`]: gradient accumulation windows.
+//! - [`sampler`]: the per-epoch data order.
+
+pub mod accumulation;
+pub mod config;
+pub mod error;
+pub mod sampler;
+pub mod state;
+
+pub use accumulation::{BatchPosition, GradientAccumulation, MicroStep};
+pub use config::{AcceleratorConfig, ConfigOverrides};
+pub use error::{ConfigError, StateError};
+pub use state::{EnvSource, Launcher, ProcessEnv, ProcessState};

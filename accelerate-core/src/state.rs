@@ -1,0 +1,678 @@
+//! Who this process is: rank, world size, local rank, node, and where rank 0 listens.
+//!
+//! The state is read from the environment that a launcher leaves behind. Recognised, in this
+//! order of precedence (the first whose rank variable is set wins):
+//!
+//! | launcher | rank / size | local rank / size | node |
+//! |---|---|---|---|
+//! | `accelerate launch`, torchrun | `RANK`, `WORLD_SIZE` | `LOCAL_RANK`, `LOCAL_WORLD_SIZE` | `NODE_RANK` (or `GROUP_RANK`) |
+//! | Open MPI | `OMPI_COMM_WORLD_RANK`, `_SIZE` | `OMPI_COMM_WORLD_LOCAL_RANK`, `_LOCAL_SIZE` | `OMPI_COMM_WORLD_NODE_RANK` |
+//! | MPICH / Intel MPI / Cray (PMI) | `PMI_RANK`, `PMI_SIZE` | `MPI_LOCALRANKID`, `MPI_LOCALNRANKS` or `PMI_LOCAL_RANK`, `PMI_LOCAL_SIZE` | derived |
+//! | SLURM (`srun`) | `SLURM_PROCID`, `SLURM_STEP_NUM_TASKS` or `SLURM_NTASKS` | `SLURM_LOCALID`, `SLURM_STEP_TASKS_PER_NODE` or `SLURM_TASKS_PER_NODE` | `SLURM_NODEID` |
+//!
+//! `MASTER_ADDR` and `MASTER_PORT` name rank 0's rendezvous address for every launcher. Under
+//! SLURM the address defaults to the first host of the step's node list; the port defaults to
+//! [`DEFAULT_MASTER_PORT`]. With none of these variables set the process is rank 0 of 1.
+//!
+//! Inconsistent values are errors that name the variable, never a silent guess: a rank outside
+//! the world, a world size without a rank, a multi-process job without a master address.
+
+use std::collections::HashMap;
+use std::fmt;
+
+use crate::error::StateError;
+
+/// Port rank 0 listens on when the launcher sets no `MASTER_PORT` (PyTorch's default).
+pub const DEFAULT_MASTER_PORT: u16 = 29500;
+
+/// Where a variable is read from: the process environment or, in tests, a map.
+pub trait EnvSource {
+    /// The value of `key`, or `None` when it is not set (an empty value counts as unset).
+    fn var(&self, key: &str) -> Option<String>;
+}
+
+/// The process environment.
+#[derive(Debug, Clone, Copy, Default)]
+pub struct ProcessEnv;
+
+impl EnvSource for ProcessEnv {
+    fn var(&self, key: &str) -> Option<String> {
+        std::env::var(key).ok().filter(|v| !v.trim().is_empty())
+    }
+}
+
+impl EnvSource for HashMap<String, String> {
+    fn var(&self, key: &str) -> Option<String> {
+        self.get(key).filter(|v| !v.trim().is_empty()).cloned()
+    }
+}
+
+impl EnvSource for [(&str, &str)] {
+    fn var(&self, key: &str) -> Option<String> {
+        self.iter()
+            .find(|(k, v)| *k == key && !v.trim().is_empty())
+            .map(|(_, v)| (*v).to_string())
+    }
+}
+
+/// Which launcher's variables described this process.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Launcher {
+    /// No launcher: a single process.
+    None,
+    /// `accelerate launch` or torchrun (`RANK`, `WORLD_SIZE`, ...).
+    Torchrun,
+    /// Open MPI's `mpirun` (`OMPI_COMM_WORLD_*`).
+    OpenMpi,
+    /// An MPICH-family launcher speaking PMI (`PMI_RANK`, `PMI_SIZE`).
+    Pmi,
+    /// SLURM's `srun` (`SLURM_PROCID`, ...).
+    Slurm,
+}
+
+impl fmt::Display for Launcher {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(match self {
+            Launcher::None => "none (single process)",
+            Launcher::Torchrun => "torchrun/accelerate",
+            Launcher::OpenMpi => "Open MPI",
+            Launcher::Pmi => "PMI",
+            Launcher::Slurm => "SLURM",
+        })
+    }
+}
+
+/// The identity of this process within a job.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ProcessState {
+    /// Global rank, `0..world_size`.
+    pub rank: usize,
+    /// Number of processes in the job.
+    pub world_size: usize,
+    /// Rank among the processes on this node, `0..local_world_size`; selects the device.
+    pub local_rank: usize,
+    /// Number of processes on this node.
+    pub local_world_size: usize,
+    /// Index of this node, `0..` number of nodes.
+    pub node_rank: usize,
+    /// Host of rank 0's rendezvous store; `None` for a single process.
+    pub master_addr: Option<String>,
+    /// Port of rank 0's rendezvous store.
+    pub master_port: u16,
+    /// Which launcher's variables were read.
+    pub launcher: Launcher,
+}
+
+impl Default for ProcessState {
+    fn default() -> Self {
+        Self::single()
+    }
+}
+
+impl ProcessState {
+    /// Rank 0 of 1, the state of a process started without a launcher.
+    pub fn single() -> Self {
+        Self {
+            rank: 0,
+            world_size: 1,
+            local_rank: 0,
+            local_world_size: 1,
+            node_rank: 0,
+            master_addr: None,
+            master_port: DEFAULT_MASTER_PORT,
+            launcher: Launcher::None,
+        }
+    }
+
+    /// Reads the state from the process environment.
+    pub fn from_env() -> Result<Self, StateError> {
+        Self::from_source(&ProcessEnv)
+    }
+
+    /// Reads the state from `env` (see the module docs for the variables and their precedence).
+    pub fn from_source(env: &(impl EnvSource + ?Sized)) -> Result<Self, StateError> {
+        let reader = Reader { env };
+        let state = if env.var("RANK").is_some() || env.var("WORLD_SIZE").is_some() {
+            reader.torchrun()?
+        } else if env.var("OMPI_COMM_WORLD_RANK").is_some() {
+            reader.open_mpi()?
+        } else if env.var("PMI_RANK").is_some() {
+            reader.pmi()?
+        } else if env.var("SLURM_PROCID").is_some() {
+            reader.slurm()?
+        } else {
+            return Ok(Self::single());
+        };
+        state.validate()?;
+        Ok(state)
+    }
+
+    /// True on global rank 0.
+    pub fn is_main_process(&self) -> bool {
+        self.rank == 0
+    }
+
+    /// True on local rank 0 (the first process of each node).
+    pub fn is_local_main_process(&self) -> bool {
+        self.local_rank == 0
+    }
+
+    /// True when more than one process takes part in the job.
+    pub fn is_distributed(&self) -> bool {
+        self.world_size > 1
+    }
+
+    /// Checks the invariants between the fields; errors name the variable to fix.
+    fn validate(&self) -> Result<(), StateError> {
+        let vars = self.launcher_vars();
+        if self.world_size == 0 {
+            return Err(StateError::invalid(vars.world_size, "0", "must be at least 1"));
+        }
+        if self.rank >= self.world_size {
+            return Err(StateError::invalid(
+                vars.rank,
+                self.rank,
+                format!("must be below the world size {}", self.world_size),
+            ));
+        }
+        if self.local_world_size == 0 || self.local_world_size > self.world_size {
+            return Err(StateError::invalid(
+                vars.local_world_size,
+                self.local_world_size,
+                format!("must be between 1 and the world size {}", self.world_size),
+            ));
+        }
+        if self.local_rank >= self.local_world_size {
+            return Err(StateError::invalid(
+                vars.local_rank,
+                self.local_rank,
+                format!(
+                    "must be below the local world size {}",
+                    self.local_world_size
+                ),
+            ));
+        }
+        if self.world_size > 1 && self.master_addr.is_none() {
+            return Err(StateError::Missing {
+                var: "MASTER_ADDR",
+                launcher: self.launcher,
+                why: "a job of several processes needs rank 0's address for the rendezvous",
+            });
+        }
+        Ok(())
+    }
+
+    fn launcher_vars(&self) -> LauncherVars {
+        match self.launcher {
+            Launcher::None | Launcher::Torchrun => LauncherVars {
+                rank: "RANK",
+                world_size: "WORLD_SIZE",
+                local_rank: "LOCAL_RANK",
+                local_world_size: "LOCAL_WORLD_SIZE",
+            },
+            Launcher::OpenMpi => LauncherVars {
+                rank: "OMPI_COMM_WORLD_RANK",
+                world_size: "OMPI_COMM_WORLD_SIZE",
+                local_rank: "OMPI_COMM_WORLD_LOCAL_RANK",
+                local_world_size: "OMPI_COMM_WORLD_LOCAL_SIZE",
+            },
+            Launcher::Pmi => LauncherVars {
+                rank: "PMI_RANK",
+                world_size: "PMI_SIZE",
+                local_rank: "MPI_LOCALRANKID",
+                local_world_size: "MPI_LOCALNRANKS",
+            },
+            Launcher::Slurm => LauncherVars {
+                rank: "SLURM_PROCID",
+                world_size: "SLURM_NTASKS",
+                local_rank: "SLURM_LOCALID",
+                local_world_size: "SLURM_STEP_TASKS_PER_NODE",
+            },
+        }
+    }
+}
+
+impl fmt::Display for ProcessState {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(
+            f,
+            "rank {} of {} (local rank {} of {}, node {}), launcher {}",
+            self.rank,
+            self.world_size,
+            self.local_rank,
+            self.local_world_size,
+            self.node_rank,
+            self.launcher
+        )?;
+        if let Some(addr) = &self.master_addr {
+            write!(f, ", master {addr}:{}", self.master_port)?;
+        }
+        Ok(())
+    }
+}
+
+struct LauncherVars {
+    rank: &'static str,
+    world_size: &'static str,
+    local_rank: &'static str,
+    local_world_size: &'static str,
+}
+
+/// Typed reads of launcher variables.
+struct Reader<'a, E: EnvSource + ?Sized> {
+    env: &'a E,
+}
+
+impl<E: EnvSource + ?Sized> Reader<'_, E> {
+    fn usize_opt(&self, var: &'static str) -> Result<Option<usize>, StateError> {
+        self.env
+            .var(var)
+            .map(|v| {
+                v.trim()
+                    .parse::<usize>()
+                    .map_err(|_| StateError::invalid(var, &v, "expected a non-negative integer"))
+            })
+            .transpose()
+    }
+
+    fn usize_req(&self, var: &'static str, launcher: Launcher) -> Result<usize, StateError> {
+        self.usize_opt(var)?.ok_or(StateError::Missing {
+            var,
+            launcher,
+            why: "the launcher's other variables are set, so this one must be too",
+        })
+    }
+
+    /// The first of `vars` that is set.
+    fn first_usize(&self, vars: &[&'static str]) -> Result<Option<usize>, StateError> {
+        for var in vars {
+            if let Some(v) = self.usize_opt(var)? {
+                return Ok(Some(v));
+            }
+        }
+        Ok(None)
+    }
+
+    fn master(&self) -> Result<(Option<String>, u16), StateError> {
+        let addr = self.env.var("MASTER_ADDR").map(|a| a.trim().to_string());
+        let port = match self.env.var("MASTER_PORT") {
+            None => DEFAULT_MASTER_PORT,
+            Some(v) => v.trim().parse::<u16>().map_err(|_| {
+                StateError::invalid("MASTER_PORT", &v, "expected a port number (0-65535)")
+            })?,
+        };
+        Ok((addr, port))
+    }
+
+    fn torchrun(&self) -> Result<ProcessState, StateError> {
+        let launcher = Launcher::Torchrun;
+        let rank = self.usize_req("RANK", launcher)?;
+        let world_size = self.usize_req("WORLD_SIZE", launcher)?;
+        let local_world_size = self.usize_opt("LOCAL_WORLD_SIZE")?;
+        let local_rank = self.usize_opt("LOCAL_RANK")?;
+        let (local_rank, local_world_size) = match (local_rank, local_world_size) {
+            (Some(lr), Some(lws)) => (lr, lws),
+            // torchrun always sets both; a hand-written environment with neither is one node.
+            (None, None) => (rank, world_size),
+            (Some(_), None) => {
+                return Err(StateError::Missing {
+                    var: "LOCAL_WORLD_SIZE",
+                    launcher,
+                    why: "LOCAL_RANK is set, so the number of processes on this node is needed too",
+                });
+            }
+            (None, Some(_)) => {
+                return Err(StateError::Missing {
+                    var: "LOCAL_RANK",
+                    launcher,
+                    why: "LOCAL_WORLD_SIZE is set, so this process's index on the node is needed too",
+                });
+            }
+        };
+        let node_rank = match self.first_usize(&["NODE_RANK", "GROUP_RANK"])? {
+            Some(n) => n,
+            None => rank / local_world_size.max(1),
+        };
+        let (master_addr, master_port) = self.master()?;
+        Ok(ProcessState {
+            rank,
+            world_size,
+            local_rank,
+            local_world_size,
+            node_rank,
+            master_addr,
+            master_port,
+            launcher,
+        })
+    }
+
+    fn open_mpi(&self) -> Result<ProcessState, StateError> {
+        let launcher = Launcher::OpenMpi;
+        let rank = self.usize_req("OMPI_COMM_WORLD_RANK", launcher)?;
+        let world_size = self.usize_req("OMPI_COMM_WORLD_SIZE", launcher)?;
+        let local_rank = self.usize_req("OMPI_COMM_WORLD_LOCAL_RANK", launcher)?;
+        let local_world_size = self.usize_req("OMPI_COMM_WORLD_LOCAL_SIZE", launcher)?;
+        let node_rank = match self.usize_opt("OMPI_COMM_WORLD_NODE_RANK")? {
+            Some(n) => n,
+            None => rank / local_world_size.max(1),
+        };
+        let (master_addr, master_port) = self.master()?;
+        Ok(ProcessState {
+            rank,
+            world_size,
+            local_rank,
+            local_world_size,
+            node_rank,
+            master_addr,
+            master_port,
+            launcher,
+        })
+    }
+
+    fn pmi(&self) -> Result<ProcessState, StateError> {
+        let launcher = Launcher::Pmi;
+        let rank = self.usize_req("PMI_RANK", launcher)?;
+        let world_size = self.usize_req("PMI_SIZE", launcher)?;
+        let local_rank = self.first_usize(&["MPI_LOCALRANKID", "PMI_LOCAL_RANK"])?;
+        let local_world_size = self.first_usize(&["MPI_LOCALNRANKS", "PMI_LOCAL_SIZE"])?;
+        let (local_rank, local_world_size) = match (local_rank, local_world_size) {
+            (Some(lr), Some(lws)) => (lr, lws),
+            (None, None) => (rank, world_size),
+            _ => {
+                return Err(StateError::Missing {
+                    var: "MPI_LOCALRANKID/MPI_LOCALNRANKS",
+                    launcher,
+                    why: "only one of the local rank and local size is set; set both or neither",
+                });
+            }
+        };
+        let (master_addr, master_port) = self.master()?;
+        Ok(ProcessState {
+            rank,
+            world_size,
+            local_rank,
+            local_world_size,
+            node_rank: rank / local_world_size.max(1),
+            master_addr,
+            master_port,
+            launcher,
+        })
+    }
+
+    fn slurm(&self) -> Result<ProcessState, StateError> {
+        let launcher = Launcher::Slurm;
+        let rank = self.usize_req("SLURM_PROCID", launcher)?;
+        let world_size = self
+            .first_usize(&["SLURM_STEP_NUM_TASKS", "SLURM_NTASKS"])?
+            .ok_or(StateError::Missing {
+                var: "SLURM_NTASKS",
+                launcher,
+                why: "SLURM_PROCID is set but the number of tasks is not",
+            })?;
+        let local_rank = self.usize_req("SLURM_LOCALID", launcher)?;
+        let node_rank = self.usize_req("SLURM_NODEID", launcher)?;
+        let (tasks_var, tasks) = ["SLURM_STEP_TASKS_PER_NODE", "SLURM_TASKS_PER_NODE"]
+            .iter()
+            .find_map(|var| self.env.var(var).map(|v| (*var, v)))
+            .ok_or(StateError::Missing {
+                var: "SLURM_STEP_TASKS_PER_NODE",
+                launcher,
+                why: "the number of tasks on this node is needed for the local world size",
+            })?;
+        let per_node = parse_slurm_tasks_per_node(&tasks)
+            .ok_or_else(|| StateError::invalid(tasks_var, &tasks, "expected a list like 4(x2),3"))?;
+        let local_world_size = *per_node.get(node_rank).ok_or_else(|| {
+            StateError::invalid(
+                "SLURM_NODEID",
+                node_rank,
+                format!("{tasks_var} = {tasks} describes only {} nodes", per_node.len()),
+            )
+        })?;
+        let (mut master_addr, master_port) = self.master()?;
+        if master_addr.is_none() {
+            master_addr = ["SLURM_STEP_NODELIST", "SLURM_JOB_NODELIST", "SLURM_NODELIST"]
+                .iter()
+                .find_map(|var| self.env.var(var))
+                .and_then(|list| first_slurm_host(&list));
+        }
+        Ok(ProcessState {
+            rank,
+            world_size,
+            local_rank,
+            local_world_size,
+            node_rank,
+            master_addr,
+            master_port,
+            launcher,
+        })
+    }
+}
+
+/// Expands SLURM's compressed tasks-per-node list: `"4(x2),3"` is `[4, 4, 3]`.
+pub fn parse_slurm_tasks_per_node(list: &str) -> Option<Vec<usize>> {
+    let mut out = Vec::new();
+    for item in list.split(',') {
+        let item = item.trim();
+        let (count, repeat) = match item.split_once("(x") {
+            Some((count, rest)) => (count, rest.strip_suffix(')')?.parse::<usize>().ok()?),
+            None => (item, 1),
+        };
+        let count = count.parse::<usize>().ok()?;
+        out.extend(std::iter::repeat_n(count, repeat));
+    }
+    (!out.is_empty()).then_some(out)
+}
+
+/// The first host of a SLURM node list: `"gpu[07-09,12],cpu1"` gives `"gpu07"`.
+pub fn first_slurm_host(list: &str) -> Option<String> {
+    let list = list.trim();
+    let end = list.find([',', '[']).unwrap_or(list.len());
+    let prefix = &list[..end];
+    if list[end..].starts_with('[') {
+        let inside = &list[end + 1..];
+        let first = inside.split([',', '-', ']']).next()?;
+        Some(format!("{prefix}{first}"))
+    } else {
+        (!prefix.is_empty()).then(|| prefix.to_string())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn parse(vars: &[(&str, &str)]) -> Result<ProcessState, StateError> {
+        ProcessState::from_source(vars)
+    }
+
+    #[test]
+    fn no_env_is_rank_zero_of_one() {
+        let s = parse(&[]).unwrap();
+        assert_eq!(s, ProcessState::single());
+        assert!(s.is_main_process() && s.is_local_main_process() && !s.is_distributed());
+    }
+
+    #[test]
+    fn torchrun_env() {
+        let s = parse(&[
+            ("RANK", "5"),
+            ("WORLD_SIZE", "8"),
+            ("LOCAL_RANK", "1"),
+            ("LOCAL_WORLD_SIZE", "4"),
+            ("NODE_RANK", "1"),
+            ("MASTER_ADDR", "10.1.2.3"),
+            ("MASTER_PORT", "1234"),
+        ])
+        .unwrap();
+        assert_eq!(
+            (s.rank, s.world_size, s.local_rank, s.local_world_size, s.node_rank),
+            (5, 8, 1, 4, 1)
+        );
+        assert_eq!(s.master_addr.as_deref(), Some("10.1.2.3"));
+        assert_eq!(s.master_port, 1234);
+        assert_eq!(s.launcher, Launcher::Torchrun);
+        assert!(!s.is_main_process() && !s.is_local_main_process());
+    }
+
+    #[test]
+    fn torchrun_without_local_vars_is_one_node_and_default_port() {
+        let s = parse(&[("RANK", "1"), ("WORLD_SIZE", "2"), ("MASTER_ADDR", "127.0.0.1")]).unwrap();
+        assert_eq!((s.local_rank, s.local_world_size, s.node_rank), (1, 2, 0));
+        assert_eq!(s.master_port, DEFAULT_MASTER_PORT);
+    }
+
+    #[test]
+    fn torchrun_errors_name_the_variable() {
+        let cases: &[(&[(&str, &str)], &str)] = &[
+            (&[("RANK", "0")], "WORLD_SIZE"),
+            (&[("WORLD_SIZE", "2")], "RANK"),
+            (&[("RANK", "2"), ("WORLD_SIZE", "2"), ("MASTER_ADDR", "h")], "RANK"),
+            (&[("RANK", "x"), ("WORLD_SIZE", "2")], "RANK"),
+            (&[("RANK", "0"), ("WORLD_SIZE", "0")], "WORLD_SIZE"),
+            (&[("RANK", "0"), ("WORLD_SIZE", "2")], "MASTER_ADDR"),
+            (
+                &[("RANK", "0"), ("WORLD_SIZE", "2"), ("MASTER_ADDR", "h"), ("MASTER_PORT", "99999")],
+                "MASTER_PORT",
+            ),
+            (
+                &[("RANK", "0"), ("WORLD_SIZE", "2"), ("MASTER_ADDR", "h"), ("LOCAL_RANK", "0")],
+                "LOCAL_WORLD_SIZE",
+            ),
+            (
+                &[
+                    ("RANK", "0"),
+                    ("WORLD_SIZE", "4"),
+                    ("MASTER_ADDR", "h"),
+                    ("LOCAL_RANK", "2"),
+                    ("LOCAL_WORLD_SIZE", "2"),
+                ],
+                "LOCAL_RANK",
+            ),
+            (
+                &[
+                    ("RANK", "0"),
+                    ("WORLD_SIZE", "2"),
+                    ("MASTER_ADDR", "h"),
+                    ("LOCAL_RANK", "0"),
+                    ("LOCAL_WORLD_SIZE", "3"),
+                ],
+                "LOCAL_WORLD_SIZE",
+            ),
+        ];
+        for (vars, var) in cases {
+            let err = parse(vars).unwrap_err().to_string();
+            assert!(err.starts_with(var), "{vars:?}: expected an error naming {var}, got: {err}");
+            assert!(!err.contains('\n'), "one-line error: {err}");
+        }
+    }
+
+    #[test]
+    fn open_mpi_env() {
+        let s = parse(&[
+            ("OMPI_COMM_WORLD_RANK", "3"),
+            ("OMPI_COMM_WORLD_SIZE", "4"),
+            ("OMPI_COMM_WORLD_LOCAL_RANK", "1"),
+            ("OMPI_COMM_WORLD_LOCAL_SIZE", "2"),
+            ("MASTER_ADDR", "node0"),
+        ])
+        .unwrap();
+        assert_eq!((s.rank, s.world_size, s.local_rank, s.local_world_size, s.node_rank), (3, 4, 1, 2, 1));
+        assert_eq!(s.launcher, Launcher::OpenMpi);
+        let err = parse(&[("OMPI_COMM_WORLD_RANK", "0"), ("OMPI_COMM_WORLD_SIZE", "2")])
+            .unwrap_err()
+            .to_string();
+        assert!(err.starts_with("OMPI_COMM_WORLD_LOCAL_RANK"), "{err}");
+    }
+
+    #[test]
+    fn pmi_env() {
+        let s = parse(&[
+            ("PMI_RANK", "2"),
+            ("PMI_SIZE", "4"),
+            ("MPI_LOCALRANKID", "0"),
+            ("MPI_LOCALNRANKS", "2"),
+            ("MASTER_ADDR", "h"),
+        ])
+        .unwrap();
+        assert_eq!((s.rank, s.local_rank, s.local_world_size, s.node_rank), (2, 0, 2, 1));
+        let cray = parse(&[
+            ("PMI_RANK", "1"),
+            ("PMI_SIZE", "2"),
+            ("PMI_LOCAL_RANK", "1"),
+            ("PMI_LOCAL_SIZE", "2"),
+            ("MASTER_ADDR", "h"),
+        ])
+        .unwrap();
+        assert_eq!((cray.local_rank, cray.local_world_size), (1, 2));
+        let err = parse(&[("PMI_RANK", "4"), ("PMI_SIZE", "4"), ("MASTER_ADDR", "h")])
+            .unwrap_err()
+            .to_string();
+        assert!(err.starts_with("PMI_RANK"), "{err}");
+        let err = parse(&[("PMI_RANK", "0"), ("PMI_SIZE", "2"), ("MPI_LOCALRANKID", "0")])
+            .unwrap_err()
+            .to_string();
+        assert!(err.contains("MPI_LOCALNRANKS"), "{err}");
+    }
+
+    #[test]
+    fn slurm_env_with_compressed_lists() {
+        let s = parse(&[
+            ("SLURM_PROCID", "9"),
+            ("SLURM_NTASKS", "11"),
+            ("SLURM_LOCALID", "1"),
+            ("SLURM_NODEID", "2"),
+            ("SLURM_STEP_TASKS_PER_NODE", "4(x2),3"),
+            ("SLURM_JOB_NODELIST", "gpu[07-09],cpu1"),
+        ])
+        .unwrap();
+        assert_eq!((s.rank, s.world_size, s.local_rank, s.local_world_size, s.node_rank), (9, 11, 1, 3, 2));
+        assert_eq!(s.master_addr.as_deref(), Some("gpu07"));
+        assert_eq!(s.launcher, Launcher::Slurm);
+        let err = parse(&[
+            ("SLURM_PROCID", "0"),
+            ("SLURM_NTASKS", "2"),
+            ("SLURM_LOCALID", "0"),
+            ("SLURM_NODEID", "3"),
+            ("SLURM_STEP_TASKS_PER_NODE", "1(x2)"),
+            ("SLURM_JOB_NODELIST", "n[1-2]"),
+        ])
+        .unwrap_err()
+        .to_string();
+        assert!(err.starts_with("SLURM_NODEID"), "{err}");
+        let err = parse(&[("SLURM_PROCID", "0"), ("SLURM_LOCALID", "0")])
+            .unwrap_err()
+            .to_string();
+        assert!(err.starts_with("SLURM_NTASKS"), "{err}");
+    }
+
+    #[test]
+    fn precedence_is_torchrun_then_mpi_then_pmi_then_slurm() {
+        let both = [
+            ("RANK", "0"),
+            ("WORLD_SIZE", "1"),
+            ("OMPI_COMM_WORLD_RANK", "1"),
+            ("SLURM_PROCID", "3"),
+        ];
+        assert_eq!(parse(&both).unwrap().launcher, Launcher::Torchrun);
+        let mpi_in_slurm = [
+            ("OMPI_COMM_WORLD_RANK", "0"),
+            ("OMPI_COMM_WORLD_SIZE", "1"),
+            ("OMPI_COMM_WORLD_LOCAL_RANK", "0"),
+            ("OMPI_COMM_WORLD_LOCAL_SIZE", "1"),
+            ("PMI_RANK", "0"),
+            ("SLURM_PROCID", "3"),
+        ];
+        assert_eq!(parse(&mpi_in_slurm).unwrap().launcher, Launcher::OpenMpi);
+    }
+
+    #[test]
+    fn slurm_list_helpers() {
+        assert_eq!(parse_slurm_tasks_per_node("2"), Some(vec![2]));
+        assert_eq!(parse_slurm_tasks_per_node("4(x2),3"), Some(vec![4, 4, 3]));
+        assert_eq!(parse_slurm_tasks_per_node("4(x"), None);
+        assert_eq!(parse_slurm_tasks_per_node(""), None);
+        assert_eq!(first_slurm_host("node1").as_deref(), Some("node1"));
+        assert_eq!(first_slurm_host("a,b").as_deref(), Some("a"));
+        assert_eq!(first_slurm_host("n[003,5]").as_deref(), Some("n003"));
+    }
+}

@@ -1,0 +1,76 @@
+//! Trains an MLP on the UCI handwritten digits: a plain Burn loop plus the Accelerator lines.
+//!
+//! ```text
+//! cargo run --example digits
+//! ```
+//!
+//! Arguments: `--epochs N` (default 30).
+
+use accelerate_burn::burn;
+use accelerate_burn::{Accelerator, DataLoader, DefaultBackend};
+use accelerate_examples::digits::{self, DigitBatcher};
+use accelerate_examples::{MlpConfig, correct};
+use anyhow::Context;
+use burn::data::dataset::InMemDataset;
+use burn::optim::AdamWConfig;
+use indicatif::{ProgressBar, ProgressStyle};
+
+fn main() -> anyhow::Result<()> {
+    let epochs: u64 = match std::env::args().skip_while(|a| a != "--epochs").nth(1) {
+        Some(n) => n.parse().context("--epochs expects a number")?,
+        None => 30,
+    };
+    let (train_set, test_set) = digits::train_test_split()?;
+
+    let acc = Accelerator::<DefaultBackend>::builder().seed(42).build()?;
+    let device = acc.device();
+    let model = MlpConfig::new(digits::PIXELS, vec![128], digits::CLASSES).init(&device);
+    let optim = AdamWConfig::new().init();
+    let train = DataLoader::builder(DigitBatcher)
+        .batch_size(32)
+        .shuffle(42)
+        .build(InMemDataset::new(train_set));
+    let test = DataLoader::builder(DigitBatcher)
+        .batch_size(256)
+        .build(InMemDataset::new(test_set));
+    let (mut model, mut optim, train, test) = acc.prepare((model, optim, train, test))?;
+
+    let started = std::time::Instant::now();
+    let bar = if acc.is_main_process() {
+        ProgressBar::new(epochs * train.len() as u64)
+    } else {
+        ProgressBar::hidden()
+    };
+    bar.set_style(ProgressStyle::with_template(
+        "{bar:40} {pos}/{len} steps, epoch {msg}",
+    )?);
+    for epoch in 0..epochs {
+        train.set_epoch(epoch);
+        bar.set_message(format!("{}/{epochs}", epoch + 1));
+        for batch in train.iter() {
+            let batch = batch?;
+            let loss = model.forward_loss(batch.images, batch.targets).loss;
+            let grads = acc.backward(loss, &model)?;
+            model = optim.step(3e-3, model, grads)?;
+            bar.inc(1);
+        }
+    }
+    bar.finish_and_clear();
+    let elapsed = started.elapsed();
+
+    let model = acc.unwrap_model(model);
+    let (mut right, mut total) = (0, 0);
+    for batch in test.iter() {
+        let batch = batch?;
+        total += batch.targets.dims()[0];
+        right += correct(model.forward(batch.images), batch.targets);
+    }
+    acc.print(format!(
+        "test accuracy: {:.2} % ({right}/{total}) after {epochs} epochs, {} updates, {:.1} s on {}",
+        100.0 * right as f64 / total as f64,
+        optim.updates(),
+        elapsed.as_secs_f64(),
+        acc.backend_name(),
+    ));
+    Ok(())
+}

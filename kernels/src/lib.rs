@@ -1,0 +1,30 @@
+//! The hot loops of accelerate-rs, over flat `f32` buffers, with no I/O and no Burn.
+//!
+//! Gradients, once gathered into one flat buffer, are reduced, measured and rescaled here.
+//! Every loop is written in fixed-width lanes so that the compiler vectorises it on the target
+//! (checked by the criterion benchmark `kernels`), and each has a plain scalar reference that the
+//! tests compare against on odd lengths.
+//!
+//! - [`norm`]: sum of squares and global L2 norm, f32 lanes with f64 block totals.
+//! - [`scale`]: in-place scaling and the gradient-clipping coefficient.
+//!
+//! ```
+//! use accelerate_kernels::{l2_norm, clip_coefficient, scale_in_place};
+//!
+//! let mut grads = vec![3.0_f32, 4.0];
+//! let norm = l2_norm(&grads);
+//! assert_eq!(norm, 5.0);
+//! let coefficient = clip_coefficient(norm, 1.0);
+//! scale_in_place(&mut grads, coefficient);
+//! assert!((l2_norm(&grads) - 1.0).abs() < 1e-6);
+//! ```
+
+pub mod norm;
+pub mod scale;
+
+pub use norm::{l2_norm, sum_of_squares};
+pub use scale::{clip_coefficient, scale_in_place};
+
+/// Number of independent accumulators in the lane-blocked loops: wide enough for AVX-512 and
+/// for two AVX2 registers, so the loop-carried dependency does not limit throughput.
+pub(crate) const LANES: usize = 16;
