@@ -5,7 +5,7 @@ use std::marker::PhantomData;
 use std::path::{Path, PathBuf};
 
 use accelerate_core::{AcceleratorConfig, ConfigOverrides, ProcessState};
-use burn::lr_scheduler::LrScheduler;
+use burn::lr_scheduler::module_lr_scheduler::ModuleLrScheduler;
 use burn::module::Module;
 use burn::optim::{GradientsParams, ModuleOptimizer};
 use burn::store::{ModuleSnapshot, SafetensorsStore};
@@ -193,8 +193,8 @@ impl<B: AcceleratorBackend> Accelerator<B> {
 
     /// Wraps a Burn learning-rate scheduler so that it advances once per optimizer update, not
     /// once per micro-batch.
-    pub fn prepare_scheduler<S: LrScheduler>(&self, scheduler: S) -> PreparedScheduler<S> {
-        PreparedScheduler::new(scheduler, self.shared.clone())
+    pub fn prepare_scheduler(&self, scheduler: impl Into<ModuleLrScheduler>) -> PreparedScheduler {
+        PreparedScheduler::new(scheduler.into(), self.shared.clone())
     }
 
     /// Prepares a training loader: batches arrive on [`device`](Self::device) and their

@@ -1,8 +1,7 @@
 //! Prepared optimizers and learning-rate schedulers: they act once per optimizer update, not
 //! once per micro-batch.
 
-use burn::optim::LearningRate;
-use burn::lr_scheduler::LrScheduler;
+use burn::lr_scheduler::module_lr_scheduler::{ModuleLearningRate, ModuleLrScheduler};
 use burn::module::Module;
 use burn::optim::{GradientsParams, ModuleOptimizer};
 
@@ -22,14 +21,14 @@ impl PreparedOptimizer {
     }
 
     /// Applies `grads` (from [`Accelerator::backward`](crate::Accelerator::backward)) with
-    /// learning rate `lr` when an update is due, and returns the updated model; on the other
+    /// learning rate `lr` (a number, or a prepared scheduler's step) when an update is due, and returns the updated model; on the other
     /// micro-batches returns `model` unchanged.
     ///
     /// Gradients that no completed window produced (a second step for the same update, or
     /// gradients from a plain `loss.backward()`) are an error rather than a silent no-op.
     pub fn step<M: Module>(
         &mut self,
-        lr: LearningRate,
+        lr: impl Into<ModuleLearningRate>,
         model: M,
         grads: GradientsParams,
     ) -> Result<M, AccelerateError> {
@@ -67,41 +66,42 @@ impl PreparedOptimizer {
     }
 }
 
-/// A Burn learning-rate scheduler that advances once per optimizer update.
+/// Burn's [`ModuleLrScheduler`] (what every scheduler config's `init` returns), advancing
+/// once per optimizer update.
 ///
 /// [`step`](Self::step) returns the learning rate of the next update to be applied: the
 /// `k`-th update uses the scheduler's `k`-th value however many micro-batches it accumulates,
 /// and whether `step` is called before or after `backward`. (Accelerate's prepared scheduler
 /// steps once per process per micro-batch; schedules here count updates.)
-pub struct PreparedScheduler<S> {
-    inner: S,
+pub struct PreparedScheduler {
+    inner: ModuleLrScheduler,
     shared: SharedLoop,
     advanced: u64,
-    lr: LearningRate,
+    lr: ModuleLearningRate,
 }
 
-impl<S: LrScheduler> PreparedScheduler<S> {
-    pub(crate) fn new(inner: S, shared: SharedLoop) -> Self {
+impl PreparedScheduler {
+    pub(crate) fn new(inner: ModuleLrScheduler, shared: SharedLoop) -> Self {
         Self {
             inner,
             shared,
             advanced: 0,
-            lr: 0.0,
+            lr: ModuleLearningRate::default(),
         }
     }
 
     /// The learning rate for the next optimizer update.
-    pub fn step(&mut self) -> LearningRate {
+    pub fn step(&mut self) -> ModuleLearningRate {
         let wanted = self.shared.lock().accumulation.updates() + 1;
         while self.advanced < wanted {
             self.lr = self.inner.step();
             self.advanced += 1;
         }
-        self.lr
+        self.lr.clone()
     }
 
     /// Burn's scheduler, for its record.
-    pub fn inner(&self) -> &S {
+    pub fn inner(&self) -> &ModuleLrScheduler {
         &self.inner
     }
 }

@@ -7,6 +7,8 @@
 //!
 //! - [`norm`]: sum of squares and global L2 norm, f32 lanes with f64 block totals.
 //! - [`scale`]: in-place scaling and the gradient-clipping coefficient.
+//! - [`reduce`]: element-wise sum, max and min for f32, f16 and bf16 (halves combined in f32).
+//! - [`schedule`]: ring, recursive-doubling and binomial-tree schedules of the collectives.
 //!
 //! ```
 //! use accelerate_kernels::{l2_norm, clip_coefficient, scale_in_place};
@@ -20,9 +22,12 @@
 //! ```
 
 pub mod norm;
+pub mod reduce;
 pub mod scale;
+pub mod schedule;
 
 pub use norm::{l2_norm, sum_of_squares};
+pub use reduce::{DType, Element, ReduceOp};
 pub use scale::{clip_coefficient, scale_in_place};
 
 /// Number of independent accumulators in the lane-blocked loops: wide enough for AVX-512 and

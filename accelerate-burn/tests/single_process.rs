@@ -1,0 +1,364 @@
+//! The accelerated loop in one process, against hand-written plain Burn loops.
+
+use accelerate_burn::{
+    AccelerateError, Accelerator, DataLoader, DefaultBackend, MODEL_FILE, ProcessState,
+};
+use accelerate_core::Launcher;
+use burn::data::dataloader::batcher::Batcher;
+use burn::data::dataset::InMemDataset;
+use burn::lr_scheduler::linear::LinearLrSchedulerConfig;
+use burn::module::{Module, Param};
+use burn::nn::{Linear, LinearConfig, Relu};
+use burn::optim::{AdamWConfig, GradientsParams, SgdConfig};
+use burn::store::{ModuleSnapshot, SafetensorsStore};
+use burn::tensor::{DType, Device, Tensor, TensorData};
+
+const FEATURES: usize = 6;
+
+#[derive(Module, Debug)]
+struct Net {
+    hidden: Linear,
+    out: Linear,
+    act: Relu,
+}
+
+impl Net {
+    fn new(device: &Device) -> Self {
+        Self {
+            hidden: LinearConfig::new(FEATURES, 16).init(device),
+            out: LinearConfig::new(16, 1).init(device),
+            act: Relu::new(),
+        }
+    }
+
+    fn forward(&self, x: Tensor<2>) -> Tensor<2> {
+        self.out.forward(self.act.forward(self.hidden.forward(x)))
+    }
+
+    fn loss(&self, (x, y): (Tensor<2>, Tensor<2>)) -> Tensor<1> {
+        (self.forward(x) - y).square().mean()
+    }
+
+    fn values(&self) -> Vec<f32> {
+        let mut out = Vec::new();
+        for linear in [&self.hidden, &self.out] {
+            out.extend(linear.weight.val().into_data().try_to_vec::<f32>().unwrap());
+            if let Some(b) = &linear.bias {
+                out.extend(b.val().into_data().try_to_vec::<f32>().unwrap());
+            }
+        }
+        out
+    }
+}
+
+type Item = ([f32; FEATURES], f32);
+
+#[derive(Clone, Copy)]
+struct Rows;
+
+impl Batcher<Item, (Tensor<2>, Tensor<2>)> for Rows {
+    fn batch(&self, items: Vec<Item>, device: &Device) -> (Tensor<2>, Tensor<2>) {
+        let n = items.len();
+        let x: Vec<f32> = items.iter().flat_map(|(x, _)| *x).collect();
+        let y: Vec<f32> = items.iter().map(|(_, y)| *y).collect();
+        (
+            Tensor::from_data(TensorData::new(x, [n, FEATURES]), device),
+            Tensor::from_data(TensorData::new(y, [n, 1]), device),
+        )
+    }
+}
+
+fn items(n: usize) -> Vec<Item> {
+    (0..n)
+        .map(|i| {
+            let x: [f32; FEATURES] =
+                std::array::from_fn(|j| ((i * 31 + j * 17) % 23) as f32 / 11.0 - 1.0);
+            let y = x.iter().enumerate().map(|(j, v)| v * (j as f32 - 2.5)).sum::<f32>();
+            (x, y.sin())
+        })
+        .collect()
+}
+
+fn loader(n: usize, batch: usize) -> DataLoader<Item, (Tensor<2>, Tensor<2>)> {
+    DataLoader::builder(Rows)
+        .batch_size(batch)
+        .shuffle(3)
+        .build(InMemDataset::new(items(n)))
+}
+
+fn accelerator(accumulation: usize) -> Accelerator<DefaultBackend> {
+    Accelerator::builder()
+        .process_state(ProcessState::single())
+        .gradient_accumulation_steps(accumulation)
+        .seed(11)
+        .build()
+        .unwrap()
+}
+
+fn assert_close(a: &[f32], b: &[f32], tol: f32) {
+    assert_eq!(a.len(), b.len());
+    let worst = a
+        .iter()
+        .zip(b)
+        .map(|(x, y)| (x - y).abs())
+        .fold(0.0_f32, f32::max);
+    assert!(worst <= tol, "largest difference {worst} > {tol}");
+}
+
+/// Tolerance 0: the accelerated loop issues the same Burn operations in the same order as the
+/// plain loop (no accumulation means no extra arithmetic), and the CPU backend is
+/// deterministic, so every parameter must be bit-identical.
+#[test]
+fn accelerated_loop_equals_plain_burn_loop_bit_for_bit() {
+    let acc = accelerator(1);
+    let device = acc.device();
+    let initial = Net::new(&device);
+    let data = loader(100, 8);
+    let orders: Vec<Vec<usize>> = (0..2).map(|e| data.epoch_indices(e)).collect();
+
+    // Plain Burn loop: same data, same order, same optimizer.
+    let all = items(100);
+    let mut plain = initial.clone();
+    let mut plain_optim = AdamWConfig::new().init();
+    for order in &orders {
+        for chunk in order.chunks(8) {
+            let batch = Rows.batch(chunk.iter().map(|&i| all[i]).collect(), &device);
+            let grads = GradientsParams::from_grads(plain.loss(batch).backward(), &plain);
+            plain = plain_optim.step(1e-2, plain, grads);
+        }
+    }
+
+    let (mut model, mut optim, train) =
+        acc.prepare((initial, AdamWConfig::new().init(), data)).unwrap();
+    for epoch in 0..2 {
+        train.set_epoch(epoch);
+        for batch in train.iter() {
+            let grads = acc.backward(model.loss(batch.unwrap()), &model).unwrap();
+            model = optim.step(1e-2, model, grads).unwrap();
+        }
+    }
+    assert_eq!(optim.updates(), 2 * 13);
+    assert_eq!(model.values(), plain.values());
+}
+
+/// Tolerance 1e-6: four micro-batch means divided by 4 and summed equal the mean over the
+/// whole batch up to f32 summation order.
+#[test]
+fn four_micro_batches_equal_one_batch_four_times_the_size() {
+    let acc = accelerator(4);
+    let device = acc.device();
+    let initial = Net::new(&device);
+
+    let mut big = initial.clone();
+    let mut big_optim = SgdConfig::new().init();
+    let whole = loader(32, 32).epoch_indices(0);
+    let all = items(32);
+    let batch = Rows.batch(whole.iter().map(|&i| all[i]).collect(), &device);
+    let grads = GradientsParams::from_grads(big.loss(batch).backward(), &big);
+    big = big_optim.step(0.1, big, grads);
+
+    let (mut model, mut optim, train) =
+        acc.prepare((initial, SgdConfig::new().init(), loader(32, 8))).unwrap();
+    let mut syncs = Vec::new();
+    for batch in train.iter() {
+        let grads = acc.backward(model.loss(batch.unwrap()), &model).unwrap();
+        syncs.push(acc.sync_gradients());
+        model = optim.step(0.1, model, grads).unwrap();
+    }
+    assert_eq!(syncs, [false, false, false, true]);
+    assert_eq!(optim.updates(), 1);
+    assert_close(&model.values(), &big.values(), 1e-6);
+}
+
+/// An epoch of 6 batches with accumulation 4 ends in a window of 2: its update must equal one
+/// step on those 2 batches together (divided by 2, not by 4 as Accelerate does).
+#[test]
+fn a_short_last_window_is_weighted_by_its_real_size() {
+    let acc = accelerator(4);
+    let device = acc.device();
+    let initial = Net::new(&device);
+    let data = loader(48, 8);
+    let order = data.epoch_indices(0);
+    let all = items(48);
+    let batch_of = |idx: &[usize]| Rows.batch(idx.iter().map(|&i| all[i]).collect(), &device);
+
+    // Reference: one SGD step on batches 0-3 together, then one on batches 4-5 together.
+    let mut reference = initial.clone();
+    let mut ref_optim = SgdConfig::new().init();
+    for window in [&order[..32], &order[32..]] {
+        let grads = GradientsParams::from_grads(
+            reference.loss(batch_of(window)).backward(),
+            &reference,
+        );
+        reference = ref_optim.step(0.1, reference, grads);
+    }
+    // Accelerate's weighting of the short window: half of the reference's gradient.
+    let mut halved = initial.clone();
+    let mut halved_optim = SgdConfig::new().init();
+    for (window, weight) in [(&order[..32], 1.0), (&order[32..], 0.5)] {
+        let loss = halved.loss(batch_of(window)).mul_scalar(weight);
+        let grads = GradientsParams::from_grads(loss.backward(), &halved);
+        halved = halved_optim.step(0.1, halved, grads);
+    }
+
+    let (mut model, mut optim, train) =
+        acc.prepare((initial, SgdConfig::new().init(), data)).unwrap();
+    for batch in train.iter() {
+        let grads = acc.backward(model.loss(batch.unwrap()), &model).unwrap();
+        model = optim.step(0.1, model, grads).unwrap();
+    }
+    assert_eq!(optim.updates(), 2);
+    assert_close(&model.values(), &reference.values(), 1e-6);
+    let gap = model
+        .values()
+        .iter()
+        .zip(halved.values())
+        .map(|(a, b)| (a - b).abs())
+        .fold(0.0_f32, f32::max);
+    assert!(gap > 1e-4, "the /N weighting should differ visibly, gap {gap}");
+}
+
+#[test]
+fn global_clipping_matches_a_hand_computed_norm() {
+    let acc = accelerator(1);
+    let device = acc.device();
+    let mut linear: Linear = LinearConfig::new(2, 1).init(&device);
+    linear.weight = Param::from_tensor(Tensor::from_floats([[0.5], [-0.25]], &device));
+    // loss = w . x + b with x = (3, 4): dL/dw = (3, 4), dL/db = 1, global norm sqrt(26).
+    let x = Tensor::<2>::from_floats([[3.0, 4.0]], &device);
+    let loss = linear.forward(x).sum();
+    let mut grads = acc.backward(loss, &linear).unwrap();
+    let norm = acc.clip_grad_norm(&linear, &mut grads, 1.0).unwrap().unwrap();
+    assert!((norm - 26f32.sqrt()).abs() < 1e-5, "norm {norm}");
+    // After clipping the global norm is max_norm (up to PyTorch's 1e-6 guard).
+    let after = acc.clip_grad_norm(&linear, &mut grads, 1e9).unwrap().unwrap();
+    assert!((after - 1.0).abs() < 1e-5, "norm after clipping {after}");
+    let w: Vec<f32> = grads
+        .get::<2>(linear.weight.id)
+        .unwrap()
+        .into_data()
+        .try_to_vec()
+        .unwrap();
+    let scale = 1.0 / 26f32.sqrt();
+    assert_close(&w, &[3.0 * scale, 4.0 * scale], 1e-5);
+    // A norm below the limit leaves gradients alone.
+    let again = acc.clip_grad_norm(&linear, &mut grads, 10.0).unwrap().unwrap();
+    assert!((again - 1.0).abs() < 1e-5);
+}
+
+#[test]
+fn saved_weights_load_into_a_fresh_plain_burn_model() {
+    let acc = accelerator(1);
+    let device = acc.device();
+    let (mut model, mut optim, train) =
+        acc.prepare((Net::new(&device), AdamWConfig::new().init(), loader(40, 8))).unwrap();
+    for batch in train.iter() {
+        let grads = acc.backward(model.loss(batch.unwrap()), &model).unwrap();
+        model = optim.step(1e-2, model, grads).unwrap();
+    }
+    let dir = tempfile::tempdir().unwrap();
+    let path = acc.save_model(&model, dir.path()).unwrap();
+    assert_eq!(path, dir.path().join(MODEL_FILE));
+
+    // A plain Burn program: a new model on a plain device, loaded from the file.
+    let plain_device = Device::default();
+    let mut fresh = Net::new(&plain_device);
+    let mut store = SafetensorsStore::from_file(&path);
+    fresh.load_from(&mut store).unwrap();
+    let x = Tensor::<2>::from_data(
+        TensorData::new(items(5).iter().flat_map(|(x, _)| *x).collect::<Vec<_>>(), [5, FEATURES]),
+        &plain_device,
+    );
+    let ours = model.valid().forward(x.clone()).into_data();
+    let theirs = fresh.forward(x).into_data();
+    assert_eq!(ours.try_to_vec::<f32>().unwrap(), theirs.try_to_vec::<f32>().unwrap());
+    // Saving again over the file works (atomic replace).
+    acc.save_model(&model, dir.path()).unwrap();
+}
+
+#[test]
+fn the_scheduler_advances_once_per_update() {
+    let acc = accelerator(3);
+    let device = acc.device();
+    let (mut model, mut optim, train) =
+        acc.prepare((Net::new(&device), SgdConfig::new().init(), loader(64, 8))).unwrap();
+    // 1.0, 0.9, 0.8, ... one value per update.
+    let schedule = LinearLrSchedulerConfig::new(1.0, 0.0, 10).init().unwrap();
+    let mut scheduler = acc.prepare_scheduler(schedule);
+    let mut lrs = Vec::new();
+    for batch in train.iter() {
+        let grads = acc.backward(model.loss(batch.unwrap()), &model).unwrap();
+        let lr = scheduler.step();
+        lrs.push(lr.base());
+        model = optim.step(lr, model, grads).unwrap();
+    }
+    // 8 batches, windows of 3, 3, 2: three updates.
+    assert_eq!(optim.updates(), 3);
+    let expected = [1.0, 1.0, 1.0, 0.9, 0.9, 0.9, 0.8, 0.8];
+    let lrs: Vec<f32> = lrs.iter().map(|&l| l as f32).collect();
+    assert_close(&lrs, &expected, 1e-6);
+}
+
+#[test]
+fn gradients_from_a_plain_backward_are_refused_not_ignored() {
+    let acc = accelerator(1);
+    let device = acc.device();
+    let (model, mut optim) = acc.prepare((Net::new(&device), SgdConfig::new().init())).unwrap();
+    let batch = Rows.batch(items(4), &device);
+    let grads = GradientsParams::from_grads(model.loss(batch).backward(), &model);
+    let err = optim.step(0.1, model, grads).unwrap_err();
+    assert!(matches!(err, AccelerateError::UnexpectedGradients { rank: 0 }));
+    assert!(err.to_string().contains("acc.backward"), "{err}");
+}
+
+#[test]
+fn a_multi_process_environment_is_refused_until_supported() {
+    let state = ProcessState {
+        rank: 1,
+        world_size: 2,
+        local_rank: 1,
+        local_world_size: 2,
+        node_rank: 0,
+        master_addr: Some("127.0.0.1".into()),
+        master_port: 29500,
+        launcher: Launcher::Torchrun,
+    };
+    let err = Accelerator::<DefaultBackend>::builder()
+        .process_state(state)
+        .build()
+        .err()
+        .unwrap();
+    let message = err.to_string();
+    assert!(message.starts_with("rank 1 of 2"), "{message}");
+}
+
+#[test]
+fn batches_arrive_on_the_accelerator_device_and_process_queries_answer() {
+    let acc = accelerator(1);
+    assert!(acc.is_main_process() && acc.is_local_main_process());
+    assert_eq!((acc.process_index(), acc.num_processes()), (0, 1));
+    let train = acc.prepare_data_loader(loader(10, 4));
+    assert_eq!(train.len(), 3);
+    let batches: Vec<_> = train.iter().map(Result::unwrap).collect();
+    assert_eq!(batches.len(), 3);
+    for (x, _) in &batches {
+        assert_eq!(x.device(), acc.device());
+        assert!(x.device().is_autodiff());
+    }
+    assert_eq!(batches[2].0.dims(), [2, FEATURES]);
+}
+
+#[cfg(feature = "flex")]
+#[test]
+fn flex_computes_in_f32_f16_and_bf16() {
+    let acc = accelerator(1);
+    assert_eq!(acc.backend_name(), "flex");
+    assert_eq!(acc.float_dtypes(), [DType::F32, DType::F16, DType::BF16]);
+    let x = Tensor::<1>::from_floats([1.5, 2.0], &acc.device());
+    for dtype in [DType::F16, DType::BF16] {
+        let y = x.clone().cast(dtype);
+        assert_eq!(y.dtype(), dtype);
+        let sum: f32 = y.sum().cast(DType::F32).into_scalar();
+        assert_eq!(sum, 3.5);
+    }
+}

@@ -1,0 +1,76 @@
+//! Shared set-up for the accelerate-rs benchmarks: one training step of `mlp_synthetic`'s model
+//! written as a plain Burn loop and as the accelerated loop, on identical inputs.
+//!
+//! ```
+//! use accelerate_benches::StepBench;
+//! let mut bench = StepBench::new(4);
+//! bench.plain_step();
+//! bench.accelerated_step();
+//! ```
+
+#![forbid(unsafe_code)]
+
+use accelerate_burn::burn;
+use accelerate_burn::{Accelerator, DefaultBackend, PreparedOptimizer, ProcessState};
+use accelerate_examples::synthetic::{CLASSES, FEATURES};
+use accelerate_examples::{Mlp, MlpConfig};
+use burn::optim::{AdamWConfig, GradientsParams, ModuleOptimizer};
+use burn::tensor::{Device, Distribution, Int, Tensor};
+
+/// Two copies of the benchmark model, one per loop, and a fixed batch.
+pub struct StepBench {
+    acc: Accelerator<DefaultBackend>,
+    plain: Option<(Mlp, ModuleOptimizer)>,
+    accelerated: Option<(Mlp, PreparedOptimizer)>,
+    x: Tensor<2>,
+    y: Tensor<1, Int>,
+}
+
+impl StepBench {
+    /// Models 784-1024-1024-10 with AdamW and a random batch of `batch` samples.
+    pub fn new(batch: usize) -> Self {
+        let acc = Accelerator::<DefaultBackend>::builder()
+            .process_state(ProcessState::single())
+            .seed(0)
+            .build()
+            .expect("the default backend runs on this machine");
+        let device: Device = acc.device();
+        let model = MlpConfig::new(FEATURES, vec![1024, 1024], CLASSES).init(&device);
+        let x = Tensor::random([batch, FEATURES], Distribution::Default, &device);
+        let y = Tensor::<1, Int>::random([batch], Distribution::Uniform(0.0, CLASSES as f64), &device);
+        let plain = (model.clone(), AdamWConfig::new().init());
+        let accelerated = acc
+            .prepare((model, AdamWConfig::new().init()))
+            .expect("a single-process prepare cannot fail");
+        Self {
+            acc,
+            plain: Some(plain),
+            accelerated: Some(accelerated),
+            x,
+            y,
+        }
+    }
+
+    /// One step of the plain Burn loop: forward, backward, optimizer step.
+    pub fn plain_step(&mut self) {
+        let (model, mut optim) = self.plain.take().expect("state is put back after each step");
+        let loss = model.forward_loss(self.x.clone(), self.y.clone()).loss;
+        let grads = GradientsParams::from_grads(loss.backward(), &model);
+        let model = optim.step(1e-3, model, grads);
+        self.plain = Some((model, optim));
+    }
+
+    /// One step of the accelerated loop: the same, through the accelerator.
+    pub fn accelerated_step(&mut self) {
+        let (model, mut optim) = self.accelerated.take().expect("state is put back after each step");
+        let loss = model.forward_loss(self.x.clone(), self.y.clone()).loss;
+        let grads = self.acc.backward(loss, &model).expect("single process backward");
+        let model = optim.step(1e-3, model, grads).expect("an update is due every step");
+        self.accelerated = Some((model, optim));
+    }
+
+    /// Waits for queued device work, so a timed step includes its own computation.
+    pub fn sync(&self) {
+        let _ = self.acc.device().sync();
+    }
+}

@@ -1,0 +1,43 @@
+//! `accelerate`: the command-line companion of accelerate-rs.
+//!
+//! Subcommands live one per file in `commands/`; each parses its arguments with clap and calls
+//! into `accelerate-core`, where the logic lives.
+
+#![forbid(unsafe_code)]
+
+use std::process::ExitCode;
+
+use clap::{Parser, Subcommand};
+
+mod commands;
+
+/// Run one Burn training loop on a CPU, a GPU, or many processes.
+#[derive(Debug, Parser)]
+#[command(name = "accelerate", version, about)]
+struct Cli {
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Debug, Subcommand)]
+enum Command {
+    /// Print the versions, platform and launcher environment, for bug reports.
+    Env(commands::env::EnvArgs),
+}
+
+fn main() -> ExitCode {
+    let cli = Cli::parse();
+    let result = match cli.command {
+        Command::Env(args) => commands::env::run(args),
+    };
+    match result {
+        Ok(code) => code,
+        Err(err) => {
+            eprintln!("error: {err}");
+            for cause in err.chain().skip(1) {
+                eprintln!("  Caused by: {cause}");
+            }
+            ExitCode::from(1)
+        }
+    }
+}

@@ -1,0 +1,323 @@
+//! Element-wise reductions of one buffer into another: the inner loop of every all-reduce.
+//!
+//! f32 buffers are combined directly in lanes the compiler vectorises. f16 and bf16 buffers are
+//! widened to f32 a block at a time (`half`'s slice conversions use F16C where the CPU has it),
+//! combined in f32 and rounded once, so the sum of two half-precision values is the correctly
+//! rounded result in the output type.
+
+use half::slice::HalfFloatSliceExt;
+use half::{bf16, f16};
+
+use crate::LANES;
+
+/// Element types that collectives move and reduce.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+#[repr(u8)]
+pub enum DType {
+    /// IEEE binary32.
+    F32 = 0,
+    /// IEEE binary16.
+    F16 = 1,
+    /// bfloat16.
+    BF16 = 2,
+}
+
+impl DType {
+    /// Bytes per element.
+    pub fn size(self) -> usize {
+        match self {
+            DType::F32 => 4,
+            DType::F16 | DType::BF16 => 2,
+        }
+    }
+
+    /// The dtype with wire code `code`, if any.
+    pub fn from_code(code: u8) -> Option<Self> {
+        match code {
+            0 => Some(DType::F32),
+            1 => Some(DType::F16),
+            2 => Some(DType::BF16),
+            _ => None,
+        }
+    }
+
+    /// Lower-case name ("f32", "f16", "bf16").
+    pub fn name(self) -> &'static str {
+        match self {
+            DType::F32 => "f32",
+            DType::F16 => "f16",
+            DType::BF16 => "bf16",
+        }
+    }
+}
+
+/// How two values combine. A mean is a sum followed by [`scale`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+#[repr(u8)]
+pub enum ReduceOp {
+    /// `a + b`.
+    Sum = 0,
+    /// The larger value.
+    Max = 1,
+    /// The smaller value.
+    Min = 2,
+}
+
+impl ReduceOp {
+    /// Lower-case name ("sum", "max", "min").
+    pub fn name(self) -> &'static str {
+        match self {
+            ReduceOp::Sum => "sum",
+            ReduceOp::Max => "max",
+            ReduceOp::Min => "min",
+        }
+    }
+
+    #[inline(always)]
+    fn apply(self, a: f32, b: f32) -> f32 {
+        match self {
+            ReduceOp::Sum => a + b,
+            ReduceOp::Max => a.max(b),
+            ReduceOp::Min => a.min(b),
+        }
+    }
+}
+
+/// An element type of the collectives: plain old data with a conversion through f32.
+pub trait Element: bytemuck::Pod + Send + Sync + 'static {
+    /// Its [`DType`].
+    const DTYPE: DType;
+}
+
+impl Element for f32 {
+    const DTYPE: DType = DType::F32;
+}
+impl Element for f16 {
+    const DTYPE: DType = DType::F16;
+}
+impl Element for bf16 {
+    const DTYPE: DType = DType::BF16;
+}
+
+/// Elements widened to f32 at a time in the half-precision loops (fits in L1 with its output).
+const HALF_BLOCK: usize = 1024;
+
+/// `acc[i] = op(acc[i], other[i])` for f32.
+pub fn reduce_f32(acc: &mut [f32], other: &[f32], op: ReduceOp) {
+    assert_eq!(acc.len(), other.len(), "reduce: length mismatch");
+    // One monomorphic loop per operation, so each vectorises without a branch inside.
+    match op {
+        ReduceOp::Sum => zip_lanes(acc, other, |a, b| a + b),
+        ReduceOp::Max => zip_lanes(acc, other, f32::max),
+        ReduceOp::Min => zip_lanes(acc, other, f32::min),
+    }
+}
+
+#[inline(always)]
+fn zip_lanes(acc: &mut [f32], other: &[f32], f: impl Fn(f32, f32) -> f32 + Copy) {
+    let mut a_chunks = acc.chunks_exact_mut(LANES);
+    let mut b_chunks = other.chunks_exact(LANES);
+    for (a, b) in (&mut a_chunks).zip(&mut b_chunks) {
+        for (x, &y) in a.iter_mut().zip(b) {
+            *x = f(*x, y);
+        }
+    }
+    for (x, &y) in a_chunks.into_remainder().iter_mut().zip(b_chunks.remainder()) {
+        *x = f(*x, y);
+    }
+}
+
+macro_rules! reduce_half {
+    ($name:ident, $t:ty) => {
+        /// `acc[i] = op(acc[i], other[i])`, combined in f32 and rounded once.
+        pub fn $name(acc: &mut [$t], other: &[$t], op: ReduceOp) {
+            assert_eq!(acc.len(), other.len(), "reduce: length mismatch");
+            let mut wide_a = [0.0_f32; HALF_BLOCK];
+            let mut wide_b = [0.0_f32; HALF_BLOCK];
+            for (a, b) in acc.chunks_mut(HALF_BLOCK).zip(other.chunks(HALF_BLOCK)) {
+                let n = a.len();
+                a.convert_to_f32_slice(&mut wide_a[..n]);
+                b.convert_to_f32_slice(&mut wide_b[..n]);
+                reduce_f32(&mut wide_a[..n], &wide_b[..n], op);
+                a.convert_from_f32_slice(&wide_a[..n]);
+            }
+        }
+    };
+}
+
+reduce_half!(reduce_f16, f16);
+reduce_half!(reduce_bf16, bf16);
+
+/// `acc[i] = op(acc[i], other[i])` for any [`Element`].
+pub fn reduce<T: Element>(acc: &mut [T], other: &[T], op: ReduceOp) {
+    reduce_bytes(
+        T::DTYPE,
+        op,
+        bytemuck::cast_slice_mut(acc),
+        bytemuck::cast_slice(other),
+    );
+}
+
+/// The same on raw bytes of elements of `dtype` (as they arrive from a transport). Both slices
+/// must hold whole elements; unaligned byte slices are handled by copying through a block.
+pub fn reduce_bytes(dtype: DType, op: ReduceOp, acc: &mut [u8], other: &[u8]) {
+    assert_eq!(acc.len(), other.len(), "reduce: length mismatch");
+    assert_eq!(acc.len() % dtype.size(), 0, "reduce: partial element");
+    match dtype {
+        DType::F32 => with_aligned::<f32>(acc, other, |a, b| reduce_f32(a, b, op)),
+        DType::F16 => with_aligned::<f16>(acc, other, |a, b| reduce_f16(a, b, op)),
+        DType::BF16 => with_aligned::<bf16>(acc, other, |a, b| reduce_bf16(a, b, op)),
+    }
+}
+
+/// Runs `f` on typed views of the byte slices, copying through aligned blocks when a slice is
+/// not aligned for `T`.
+fn with_aligned<T: Element>(acc: &mut [u8], other: &[u8], f: impl Fn(&mut [T], &[T])) {
+    if let (Ok(a), Ok(b)) = (
+        bytemuck::try_cast_slice_mut::<u8, T>(acc),
+        bytemuck::try_cast_slice::<u8, T>(other),
+    ) {
+        return f(a, b);
+    }
+    const BLOCK: usize = 4096;
+    let mut block_a = vec![T::zeroed(); BLOCK];
+    let mut block_b = vec![T::zeroed(); BLOCK];
+    let bytes = BLOCK * size_of::<T>();
+    for (a, b) in acc.chunks_mut(bytes).zip(other.chunks(bytes)) {
+        let n = a.len() / size_of::<T>();
+        bytemuck::cast_slice_mut::<T, u8>(&mut block_a[..n]).copy_from_slice(a);
+        bytemuck::cast_slice_mut::<T, u8>(&mut block_b[..n]).copy_from_slice(b);
+        f(&mut block_a[..n], &block_b[..n]);
+        a.copy_from_slice(bytemuck::cast_slice(&block_a[..n]));
+    }
+}
+
+/// Multiplies elements of `dtype` in `bytes` by `factor` (f32 arithmetic, rounded once).
+pub fn scale_bytes(dtype: DType, bytes: &mut [u8], factor: f32) {
+    match dtype {
+        DType::F32 => with_aligned_one::<f32>(bytes, |v| crate::scale_in_place(v, factor)),
+        DType::F16 => with_aligned_one::<f16>(bytes, |v| scale_f16(v, factor)),
+        DType::BF16 => with_aligned_one::<bf16>(bytes, |v| scale_bf16(v, factor)),
+    }
+}
+
+macro_rules! scale_half {
+    ($name:ident, $t:ty) => {
+        /// Multiplies every element by `factor` in f32, rounding once.
+        pub fn $name(values: &mut [$t], factor: f32) {
+            let mut wide = [0.0_f32; HALF_BLOCK];
+            for block in values.chunks_mut(HALF_BLOCK) {
+                let n = block.len();
+                block.convert_to_f32_slice(&mut wide[..n]);
+                crate::scale_in_place(&mut wide[..n], factor);
+                block.convert_from_f32_slice(&wide[..n]);
+            }
+        }
+    };
+}
+
+scale_half!(scale_f16, f16);
+scale_half!(scale_bf16, bf16);
+
+fn with_aligned_one<T: Element>(bytes: &mut [u8], f: impl Fn(&mut [T])) {
+    if let Ok(v) = bytemuck::try_cast_slice_mut::<u8, T>(bytes) {
+        return f(v);
+    }
+    let mut block = vec![T::zeroed(); bytes.len() / size_of::<T>()];
+    bytemuck::cast_slice_mut::<T, u8>(&mut block).copy_from_slice(bytes);
+    f(&mut block);
+    bytes.copy_from_slice(bytemuck::cast_slice(&block));
+}
+
+/// `op` applied to two f32 values; exposed for reference implementations in tests.
+pub fn apply(op: ReduceOp, a: f32, b: f32) -> f32 {
+    op.apply(a, b)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const OPS: [ReduceOp; 3] = [ReduceOp::Sum, ReduceOp::Max, ReduceOp::Min];
+    const LENS: [usize; 8] = [0, 1, 15, 16, 17, 1023, 1025, 4099];
+
+    fn values(len: usize, salt: usize) -> Vec<f32> {
+        (0..len)
+            .map(|i| (((i * 7 + salt * 13) % 101) as f32 - 50.0) / 8.0)
+            .collect()
+    }
+
+    #[test]
+    fn f32_matches_the_scalar_reference() {
+        for op in OPS {
+            for len in LENS {
+                let (a, b) = (values(len, 1), values(len, 2));
+                let mut got = a.clone();
+                reduce_f32(&mut got, &b, op);
+                let want: Vec<f32> = a.iter().zip(&b).map(|(&x, &y)| apply(op, x, y)).collect();
+                assert_eq!(got, want, "{op:?} len {len}");
+            }
+        }
+    }
+
+    #[test]
+    fn half_precision_is_combined_in_f32_and_rounded_once() {
+        for op in OPS {
+            for len in LENS {
+                let (a, b) = (values(len, 3), values(len, 4));
+                let a16: Vec<f16> = a.iter().map(|&x| f16::from_f32(x)).collect();
+                let b16: Vec<f16> = b.iter().map(|&x| f16::from_f32(x * 1.001)).collect();
+                let mut got = a16.clone();
+                reduce(&mut got, &b16, op);
+                for i in 0..len {
+                    let want = f16::from_f32(apply(op, a16[i].to_f32(), b16[i].to_f32()));
+                    assert_eq!(got[i], want, "f16 {op:?} len {len} at {i}");
+                }
+                let ab: Vec<bf16> = a.iter().map(|&x| bf16::from_f32(x)).collect();
+                let bb: Vec<bf16> = b.iter().map(|&x| bf16::from_f32(x * 1.001)).collect();
+                let mut got = ab.clone();
+                reduce(&mut got, &bb, op);
+                for i in 0..len {
+                    let want = bf16::from_f32(apply(op, ab[i].to_f32(), bb[i].to_f32()));
+                    assert_eq!(got[i], want, "bf16 {op:?} len {len} at {i}");
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn unaligned_bytes_reduce_like_aligned_ones() {
+        let (a, b) = (values(1000, 5), values(1000, 6));
+        let mut want = a.clone();
+        reduce_f32(&mut want, &b, ReduceOp::Sum);
+        // Shift both buffers by one byte so neither is 4-byte aligned.
+        let mut acc = vec![0u8; 4001];
+        let mut other = vec![0u8; 4001];
+        acc[1..].copy_from_slice(bytemuck::cast_slice(&a));
+        other[1..].copy_from_slice(bytemuck::cast_slice(&b));
+        reduce_bytes(DType::F32, ReduceOp::Sum, &mut acc[1..], &other[1..]);
+        assert_eq!(&acc[1..], bytemuck::cast_slice::<f32, u8>(&want));
+    }
+
+    #[test]
+    fn scaling_rounds_once_per_element() {
+        let v: Vec<f32> = values(3000, 7);
+        let mut h: Vec<f16> = v.iter().map(|&x| f16::from_f32(x)).collect();
+        let orig = h.clone();
+        scale_bytes(DType::F16, bytemuck::cast_slice_mut(&mut h), 0.5);
+        for (got, x) in h.iter().zip(&orig) {
+            assert_eq!(*got, f16::from_f32(x.to_f32() * 0.5));
+        }
+        let mut f = v.clone();
+        scale_bytes(DType::F32, bytemuck::cast_slice_mut(&mut f), 0.25);
+        assert!(f.iter().zip(&v).all(|(a, b)| *a == b * 0.25));
+    }
+
+    #[test]
+    fn dtype_codes_round_trip() {
+        for d in [DType::F32, DType::F16, DType::BF16] {
+            assert_eq!(DType::from_code(d as u8), Some(d));
+        }
+        assert_eq!(DType::from_code(9), None);
+    }
+}
