@@ -200,7 +200,11 @@ impl<B: AcceleratorBackend> Accelerator<B> {
     /// Prepares a training loader: batches arrive on [`device`](Self::device) and their
     /// positions drive the accumulation windows.
     pub fn prepare_data_loader<I, O>(&self, loader: DataLoader<I, O>) -> PreparedDataLoader<I, O> {
-        PreparedDataLoader::new(loader, self.device(), LoaderRole::Train(self.shared.clone()))
+        PreparedDataLoader::new(
+            loader,
+            self.device(),
+            LoaderRole::Train(self.shared.clone()),
+        )
     }
 
     /// Prepares an evaluation loader: batches arrive on the device and leave accumulation
@@ -209,7 +213,13 @@ impl<B: AcceleratorBackend> Accelerator<B> {
         &self,
         loader: DataLoader<I, O>,
     ) -> PreparedDataLoader<I, O> {
-        PreparedDataLoader::new(loader, self.device(), LoaderRole::Eval { rank: self.state.rank })
+        PreparedDataLoader::new(
+            loader,
+            self.device(),
+            LoaderRole::Eval {
+                rank: self.state.rank,
+            },
+        )
     }
 
     /// Runs the backward pass of `loss` and returns the gradients to step with.

@@ -74,7 +74,12 @@ impl<I, O> DataLoader<I, O> {
     /// The data-set indices of epoch `epoch`, in visiting order.
     pub fn epoch_indices(&self, epoch: u64) -> Vec<usize> {
         let shuffle = self.shuffle.is_some();
-        let mut order = epoch_order(self.dataset.len(), shuffle, self.shuffle.unwrap_or(0), epoch);
+        let mut order = epoch_order(
+            self.dataset.len(),
+            shuffle,
+            self.shuffle.unwrap_or(0),
+            epoch,
+        );
         order.truncate(self.len() * self.batch_size);
         order
     }

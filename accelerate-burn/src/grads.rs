@@ -45,9 +45,7 @@ pub(crate) fn global_norm<M: Module>(grads: &GradientsParams, model: &M) -> Opti
     }
     let mut visitor = SumSquares { grads, total: None };
     model.visit(&mut visitor);
-    visitor
-        .total
-        .map(|total| total.sqrt().into_scalar::<f32>())
+    visitor.total.map(|total| total.sqrt().into_scalar::<f32>())
 }
 
 /// Multiplies every gradient of `model` in `grads` by `factor`.

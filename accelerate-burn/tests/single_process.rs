@@ -73,7 +73,11 @@ fn items(n: usize) -> Vec<Item> {
         .map(|i| {
             let x: [f32; FEATURES] =
                 std::array::from_fn(|j| ((i * 31 + j * 17) % 23) as f32 / 11.0 - 1.0);
-            let y = x.iter().enumerate().map(|(j, v)| v * (j as f32 - 2.5)).sum::<f32>();
+            let y = x
+                .iter()
+                .enumerate()
+                .map(|(j, v)| v * (j as f32 - 2.5))
+                .sum::<f32>();
             (x, y.sin())
         })
         .collect()
@@ -128,8 +132,9 @@ fn accelerated_loop_equals_plain_burn_loop_bit_for_bit() {
         }
     }
 
-    let (mut model, mut optim, train) =
-        acc.prepare((initial, AdamWConfig::new().init(), data)).unwrap();
+    let (mut model, mut optim, train) = acc
+        .prepare((initial, AdamWConfig::new().init(), data))
+        .unwrap();
     for epoch in 0..2 {
         train.set_epoch(epoch);
         for batch in train.iter() {
@@ -157,8 +162,9 @@ fn four_micro_batches_equal_one_batch_four_times_the_size() {
     let grads = GradientsParams::from_grads(big.loss(batch).backward(), &big);
     big = big_optim.step(0.1, big, grads);
 
-    let (mut model, mut optim, train) =
-        acc.prepare((initial, SgdConfig::new().init(), loader(32, 8))).unwrap();
+    let (mut model, mut optim, train) = acc
+        .prepare((initial, SgdConfig::new().init(), loader(32, 8)))
+        .unwrap();
     let mut syncs = Vec::new();
     for batch in train.iter() {
         let grads = acc.backward(model.loss(batch.unwrap()), &model).unwrap();
@@ -186,10 +192,8 @@ fn a_short_last_window_is_weighted_by_its_real_size() {
     let mut reference = initial.clone();
     let mut ref_optim = SgdConfig::new().init();
     for window in [&order[..32], &order[32..]] {
-        let grads = GradientsParams::from_grads(
-            reference.loss(batch_of(window)).backward(),
-            &reference,
-        );
+        let grads =
+            GradientsParams::from_grads(reference.loss(batch_of(window)).backward(), &reference);
         reference = ref_optim.step(0.1, reference, grads);
     }
     // Accelerate's weighting of the short window: half of the reference's gradient.
@@ -201,8 +205,9 @@ fn a_short_last_window_is_weighted_by_its_real_size() {
         halved = halved_optim.step(0.1, halved, grads);
     }
 
-    let (mut model, mut optim, train) =
-        acc.prepare((initial, SgdConfig::new().init(), data)).unwrap();
+    let (mut model, mut optim, train) = acc
+        .prepare((initial, SgdConfig::new().init(), data))
+        .unwrap();
     for batch in train.iter() {
         let grads = acc.backward(model.loss(batch.unwrap()), &model).unwrap();
         model = optim.step(0.1, model, grads).unwrap();
@@ -215,7 +220,10 @@ fn a_short_last_window_is_weighted_by_its_real_size() {
         .zip(halved.values())
         .map(|(a, b)| (a - b).abs())
         .fold(0.0_f32, f32::max);
-    assert!(gap > 1e-4, "the /N weighting should differ visibly, gap {gap}");
+    assert!(
+        gap > 1e-4,
+        "the /N weighting should differ visibly, gap {gap}"
+    );
 }
 
 #[test]
@@ -228,10 +236,16 @@ fn global_clipping_matches_a_hand_computed_norm() {
     let x = Tensor::<2>::from_floats([[3.0, 4.0]], &device);
     let loss = linear.forward(x).sum();
     let mut grads = acc.backward(loss, &linear).unwrap();
-    let norm = acc.clip_grad_norm(&linear, &mut grads, 1.0).unwrap().unwrap();
+    let norm = acc
+        .clip_grad_norm(&linear, &mut grads, 1.0)
+        .unwrap()
+        .unwrap();
     assert!((norm - 26f32.sqrt()).abs() < 1e-5, "norm {norm}");
     // After clipping the global norm is max_norm (up to PyTorch's 1e-6 guard).
-    let after = acc.clip_grad_norm(&linear, &mut grads, 1e9).unwrap().unwrap();
+    let after = acc
+        .clip_grad_norm(&linear, &mut grads, 1e9)
+        .unwrap()
+        .unwrap();
     assert!((after - 1.0).abs() < 1e-5, "norm after clipping {after}");
     let w: Vec<f32> = grads
         .get::<2>(linear.weight.id)
@@ -242,7 +256,10 @@ fn global_clipping_matches_a_hand_computed_norm() {
     let scale = 1.0 / 26f32.sqrt();
     assert_close(&w, &[3.0 * scale, 4.0 * scale], 1e-5);
     // A norm below the limit leaves gradients alone.
-    let again = acc.clip_grad_norm(&linear, &mut grads, 10.0).unwrap().unwrap();
+    let again = acc
+        .clip_grad_norm(&linear, &mut grads, 10.0)
+        .unwrap()
+        .unwrap();
     assert!((again - 1.0).abs() < 1e-5);
 }
 
@@ -250,8 +267,9 @@ fn global_clipping_matches_a_hand_computed_norm() {
 fn saved_weights_load_into_a_fresh_plain_burn_model() {
     let acc = accelerator(1);
     let device = acc.device();
-    let (mut model, mut optim, train) =
-        acc.prepare((Net::new(&device), AdamWConfig::new().init(), loader(40, 8))).unwrap();
+    let (mut model, mut optim, train) = acc
+        .prepare((Net::new(&device), AdamWConfig::new().init(), loader(40, 8)))
+        .unwrap();
     for batch in train.iter() {
         let grads = acc.backward(model.loss(batch.unwrap()), &model).unwrap();
         model = optim.step(1e-2, model, grads).unwrap();
@@ -266,12 +284,18 @@ fn saved_weights_load_into_a_fresh_plain_burn_model() {
     let mut store = SafetensorsStore::from_file(&path);
     fresh.load_from(&mut store).unwrap();
     let x = Tensor::<2>::from_data(
-        TensorData::new(items(5).iter().flat_map(|(x, _)| *x).collect::<Vec<_>>(), [5, FEATURES]),
+        TensorData::new(
+            items(5).iter().flat_map(|(x, _)| *x).collect::<Vec<_>>(),
+            [5, FEATURES],
+        ),
         &plain_device,
     );
     let ours = model.valid().forward(x.clone()).into_data();
     let theirs = fresh.forward(x).into_data();
-    assert_eq!(ours.try_to_vec::<f32>().unwrap(), theirs.try_to_vec::<f32>().unwrap());
+    assert_eq!(
+        ours.try_to_vec::<f32>().unwrap(),
+        theirs.try_to_vec::<f32>().unwrap()
+    );
     // Saving again over the file works (atomic replace).
     acc.save_model(&model, dir.path()).unwrap();
 }
@@ -280,8 +304,9 @@ fn saved_weights_load_into_a_fresh_plain_burn_model() {
 fn the_scheduler_advances_once_per_update() {
     let acc = accelerator(3);
     let device = acc.device();
-    let (mut model, mut optim, train) =
-        acc.prepare((Net::new(&device), SgdConfig::new().init(), loader(64, 8))).unwrap();
+    let (mut model, mut optim, train) = acc
+        .prepare((Net::new(&device), SgdConfig::new().init(), loader(64, 8)))
+        .unwrap();
     // 1.0, 0.9, 0.8, ... one value per update.
     let schedule = LinearLrSchedulerConfig::new(1.0, 0.0, 10).init().unwrap();
     let mut scheduler = acc.prepare_scheduler(schedule);
@@ -303,11 +328,16 @@ fn the_scheduler_advances_once_per_update() {
 fn gradients_from_a_plain_backward_are_refused_not_ignored() {
     let acc = accelerator(1);
     let device = acc.device();
-    let (model, mut optim) = acc.prepare((Net::new(&device), SgdConfig::new().init())).unwrap();
+    let (model, mut optim) = acc
+        .prepare((Net::new(&device), SgdConfig::new().init()))
+        .unwrap();
     let batch = Rows.batch(items(4), &device);
     let grads = GradientsParams::from_grads(model.loss(batch).backward(), &model);
     let err = optim.step(0.1, model, grads).unwrap_err();
-    assert!(matches!(err, AccelerateError::UnexpectedGradients { rank: 0 }));
+    assert!(matches!(
+        err,
+        AccelerateError::UnexpectedGradients { rank: 0 }
+    ));
     assert!(err.to_string().contains("acc.backward"), "{err}");
 }
 

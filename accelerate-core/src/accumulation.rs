@@ -159,7 +159,9 @@ mod tests {
         assert_eq!(lens, [4, 4, 4, 4, 4, 4, 4, 4, 2, 2]);
         assert_eq!(
             syncs,
-            [false, false, false, true, false, false, false, true, false, true]
+            [
+                false, false, false, true, false, false, false, true, false, true
+            ]
         );
         // The next epoch starts a fresh window.
         let e2 = epoch(&mut acc, 10);
@@ -198,11 +200,23 @@ mod tests {
     fn a_restart_mid_window_drops_the_stale_micro_batches() {
         let mut acc = GradientAccumulation::new(4);
         for index in 0..2 {
-            assert_eq!(acc.begin_batch(BatchPosition { index, epoch_len: 8 }), 0);
+            assert_eq!(
+                acc.begin_batch(BatchPosition {
+                    index,
+                    epoch_len: 8
+                }),
+                0
+            );
             assert!(!acc.micro_step().sync);
         }
         // The loader starts over (a new epoch after a `break`).
-        assert_eq!(acc.begin_batch(BatchPosition { index: 0, epoch_len: 8 }), 2);
+        assert_eq!(
+            acc.begin_batch(BatchPosition {
+                index: 0,
+                epoch_len: 8
+            }),
+            2
+        );
         let step = acc.micro_step();
         assert!(step.first && !step.sync);
     }
@@ -211,9 +225,15 @@ mod tests {
     fn evaluation_between_micro_batches_does_not_disturb_windows() {
         // An evaluation loader never calls begin_batch, so only training positions count.
         let mut acc = GradientAccumulation::new(2);
-        acc.begin_batch(BatchPosition { index: 0, epoch_len: 4 });
+        acc.begin_batch(BatchPosition {
+            index: 0,
+            epoch_len: 4,
+        });
         assert!(!acc.micro_step().sync);
-        acc.begin_batch(BatchPosition { index: 1, epoch_len: 4 });
+        acc.begin_batch(BatchPosition {
+            index: 1,
+            epoch_len: 4,
+        });
         assert!(acc.micro_step().sync);
     }
 

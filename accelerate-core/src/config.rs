@@ -63,9 +63,12 @@ impl ConfigOverrides {
                 });
             }
             Some(n) => n,
-            None => env_parse(env, ENV_GRADIENT_ACCUMULATION_STEPS, "a positive integer", |v| {
-                v.parse::<usize>().ok().filter(|&n| n > 0)
-            })?
+            None => env_parse(
+                env,
+                ENV_GRADIENT_ACCUMULATION_STEPS,
+                "a positive integer",
+                |v| v.parse::<usize>().ok().filter(|&n| n > 0),
+            )?
             .unwrap_or(defaults.gradient_accumulation_steps),
         };
         let seed = match self.seed {
@@ -140,7 +143,10 @@ mod tests {
             ..Default::default()
         };
         let err = code.resolve_with(&[][..]).unwrap_err().to_string();
-        assert!(err.starts_with("gradient_accumulation_steps (code) = 0"), "{err}");
+        assert!(
+            err.starts_with("gradient_accumulation_steps (code) = 0"),
+            "{err}"
+        );
         let env = [(ENV_SEED, "-3")];
         let err = ConfigOverrides::default()
             .resolve_with(&env[..])

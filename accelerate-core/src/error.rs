@@ -29,11 +29,7 @@ pub enum StateError {
 }
 
 impl StateError {
-    pub(crate) fn invalid(
-        var: &'static str,
-        value: impl ToString,
-        why: impl Into<String>,
-    ) -> Self {
+    pub(crate) fn invalid(var: &'static str, value: impl ToString, why: impl Into<String>) -> Self {
         Self::Invalid {
             var,
             value: value.to_string(),
@@ -57,4 +53,128 @@ pub enum ConfigError {
         /// What would have been accepted.
         expected: &'static str,
     },
+}
+
+/// A collective, the rendezvous or a transport failed. Every variant names the operation or
+/// stage, this rank, the peer or peers at fault, and what to do.
+#[derive(Debug, Clone, PartialEq, thiserror::Error)]
+pub enum CommError {
+    /// Peers did not arrive before the deadline.
+    #[error(
+        "{call} timed out on rank {rank} of {world_size} after {elapsed_s:.1} s: {} never arrived. \
+         hint: every rank must make the same collective calls in the same order \
+         (e.g. call backward() equally often); raise ACCELERATE_TIMEOUT for slow steps",
+        ranks(missing)
+    )]
+    Timeout {
+        /// The call that waited.
+        call: String,
+        /// This rank.
+        rank: usize,
+        /// Ranks in the group.
+        world_size: usize,
+        /// Ranks that never arrived.
+        missing: Vec<usize>,
+        /// Seconds waited.
+        elapsed_s: f64,
+    },
+
+    /// A peer process exited or its connection broke.
+    #[error(
+        "{call} failed on rank {rank}: rank {peer} is gone ({detail}). \
+         hint: rank {peer}'s own output says why it stopped"
+    )]
+    PeerLost {
+        /// The call in progress.
+        call: String,
+        /// This rank.
+        rank: usize,
+        /// The lost rank.
+        peer: usize,
+        /// How the loss showed (connection reset, process exited, ...).
+        detail: String,
+    },
+
+    /// A peer failed and told the group why.
+    #[error("{call} failed on rank {rank} because rank {peer} failed: {reason}")]
+    PeerFailed {
+        /// The call in progress.
+        call: String,
+        /// This rank.
+        rank: usize,
+        /// The rank that failed first.
+        peer: usize,
+        /// Its error.
+        reason: String,
+    },
+
+    /// Ranks called different collectives, or the same one with different sizes.
+    #[error(
+        "collective mismatch on rank {rank}: this rank called {ours}, rank {peer} called {theirs}. \
+         hint: every rank must make the same calls, with the same sizes, in the same order"
+    )]
+    Mismatch {
+        /// This rank.
+        rank: usize,
+        /// This rank's call.
+        ours: String,
+        /// The other rank.
+        peer: usize,
+        /// The other rank's call.
+        theirs: String,
+    },
+
+    /// The call itself is malformed (buffer sizes, root out of range).
+    #[error("{op} on rank {rank}: {reason}")]
+    Usage {
+        /// The operation.
+        op: &'static str,
+        /// This rank.
+        rank: usize,
+        /// What is wrong.
+        reason: String,
+    },
+
+    /// The group could not form.
+    #[error("rendezvous at {addr} failed on rank {rank} of {world_size}: {reason}")]
+    Rendezvous {
+        /// The rendezvous address tried.
+        addr: String,
+        /// This rank.
+        rank: usize,
+        /// Expected ranks.
+        world_size: usize,
+        /// What went wrong, with a hint.
+        reason: String,
+    },
+
+    /// The operating system refused something (socket, file, mapping).
+    #[error("rank {rank}: {context}: {detail}")]
+    Io {
+        /// This rank.
+        rank: usize,
+        /// What was being done.
+        context: String,
+        /// The system's error.
+        detail: String,
+    },
+}
+
+/// "rank 3" or "ranks 1, 2".
+fn ranks(list: &[usize]) -> String {
+    let names: Vec<String> = list.iter().map(usize::to_string).collect();
+    match list.len() {
+        1 => format!("rank {}", names[0]),
+        _ => format!("ranks {}", names.join(", ")),
+    }
+}
+
+impl CommError {
+    pub(crate) fn io(rank: usize, context: impl Into<String>, err: std::io::Error) -> Self {
+        Self::Io {
+            rank,
+            context: context.into(),
+            detail: err.to_string(),
+        }
+    }
 }

@@ -25,14 +25,17 @@
 //! - [`config`]: [`AcceleratorConfig`] and its sources.
 //! - [`accumulation`]: gradient accumulation windows.
 //! - [`sampler`]: the per-epoch data order.
+//! - [`comm`]: the process group and its collectives (rendezvous, shared memory, TCP).
 
 pub mod accumulation;
+pub mod comm;
 pub mod config;
 pub mod error;
 pub mod sampler;
 pub mod state;
 
 pub use accumulation::{BatchPosition, GradientAccumulation, MicroStep};
+pub use comm::{GroupOptions, ProcessGroup, Reduction};
 pub use config::{AcceleratorConfig, ConfigOverrides};
-pub use error::{ConfigError, StateError};
+pub use error::{CommError, ConfigError, StateError};
 pub use state::{EnvSource, Launcher, ProcessEnv, ProcessState};

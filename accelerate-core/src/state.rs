@@ -166,7 +166,11 @@ impl ProcessState {
     fn validate(&self) -> Result<(), StateError> {
         let vars = self.launcher_vars();
         if self.world_size == 0 {
-            return Err(StateError::invalid(vars.world_size, "0", "must be at least 1"));
+            return Err(StateError::invalid(
+                vars.world_size,
+                "0",
+                "must be at least 1",
+            ));
         }
         if self.rank >= self.world_size {
             return Err(StateError::invalid(
@@ -419,21 +423,29 @@ impl<E: EnvSource + ?Sized> Reader<'_, E> {
                 launcher,
                 why: "the number of tasks on this node is needed for the local world size",
             })?;
-        let per_node = parse_slurm_tasks_per_node(&tasks)
-            .ok_or_else(|| StateError::invalid(tasks_var, &tasks, "expected a list like 4(x2),3"))?;
+        let per_node = parse_slurm_tasks_per_node(&tasks).ok_or_else(|| {
+            StateError::invalid(tasks_var, &tasks, "expected a list like 4(x2),3")
+        })?;
         let local_world_size = *per_node.get(node_rank).ok_or_else(|| {
             StateError::invalid(
                 "SLURM_NODEID",
                 node_rank,
-                format!("{tasks_var} = {tasks} describes only {} nodes", per_node.len()),
+                format!(
+                    "{tasks_var} = {tasks} describes only {} nodes",
+                    per_node.len()
+                ),
             )
         })?;
         let (mut master_addr, master_port) = self.master()?;
         if master_addr.is_none() {
-            master_addr = ["SLURM_STEP_NODELIST", "SLURM_JOB_NODELIST", "SLURM_NODELIST"]
-                .iter()
-                .find_map(|var| self.env.var(var))
-                .and_then(|list| first_slurm_host(&list));
+            master_addr = [
+                "SLURM_STEP_NODELIST",
+                "SLURM_JOB_NODELIST",
+                "SLURM_NODELIST",
+            ]
+            .iter()
+            .find_map(|var| self.env.var(var))
+            .and_then(|list| first_slurm_host(&list));
         }
         Ok(ProcessState {
             rank,
@@ -505,7 +517,13 @@ mod tests {
         ])
         .unwrap();
         assert_eq!(
-            (s.rank, s.world_size, s.local_rank, s.local_world_size, s.node_rank),
+            (
+                s.rank,
+                s.world_size,
+                s.local_rank,
+                s.local_world_size,
+                s.node_rank
+            ),
             (5, 8, 1, 4, 1)
         );
         assert_eq!(s.master_addr.as_deref(), Some("10.1.2.3"));
@@ -516,7 +534,12 @@ mod tests {
 
     #[test]
     fn torchrun_without_local_vars_is_one_node_and_default_port() {
-        let s = parse(&[("RANK", "1"), ("WORLD_SIZE", "2"), ("MASTER_ADDR", "127.0.0.1")]).unwrap();
+        let s = parse(&[
+            ("RANK", "1"),
+            ("WORLD_SIZE", "2"),
+            ("MASTER_ADDR", "127.0.0.1"),
+        ])
+        .unwrap();
         assert_eq!((s.local_rank, s.local_world_size, s.node_rank), (1, 2, 0));
         assert_eq!(s.master_port, DEFAULT_MASTER_PORT);
     }
@@ -526,16 +549,29 @@ mod tests {
         let cases: &[(&[(&str, &str)], &str)] = &[
             (&[("RANK", "0")], "WORLD_SIZE"),
             (&[("WORLD_SIZE", "2")], "RANK"),
-            (&[("RANK", "2"), ("WORLD_SIZE", "2"), ("MASTER_ADDR", "h")], "RANK"),
+            (
+                &[("RANK", "2"), ("WORLD_SIZE", "2"), ("MASTER_ADDR", "h")],
+                "RANK",
+            ),
             (&[("RANK", "x"), ("WORLD_SIZE", "2")], "RANK"),
             (&[("RANK", "0"), ("WORLD_SIZE", "0")], "WORLD_SIZE"),
             (&[("RANK", "0"), ("WORLD_SIZE", "2")], "MASTER_ADDR"),
             (
-                &[("RANK", "0"), ("WORLD_SIZE", "2"), ("MASTER_ADDR", "h"), ("MASTER_PORT", "99999")],
+                &[
+                    ("RANK", "0"),
+                    ("WORLD_SIZE", "2"),
+                    ("MASTER_ADDR", "h"),
+                    ("MASTER_PORT", "99999"),
+                ],
                 "MASTER_PORT",
             ),
             (
-                &[("RANK", "0"), ("WORLD_SIZE", "2"), ("MASTER_ADDR", "h"), ("LOCAL_RANK", "0")],
+                &[
+                    ("RANK", "0"),
+                    ("WORLD_SIZE", "2"),
+                    ("MASTER_ADDR", "h"),
+                    ("LOCAL_RANK", "0"),
+                ],
                 "LOCAL_WORLD_SIZE",
             ),
             (
@@ -561,7 +597,10 @@ mod tests {
         ];
         for (vars, var) in cases {
             let err = parse(vars).unwrap_err().to_string();
-            assert!(err.starts_with(var), "{vars:?}: expected an error naming {var}, got: {err}");
+            assert!(
+                err.starts_with(var),
+                "{vars:?}: expected an error naming {var}, got: {err}"
+            );
             assert!(!err.contains('\n'), "one-line error: {err}");
         }
     }
@@ -576,7 +615,16 @@ mod tests {
             ("MASTER_ADDR", "node0"),
         ])
         .unwrap();
-        assert_eq!((s.rank, s.world_size, s.local_rank, s.local_world_size, s.node_rank), (3, 4, 1, 2, 1));
+        assert_eq!(
+            (
+                s.rank,
+                s.world_size,
+                s.local_rank,
+                s.local_world_size,
+                s.node_rank
+            ),
+            (3, 4, 1, 2, 1)
+        );
         assert_eq!(s.launcher, Launcher::OpenMpi);
         let err = parse(&[("OMPI_COMM_WORLD_RANK", "0"), ("OMPI_COMM_WORLD_SIZE", "2")])
             .unwrap_err()
@@ -594,7 +642,10 @@ mod tests {
             ("MASTER_ADDR", "h"),
         ])
         .unwrap();
-        assert_eq!((s.rank, s.local_rank, s.local_world_size, s.node_rank), (2, 0, 2, 1));
+        assert_eq!(
+            (s.rank, s.local_rank, s.local_world_size, s.node_rank),
+            (2, 0, 2, 1)
+        );
         let cray = parse(&[
             ("PMI_RANK", "1"),
             ("PMI_SIZE", "2"),
@@ -608,9 +659,13 @@ mod tests {
             .unwrap_err()
             .to_string();
         assert!(err.starts_with("PMI_RANK"), "{err}");
-        let err = parse(&[("PMI_RANK", "0"), ("PMI_SIZE", "2"), ("MPI_LOCALRANKID", "0")])
-            .unwrap_err()
-            .to_string();
+        let err = parse(&[
+            ("PMI_RANK", "0"),
+            ("PMI_SIZE", "2"),
+            ("MPI_LOCALRANKID", "0"),
+        ])
+        .unwrap_err()
+        .to_string();
         assert!(err.contains("MPI_LOCALNRANKS"), "{err}");
     }
 
@@ -625,7 +680,16 @@ mod tests {
             ("SLURM_JOB_NODELIST", "gpu[07-09],cpu1"),
         ])
         .unwrap();
-        assert_eq!((s.rank, s.world_size, s.local_rank, s.local_world_size, s.node_rank), (9, 11, 1, 3, 2));
+        assert_eq!(
+            (
+                s.rank,
+                s.world_size,
+                s.local_rank,
+                s.local_world_size,
+                s.node_rank
+            ),
+            (9, 11, 1, 3, 2)
+        );
         assert_eq!(s.master_addr.as_deref(), Some("gpu07"));
         assert_eq!(s.launcher, Launcher::Slurm);
         let err = parse(&[

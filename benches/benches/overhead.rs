@@ -28,7 +28,11 @@ fn main() {
     let mut accelerated = Vec::with_capacity(rounds);
     for round in 0..rounds {
         // Alternate which loop goes first, so neither always follows the other's allocations.
-        let order: [bool; 2] = if round % 2 == 0 { [true, false] } else { [false, true] };
+        let order: [bool; 2] = if round % 2 == 0 {
+            [true, false]
+        } else {
+            [false, true]
+        };
         for is_plain in order {
             let started = Instant::now();
             if is_plain {
@@ -38,13 +42,18 @@ fn main() {
             }
             bench.sync();
             let ms = started.elapsed().as_secs_f64() * 1e3;
-            if is_plain { plain.push(ms) } else { accelerated.push(ms) }
+            if is_plain {
+                plain.push(ms)
+            } else {
+                accelerated.push(ms)
+            }
         }
     }
     let mean = |v: &[f64]| v.iter().sum::<f64>() / v.len() as f64;
     let diffs: Vec<f64> = accelerated.iter().zip(&plain).map(|(a, p)| a - p).collect();
     let d = mean(&diffs);
-    let sd = (diffs.iter().map(|x| (x - d).powi(2)).sum::<f64>() / (diffs.len() - 1).max(1) as f64).sqrt();
+    let sd = (diffs.iter().map(|x| (x - d).powi(2)).sum::<f64>() / (diffs.len() - 1).max(1) as f64)
+        .sqrt();
     let se = sd / (diffs.len() as f64).sqrt();
     let (p, a) = (mean(&plain), mean(&accelerated));
     println!("rounds: {rounds} (batch 128, MLP 784-1024-1024-10, AdamW)");

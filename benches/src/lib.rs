@@ -37,7 +37,8 @@ impl StepBench {
         let device: Device = acc.device();
         let model = MlpConfig::new(FEATURES, vec![1024, 1024], CLASSES).init(&device);
         let x = Tensor::random([batch, FEATURES], Distribution::Default, &device);
-        let y = Tensor::<1, Int>::random([batch], Distribution::Uniform(0.0, CLASSES as f64), &device);
+        let y =
+            Tensor::<1, Int>::random([batch], Distribution::Uniform(0.0, CLASSES as f64), &device);
         let plain = (model.clone(), AdamWConfig::new().init());
         let accelerated = acc
             .prepare((model, AdamWConfig::new().init()))
@@ -53,7 +54,10 @@ impl StepBench {
 
     /// One step of the plain Burn loop: forward, backward, optimizer step.
     pub fn plain_step(&mut self) {
-        let (model, mut optim) = self.plain.take().expect("state is put back after each step");
+        let (model, mut optim) = self
+            .plain
+            .take()
+            .expect("state is put back after each step");
         let loss = model.forward_loss(self.x.clone(), self.y.clone()).loss;
         let grads = GradientsParams::from_grads(loss.backward(), &model);
         let model = optim.step(1e-3, model, grads);
@@ -62,10 +66,18 @@ impl StepBench {
 
     /// One step of the accelerated loop: the same, through the accelerator.
     pub fn accelerated_step(&mut self) {
-        let (model, mut optim) = self.accelerated.take().expect("state is put back after each step");
+        let (model, mut optim) = self
+            .accelerated
+            .take()
+            .expect("state is put back after each step");
         let loss = model.forward_loss(self.x.clone(), self.y.clone()).loss;
-        let grads = self.acc.backward(loss, &model).expect("single process backward");
-        let model = optim.step(1e-3, model, grads).expect("an update is due every step");
+        let grads = self
+            .acc
+            .backward(loss, &model)
+            .expect("single process backward");
+        let model = optim
+            .step(1e-3, model, grads)
+            .expect("an update is due every step");
         self.accelerated = Some((model, optim));
     }
 

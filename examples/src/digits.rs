@@ -109,6 +109,9 @@ mod tests {
             per_class[d.label as usize] += 1;
             assert!(d.pixels.iter().all(|&p| (0.0..=16.0).contains(&p)));
         }
-        assert!(per_class.iter().all(|&n| (170..190).contains(&n)), "{per_class:?}");
+        assert!(
+            per_class.iter().all(|&n| (170..190).contains(&n)),
+            "{per_class:?}"
+        );
     }
 }

@@ -56,7 +56,11 @@ impl Mlp {
         let last = self.layers.len() - 1;
         self.layers.iter().enumerate().fold(x, |x, (i, layer)| {
             let y = layer.forward(x);
-            if i < last { self.activation.forward(y) } else { y }
+            if i < last {
+                self.activation.forward(y)
+            } else {
+                y
+            }
         })
     }
 

@@ -52,14 +52,19 @@ impl TeacherDataset {
     }
 
     fn sample(&self, index: usize) -> Sample {
-        let mut rng = SplitMix64::new(self.seed ^ (index as u64).wrapping_mul(0x9E37_79B9_7F4A_7C15));
+        let mut rng =
+            SplitMix64::new(self.seed ^ (index as u64).wrapping_mul(0x9E37_79B9_7F4A_7C15));
         let features: Vec<f32> = (0..FEATURES).map(|_| uniform(&mut rng)).collect();
-        let scores = self.teacher.chunks_exact(FEATURES).map(|w| {
-            w.iter().zip(&features).map(|(a, b)| a * b).sum::<f32>()
-        });
+        let scores = self
+            .teacher
+            .chunks_exact(FEATURES)
+            .map(|w| w.iter().zip(&features).map(|(a, b)| a * b).sum::<f32>());
         let label = scores
             .enumerate()
-            .fold((0, f32::MIN), |best, (c, s)| if s > best.1 { (c, s) } else { best })
+            .fold(
+                (0, f32::MIN),
+                |best, (c, s)| if s > best.1 { (c, s) } else { best },
+            )
             .0 as u8;
         Sample { features, label }
     }

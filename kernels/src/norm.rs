@@ -44,7 +44,9 @@ mod tests {
     }
 
     fn values(n: usize) -> Vec<f32> {
-        (0..n).map(|i| ((i * 7919) % 1000) as f32 / 250.0 - 2.0).collect()
+        (0..n)
+            .map(|i| ((i * 7919) % 1000) as f32 / 250.0 - 2.0)
+            .collect()
     }
 
     #[test]

@@ -122,7 +122,11 @@ fn zip_lanes(acc: &mut [f32], other: &[f32], f: impl Fn(f32, f32) -> f32 + Copy)
             *x = f(*x, y);
         }
     }
-    for (x, &y) in a_chunks.into_remainder().iter_mut().zip(b_chunks.remainder()) {
+    for (x, &y) in a_chunks
+        .into_remainder()
+        .iter_mut()
+        .zip(b_chunks.remainder())
+    {
         *x = f(*x, y);
     }
 }

@@ -172,7 +172,11 @@ mod tests {
                 let want = expected(n, len);
                 for (r, buf) in bufs.iter().enumerate() {
                     let c = chunk_range(len, n, r);
-                    assert_eq!(buf[c.clone()], want[c], "reduce-scatter n={n} len={len} r={r}");
+                    assert_eq!(
+                        buf[c.clone()],
+                        want[c],
+                        "reduce-scatter n={n} len={len} r={r}"
+                    );
                 }
                 for step in 0..n - 1 {
                     let sent: Vec<Vec<u64>> = (0..n)
@@ -189,7 +193,10 @@ mod tests {
                         bufs[r][c].copy_from_slice(&sent[left]);
                     }
                 }
-                assert!(bufs.iter().all(|b| *b == want), "all-reduce n={n} len={len}");
+                assert!(
+                    bufs.iter().all(|b| *b == want),
+                    "all-reduce n={n} len={len}"
+                );
             }
         }
     }

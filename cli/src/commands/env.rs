@@ -40,11 +40,7 @@ pub fn run(_args: EnvArgs) -> anyhow::Result<ExitCode> {
 /// The report for an environment given as `vars`. Secrets (the job token) are redacted.
 fn report(vars: &[(String, String)]) -> String {
     let mut out = String::new();
-    let lookup = |key: &str| {
-        vars.iter()
-            .find(|(k, _)| k == key)
-            .map(|(_, v)| v.as_str())
-    };
+    let lookup = |key: &str| vars.iter().find(|(k, _)| k == key).map(|(_, v)| v.as_str());
     let _ = writeln!(out, "accelerate-rs version: {}", env!("CARGO_PKG_VERSION"));
     let _ = writeln!(
         out,
@@ -83,7 +79,11 @@ fn report(vars: &[(String, String)]) -> String {
         let _ = writeln!(out, "  (none)");
     }
     for (key, value) in accelerate {
-        let shown = if key.contains("TOKEN") { "<redacted>" } else { value };
+        let shown = if key.contains("TOKEN") {
+            "<redacted>"
+        } else {
+            value
+        };
         let _ = writeln!(out, "  {key}={shown}");
     }
     out
@@ -118,7 +118,10 @@ mod tests {
     #[test]
     fn report_names_a_broken_environment() {
         let r = report(&vars(&[("RANK", "0")]));
-        assert!(r.contains("invalid launcher environment: WORLD_SIZE"), "{r}");
+        assert!(
+            r.contains("invalid launcher environment: WORLD_SIZE"),
+            "{r}"
+        );
         let single = report(&[]);
         assert!(single.contains("rank 0 of 1"));
         assert!(single.contains("(none: a single process)"));

@@ -1,0 +1,233 @@
+//! The message-passing engine: a [`Link`] plus timeouts, header checks and failure reporting.
+
+use std::str::FromStr;
+use std::time::{Duration, Instant};
+
+use accelerate_kernels::{DType, ReduceOp};
+
+use crate::comm::call::{CallDesc, Header, OpKind};
+use crate::comm::engine::Engine;
+use crate::comm::link::{Link, LinkError};
+use crate::error::CommError;
+
+/// Which all-reduce algorithm the message engine uses.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum AllReduceAlgorithm {
+    /// Recursive doubling up to [`SMALL_BYTES`](MessageEngine::SMALL_BYTES), ring above.
+    Auto,
+    /// Always the ring.
+    Ring,
+    /// Always recursive doubling.
+    RecursiveDoubling,
+}
+
+impl FromStr for AllReduceAlgorithm {
+    type Err = String;
+
+    fn from_str(s: &str) -> Result<Self, Self::Err> {
+        match s.trim().to_ascii_lowercase().as_str() {
+            "auto" => Ok(Self::Auto),
+            "ring" => Ok(Self::Ring),
+            "recursive_doubling" | "recursive-doubling" | "rd" => Ok(Self::RecursiveDoubling),
+            other => Err(format!(
+                "{other}: expected auto, ring or recursive_doubling"
+            )),
+        }
+    }
+}
+
+/// Collectives over a message link.
+pub struct MessageEngine<L: Link> {
+    pub(super) link: L,
+    timeout: Duration,
+    algorithm: AllReduceAlgorithm,
+    /// Elements per ring chunk at most; larger buffers go round in several windows.
+    pub(super) segment_bytes: usize,
+}
+
+impl<L: Link> MessageEngine<L> {
+    /// Buffers up to this size use recursive doubling under [`AllReduceAlgorithm::Auto`].
+    pub const SMALL_BYTES: usize = 64 * 1024;
+
+    /// An engine over `link`; every wait gives up after `timeout`.
+    pub fn new(
+        link: L,
+        timeout: Duration,
+        algorithm: AllReduceAlgorithm,
+        segment_bytes: usize,
+    ) -> Self {
+        Self {
+            link,
+            timeout,
+            algorithm,
+            segment_bytes: segment_bytes.max(1),
+        }
+    }
+
+    pub(super) fn rank(&self) -> usize {
+        self.link.rank()
+    }
+
+    pub(super) fn world_size(&self) -> usize {
+        self.link.world_size()
+    }
+
+    pub(super) fn deadline(&self) -> Instant {
+        Instant::now() + self.timeout
+    }
+
+    pub(super) fn send(
+        &mut self,
+        peer: usize,
+        call: &CallDesc,
+        payload: &[u8],
+    ) -> Result<(), CommError> {
+        let header = Header {
+            call: *call,
+            sender: self.rank() as u32,
+            payload_len: payload.len() as u64,
+        };
+        self.link
+            .send(peer, &header, payload)
+            .map_err(|e| self.link_error(call, peer, e, Instant::now()))
+    }
+
+    /// The next message from `peer`, which must belong to `call`.
+    pub(super) fn recv(
+        &mut self,
+        peer: usize,
+        call: &CallDesc,
+        deadline: Instant,
+    ) -> Result<Vec<u8>, CommError> {
+        let started = deadline - self.timeout;
+        let (header, payload) = self
+            .link
+            .recv(peer, deadline)
+            .map_err(|e| self.link_error(call, peer, e, started))?;
+        if header.call.op == OpKind::Abort {
+            return Err(CommError::PeerFailed {
+                call: call.to_string(),
+                rank: self.rank(),
+                peer: header.sender as usize,
+                reason: String::from_utf8_lossy(&payload).into_owned(),
+            });
+        }
+        if header.call != *call {
+            return Err(CommError::Mismatch {
+                rank: self.rank(),
+                ours: call.to_string(),
+                peer,
+                theirs: header.call.to_string(),
+            });
+        }
+        Ok(payload)
+    }
+
+    /// Sends `payload` to `to`, then receives from `from`.
+    pub(super) fn exchange(
+        &mut self,
+        call: &CallDesc,
+        to: usize,
+        payload: &[u8],
+        from: usize,
+        deadline: Instant,
+    ) -> Result<Vec<u8>, CommError> {
+        self.send(to, call, payload)?;
+        self.recv(from, call, deadline)
+    }
+
+    fn link_error(
+        &self,
+        call: &CallDesc,
+        peer: usize,
+        error: LinkError,
+        started: Instant,
+    ) -> CommError {
+        match error {
+            LinkError::Timeout => CommError::Timeout {
+                call: call.to_string(),
+                rank: self.rank(),
+                world_size: self.world_size(),
+                missing: vec![peer],
+                elapsed_s: started.elapsed().as_secs_f64(),
+            },
+            LinkError::Lost(detail) => CommError::PeerLost {
+                call: call.to_string(),
+                rank: self.rank(),
+                peer,
+                detail,
+            },
+        }
+    }
+
+    fn use_ring(&self, bytes: usize) -> bool {
+        match self.algorithm {
+            AllReduceAlgorithm::Ring => true,
+            AllReduceAlgorithm::RecursiveDoubling => false,
+            AllReduceAlgorithm::Auto => bytes > Self::SMALL_BYTES,
+        }
+    }
+}
+
+impl<L: Link> Engine for MessageEngine<L> {
+    fn name(&self) -> &'static str {
+        self.link.name()
+    }
+
+    fn all_reduce(
+        &mut self,
+        call: &CallDesc,
+        buf: &mut [u8],
+        dtype: DType,
+        op: ReduceOp,
+        scale: Option<f32>,
+    ) -> Result<(), CommError> {
+        if self.use_ring(buf.len()) {
+            self.all_reduce_ring(call, buf, dtype, op, scale)
+        } else {
+            self.all_reduce_recursive_doubling(call, buf, dtype, op, scale)
+        }
+    }
+
+    fn broadcast(&mut self, call: &CallDesc, buf: &mut [u8], root: usize) -> Result<(), CommError> {
+        self.broadcast_tree(call, buf, root)
+    }
+
+    fn all_gather(
+        &mut self,
+        call: &CallDesc,
+        input: &[u8],
+        output: &mut [u8],
+    ) -> Result<(), CommError> {
+        self.all_gather_ring(call, input, output)
+    }
+
+    fn reduce_scatter(
+        &mut self,
+        call: &CallDesc,
+        input: &[u8],
+        output: &mut [u8],
+        dtype: DType,
+        op: ReduceOp,
+    ) -> Result<(), CommError> {
+        self.reduce_scatter_ring(call, input, output, dtype, op)
+    }
+
+    fn barrier(&mut self, call: &CallDesc) -> Result<(), CommError> {
+        self.barrier_dissemination(call)
+    }
+
+    fn set_timeout(&mut self, timeout: Duration) {
+        self.timeout = timeout;
+    }
+
+    fn abort(&mut self, error: &CommError) {
+        let call = CallDesc::new(OpKind::Abort, u64::MAX);
+        let reason = error.to_string();
+        for peer in 0..self.world_size() {
+            if peer != self.rank() {
+                let _ = self.send(peer, &call, reason.as_bytes());
+            }
+        }
+    }
+}

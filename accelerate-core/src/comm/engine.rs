@@ -1,0 +1,68 @@
+//! The interface every transport's collectives implement, on raw bytes; the typed, checked
+//! API on top of it is [`ProcessGroup`](super::ProcessGroup).
+
+use accelerate_kernels::{DType, ReduceOp};
+
+use super::call::CallDesc;
+use crate::error::CommError;
+
+/// Collectives on byte buffers. Callers have checked sizes and roots; every rank calls with
+/// the same [`CallDesc`], which implementations verify against their peers'.
+pub trait Engine: Send {
+    /// Transport name ("local", "tcp", "shm").
+    fn name(&self) -> &'static str;
+
+    /// Reduces `buf` (elements of `dtype`) across ranks in place, then multiplies by `scale`
+    /// when given (a mean).
+    fn all_reduce(
+        &mut self,
+        call: &CallDesc,
+        buf: &mut [u8],
+        dtype: DType,
+        op: ReduceOp,
+        scale: Option<f32>,
+    ) -> Result<(), CommError>;
+
+    /// Copies `root`'s `buf` into every rank's `buf`.
+    fn broadcast(&mut self, call: &CallDesc, buf: &mut [u8], root: usize) -> Result<(), CommError>;
+
+    /// Concatenates every rank's `input`, in rank order, into `output` (`world_size` times as
+    /// long).
+    fn all_gather(
+        &mut self,
+        call: &CallDesc,
+        input: &[u8],
+        output: &mut [u8],
+    ) -> Result<(), CommError>;
+
+    /// Reduces `input` across ranks and leaves rank `r` with chunk `r` of the result
+    /// (`accelerate_kernels::schedule::chunk_range` over elements) in `output`.
+    fn reduce_scatter(
+        &mut self,
+        call: &CallDesc,
+        input: &[u8],
+        output: &mut [u8],
+        dtype: DType,
+        op: ReduceOp,
+    ) -> Result<(), CommError>;
+
+    /// Returns once every rank has called it.
+    fn barrier(&mut self, call: &CallDesc) -> Result<(), CommError>;
+
+    /// Tells every peer that this rank failed with `error` (best effort).
+    fn abort(&mut self, error: &CommError);
+
+    /// Sets how long any wait may last.
+    fn set_timeout(&mut self, timeout: std::time::Duration);
+}
+
+/// Byte range of chunk `index` when `bytes` of `elem`-byte elements are cut into `parts`.
+pub(crate) fn chunk_bytes(
+    bytes: usize,
+    elem: usize,
+    parts: usize,
+    index: usize,
+) -> std::ops::Range<usize> {
+    let r = accelerate_kernels::schedule::chunk_range(bytes / elem, parts, index);
+    r.start * elem..r.end * elem
+}

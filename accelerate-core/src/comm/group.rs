@@ -1,0 +1,444 @@
+//! [`ProcessGroup`]: the typed, checked collectives API over whichever transport the group
+//! formed with.
+
+use std::hash::{DefaultHasher, Hash, Hasher};
+use std::time::{Duration, Instant};
+
+use accelerate_kernels::schedule::chunk_range;
+use accelerate_kernels::{Element, ReduceOp};
+use serde::Serialize;
+use serde::de::DeserializeOwned;
+
+use super::call::{CallDesc, OpKind};
+use super::collective::MessageEngine;
+use super::engine::Engine;
+use super::options::{GroupOptions, TransportChoice};
+use super::rendezvous::RendezvousConfig;
+use super::transport::local::LocalLink;
+use super::transport::shm::{ShmEngine, create_segment, segment_path};
+use super::transport::tcp::TcpLink;
+use crate::error::CommError;
+use crate::state::ProcessState;
+
+/// How [`ProcessGroup::all_reduce`] and [`ProcessGroup::reduce_scatter`] combine values.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Reduction {
+    /// Element-wise sum.
+    Sum,
+    /// Element-wise sum divided by the number of ranks.
+    Mean,
+    /// Element-wise maximum.
+    Max,
+    /// Element-wise minimum.
+    Min,
+}
+
+impl Reduction {
+    fn op(self) -> ReduceOp {
+        match self {
+            Reduction::Sum | Reduction::Mean => ReduceOp::Sum,
+            Reduction::Max => ReduceOp::Max,
+            Reduction::Min => ReduceOp::Min,
+        }
+    }
+}
+
+/// The ranks of a job, able to run collectives together.
+///
+/// Every rank must make the same calls, in the same order, with the same sizes; a rank that
+/// does not gets a [`CommError::Mismatch`] naming both calls (and so do its peers), never a hang
+/// or a silently wrong result. After any error the group is unusable: every later call returns
+/// the first error again.
+pub struct ProcessGroup {
+    rank: usize,
+    world_size: usize,
+    engine: Option<Box<dyn Engine>>,
+    seq: u64,
+    failed: Option<CommError>,
+}
+
+impl ProcessGroup {
+    /// The group of a single process: every collective returns its input.
+    pub fn single() -> Self {
+        Self {
+            rank: 0,
+            world_size: 1,
+            engine: None,
+            seq: 0,
+            failed: None,
+        }
+    }
+
+    /// Forms the group described by `state`: rendezvous at its master address, then shared
+    /// memory when every rank is on this host (unless `options` say otherwise), else TCP.
+    pub fn new(state: &ProcessState, options: &GroupOptions) -> Result<Self, CommError> {
+        if state.world_size == 1 {
+            return Ok(Self::single());
+        }
+        let (rank, world_size) = (state.rank, state.world_size);
+        let host = state
+            .master_addr
+            .clone()
+            .ok_or_else(|| CommError::Rendezvous {
+                addr: "(none)".into(),
+                rank,
+                world_size,
+                reason: "MASTER_ADDR is not set".into(),
+            })?;
+        let addr = format!("{host}:{}", state.master_port);
+        let token = options
+            .token
+            .clone()
+            .unwrap_or_else(|| format!("derived:{addr}:{world_size}"));
+        let path = segment_path(&token, &addr);
+        let rendezvous = RendezvousConfig {
+            addr: addr.clone(),
+            rank,
+            world_size,
+            token: token.clone(),
+            timeout: options.rendezvous_timeout,
+            allow_shared_memory: options.transport != TransportChoice::Tcp,
+            require_shared_memory: options.transport == TransportChoice::Shm,
+        };
+        let started = Instant::now();
+        let joined =
+            rendezvous.join(|| create_segment(&path, world_size, options.shm_slot_bytes, rank))?;
+        let engine: Box<dyn Engine> = if joined.shared_memory {
+            Box::new(ShmEngine::open(
+                &path,
+                rank,
+                world_size,
+                options.shm_slot_bytes,
+                options.rendezvous_timeout,
+            )?)
+        } else {
+            let mut hasher = DefaultHasher::new();
+            token.hash(&mut hasher);
+            let deadline = started + options.rendezvous_timeout;
+            let link = TcpLink::connect(
+                rank,
+                &joined.peers,
+                &joined.listener,
+                hasher.finish(),
+                deadline,
+            )?;
+            Box::new(MessageEngine::new(
+                link,
+                options.timeout,
+                options.algorithm,
+                options.segment_bytes,
+            ))
+        };
+        tracing::info!(rank, world_size, transport = engine.name(), %addr, "process group formed");
+        let mut group = Self {
+            rank,
+            world_size,
+            engine: Some(engine),
+            seq: 0,
+            failed: None,
+        };
+        // The shared-memory engine used the rendezvous timeout for set-up; collectives use theirs.
+        group.set_timeout(options.timeout);
+        Ok(group)
+    }
+
+    /// A group of `world_size` ranks in this process, one per thread, over channels.
+    pub fn local(world_size: usize, options: &GroupOptions) -> Vec<ProcessGroup> {
+        if world_size <= 1 {
+            return vec![Self::single()];
+        }
+        LocalLink::group(world_size)
+            .into_iter()
+            .enumerate()
+            .map(|(rank, link)| Self {
+                rank,
+                world_size,
+                engine: Some(Box::new(MessageEngine::new(
+                    link,
+                    options.timeout,
+                    options.algorithm,
+                    options.segment_bytes,
+                ))),
+                seq: 0,
+                failed: None,
+            })
+            .collect()
+    }
+
+    fn set_timeout(&mut self, timeout: Duration) {
+        if let Some(engine) = self.engine.as_mut() {
+            engine.set_timeout(timeout);
+        }
+    }
+
+    /// This rank.
+    pub fn rank(&self) -> usize {
+        self.rank
+    }
+
+    /// Ranks in the group.
+    pub fn world_size(&self) -> usize {
+        self.world_size
+    }
+
+    /// The transport in use: "single", "local", "shm" or "tcp".
+    pub fn transport(&self) -> &'static str {
+        self.engine.as_ref().map_or("single", |e| e.name())
+    }
+
+    fn call(&mut self, op: OpKind) -> CallDesc {
+        let call = CallDesc::new(op, self.seq);
+        self.seq += 1;
+        call
+    }
+
+    fn usage(&self, op: OpKind, reason: String) -> CommError {
+        CommError::Usage {
+            op: op.name(),
+            rank: self.rank,
+            reason,
+        }
+    }
+
+    /// Runs `f` on the engine; the first error poisons the group and is told to the peers.
+    fn run(
+        &mut self,
+        f: impl FnOnce(&mut dyn Engine) -> Result<(), CommError>,
+    ) -> Result<(), CommError> {
+        if let Some(err) = &self.failed {
+            return Err(err.clone());
+        }
+        let Some(engine) = self.engine.as_mut() else {
+            return Ok(());
+        };
+        let result = f(engine.as_mut());
+        if let Err(err) = &result {
+            engine.abort(err);
+            self.failed = Some(err.clone());
+        }
+        result
+    }
+
+    /// Combines `buf` across ranks, in place, with `reduction`. Half-precision values are
+    /// combined in f32 and rounded once per combination.
+    pub fn all_reduce<T: Element>(
+        &mut self,
+        buf: &mut [T],
+        reduction: Reduction,
+    ) -> Result<(), CommError> {
+        let mut call = self.call(OpKind::AllReduce);
+        call.count = buf.len() as u64;
+        call.dtype = Some(T::DTYPE);
+        call.reduce = Some(reduction.op());
+        let scale = (reduction == Reduction::Mean).then(|| 1.0 / self.world_size as f32);
+        self.run(|e| {
+            e.all_reduce(
+                &call,
+                bytemuck::cast_slice_mut(buf),
+                T::DTYPE,
+                reduction.op(),
+                scale,
+            )
+        })
+    }
+
+    /// Copies `root`'s `buf` into every rank's `buf`.
+    pub fn broadcast<T: Element>(&mut self, buf: &mut [T], root: usize) -> Result<(), CommError> {
+        let count = buf.len();
+        self.broadcast_bytes(bytemuck::cast_slice_mut(buf), root, Some(T::DTYPE), count)
+    }
+
+    fn broadcast_bytes(
+        &mut self,
+        buf: &mut [u8],
+        root: usize,
+        dtype: Option<accelerate_kernels::DType>,
+        count: usize,
+    ) -> Result<(), CommError> {
+        if root >= self.world_size {
+            return Err(self.usage(
+                OpKind::Broadcast,
+                format!(
+                    "root {root} is not a rank of a group of {}",
+                    self.world_size
+                ),
+            ));
+        }
+        let mut call = self.call(OpKind::Broadcast);
+        call.count = count as u64;
+        call.dtype = dtype;
+        call.root = Some(root as u32);
+        self.run(|e| e.broadcast(&call, buf, root))
+    }
+
+    /// Concatenates every rank's `input`, in rank order, into `output`, which must be
+    /// `world_size` times as long.
+    pub fn all_gather<T: Element>(
+        &mut self,
+        input: &[T],
+        output: &mut [T],
+    ) -> Result<(), CommError> {
+        if output.len() != input.len() * self.world_size {
+            return Err(self.usage(
+                OpKind::AllGather,
+                format!(
+                    "output holds {} elements, {} x {} ranks expected",
+                    output.len(),
+                    input.len(),
+                    self.world_size
+                ),
+            ));
+        }
+        self.all_gather_bytes(
+            bytemuck::cast_slice(input),
+            bytemuck::cast_slice_mut(output),
+            Some(T::DTYPE),
+            input.len(),
+        )
+    }
+
+    fn all_gather_bytes(
+        &mut self,
+        input: &[u8],
+        output: &mut [u8],
+        dtype: Option<accelerate_kernels::DType>,
+        count: usize,
+    ) -> Result<(), CommError> {
+        let mut call = self.call(OpKind::AllGather);
+        call.count = count as u64;
+        call.dtype = dtype;
+        if self.engine.is_none() {
+            output.copy_from_slice(input);
+        }
+        self.run(|e| e.all_gather(&call, input, output))
+    }
+
+    /// Reduces `input` across ranks and leaves this rank's chunk of the result in `output`:
+    /// chunk `r` of `n` holds `len / n` elements, one more for the first `len % n` ranks
+    /// ([`chunk_len`](Self::chunk_len) tells the size).
+    pub fn reduce_scatter<T: Element>(
+        &mut self,
+        input: &[T],
+        output: &mut [T],
+        reduction: Reduction,
+    ) -> Result<(), CommError> {
+        let want = self.chunk_len(input.len());
+        if output.len() != want {
+            return Err(self.usage(
+                OpKind::ReduceScatter,
+                format!(
+                    "output holds {} elements, this rank's chunk of {} has {want}",
+                    output.len(),
+                    input.len()
+                ),
+            ));
+        }
+        let mut call = self.call(OpKind::ReduceScatter);
+        call.count = input.len() as u64;
+        call.dtype = Some(T::DTYPE);
+        call.reduce = Some(reduction.op());
+        if self.engine.is_none() {
+            output.copy_from_slice(input);
+        }
+        let n = self.world_size;
+        self.run(|e| {
+            let out = bytemuck::cast_slice_mut(output);
+            e.reduce_scatter(
+                &call,
+                bytemuck::cast_slice(input),
+                out,
+                T::DTYPE,
+                reduction.op(),
+            )?;
+            if reduction == Reduction::Mean {
+                accelerate_kernels::reduce::scale_bytes(T::DTYPE, out, 1.0 / n as f32);
+            }
+            Ok(())
+        })
+    }
+
+    /// Elements of this rank's chunk when `len` elements are scattered.
+    pub fn chunk_len(&self, len: usize) -> usize {
+        chunk_range(len, self.world_size, self.rank).len()
+    }
+
+    /// Returns once every rank has called it.
+    pub fn barrier(&mut self) -> Result<(), CommError> {
+        let call = self.call(OpKind::Barrier);
+        self.run(|e| e.barrier(&call))
+    }
+
+    /// `root`'s value on every rank. `value` is required on the root and ignored elsewhere.
+    /// Meant for small values (configurations, counters): it travels as JSON.
+    pub fn broadcast_object<V: Serialize + DeserializeOwned>(
+        &mut self,
+        value: Option<&V>,
+        root: usize,
+    ) -> Result<V, CommError> {
+        let mut bytes = if self.rank == root {
+            let value = value.ok_or_else(|| {
+                self.usage(OpKind::Broadcast, "the root must pass a value".into())
+            })?;
+            serde_json::to_vec(value).map_err(|e| self.usage(OpKind::Broadcast, e.to_string()))?
+        } else {
+            Vec::new()
+        };
+        let mut len = (bytes.len() as u64).to_le_bytes();
+        self.broadcast_bytes(&mut len, root, None, 8)?;
+        bytes.resize(u64::from_le_bytes(len) as usize, 0);
+        let n = bytes.len();
+        self.broadcast_bytes(&mut bytes, root, None, n)?;
+        serde_json::from_slice(&bytes).map_err(|e| {
+            self.usage(
+                OpKind::Broadcast,
+                format!("the value from rank {root} does not decode: {e}"),
+            )
+        })
+    }
+
+    /// Every rank's value, in rank order, on `root` (`None` elsewhere). Meant for small
+    /// values: it travels as JSON.
+    pub fn gather_object<V: Serialize + DeserializeOwned>(
+        &mut self,
+        value: &V,
+        root: usize,
+    ) -> Result<Option<Vec<V>>, CommError> {
+        if root >= self.world_size {
+            return Err(self.usage(
+                OpKind::AllGather,
+                format!(
+                    "root {root} is not a rank of a group of {}",
+                    self.world_size
+                ),
+            ));
+        }
+        let mut bytes =
+            serde_json::to_vec(value).map_err(|e| self.usage(OpKind::AllGather, e.to_string()))?;
+        let n = self.world_size;
+        let mut lens = vec![0u8; 8 * n];
+        self.all_gather_bytes(&(bytes.len() as u64).to_le_bytes(), &mut lens, None, 8)?;
+        let lens: Vec<usize> = lens
+            .chunks_exact(8)
+            .map(|c| u64::from_le_bytes(c.try_into().unwrap_or_default()) as usize)
+            .collect();
+        let longest = lens.iter().copied().max().unwrap_or(0);
+        bytes.resize(longest, 0);
+        let mut all = vec![0u8; longest * n];
+        self.all_gather_bytes(&bytes, &mut all, None, longest)?;
+        if self.rank != root {
+            return Ok(None);
+        }
+        lens.iter()
+            .enumerate()
+            .map(|(r, &len)| {
+                serde_json::from_slice(&all[r * longest..r * longest + len]).map_err(|e| {
+                    self.usage(
+                        OpKind::AllGather,
+                        format!("the value from rank {r} does not decode: {e}"),
+                    )
+                })
+            })
+            .collect::<Result<Vec<V>, _>>()
+            .map(Some)
+    }
+}

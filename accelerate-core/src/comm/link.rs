@@ -1,0 +1,30 @@
+//! The interface of the message-passing transports: ordered, reliable messages between pairs
+//! of ranks. Sends never wait for the receiver (they are queued), so schedules in which every
+//! rank sends before it receives cannot deadlock.
+
+use std::time::Instant;
+
+use super::call::Header;
+
+/// Why a receive or send failed, before the collective adds its context.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum LinkError {
+    /// Nothing arrived before the deadline.
+    Timeout,
+    /// The peer is gone (its end closed or reset).
+    Lost(String),
+}
+
+/// Ordered, reliable messages to and from each peer.
+pub trait Link: Send {
+    /// This rank.
+    fn rank(&self) -> usize;
+    /// Ranks in the group.
+    fn world_size(&self) -> usize;
+    /// Short name of the transport ("local", "tcp").
+    fn name(&self) -> &'static str;
+    /// Queues a message for `peer`.
+    fn send(&mut self, peer: usize, header: &Header, payload: &[u8]) -> Result<(), LinkError>;
+    /// The next message from `peer`, waiting until `deadline`.
+    fn recv(&mut self, peer: usize, deadline: Instant) -> Result<(Header, Vec<u8>), LinkError>;
+}

@@ -1,0 +1,177 @@
+//! `GroupOptions`: timeouts, transport and algorithm choices of a process group, from code or
+//! from `ACCELERATE_*` variables.
+
+use std::str::FromStr;
+use std::time::Duration;
+
+use super::collective::AllReduceAlgorithm;
+use super::transport::shm::DEFAULT_SLOT_BYTES;
+use crate::error::ConfigError;
+use crate::state::{EnvSource, ProcessEnv};
+
+/// Which transport a group uses.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum TransportChoice {
+    /// Shared memory when every rank is on one host, TCP otherwise.
+    Auto,
+    /// Shared memory; an error when ranks span hosts.
+    Shm,
+    /// TCP, even on one host.
+    Tcp,
+}
+
+impl FromStr for TransportChoice {
+    type Err = String;
+
+    fn from_str(s: &str) -> Result<Self, Self::Err> {
+        match s.trim().to_ascii_lowercase().as_str() {
+            "auto" => Ok(Self::Auto),
+            "shm" => Ok(Self::Shm),
+            "tcp" => Ok(Self::Tcp),
+            other => Err(format!("{other}: expected auto, shm or tcp")),
+        }
+    }
+}
+
+/// How a process group forms and behaves.
+#[derive(Debug, Clone)]
+pub struct GroupOptions {
+    /// Longest wait of any collective (`ACCELERATE_TIMEOUT`, seconds; default 300).
+    pub timeout: Duration,
+    /// Longest wait for the group to form (`ACCELERATE_RENDEZVOUS_TIMEOUT`, seconds; default 300).
+    pub rendezvous_timeout: Duration,
+    /// Transport (`ACCELERATE_TRANSPORT`: auto, shm, tcp; default auto).
+    pub transport: TransportChoice,
+    /// All-reduce algorithm of the message transports (`ACCELERATE_ALL_REDUCE_ALGORITHM`:
+    /// auto, ring, recursive_doubling; default auto).
+    pub algorithm: AllReduceAlgorithm,
+    /// Job token every rank must present (`ACCELERATE_JOB_TOKEN`; default: derived from the
+    /// rendezvous address and world size, which is enough on one host).
+    pub token: Option<String>,
+    /// Bytes of each shared-memory slot (`ACCELERATE_SHM_SLOT_BYTES`; default 4 MiB).
+    pub shm_slot_bytes: usize,
+    /// Largest ring chunk of the message transports (`ACCELERATE_RING_SEGMENT_BYTES`;
+    /// default 4 MiB).
+    pub segment_bytes: usize,
+}
+
+impl Default for GroupOptions {
+    fn default() -> Self {
+        Self {
+            timeout: Duration::from_secs(300),
+            rendezvous_timeout: Duration::from_secs(300),
+            transport: TransportChoice::Auto,
+            algorithm: AllReduceAlgorithm::Auto,
+            token: None,
+            shm_slot_bytes: DEFAULT_SLOT_BYTES,
+            segment_bytes: 4 << 20,
+        }
+    }
+}
+
+/// Smallest slot accepted: a reduce-scatter slot holds a sub-block of every rank's part.
+const MIN_SLOT_BYTES: usize = 4096;
+
+impl GroupOptions {
+    /// Defaults overridden by the process environment.
+    pub fn from_env() -> Result<Self, ConfigError> {
+        Self::from_source(&ProcessEnv)
+    }
+
+    /// Defaults overridden by `env`.
+    pub fn from_source(env: &(impl EnvSource + ?Sized)) -> Result<Self, ConfigError> {
+        let mut options = Self::default();
+        let invalid =
+            |key: &'static str, value: String, expected: &'static str| ConfigError::Invalid {
+                key,
+                source_name: "env".into(),
+                value,
+                expected,
+            };
+        let seconds = |key: &'static str| -> Result<Option<Duration>, ConfigError> {
+            env.var(key)
+                .map(|v| {
+                    v.trim()
+                        .parse::<f64>()
+                        .ok()
+                        .filter(|s| s.is_finite() && *s > 0.0)
+                        .map(Duration::from_secs_f64)
+                        .ok_or_else(|| invalid(key, v, "a positive number of seconds"))
+                })
+                .transpose()
+        };
+        let bytes = |key: &'static str| -> Result<Option<usize>, ConfigError> {
+            env.var(key)
+                .map(|v| {
+                    v.trim()
+                        .parse::<usize>()
+                        .ok()
+                        .filter(|&b| b >= MIN_SLOT_BYTES)
+                        .ok_or_else(|| invalid(key, v, "a number of bytes, at least 4096"))
+                })
+                .transpose()
+        };
+        if let Some(t) = seconds("ACCELERATE_TIMEOUT")? {
+            options.timeout = t;
+        }
+        if let Some(t) = seconds("ACCELERATE_RENDEZVOUS_TIMEOUT")? {
+            options.rendezvous_timeout = t;
+        }
+        if let Some(v) = env.var("ACCELERATE_TRANSPORT") {
+            options.transport = v
+                .parse()
+                .map_err(|_| invalid("ACCELERATE_TRANSPORT", v, "auto, shm or tcp"))?;
+        }
+        if let Some(v) = env.var("ACCELERATE_ALL_REDUCE_ALGORITHM") {
+            options.algorithm = v.parse().map_err(|_| {
+                invalid(
+                    "ACCELERATE_ALL_REDUCE_ALGORITHM",
+                    v,
+                    "auto, ring or recursive_doubling",
+                )
+            })?;
+        }
+        options.token = env.var("ACCELERATE_JOB_TOKEN");
+        if let Some(b) = bytes("ACCELERATE_SHM_SLOT_BYTES")? {
+            options.shm_slot_bytes = b;
+        }
+        if let Some(b) = bytes("ACCELERATE_RING_SEGMENT_BYTES")? {
+            options.segment_bytes = b;
+        }
+        Ok(options)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn env_overrides_defaults_and_bad_values_name_the_variable() {
+        let env = [
+            ("ACCELERATE_TIMEOUT", "2.5"),
+            ("ACCELERATE_TRANSPORT", "tcp"),
+            ("ACCELERATE_ALL_REDUCE_ALGORITHM", "ring"),
+            ("ACCELERATE_JOB_TOKEN", "t"),
+            ("ACCELERATE_SHM_SLOT_BYTES", "65536"),
+        ];
+        let o = GroupOptions::from_source(&env[..]).unwrap();
+        assert_eq!(o.timeout, Duration::from_millis(2500));
+        assert_eq!(o.transport, TransportChoice::Tcp);
+        assert_eq!(o.algorithm, AllReduceAlgorithm::Ring);
+        assert_eq!(o.token.as_deref(), Some("t"));
+        assert_eq!(o.shm_slot_bytes, 65536);
+        assert_eq!(o.rendezvous_timeout, Duration::from_secs(300));
+        let err = GroupOptions::from_source(&[("ACCELERATE_TRANSPORT", "ib")][..])
+            .unwrap_err()
+            .to_string();
+        assert_eq!(
+            err,
+            "ACCELERATE_TRANSPORT (env) = ib: expected auto, shm or tcp"
+        );
+        let err = GroupOptions::from_source(&[("ACCELERATE_TIMEOUT", "0")][..])
+            .unwrap_err()
+            .to_string();
+        assert!(err.starts_with("ACCELERATE_TIMEOUT (env) = 0"), "{err}");
+    }
+}

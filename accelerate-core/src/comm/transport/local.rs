@@ -1,0 +1,71 @@
+//! In-process transport: each pair of threads shares a channel. Used by tests (threads as
+//! ranks) and by several devices driven from one process.
+
+use std::sync::mpsc::{self, Receiver, RecvTimeoutError, Sender};
+use std::time::Instant;
+
+use crate::comm::call::Header;
+use crate::comm::link::{Link, LinkError};
+
+type Message = (Header, Vec<u8>);
+
+/// One rank's end of an in-process group.
+pub struct LocalLink {
+    rank: usize,
+    to: Vec<Sender<Message>>,
+    from: Vec<Receiver<Message>>,
+}
+
+impl LocalLink {
+    /// The links of a group of `world_size` in-process ranks, in rank order.
+    pub fn group(world_size: usize) -> Vec<LocalLink> {
+        let mut to: Vec<Vec<Sender<Message>>> = (0..world_size).map(|_| Vec::new()).collect();
+        let mut from: Vec<Vec<Option<Receiver<Message>>>> = (0..world_size)
+            .map(|_| (0..world_size).map(|_| None).collect())
+            .collect();
+        for (sender, outgoing) in to.iter_mut().enumerate() {
+            for receiver_inbox in from.iter_mut() {
+                let (tx, rx) = mpsc::channel();
+                outgoing.push(tx);
+                receiver_inbox[sender] = Some(rx);
+            }
+        }
+        to.into_iter()
+            .zip(from)
+            .enumerate()
+            .map(|(rank, (to, from))| LocalLink {
+                rank,
+                to,
+                from: from.into_iter().flatten().collect(),
+            })
+            .collect()
+    }
+}
+
+impl Link for LocalLink {
+    fn rank(&self) -> usize {
+        self.rank
+    }
+
+    fn world_size(&self) -> usize {
+        self.to.len()
+    }
+
+    fn name(&self) -> &'static str {
+        "local"
+    }
+
+    fn send(&mut self, peer: usize, header: &Header, payload: &[u8]) -> Result<(), LinkError> {
+        self.to[peer]
+            .send((*header, payload.to_vec()))
+            .map_err(|_| LinkError::Lost("its thread ended".into()))
+    }
+
+    fn recv(&mut self, peer: usize, deadline: Instant) -> Result<(Header, Vec<u8>), LinkError> {
+        let left = deadline.saturating_duration_since(Instant::now());
+        self.from[peer].recv_timeout(left).map_err(|e| match e {
+            RecvTimeoutError::Timeout => LinkError::Timeout,
+            RecvTimeoutError::Disconnected => LinkError::Lost("its thread ended".into()),
+        })
+    }
+}

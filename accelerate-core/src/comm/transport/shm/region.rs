@@ -1,0 +1,176 @@
+//! The shared mapping and every raw access to it: the only unsafe code of the shared-memory
+//! transport.
+//!
+//! # Layout
+//!
+//! ```text
+//! [ control block rank 0 | ... | control block rank n-1 | slots rank 0 (2 x slot) | ... ]
+//! ```
+//!
+//! A control block is [`CONTROL_BYTES`] bytes, each field on its own cache line where another
+//! rank polls it:
+//!
+//! | offset | field | written by | read by |
+//! |---|---|---|---|
+//! | 0 | `pid` | its rank, once at set-up | peers' liveness checks |
+//! | 64 | `arrived` (barrier counter) | its rank, `Release` | all ranks, `Acquire` |
+//! | 128 | `call[2]` (4 words each, by call parity) | its rank, before `arrived` | all ranks, after `arrived` |
+//! | 192+64 | `aborted` flag | its rank, `Release`, after `reason` | all ranks |
+//! | 320 | `reason` length + bytes | its rank | all ranks, after `aborted` |
+//!
+//! Data slots are plain bytes. The barrier protocol (see the module `engine`) guarantees that a
+//! slot region is never written while another rank reads it: a rank writes only its own slots,
+//! and readers read a slot only between two barriers that its writer also passes.
+
+// This module is where the transport touches shared memory; see each SAFETY comment.
+#![allow(unsafe_code)]
+
+use std::fs::File;
+use std::sync::atomic::{AtomicU64, Ordering};
+
+use memmap2::MmapMut;
+
+/// Bytes of one rank's control block.
+pub const CONTROL_BYTES: usize = 512;
+const PID: usize = 0;
+const ARRIVED: usize = 64;
+const CALL: usize = 128;
+const ABORTED: usize = 256;
+const REASON_LEN: usize = 320;
+const REASON: usize = 328;
+/// Longest abort reason kept, in bytes.
+pub const REASON_CAPACITY: usize = CONTROL_BYTES - REASON;
+
+/// A mapped shared-memory segment of `ranks` control blocks and `ranks x 2` slots.
+pub struct Region {
+    map: MmapMut,
+    ranks: usize,
+    slot_bytes: usize,
+}
+
+impl Region {
+    /// Total bytes of a segment for `ranks` ranks and slots of `slot_bytes`.
+    pub fn size(ranks: usize, slot_bytes: usize) -> usize {
+        ranks * CONTROL_BYTES + ranks * 2 * slot_bytes
+    }
+
+    /// Maps `file`, which must be [`Region::size`] bytes long.
+    pub fn map(file: &File, ranks: usize, slot_bytes: usize) -> std::io::Result<Self> {
+        // SAFETY: the file is a private /dev/shm segment of this group; it is never truncated
+        // while mapped (its size is set once, before any rank maps it), so the mapping stays
+        // valid for the lifetime of `map`.
+        let map = unsafe { MmapMut::map_mut(file)? };
+        if map.len() < Self::size(ranks, slot_bytes) {
+            return Err(std::io::Error::new(
+                std::io::ErrorKind::InvalidData,
+                format!(
+                    "the segment has {} bytes, {} expected",
+                    map.len(),
+                    Self::size(ranks, slot_bytes)
+                ),
+            ));
+        }
+        Ok(Self {
+            map,
+            ranks,
+            slot_bytes,
+        })
+    }
+
+    /// Bytes per slot.
+    pub fn slot_bytes(&self) -> usize {
+        self.slot_bytes
+    }
+
+    fn word(&self, rank: usize, offset: usize) -> &AtomicU64 {
+        assert!(rank < self.ranks && offset + 8 <= CONTROL_BYTES && offset % 8 == 0);
+        let at = rank * CONTROL_BYTES + offset;
+        // SAFETY: `at` is 8-aligned (the mapping is page-aligned, CONTROL_BYTES and `offset`
+        // are multiples of 8) and in bounds (checked above, and `map` covers every control
+        // block). Control words are only ever accessed atomically, by every process.
+        unsafe { &*(self.map.as_ptr().add(at) as *const AtomicU64) }
+    }
+
+    /// Rank `rank`'s process id.
+    pub fn pid(&self, rank: usize) -> &AtomicU64 {
+        self.word(rank, PID)
+    }
+
+    /// Rank `rank`'s barrier counter.
+    pub fn arrived(&self, rank: usize) -> &AtomicU64 {
+        self.word(rank, ARRIVED)
+    }
+
+    /// Word `i` (0..4) of the call rank `rank` published for parity `parity`.
+    pub fn call_word(&self, rank: usize, parity: usize, i: usize) -> &AtomicU64 {
+        self.word(rank, CALL + (parity % 2) * 32 + i * 8)
+    }
+
+    /// Rank `rank`'s abort flag.
+    pub fn aborted(&self, rank: usize) -> &AtomicU64 {
+        self.word(rank, ABORTED)
+    }
+
+    /// Publishes this rank's abort reason, then raises its flag.
+    pub fn set_abort(&self, rank: usize, reason: &str) {
+        let bytes = &reason.as_bytes()[..reason.len().min(REASON_CAPACITY)];
+        for (i, chunk) in bytes.chunks(8).enumerate() {
+            let mut word = [0u8; 8];
+            word[..chunk.len()].copy_from_slice(chunk);
+            self.word(rank, REASON + i * 8)
+                .store(u64::from_le_bytes(word), Ordering::Relaxed);
+        }
+        self.word(rank, REASON_LEN)
+            .store(bytes.len() as u64, Ordering::Relaxed);
+        self.aborted(rank).store(1, Ordering::Release);
+    }
+
+    /// Rank `rank`'s abort reason, if it raised its flag.
+    pub fn abort_reason(&self, rank: usize) -> Option<String> {
+        if self.aborted(rank).load(Ordering::Acquire) == 0 {
+            return None;
+        }
+        let len =
+            (self.word(rank, REASON_LEN).load(Ordering::Relaxed) as usize).min(REASON_CAPACITY);
+        let mut bytes = Vec::with_capacity(len + 8);
+        for i in 0..len.div_ceil(8) {
+            bytes.extend_from_slice(
+                &self
+                    .word(rank, REASON + i * 8)
+                    .load(Ordering::Relaxed)
+                    .to_le_bytes(),
+            );
+        }
+        bytes.truncate(len);
+        Some(String::from_utf8_lossy(&bytes).into_owned())
+    }
+
+    fn slot_offset(&self, rank: usize, buffer: usize, offset: usize, len: usize) -> usize {
+        assert!(rank < self.ranks && buffer < 2 && offset + len <= self.slot_bytes);
+        self.ranks * CONTROL_BYTES + (rank * 2 + buffer) * self.slot_bytes + offset
+    }
+
+    /// Bytes `offset..offset + len` of slot `buffer` of rank `rank`, to read.
+    ///
+    /// Callers uphold the barrier protocol: the slot's owner does not write this range until
+    /// every rank has passed the barrier that follows this read.
+    pub fn slot(&self, rank: usize, buffer: usize, offset: usize, len: usize) -> &[u8] {
+        let at = self.slot_offset(rank, buffer, offset, len);
+        // SAFETY: in bounds (checked in `slot_offset`); by the barrier protocol no process
+        // writes these bytes while this shared borrow lives (see the module docs).
+        unsafe { std::slice::from_raw_parts(self.map.as_ptr().add(at), len) }
+    }
+
+    /// Bytes `offset..offset + len` of this rank's own slot `buffer`, to write.
+    ///
+    /// Callers uphold the barrier protocol: `rank` is the calling rank, and no rank reads
+    /// this range until the next barrier.
+    #[allow(clippy::mut_from_ref)]
+    pub fn slot_mut(&self, rank: usize, buffer: usize, offset: usize, len: usize) -> &mut [u8] {
+        let at = self.slot_offset(rank, buffer, offset, len);
+        // SAFETY: in bounds (checked in `slot_offset`); only the owning rank writes its slots,
+        // each call hands out one range at a time to the single thread driving the group, and
+        // by the barrier protocol nobody reads it concurrently (see the module docs).
+        unsafe { std::slice::from_raw_parts_mut(self.map.as_ptr().add(at).cast_mut(), len) }
+    }
+}
