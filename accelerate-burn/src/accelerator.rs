@@ -284,8 +284,8 @@ impl<B: AcceleratorBackend> Accelerator<B> {
             return Ok(None);
         };
         let factor = accelerate_kernels::clip_coefficient(norm, max_norm);
-        // `!(factor >= 1)` also scales by a NaN factor, so a poisoned step stays visible.
-        if !(factor >= 1.0) {
+        // A NaN factor is applied too, so a poisoned step stays visible.
+        if factor < 1.0 || factor.is_nan() {
             grads::scale(grads, factor, model);
         }
         Ok(Some(norm))

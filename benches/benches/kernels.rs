@@ -3,8 +3,10 @@
 // criterion_group! generates an undocumented function.
 #![allow(missing_docs)]
 
-use accelerate_kernels::{scale_in_place, sum_of_squares};
+use accelerate_kernels::reduce::{reduce_bf16, reduce_f16, reduce_f32};
+use accelerate_kernels::{ReduceOp, scale_in_place, sum_of_squares};
 use criterion::{Criterion, Throughput, criterion_group, criterion_main};
+use half::{bf16, f16};
 use std::hint::black_box;
 
 fn kernels(c: &mut Criterion) {
@@ -24,5 +26,28 @@ fn kernels(c: &mut Criterion) {
     group.finish();
 }
 
-criterion_group!(benches, kernels);
+/// Sum of two 16 MiB operands (beyond L2, mostly within this machine's L3), per dtype:
+/// bytes counted are both operands read plus the result written.
+fn reductions(c: &mut Criterion) {
+    let mut group = c.benchmark_group("reduce_sum_16MiB");
+    let bytes = 16usize << 20;
+    group.throughput(Throughput::Bytes(3 * bytes as u64));
+    let n32 = bytes / 4;
+    let (mut a, b) = (vec![1.0_f32; n32], vec![0.0_f32; n32]);
+    group.bench_function("f32", |bench| {
+        bench.iter(|| reduce_f32(black_box(&mut a), black_box(&b), ReduceOp::Sum))
+    });
+    let n16 = bytes / 2;
+    let (mut a, b) = (vec![f16::ONE; n16], vec![f16::ZERO; n16]);
+    group.bench_function("f16", |bench| {
+        bench.iter(|| reduce_f16(black_box(&mut a), black_box(&b), ReduceOp::Sum))
+    });
+    let (mut a, b) = (vec![bf16::ONE; n16], vec![bf16::ZERO; n16]);
+    group.bench_function("bf16", |bench| {
+        bench.iter(|| reduce_bf16(black_box(&mut a), black_box(&b), ReduceOp::Sum))
+    });
+    group.finish();
+}
+
+criterion_group!(benches, kernels, reductions);
 criterion_main!(benches);

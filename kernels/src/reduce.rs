@@ -1,14 +1,13 @@
 //! Element-wise reductions of one buffer into another: the inner loop of every all-reduce.
 //!
 //! f32 buffers are combined directly in lanes the compiler vectorises. f16 and bf16 buffers are
-//! widened to f32 a block at a time (`half`'s slice conversions use F16C where the CPU has it),
+//! widened to f32 a block at a time (with the branch-free conversions of [`crate::convert`]),
 //! combined in f32 and rounded once, so the sum of two half-precision values is the correctly
 //! rounded result in the output type.
 
-use half::slice::HalfFloatSliceExt;
 use half::{bf16, f16};
 
-use crate::LANES;
+use crate::{LANES, convert};
 
 /// Element types that collectives move and reduce.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
@@ -132,25 +131,57 @@ fn zip_lanes(acc: &mut [f32], other: &[f32], f: impl Fn(f32, f32) -> f32 + Copy)
 }
 
 macro_rules! reduce_half {
-    ($name:ident, $t:ty) => {
-        /// `acc[i] = op(acc[i], other[i])`, combined in f32 and rounded once.
-        pub fn $name(acc: &mut [$t], other: &[$t], op: ReduceOp) {
+    ($name:ident, $t:ty, $widen:path, $narrow:path) => {
+        /// `acc[i] = op(acc[i], other[i])`, combined in f32 and rounded once (portable code).
+        pub(crate) fn $name(acc: &mut [$t], other: &[$t], op: ReduceOp) {
             assert_eq!(acc.len(), other.len(), "reduce: length mismatch");
             let mut wide_a = [0.0_f32; HALF_BLOCK];
             let mut wide_b = [0.0_f32; HALF_BLOCK];
             for (a, b) in acc.chunks_mut(HALF_BLOCK).zip(other.chunks(HALF_BLOCK)) {
                 let n = a.len();
-                a.convert_to_f32_slice(&mut wide_a[..n]);
-                b.convert_to_f32_slice(&mut wide_b[..n]);
+                $widen(a, &mut wide_a[..n]);
+                $widen(b, &mut wide_b[..n]);
                 reduce_f32(&mut wide_a[..n], &wide_b[..n], op);
-                a.convert_from_f32_slice(&wide_a[..n]);
+                $narrow(&wide_a[..n], a);
             }
         }
     };
 }
 
-reduce_half!(reduce_f16, f16);
-reduce_half!(reduce_bf16, bf16);
+reduce_half!(
+    reduce_f16_portable,
+    f16,
+    convert::f16_to_f32_slice,
+    convert::f32_to_f16_slice
+);
+reduce_half!(
+    reduce_bf16_portable,
+    bf16,
+    convert::bf16_to_f32_slice,
+    convert::f32_to_bf16_slice
+);
+
+/// `acc[i] = op(acc[i], other[i])` on f16 values, combined in f32 and rounded once (AVX2 and
+/// F16C where the CPU has them).
+pub fn reduce_f16(acc: &mut [f16], other: &[f16], op: ReduceOp) {
+    assert_eq!(acc.len(), other.len(), "reduce: length mismatch");
+    #[cfg(target_arch = "x86_64")]
+    if crate::x86::try_reduce_f16(acc, other, op) {
+        return;
+    }
+    reduce_f16_portable(acc, other, op);
+}
+
+/// `acc[i] = op(acc[i], other[i])` on bf16 values, combined in f32 and rounded once (AVX2
+/// where the CPU has it).
+pub fn reduce_bf16(acc: &mut [bf16], other: &[bf16], op: ReduceOp) {
+    assert_eq!(acc.len(), other.len(), "reduce: length mismatch");
+    #[cfg(target_arch = "x86_64")]
+    if crate::x86::try_reduce_bf16(acc, other, op) {
+        return;
+    }
+    reduce_bf16_portable(acc, other, op);
+}
 
 /// `acc[i] = op(acc[i], other[i])` for any [`Element`].
 pub fn reduce<T: Element>(acc: &mut [T], other: &[T], op: ReduceOp) {
@@ -184,8 +215,8 @@ fn with_aligned<T: Element>(acc: &mut [u8], other: &[u8], f: impl Fn(&mut [T], &
         return f(a, b);
     }
     const BLOCK: usize = 4096;
-    let mut block_a = vec![T::zeroed(); BLOCK];
-    let mut block_b = vec![T::zeroed(); BLOCK];
+    let mut block_a = [T::zeroed(); BLOCK];
+    let mut block_b = [T::zeroed(); BLOCK];
     let bytes = BLOCK * size_of::<T>();
     for (a, b) in acc.chunks_mut(bytes).zip(other.chunks(bytes)) {
         let n = a.len() / size_of::<T>();
@@ -206,22 +237,50 @@ pub fn scale_bytes(dtype: DType, bytes: &mut [u8], factor: f32) {
 }
 
 macro_rules! scale_half {
-    ($name:ident, $t:ty) => {
-        /// Multiplies every element by `factor` in f32, rounding once.
-        pub fn $name(values: &mut [$t], factor: f32) {
+    ($name:ident, $t:ty, $widen:path, $narrow:path) => {
+        /// Multiplies every element by `factor` in f32, rounding once (portable code).
+        pub(crate) fn $name(values: &mut [$t], factor: f32) {
             let mut wide = [0.0_f32; HALF_BLOCK];
             for block in values.chunks_mut(HALF_BLOCK) {
                 let n = block.len();
-                block.convert_to_f32_slice(&mut wide[..n]);
+                $widen(block, &mut wide[..n]);
                 crate::scale_in_place(&mut wide[..n], factor);
-                block.convert_from_f32_slice(&wide[..n]);
+                $narrow(&wide[..n], block);
             }
         }
     };
 }
 
-scale_half!(scale_f16, f16);
-scale_half!(scale_bf16, bf16);
+scale_half!(
+    scale_f16_portable,
+    f16,
+    convert::f16_to_f32_slice,
+    convert::f32_to_f16_slice
+);
+scale_half!(
+    scale_bf16_portable,
+    bf16,
+    convert::bf16_to_f32_slice,
+    convert::f32_to_bf16_slice
+);
+
+/// Multiplies f16 values by `factor` in f32, rounding once.
+pub fn scale_f16(values: &mut [f16], factor: f32) {
+    #[cfg(target_arch = "x86_64")]
+    if crate::x86::try_scale_f16(values, factor) {
+        return;
+    }
+    scale_f16_portable(values, factor);
+}
+
+/// Multiplies bf16 values by `factor` in f32, rounding once.
+pub fn scale_bf16(values: &mut [bf16], factor: f32) {
+    #[cfg(target_arch = "x86_64")]
+    if crate::x86::try_scale_bf16(values, factor) {
+        return;
+    }
+    scale_bf16_portable(values, factor);
+}
 
 fn with_aligned_one<T: Element>(bytes: &mut [u8], f: impl Fn(&mut [T])) {
     if let Ok(v) = bytemuck::try_cast_slice_mut::<u8, T>(bytes) {
@@ -315,6 +374,111 @@ mod tests {
         let mut f = v.clone();
         scale_bytes(DType::F32, bytemuck::cast_slice_mut(&mut f), 0.25);
         assert!(f.iter().zip(&v).all(|(a, b)| *a == b * 0.25));
+    }
+
+    #[test]
+    fn dispatched_loops_equal_the_portable_ones_bit_for_bit() {
+        // Specials included: NaN, infinities, subnormals, values that overflow when combined.
+        let specials = [
+            f32::NAN,
+            f32::INFINITY,
+            -f32::INFINITY,
+            65504.0,
+            -65504.0,
+            6e-8,
+            -3e-5,
+            0.0,
+            -0.0,
+            1e30,
+        ];
+        for op in OPS {
+            for len in LENS {
+                let a: Vec<f32> = values(len, 8)
+                    .iter()
+                    .enumerate()
+                    .map(|(i, v)| {
+                        if i % 13 == 5 {
+                            specials[i % specials.len()]
+                        } else {
+                            v * 1000.3
+                        }
+                    })
+                    .collect();
+                let b: Vec<f32> = values(len, 9)
+                    .iter()
+                    .enumerate()
+                    .map(|(i, v)| {
+                        if i % 11 == 3 {
+                            specials[(i + 4) % specials.len()]
+                        } else {
+                            v * 0.37
+                        }
+                    })
+                    .collect();
+                let (a16, b16): (Vec<f16>, Vec<f16>) = (
+                    a.iter().map(|&x| f16::from_f32(x)).collect(),
+                    b.iter().map(|&x| f16::from_f32(x)).collect(),
+                );
+                let (mut x, mut y) = (a16.clone(), a16.clone());
+                reduce_f16(&mut x, &b16, op);
+                reduce_f16_portable(&mut y, &b16, op);
+                same(
+                    &bits(&x),
+                    &bits(&y),
+                    0x7c00,
+                    &format!("f16 {op:?} len {len}"),
+                );
+                let (ab, bb): (Vec<bf16>, Vec<bf16>) = (
+                    a.iter().map(|&x| bf16::from_f32(x)).collect(),
+                    b.iter().map(|&x| bf16::from_f32(x)).collect(),
+                );
+                let (mut x, mut y) = (ab.clone(), ab.clone());
+                reduce_bf16(&mut x, &bb, op);
+                reduce_bf16_portable(&mut y, &bb, op);
+                same(
+                    &bits(&x),
+                    &bits(&y),
+                    0x7f80,
+                    &format!("bf16 {op:?} len {len}"),
+                );
+                let (mut x, mut y) = (a16.clone(), a16.clone());
+                scale_f16(&mut x, 0.3);
+                scale_f16_portable(&mut y, 0.3);
+                same(
+                    &bits(&x),
+                    &bits(&y),
+                    0x7c00,
+                    &format!("scale f16 len {len}"),
+                );
+                let (mut x, mut y) = (ab.clone(), ab.clone());
+                scale_bf16(&mut x, 0.3);
+                scale_bf16_portable(&mut y, 0.3);
+                same(
+                    &bits(&x),
+                    &bits(&y),
+                    0x7f80,
+                    &format!("scale bf16 len {len}"),
+                );
+            }
+        }
+    }
+
+    /// Equal bits, except that any two NaNs match and +0 matches -0 (max/min of two zeros
+    /// may return either, in hardware and in `f32::max` alike).
+    fn same(a: &[u16], b: &[u16], exponent_mask: u16, what: &str) {
+        for (i, (&x, &y)) in a.iter().zip(b).enumerate() {
+            let nan =
+                |v: u16| v & exponent_mask == exponent_mask && v & !exponent_mask & 0x7fff != 0;
+            let zero = |v: u16| v & 0x7fff == 0;
+            assert!(
+                x == y || (nan(x) && nan(y)) || (zero(x) && zero(y)),
+                "{what}: element {i} differs: {x:#06x} vs {y:#06x}"
+            );
+        }
+    }
+
+    fn bits<T: bytemuck::Pod>(v: &[T]) -> Vec<u16> {
+        bytemuck::cast_slice::<T, u16>(v).to_vec()
     }
 
     #[test]

@@ -70,7 +70,7 @@ pub fn recursive_doubling(rank: usize, n: usize) -> DoublingRole {
     };
     let extra = n - p;
     // Ranks below 2 * extra pair up: the even one folds into the odd one.
-    if rank < 2 * extra && rank % 2 == 0 {
+    if rank < 2 * extra && rank.is_multiple_of(2) {
         return DoublingRole::Folded { partner: rank + 1 };
     }
     let virtual_rank = |r: usize| if r < 2 * extra { r / 2 } else { r - extra };
@@ -159,12 +159,12 @@ mod tests {
                             bufs[r][c].to_vec()
                         })
                         .collect();
-                    for r in 0..n {
+                    for (r, buf) in bufs.iter_mut().enumerate() {
                         let (left, _) = ring_neighbours(r, n);
                         let (_, recv) = ring_reduce_scatter_step(r, n, step);
                         assert_eq!(recv, ring_reduce_scatter_step(left, n, step).0);
                         let c = chunk_range(len, n, recv);
-                        for (x, y) in bufs[r][c].iter_mut().zip(&sent[left]) {
+                        for (x, y) in buf[c].iter_mut().zip(&sent[left]) {
                             *x += y;
                         }
                     }
@@ -185,12 +185,12 @@ mod tests {
                             bufs[r][c].to_vec()
                         })
                         .collect();
-                    for r in 0..n {
+                    for (r, buf) in bufs.iter_mut().enumerate() {
                         let (left, _) = ring_neighbours(r, n);
                         let (_, recv) = ring_all_gather_step(r, n, step);
                         assert_eq!(recv, ring_all_gather_step(left, n, step).0);
                         let c = chunk_range(len, n, recv);
-                        bufs[r][c].copy_from_slice(&sent[left]);
+                        buf[c].copy_from_slice(&sent[left]);
                     }
                 }
                 assert!(

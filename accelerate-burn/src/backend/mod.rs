@@ -69,6 +69,8 @@ pub type DefaultBackend = Flex;
 pub type DefaultBackend = NdArray;
 
 /// Names of the backend kinds compiled into this build, best first.
+// Each push is behind its own feature, which `vec![...]` cannot express.
+#[allow(clippy::vec_init_then_push)]
 pub fn enabled_backends() -> Vec<&'static str> {
     let mut names = Vec::new();
     #[cfg(feature = "cuda")]

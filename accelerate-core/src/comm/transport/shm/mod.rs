@@ -9,10 +9,12 @@
 //! alternate slots, so no barrier is needed between a segment's last reads and the next
 //! segment's writes: the next segment's first barrier already orders them.
 //!
-//! Waiting spins, then yields, then naps (more ranks than cores must not starve the rank being
-//! waited for). While waiting a rank watches the peers' abort flags and, every few
-//! milliseconds, whether the processes it waits for still exist, so a peer that crashes is
-//! reported within milliseconds, and a deadline bounds every wait.
+//! Waiting spins briefly (a peer on another core arrives within microseconds), then sleeps on a
+//! futex in the segment that every arriving rank rings while someone sleeps: with more ranks
+//! than cores, or while a peer is still computing, waiters leave the CPU to it. Sleeps last at
+//! most a couple of milliseconds, so a rank keeps watching the peers' abort flags and whether
+//! the processes it waits for still exist: a crashed peer is reported within milliseconds, and
+//! a deadline bounds every wait.
 //!
 //! The segment file is removed as soon as every rank has mapped it, so nothing is left in
 //! `/dev/shm` after a normal end or a crash of any rank.
@@ -37,6 +39,8 @@ use region::Region;
 pub const DEFAULT_SLOT_BYTES: usize = 4 << 20;
 /// How often a waiting rank checks that the ranks it waits for are still alive.
 const LIVENESS_INTERVAL: Duration = Duration::from_millis(5);
+/// Longest single sleep on the doorbell (a missed wake-up costs at most this).
+const NAP: Duration = Duration::from_millis(2);
 
 /// The shared-memory engine of one rank.
 pub struct ShmEngine {
@@ -46,6 +50,8 @@ pub struct ShmEngine {
     timeout: Duration,
     arrivals: u64,
     segments: u64,
+    /// Spins before sleeping: long when every rank has a core, short when ranks share cores.
+    spin_limit: u32,
 }
 
 /// The segment path of a group: a hash of its job token and rendezvous address, so two jobs
@@ -110,6 +116,7 @@ impl ShmEngine {
         region
             .pid(rank)
             .store(u64::from(std::process::id()), Ordering::Release);
+        let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
         let mut engine = Self {
             rank,
             world_size,
@@ -117,6 +124,7 @@ impl ShmEngine {
             timeout,
             arrivals: 0,
             segments: 0,
+            spin_limit: if world_size <= cores { 4_000 } else { 64 },
         };
         engine.barrier_wait(&CallDesc::new(OpKind::Setup, 0), false)?;
         Ok(engine)
@@ -140,30 +148,39 @@ impl ShmEngine {
     fn barrier_wait(&mut self, call: &CallDesc, check: bool) -> Result<(), CommError> {
         self.arrivals += 1;
         let target = self.arrivals;
+        // SeqCst on this store and on the sleepers load below, against the sleeper's SeqCst
+        // increment and re-check: either it sees this arrival, or this rank sees it sleeping.
         self.region
             .arrived(self.rank)
-            .store(target, Ordering::Release);
+            .store(target, Ordering::SeqCst);
+        if self.region.sleepers().load(Ordering::SeqCst) > 0 {
+            self.region.doorbell().fetch_add(1, Ordering::SeqCst);
+            wake_all(self.region.doorbell());
+        }
+        let all_arrived = |region: &Region| {
+            (0..self.world_size).all(|r| region.arrived(r).load(Ordering::Acquire) >= target)
+        };
         let started = Instant::now();
         let deadline = started + self.timeout;
         let mut next_liveness = started + LIVENESS_INTERVAL;
         let mut spins: u32 = 0;
-        loop {
-            if (0..self.world_size)
-                .all(|r| self.region.arrived(r).load(Ordering::Acquire) >= target)
-            {
-                break;
-            }
+        while !all_arrived(&self.region) {
             spins = spins.saturating_add(1);
-            if spins % 64 == 0 {
-                self.check_peers(call, target, started, deadline, &mut next_liveness)?;
-            }
-            if spins < 4_000 {
+            if spins < self.spin_limit {
                 std::hint::spin_loop();
-            } else if spins < 20_000 {
-                std::thread::yield_now();
+                if !spins.is_multiple_of(64) {
+                    continue;
+                }
             } else {
-                std::thread::sleep(Duration::from_micros(50));
+                let sleepers = self.region.sleepers();
+                sleepers.fetch_add(1, Ordering::SeqCst);
+                let bell = self.region.doorbell().load(Ordering::SeqCst);
+                if !all_arrived(&self.region) {
+                    sleep_on(self.region.doorbell(), bell, NAP);
+                }
+                sleepers.fetch_sub(1, Ordering::SeqCst);
             }
+            self.check_peers(call, target, started, deadline, &mut next_liveness)?;
         }
         if check {
             self.check_calls(call)?;
@@ -247,6 +264,30 @@ impl ShmEngine {
         self.barrier_wait(call, true)
     }
 }
+
+/// Sleeps until `word` no longer holds `seen`, a wake-up, or `nap` passes.
+#[cfg(target_os = "linux")]
+fn sleep_on(word: &std::sync::atomic::AtomicU32, seen: u32, nap: Duration) {
+    use linux_futex::{AsFutex, Shared};
+    let futex: &linux_futex::Futex<Shared> = word.as_futex();
+    let _ = futex.wait_for(seen, nap);
+}
+
+/// Wakes every rank sleeping on `word`.
+#[cfg(target_os = "linux")]
+fn wake_all(word: &std::sync::atomic::AtomicU32) {
+    use linux_futex::{AsFutex, Shared};
+    let futex: &linux_futex::Futex<Shared> = word.as_futex();
+    futex.wake(i32::MAX);
+}
+
+#[cfg(not(target_os = "linux"))]
+fn sleep_on(_word: &std::sync::atomic::AtomicU32, _seen: u32, _nap: Duration) {
+    std::thread::sleep(Duration::from_micros(50));
+}
+
+#[cfg(not(target_os = "linux"))]
+fn wake_all(_word: &std::sync::atomic::AtomicU32) {}
 
 /// True while process `pid` exists and is not a zombie.
 fn process_alive(pid: u64) -> bool {

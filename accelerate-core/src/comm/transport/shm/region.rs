@@ -15,7 +15,9 @@
 //! | 0 | `pid` | its rank, once at set-up | peers' liveness checks |
 //! | 64 | `arrived` (barrier counter) | its rank, `Release` | all ranks, `Acquire` |
 //! | 128 | `call[2]` (4 words each, by call parity) | its rank, before `arrived` | all ranks, after `arrived` |
-//! | 192+64 | `aborted` flag | its rank, `Release`, after `reason` | all ranks |
+//! | 192 | `doorbell` (rank 0's block only, a futex) | any rank that arrives while someone sleeps | sleeping ranks |
+//! | 196 | `sleepers` (rank 0's block only) | ranks about to sleep, and after | arriving ranks |
+//! | 256 | `aborted` flag | its rank, `Release`, after `reason` | all ranks |
 //! | 320 | `reason` length + bytes | its rank | all ranks, after `aborted` |
 //!
 //! Data slots are plain bytes. The barrier protocol (see the module `engine`) guarantees that a
@@ -26,7 +28,7 @@
 #![allow(unsafe_code)]
 
 use std::fs::File;
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
 
 use memmap2::MmapMut;
 
@@ -35,6 +37,8 @@ pub const CONTROL_BYTES: usize = 512;
 const PID: usize = 0;
 const ARRIVED: usize = 64;
 const CALL: usize = 128;
+const DOORBELL: usize = 192;
+const SLEEPERS: usize = 196;
 const ABORTED: usize = 256;
 const REASON_LEN: usize = 320;
 const REASON: usize = 328;
@@ -83,12 +87,29 @@ impl Region {
     }
 
     fn word(&self, rank: usize, offset: usize) -> &AtomicU64 {
-        assert!(rank < self.ranks && offset + 8 <= CONTROL_BYTES && offset % 8 == 0);
+        assert!(rank < self.ranks && offset + 8 <= CONTROL_BYTES && offset.is_multiple_of(8));
         let at = rank * CONTROL_BYTES + offset;
         // SAFETY: `at` is 8-aligned (the mapping is page-aligned, CONTROL_BYTES and `offset`
         // are multiples of 8) and in bounds (checked above, and `map` covers every control
         // block). Control words are only ever accessed atomically, by every process.
         unsafe { &*(self.map.as_ptr().add(at) as *const AtomicU64) }
+    }
+
+    fn word32(&self, offset: usize) -> &AtomicU32 {
+        assert!(offset + 4 <= CONTROL_BYTES && offset.is_multiple_of(4));
+        // SAFETY: `offset` is 4-aligned and inside rank 0's control block, which `map` covers;
+        // the word is only ever accessed atomically, by every process.
+        unsafe { &*(self.map.as_ptr().add(offset) as *const AtomicU32) }
+    }
+
+    /// The group's doorbell: bumped (and woken) when a rank arrives while others sleep.
+    pub fn doorbell(&self) -> &AtomicU32 {
+        self.word32(DOORBELL)
+    }
+
+    /// How many ranks are sleeping on the doorbell, or about to.
+    pub fn sleepers(&self) -> &AtomicU32 {
+        self.word32(SLEEPERS)
     }
 
     /// Rank `rank`'s process id.

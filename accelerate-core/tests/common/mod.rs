@@ -9,7 +9,9 @@ use accelerate_kernels::Element;
 use accelerate_kernels::schedule::chunk_range;
 use half::{bf16, f16};
 
+/// Buffer lengths every collective is checked at.
 pub const LENS: [usize; 9] = [0, 1, 2, 3, 7, 13, 100, 1021, 4099];
+/// Every reduction.
 pub const REDUCTIONS: [Reduction; 4] = [
     Reduction::Sum,
     Reduction::Mean,
@@ -22,6 +24,7 @@ pub fn value(rank: usize, i: usize) -> f32 {
     (((rank * 7 + i * 5) % 17) as i32 - 8) as f32
 }
 
+/// Rank `rank`'s input of `len` elements.
 pub fn input<T: Convert>(rank: usize, len: usize) -> Vec<T> {
     (0..len).map(|i| T::from_f32(value(rank, i))).collect()
 }
@@ -42,7 +45,9 @@ pub fn reduced<T: Convert>(world: usize, len: usize, reduction: Reduction) -> Ve
         .collect()
 }
 
+/// Element types the tests build from f32.
 pub trait Convert: Element + PartialEq + std::fmt::Debug {
+    /// `v` rounded to this type.
     fn from_f32(v: f32) -> Self;
 }
 impl Convert for f32 {

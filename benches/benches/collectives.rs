@@ -1,0 +1,262 @@
+//! All-reduce bandwidth in the style of nccl-tests: for each transport and world size, a table
+//! of size, count, time (median of the timed calls, microseconds), algbw and busbw (GB/s,
+//! 1 GB = 1e9 B; busbw = algbw x 2(n-1)/n), and a count of wrong elements from a verified run.
+//! The machine's copy bandwidth (STREAM-style: bytes read plus bytes written per second) is
+//! measured in the same run and printed beside the tables, with the bound it puts on a
+//! shared-memory all-reduce.
+//!
+//! ```text
+//! cargo bench -p accelerate-benches --bench collectives -- [--transports shm,tcp]
+//!     [--worlds 2,3,4] [--max-size 268435456] [--json results.json]
+//! ```
+//!
+//! The binary starts copies of itself as the ranks (127.0.0.1 only).
+
+use std::io::{BufRead, BufReader, Write};
+use std::net::TcpListener;
+use std::process::{Command, Stdio};
+use std::time::Instant;
+
+use accelerate_core::ProcessState;
+use accelerate_core::comm::{GroupOptions, ProcessGroup, Reduction};
+
+const CHILD: &str = "ACCELERATE_BENCH_CHILD";
+
+struct Args {
+    transports: Vec<String>,
+    worlds: Vec<usize>,
+    min_size: usize,
+    max_size: usize,
+    json: Option<String>,
+}
+
+fn parse_args() -> Args {
+    let mut args = Args {
+        transports: vec!["shm".into(), "tcp".into()],
+        worlds: vec![2, 3, 4],
+        min_size: 4 << 10,
+        max_size: 256 << 20,
+        json: None,
+    };
+    let argv: Vec<String> = std::env::args().skip(1).collect();
+    let mut i = 0;
+    while i < argv.len() {
+        let value = argv.get(i + 1).cloned().unwrap_or_default();
+        match argv[i].as_str() {
+            "--transports" => args.transports = value.split(',').map(str::to_string).collect(),
+            "--worlds" => args.worlds = value.split(',').filter_map(|w| w.parse().ok()).collect(),
+            "--min-size" => args.min_size = value.parse().unwrap_or(args.min_size),
+            "--max-size" => args.max_size = value.parse().unwrap_or(args.max_size),
+            "--json" => args.json = Some(value),
+            _ => {
+                i += 1;
+                continue;
+            }
+        }
+        i += 2;
+    }
+    args
+}
+
+fn sizes(min: usize, max: usize) -> Vec<usize> {
+    std::iter::successors(Some(min), |s| Some(s * 4))
+        .take_while(|&s| s <= max)
+        .collect()
+}
+
+/// STREAM-style copy bandwidth with one thread per core: bytes read plus bytes written per
+/// second, best of five, in GB/s.
+fn copy_bandwidth() -> f64 {
+    let threads = std::thread::available_parallelism().map_or(2, |n| n.get());
+    let len = 32 << 20; // f32 elements per thread: 128 MiB, far beyond the caches.
+    let mut buffers: Vec<(Vec<f32>, Vec<f32>)> = (0..threads)
+        .map(|t| (vec![t as f32; len], vec![0.0; len]))
+        .collect();
+    let mut best = 0.0_f64;
+    for _ in 0..5 {
+        let started = Instant::now();
+        std::thread::scope(|s| {
+            for (src, dst) in buffers.iter_mut() {
+                s.spawn(move || dst.copy_from_slice(src));
+            }
+        });
+        let secs = started.elapsed().as_secs_f64();
+        best = best.max((2 * 4 * len * threads) as f64 / secs / 1e9);
+    }
+    best
+}
+
+fn commit() -> String {
+    Command::new("git")
+        .args(["rev-parse", "--short", "HEAD"])
+        .output()
+        .ok()
+        .filter(|o| o.status.success())
+        .map(|o| String::from_utf8_lossy(&o.stdout).trim().to_string())
+        .unwrap_or_else(|| "unknown".into())
+}
+
+fn main() {
+    if std::env::var(CHILD).is_ok() {
+        child();
+        return;
+    }
+    let args = parse_args();
+    let copy = copy_bandwidth();
+    println!(
+        "# accelerate-rs all_reduce benchmark (f32, sum), commit {}",
+        commit()
+    );
+    println!(
+        "# copy bandwidth (read + write, {} threads): {copy:.1} GB/s; a 2-rank shared-memory \
+         all-reduce moves at least 4 bytes per byte reduced, so its busbw bound is {:.1} GB/s",
+        std::thread::available_parallelism().map_or(2, |n| n.get()),
+        copy / 4.0
+    );
+    let mut json = Vec::new();
+    for transport in &args.transports {
+        for &world in &args.worlds {
+            let rows = run_job(transport, world, &sizes(args.min_size, args.max_size));
+            for row in rows {
+                json.push(format!(
+                    "{{\"transport\":\"{transport}\",\"world_size\":{world},{row},\"copy_gbps\":{copy:.2}}}"
+                ));
+            }
+        }
+    }
+    if let Some(path) = args.json {
+        let body = format!("[\n{}\n]\n", json.join(",\n"));
+        if let Err(e) = std::fs::write(&path, body) {
+            eprintln!("cannot write {path}: {e}");
+        }
+    }
+}
+
+/// Starts the ranks of one job and relays rank 0's table; returns its JSON fields per size.
+fn run_job(transport: &str, world: usize, sizes: &[usize]) -> Vec<String> {
+    let port = TcpListener::bind("127.0.0.1:0")
+        .and_then(|l| l.local_addr())
+        .map(|a| a.port())
+        .unwrap_or(29600);
+    let exe = std::env::current_exe().expect("the benchmark knows its own path");
+    let size_list: Vec<String> = sizes.iter().map(usize::to_string).collect();
+    let mut children: Vec<_> = (0..world)
+        .map(|rank| {
+            Command::new(&exe)
+                .env(CHILD, size_list.join(","))
+                .env("RANK", rank.to_string())
+                .env("WORLD_SIZE", world.to_string())
+                .env("LOCAL_RANK", rank.to_string())
+                .env("LOCAL_WORLD_SIZE", world.to_string())
+                .env("MASTER_ADDR", "127.0.0.1")
+                .env("MASTER_PORT", port.to_string())
+                .env("ACCELERATE_TRANSPORT", transport)
+                .env(
+                    "ACCELERATE_JOB_TOKEN",
+                    format!("bench-{}-{port}", std::process::id()),
+                )
+                .stdout(if rank == 0 {
+                    Stdio::piped()
+                } else {
+                    Stdio::null()
+                })
+                .spawn()
+                .expect("starting a rank")
+        })
+        .collect();
+    let mut rows = Vec::new();
+    if let Some(stdout) = children[0].stdout.take() {
+        for line in BufReader::new(stdout).lines().map_while(Result::ok) {
+            match line.strip_prefix("JSON ") {
+                Some(fields) => rows.push(fields.to_string()),
+                None => println!("{line}"),
+            }
+            let _ = std::io::stdout().flush();
+        }
+    }
+    for mut child in children {
+        match child.wait() {
+            Ok(status) if status.success() => {}
+            other => println!("# a rank failed: {other:?}"),
+        }
+    }
+    rows
+}
+
+fn child() {
+    let sizes: Vec<usize> = std::env::var(CHILD)
+        .unwrap_or_default()
+        .split(',')
+        .filter_map(|s| s.parse().ok())
+        .collect();
+    let state = ProcessState::from_env().expect("launcher variables");
+    let options = GroupOptions::from_env().expect("ACCELERATE_* variables");
+    let mut group = ProcessGroup::new(&state, &options).expect("the group forms");
+    let (rank, n) = (group.rank(), group.world_size());
+    let main = rank == 0;
+    if main {
+        println!();
+        println!("# transport {}, world size {n}", group.transport());
+        println!(
+            "# {:>10} {:>10} {:>5} {:>5} {:>10} {:>11} {:>11} {:>7}",
+            "size(B)", "count", "type", "redop", "time(us)", "algbw(GB/s)", "busbw(GB/s)", "#wrong"
+        );
+    }
+    for size in sizes {
+        let count = size / 4;
+        // Verified run: rank-dependent integers, exact in f32.
+        let mut buf: Vec<f32> = (0..count).map(|i| ((i + rank) % 7) as f32).collect();
+        group
+            .all_reduce(&mut buf, Reduction::Sum)
+            .expect("all_reduce");
+        let wrong = buf
+            .iter()
+            .enumerate()
+            .filter(|&(i, &v)| v != (0..n).map(|r| ((i + r) % 7) as f32).sum::<f32>())
+            .count();
+        // Timed runs on zeros (values stay 0, so nothing overflows or turns denormal).
+        buf.fill(0.0);
+        let iters = (256 << 20) / size.max(1);
+        let iters = iters.clamp(5, 500);
+        for _ in 0..iters.min(20) / 4 + 1 {
+            group
+                .all_reduce(&mut buf, Reduction::Sum)
+                .expect("all_reduce");
+        }
+        let mut times = Vec::with_capacity(iters);
+        for _ in 0..iters {
+            let started = Instant::now();
+            group
+                .all_reduce(&mut buf, Reduction::Sum)
+                .expect("all_reduce");
+            times.push(started.elapsed().as_secs_f64());
+        }
+        times.sort_by(f64::total_cmp);
+        let median = times[times.len() / 2];
+        let algbw = size as f64 / median / 1e9;
+        let busbw = algbw * 2.0 * (n - 1) as f64 / n as f64;
+        let mut wrong_total = [wrong as f32];
+        group
+            .all_reduce(&mut wrong_total, Reduction::Sum)
+            .expect("all_reduce");
+        if main {
+            println!(
+                "  {:>10} {:>10} {:>5} {:>5} {:>10.2} {:>11.3} {:>11.3} {:>7}",
+                size,
+                count,
+                "f32",
+                "sum",
+                median * 1e6,
+                algbw,
+                busbw,
+                wrong_total[0]
+            );
+            println!(
+                "JSON \"size\":{size},\"count\":{count},\"time_us\":{:.3},\"algbw\":{algbw:.4},\"busbw\":{busbw:.4},\"wrong\":{}",
+                median * 1e6,
+                wrong_total[0]
+            );
+        }
+    }
+    group.barrier().expect("final barrier");
+}

@@ -1,0 +1,217 @@
+//! AVX2 + F16C versions of the half-precision reductions and conversions: the only unsafe code
+//! of this crate. Each is entered only through a `try_` wrapper, after [`has_avx2_f16c`] confirmed the CPU supports it, and
+//! each computes exactly what its portable twin in `reduce`/`convert` computes (the tests
+//! compare them bit for bit on odd lengths).
+//!
+//! One loop step handles 8 elements: widen both operands to f32 (`vcvtph2ps` for f16, a zero
+//! extension and shift for bf16), combine, and narrow once with round-to-nearest-even
+//! (`vcvtps2ph`, or integer rounding for bf16). Tails shorter than 8 use the portable code.
+
+#![allow(unsafe_code)]
+
+use std::arch::x86_64::*;
+use std::sync::atomic::{AtomicU8, Ordering};
+
+use half::{bf16, f16};
+
+use crate::ReduceOp;
+use crate::convert;
+
+/// True when this CPU has AVX2 and F16C (checked once, then cached).
+fn has_avx2_f16c() -> bool {
+    static STATE: AtomicU8 = AtomicU8::new(0);
+    match STATE.load(Ordering::Relaxed) {
+        1 => true,
+        2 => false,
+        _ => {
+            let yes = is_x86_feature_detected!("avx2") && is_x86_feature_detected!("f16c");
+            STATE.store(if yes { 1 } else { 2 }, Ordering::Relaxed);
+            yes
+        }
+    }
+}
+
+#[inline(always)]
+fn combine(op: ReduceOp, a: __m256, b: __m256) -> __m256 {
+    // SAFETY: only reached from functions compiled with AVX enabled, which callers enter only
+    // on CPUs that have it.
+    unsafe {
+        // `vmaxps`/`vminps` return the second operand when either is NaN; where `b` is NaN take
+        // `a` instead, which gives f32::max/min's rule: a NaN loses to a number.
+        let b_is_nan = _mm256_cmp_ps::<_CMP_UNORD_Q>(b, b);
+        match op {
+            ReduceOp::Sum => _mm256_add_ps(a, b),
+            ReduceOp::Max => _mm256_blendv_ps(_mm256_max_ps(a, b), a, b_is_nan),
+            ReduceOp::Min => _mm256_blendv_ps(_mm256_min_ps(a, b), a, b_is_nan),
+        }
+    }
+}
+
+/// `acc[i] = op(acc[i], other[i])` on f16 values, combined in f32 and rounded once.
+///
+/// # Safety
+///
+/// The CPU must support AVX2 and F16C (see `has_avx2_f16c`).
+#[target_feature(enable = "avx2,f16c")]
+unsafe fn reduce_f16_avx2(acc: &mut [f16], other: &[f16], op: ReduceOp) {
+    let n = acc.len().min(other.len());
+    let body = n - n % 8;
+    let a = acc.as_mut_ptr().cast::<u16>();
+    let b = other.as_ptr().cast::<u16>();
+    let mut i = 0;
+    while i < body {
+        // SAFETY: i + 8 <= body <= both lengths, so each 16-byte load and store is in bounds;
+        // unaligned forms are used.
+        unsafe {
+            let x = _mm256_cvtph_ps(_mm_loadu_si128(a.add(i).cast()));
+            let y = _mm256_cvtph_ps(_mm_loadu_si128(b.add(i).cast()));
+            let r = _mm256_cvtps_ph::<_MM_FROUND_TO_NEAREST_INT>(combine(op, x, y));
+            _mm_storeu_si128(a.add(i).cast(), r);
+        }
+        i += 8;
+    }
+    crate::reduce::reduce_f16_portable(&mut acc[body..n], &other[body..n], op);
+}
+
+#[inline(always)]
+fn bf16_widen(v: __m128i) -> __m256 {
+    // SAFETY: only reached from functions compiled with AVX2 enabled (see `combine`).
+    unsafe { _mm256_castsi256_ps(_mm256_slli_epi32::<16>(_mm256_cvtepu16_epi32(v))) }
+}
+
+#[inline(always)]
+fn bf16_narrow(v: __m256) -> __m128i {
+    // SAFETY: only reached from functions compiled with AVX2 enabled (see `combine`).
+    unsafe {
+        let bits = _mm256_castps_si256(v);
+        // Round to nearest even: add 0x7fff plus the lowest kept bit, then drop 16 bits.
+        let odd = _mm256_and_si256(_mm256_srli_epi32::<16>(bits), _mm256_set1_epi32(1));
+        let rounded = _mm256_srli_epi32::<16>(_mm256_add_epi32(
+            bits,
+            _mm256_add_epi32(odd, _mm256_set1_epi32(0x7fff)),
+        ));
+        // NaN: keep the top half, quieted.
+        let nan = _mm256_or_si256(_mm256_srli_epi32::<16>(bits), _mm256_set1_epi32(0x40));
+        let is_nan = _mm256_castps_si256(_mm256_cmp_ps::<_CMP_UNORD_Q>(v, v));
+        let out = _mm256_blendv_epi8(rounded, nan, is_nan);
+        // Pack the eight 32-bit lanes (each < 65536) into 16-bit lanes, in order.
+        let packed = _mm256_packus_epi32(out, out);
+        _mm256_castsi256_si128(_mm256_permute4x64_epi64::<0b1000>(packed))
+    }
+}
+
+/// `acc[i] = op(acc[i], other[i])` on bf16 values, combined in f32 and rounded once.
+///
+/// # Safety
+///
+/// The CPU must support AVX2 (see `has_avx2_f16c`).
+#[target_feature(enable = "avx2,f16c")]
+unsafe fn reduce_bf16_avx2(acc: &mut [bf16], other: &[bf16], op: ReduceOp) {
+    let n = acc.len().min(other.len());
+    let body = n - n % 8;
+    let a = acc.as_mut_ptr().cast::<u16>();
+    let b = other.as_ptr().cast::<u16>();
+    let mut i = 0;
+    while i < body {
+        // SAFETY: as in `reduce_f16`: every 16-byte access is within both slices.
+        unsafe {
+            let x = bf16_widen(_mm_loadu_si128(a.add(i).cast()));
+            let y = bf16_widen(_mm_loadu_si128(b.add(i).cast()));
+            _mm_storeu_si128(a.add(i).cast(), bf16_narrow(combine(op, x, y)));
+        }
+        i += 8;
+    }
+    crate::reduce::reduce_bf16_portable(&mut acc[body..n], &other[body..n], op);
+}
+
+/// Multiplies f16 values by `factor` in f32, rounding once.
+///
+/// # Safety
+///
+/// The CPU must support AVX2 and F16C (see `has_avx2_f16c`).
+#[target_feature(enable = "avx2,f16c")]
+unsafe fn scale_f16_avx2(values: &mut [f16], factor: f32) {
+    let n = values.len();
+    let body = n - n % 8;
+    let p = values.as_mut_ptr().cast::<u16>();
+    let f = _mm256_set1_ps(factor);
+    let mut i = 0;
+    while i < body {
+        // SAFETY: every 16-byte access is within `values`.
+        unsafe {
+            let x = _mm256_cvtph_ps(_mm_loadu_si128(p.add(i).cast()));
+            let r = _mm256_cvtps_ph::<_MM_FROUND_TO_NEAREST_INT>(_mm256_mul_ps(x, f));
+            _mm_storeu_si128(p.add(i).cast(), r);
+        }
+        i += 8;
+    }
+    for v in &mut values[body..] {
+        *v = f16::from_bits(convert::f32_to_f16_bits(
+            convert::f16_bits_to_f32(v.to_bits()) * factor,
+        ));
+    }
+}
+
+/// Multiplies bf16 values by `factor` in f32, rounding once.
+///
+/// # Safety
+///
+/// The CPU must support AVX2 (see `has_avx2_f16c`).
+#[target_feature(enable = "avx2,f16c")]
+unsafe fn scale_bf16_avx2(values: &mut [bf16], factor: f32) {
+    let n = values.len();
+    let body = n - n % 8;
+    let p = values.as_mut_ptr().cast::<u16>();
+    let f = _mm256_set1_ps(factor);
+    let mut i = 0;
+    while i < body {
+        // SAFETY: every 16-byte access is within `values`.
+        unsafe {
+            let x = bf16_widen(_mm_loadu_si128(p.add(i).cast()));
+            _mm_storeu_si128(p.add(i).cast(), bf16_narrow(_mm256_mul_ps(x, f)));
+        }
+        i += 8;
+    }
+    for v in &mut values[body..] {
+        *v = bf16::from_bits(convert::f32_to_bf16_bits(
+            convert::bf16_bits_to_f32(v.to_bits()) * factor,
+        ));
+    }
+}
+
+/// Runs the AVX2 + F16C `reduce` on f16 values when the CPU has them; false when it does not
+/// (the caller then runs the portable loop).
+pub(crate) fn try_reduce_f16(acc: &mut [f16], other: &[f16], op: ReduceOp) -> bool {
+    // SAFETY: the CPU supports AVX2 and F16C (checked first).
+    has_avx2_f16c() && {
+        unsafe { reduce_f16_avx2(acc, other, op) };
+        true
+    }
+}
+
+/// As [`try_reduce_f16`], for bf16.
+pub(crate) fn try_reduce_bf16(acc: &mut [bf16], other: &[bf16], op: ReduceOp) -> bool {
+    // SAFETY: the CPU supports AVX2 and F16C (checked first).
+    has_avx2_f16c() && {
+        unsafe { reduce_bf16_avx2(acc, other, op) };
+        true
+    }
+}
+
+/// Runs the AVX2 + F16C scaling of f16 values when the CPU has them; false otherwise.
+pub(crate) fn try_scale_f16(values: &mut [f16], factor: f32) -> bool {
+    // SAFETY: the CPU supports AVX2 and F16C (checked first).
+    has_avx2_f16c() && {
+        unsafe { scale_f16_avx2(values, factor) };
+        true
+    }
+}
+
+/// As [`try_scale_f16`], for bf16.
+pub(crate) fn try_scale_bf16(values: &mut [bf16], factor: f32) -> bool {
+    // SAFETY: the CPU supports AVX2 and F16C (checked first).
+    has_avx2_f16c() && {
+        unsafe { scale_bf16_avx2(values, factor) };
+        true
+    }
+}
