@@ -84,6 +84,37 @@ struct Job {
     port: u16,
 }
 
+/// Starts rank `rank` of a `world`-rank job at `port` with `token`, running `scenario`.
+fn spawn_rank(
+    scenario: &str,
+    transport: &str,
+    (rank, world): (usize, usize),
+    (port, token): (u16, &str),
+    extra: &[(&str, &str)],
+) -> Child {
+    let mut cmd = Command::new(std::env::current_exe().unwrap());
+    cmd.args(["child", "--exact", "--nocapture", "--test-threads=1"])
+        .env(SCENARIO, scenario)
+        .env("RANK", rank.to_string())
+        .env("WORLD_SIZE", world.to_string())
+        .env("LOCAL_RANK", rank.to_string())
+        .env("LOCAL_WORLD_SIZE", world.to_string())
+        .env("MASTER_ADDR", "127.0.0.1")
+        .env("MASTER_PORT", port.to_string())
+        .env("ACCELERATE_TRANSPORT", transport)
+        .env("ACCELERATE_JOB_TOKEN", token)
+        .env("ACCELERATE_TIMEOUT", "60")
+        .env("ACCELERATE_RENDEZVOUS_TIMEOUT", "30")
+        .env("ACCELERATE_SHM_SLOT_BYTES", "65536")
+        .env("ACCELERATE_RING_SEGMENT_BYTES", "65536")
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped());
+    for (k, v) in extra {
+        cmd.env(k, v);
+    }
+    cmd.spawn().unwrap()
+}
+
 /// Starts ranks `ranks` of a `world`-rank job running `scenario`.
 fn start(
     scenario: &str,
@@ -94,32 +125,9 @@ fn start(
 ) -> Job {
     let port = free_port();
     let token = format!("test-{}-{port}", std::process::id());
-    let exe = std::env::current_exe().unwrap();
     let children = ranks
         .iter()
-        .map(|&rank| {
-            let mut cmd = Command::new(&exe);
-            cmd.args(["child", "--exact", "--nocapture", "--test-threads=1"])
-                .env(SCENARIO, scenario)
-                .env("RANK", rank.to_string())
-                .env("WORLD_SIZE", world.to_string())
-                .env("LOCAL_RANK", rank.to_string())
-                .env("LOCAL_WORLD_SIZE", world.to_string())
-                .env("MASTER_ADDR", "127.0.0.1")
-                .env("MASTER_PORT", port.to_string())
-                .env("ACCELERATE_TRANSPORT", transport)
-                .env("ACCELERATE_JOB_TOKEN", &token)
-                .env("ACCELERATE_TIMEOUT", "60")
-                .env("ACCELERATE_RENDEZVOUS_TIMEOUT", "30")
-                .env("ACCELERATE_SHM_SLOT_BYTES", "65536")
-                .env("ACCELERATE_RING_SEGMENT_BYTES", "65536")
-                .stdout(Stdio::piped())
-                .stderr(Stdio::piped());
-            for (k, v) in extra {
-                cmd.env(k, v);
-            }
-            cmd.spawn().unwrap()
-        })
+        .map(|&rank| spawn_rank(scenario, transport, (rank, world), (port, &token), extra))
         .collect();
     Job {
         children,
@@ -211,30 +219,20 @@ fn collectives_match_the_reference_over_tcp() {
 
 #[test]
 fn a_wrong_job_token_is_refused() {
-    let job = start(
-        "all",
-        "auto",
-        2,
-        &[0],
-        &[("ACCELERATE_RENDEZVOUS_TIMEOUT", "3")],
-    );
+    let timeout = [("ACCELERATE_RENDEZVOUS_TIMEOUT", "3")];
+    let job = start("all", "auto", 2, &[0], &timeout);
     // Rank 1 of the same job, with another token.
-    let mut intruder = start("all", "auto", 2, &[], &[]);
-    let exe = std::env::current_exe().unwrap();
-    let child = Command::new(exe)
-        .args(["child", "--exact", "--nocapture", "--test-threads=1"])
-        .env(SCENARIO, "all")
-        .env("RANK", "1")
-        .env("WORLD_SIZE", "2")
-        .env("MASTER_ADDR", "127.0.0.1")
-        .env("MASTER_PORT", job.port.to_string())
-        .env("ACCELERATE_JOB_TOKEN", "not-the-token")
-        .env("ACCELERATE_RENDEZVOUS_TIMEOUT", "3")
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped())
-        .spawn()
-        .unwrap();
-    intruder.children.push(child);
+    let intruder = Job {
+        children: vec![spawn_rank(
+            "all",
+            "auto",
+            (1, 2),
+            (job.port, "not-the-token"),
+            &timeout,
+        )],
+        token: "not-the-token".into(),
+        port: job.port,
+    };
     let theirs = intruder.finish(Duration::from_secs(30));
     let ours = job.finish(Duration::from_secs(30));
     assert_eq!(theirs[0].0, 3);

@@ -8,6 +8,27 @@
 //! - [`ProcessGroup`]: all_reduce (sum, mean, max, min), broadcast, all_gather,
 //!   reduce_scatter, barrier, and broadcast/gather of small serde values; f32, f16, bf16.
 //!
+//! ```
+//! use accelerate_core::comm::{GroupOptions, ProcessGroup, Reduction};
+//!
+//! // Two ranks as two threads of this process (real jobs use `ProcessGroup::new`).
+//! let groups = ProcessGroup::local(2, &GroupOptions::default());
+//! let sums: Vec<Vec<f32>> = std::thread::scope(|s| {
+//!     let handles: Vec<_> = groups
+//!         .into_iter()
+//!         .map(|mut group| {
+//!             s.spawn(move || {
+//!                 let mut values = vec![group.rank() as f32 + 1.0; 3];
+//!                 group.all_reduce(&mut values, Reduction::Sum).unwrap();
+//!                 values
+//!             })
+//!         })
+//!         .collect();
+//!     handles.into_iter().map(|h| h.join().unwrap()).collect()
+//! });
+//! assert_eq!(sums, vec![vec![3.0; 3], vec![3.0; 3]]);
+//! ```
+//!
 //! No call waits forever: every wait has a deadline ([`GroupOptions::timeout`]), a dead peer
 //! is noticed within milliseconds (connection closed, or its process gone), and the error names
 //! the call, this rank and the missing or failed ranks.

@@ -189,17 +189,7 @@ impl RendezvousConfig {
                     ". hint: start every rank with the same MASTER_ADDR, MASTER_PORT and \
                      WORLD_SIZE, or raise ACCELERATE_RENDEZVOUS_TIMEOUT",
                 );
-                for (hello, stream) in hellos.iter_mut().flatten() {
-                    if let Some(stream) = stream {
-                        let _ = send_line(
-                            stream,
-                            &Reply::Refused {
-                                reason: reason.clone(),
-                            },
-                        );
-                        let _ = hello;
-                    }
-                }
+                refuse_all(&mut hellos, &reason);
                 return Err(self.err(reason));
             }
             let (stream, peer_addr) = match store.accept() {
@@ -278,31 +268,15 @@ impl RendezvousConfig {
             let reason = "shared memory was requested (ACCELERATE_TRANSPORT=shm) but the ranks \
                           span several hosts. hint: use ACCELERATE_TRANSPORT=auto or tcp"
                 .to_string();
-            for (_, stream) in hellos.iter_mut().flatten() {
-                if let Some(stream) = stream {
-                    let _ = send_line(
-                        stream,
-                        &Reply::Refused {
-                            reason: reason.clone(),
-                        },
-                    );
-                }
-            }
+            refuse_all(&mut hellos, &reason);
             return Err(self.err(reason));
         }
         let shared_memory = one_host && self.allow_shared_memory;
         if shared_memory && let Err(e) = on_shared_memory() {
-            let reason = format!("rank 0 could not create the shared memory segment: {e}");
-            for (_, stream) in hellos.iter_mut().flatten() {
-                if let Some(stream) = stream {
-                    let _ = send_line(
-                        stream,
-                        &Reply::Refused {
-                            reason: reason.clone(),
-                        },
-                    );
-                }
-            }
+            refuse_all(
+                &mut hellos,
+                &format!("rank 0 could not create the shared memory segment: {e}"),
+            );
             return Err(e);
         }
         let welcome = Reply::Welcome {
@@ -379,6 +353,16 @@ impl RendezvousConfig {
             }),
             Reply::Refused { reason } => Err(self.err(format!("rank 0 refused: {reason}"))),
         }
+    }
+}
+
+/// Tells every rank that already said hello that the group will not form, and why.
+fn refuse_all(hellos: &mut [Option<(Hello, Option<TcpStream>)>], reason: &str) {
+    for stream in hellos.iter_mut().flatten().filter_map(|(_, s)| s.as_mut()) {
+        let refused = Reply::Refused {
+            reason: reason.to_string(),
+        };
+        let _ = send_line(stream, &refused);
     }
 }
 

@@ -2,10 +2,11 @@
 //! and direct collectives on it.
 //!
 //! Each rank owns two slots (double buffering) and a control block. A collective goes through
-//! its buffer in segments of one slot: each rank copies its segment into its slot, all ranks
-//! pass a barrier, and each rank then works straight from the peers' slots. For an all-reduce,
-//! rank `r` reduces part `r` of the segment from every slot, publishes it in its own slot,
-//! and after a second barrier copies the other ranks' reduced parts. Consecutive segments
+//! its buffer in segments of one slot: each rank copies into its slot what the peers need of
+//! its segment, all ranks pass a barrier, and each rank then works straight from the peers'
+//! slots. For an all-reduce, rank `r` reduces part `r` of the segment (its own copy plus every
+//! peer's slot), publishes the result in its own slot, and after a second barrier copies the
+//! other ranks' reduced parts. Consecutive segments
 //! alternate slots, so no barrier is needed between a segment's last reads and the next
 //! segment's writes: the next segment's first barrier already orders them.
 //!
@@ -329,7 +330,13 @@ impl Engine for ShmEngine {
             let part = &mut buf[start..end];
             let len = part.len();
             let b = self.next_buffer();
-            self.region.slot_mut(rank, b, 0, len).copy_from_slice(part);
+            // Stage only the parts the peers reduce: this rank's own part is read from `part`.
+            for peer in (0..n).filter(|&p| p != rank) {
+                let theirs = chunk_bytes(len, elem, n, peer);
+                self.region
+                    .slot_mut(rank, b, theirs.start, theirs.len())
+                    .copy_from_slice(&part[theirs]);
+            }
             self.barrier_wait(call, first)?;
             first = false;
             let mine = chunk_bytes(len, elem, n, rank);
@@ -439,7 +446,7 @@ impl Engine for ShmEngine {
         let mut first = true;
         for offset in (0..longest).step_by(step) {
             let b = self.next_buffer();
-            for (p, part) in parts.iter().enumerate() {
+            for (p, part) in parts.iter().enumerate().filter(|&(p, _)| p != rank) {
                 let end = (offset + step).min(part.len());
                 if offset < end {
                     self.region
