@@ -47,6 +47,8 @@ fn every_collective_matches_the_reference() {
                 common::check_all::<f32>(group, &common::LENS);
                 common::check_all::<f16>(group, &common::LENS);
                 common::check_all::<bf16>(group, &common::LENS);
+                // In-process groups keep shared buffers on the heap.
+                assert!(!common::check_shared::<f32>(group, &common::LENS));
             });
         }
     }
@@ -115,6 +117,21 @@ fn a_rank_that_never_calls_times_out_naming_it() {
             "{msg}"
         );
     });
+}
+
+#[test]
+fn a_shared_buffer_of_another_group_is_refused() {
+    let mut first = ProcessGroup::local(1, &GroupOptions::default());
+    let mut second = ProcessGroup::local(1, &GroupOptions::default());
+    let mut buf = first[0].shared_buffer::<f32>(4).unwrap();
+    let err = second[0]
+        .all_reduce_shared(&mut buf, Reduction::Sum)
+        .unwrap_err();
+    assert!(
+        err.to_string()
+            .contains("allocated by another process group"),
+        "{err}"
+    );
 }
 
 #[test]

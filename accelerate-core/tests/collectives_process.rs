@@ -40,6 +40,9 @@ fn child() {
                     big,
                     common::reduced::<f32>(group.world_size(), len, Reduction::Sum)
                 );
+                let shared = common::check_shared::<f32>(&mut group, &[0, 1, 13, 1021, 100_003]);
+                common::check_shared::<bf16>(&mut group, &[7, 4099]);
+                println!("SHARED {shared}");
             }
             "mismatch" => {
                 let mut buf = vec![1.0_f32; 100 + group.rank()];
@@ -195,7 +198,26 @@ fn assert_all_ok(results: &[(i32, String, String)], transport: &str) {
             stdout.contains(&format!("FORMED {transport}")),
             "rank {rank}: {stdout}"
         );
+        // Shared buffers live in shared memory exactly when the group does.
+        let shared = format!("SHARED {}", transport == "shm");
+        assert!(stdout.contains(&shared), "rank {rank}: {stdout}");
     }
+}
+
+/// Files in /dev/shm whose names start with the job's segment name (its shared buffers too).
+fn leftovers(segment: &std::path::Path) -> Vec<std::path::PathBuf> {
+    let prefix = segment.file_name().unwrap().to_string_lossy().into_owned();
+    std::fs::read_dir("/dev/shm")
+        .map(|dir| {
+            dir.flatten()
+                .map(|e| e.path())
+                .filter(|p| {
+                    p.file_name()
+                        .is_some_and(|n| n.to_string_lossy().starts_with(&prefix))
+                })
+                .collect()
+        })
+        .unwrap_or_default()
 }
 
 #[test]
@@ -205,7 +227,7 @@ fn collectives_match_the_reference_over_shared_memory() {
         let segment = job.segment();
         let results = job.finish(Duration::from_secs(120));
         assert_all_ok(&results, "shm");
-        assert!(!segment.exists(), "{} was left behind", segment.display());
+        assert_eq!(leftovers(&segment), Vec::<std::path::PathBuf>::new());
     }
 }
 
@@ -321,6 +343,6 @@ fn a_killed_rank_fails_the_others_promptly_naming_it() {
                 "{transport} rank {rank}: {stderr}"
             );
         }
-        assert!(!segment.exists(), "{} was left behind", segment.display());
+        assert_eq!(leftovers(&segment), Vec::<std::path::PathBuf>::new());
     }
 }

@@ -10,6 +10,9 @@
 //!     [--worlds 2,3,4] [--max-size 268435456] [--json results.json]
 //! ```
 //!
+//! Over shared memory it also measures `all_reduce_shared`, the in-place all-reduce of a
+//! buffer allocated with `ProcessGroup::shared_buffer` (no staging copies).
+//!
 //! The binary starts copies of itself as the ranks (127.0.0.1 only).
 
 use std::io::{BufRead, BufReader, Write};
@@ -18,9 +21,10 @@ use std::process::{Command, Stdio};
 use std::time::Instant;
 
 use accelerate_core::ProcessState;
-use accelerate_core::comm::{GroupOptions, ProcessGroup, Reduction};
+use accelerate_core::comm::{GroupOptions, ProcessGroup, Reduction, SharedBuffer};
 
 const CHILD: &str = "ACCELERATE_BENCH_CHILD";
+const API: &str = "ACCELERATE_BENCH_API";
 
 struct Args {
     transports: Vec<String>,
@@ -115,12 +119,19 @@ fn main() {
     );
     let mut json = Vec::new();
     for transport in &args.transports {
+        let apis: &[&str] = if transport == "shm" {
+            &["all_reduce", "all_reduce_shared"]
+        } else {
+            &["all_reduce"]
+        };
         for &world in &args.worlds {
-            let rows = run_job(transport, world, &sizes(args.min_size, args.max_size));
-            for row in rows {
-                json.push(format!(
-                    "{{\"transport\":\"{transport}\",\"world_size\":{world},{row},\"copy_gbps\":{copy:.2}}}"
-                ));
+            for api in apis {
+                let rows = run_job(transport, api, world, &sizes(args.min_size, args.max_size));
+                for row in rows {
+                    json.push(format!(
+                        "{{\"transport\":\"{transport}\",\"api\":\"{api}\",\"world_size\":{world},{row},\"copy_gbps\":{copy:.2}}}"
+                    ));
+                }
             }
         }
     }
@@ -133,7 +144,7 @@ fn main() {
 }
 
 /// Starts the ranks of one job and relays rank 0's table; returns its JSON fields per size.
-fn run_job(transport: &str, world: usize, sizes: &[usize]) -> Vec<String> {
+fn run_job(transport: &str, api: &str, world: usize, sizes: &[usize]) -> Vec<String> {
     let port = TcpListener::bind("127.0.0.1:0")
         .and_then(|l| l.local_addr())
         .map(|a| a.port())
@@ -144,6 +155,7 @@ fn run_job(transport: &str, world: usize, sizes: &[usize]) -> Vec<String> {
         .map(|rank| {
             Command::new(&exe)
                 .env(CHILD, size_list.join(","))
+                .env(API, api)
                 .env("RANK", rank.to_string())
                 .env("WORLD_SIZE", world.to_string())
                 .env("LOCAL_RANK", rank.to_string())
@@ -193,10 +205,19 @@ fn child() {
     let options = GroupOptions::from_env().expect("ACCELERATE_* variables");
     let mut group = ProcessGroup::new(&state, &options).expect("the group forms");
     let (rank, n) = (group.rank(), group.world_size());
+    let shared = std::env::var(API).is_ok_and(|a| a == "all_reduce_shared");
     let main = rank == 0;
     if main {
         println!();
-        println!("# transport {}, world size {n}", group.transport());
+        println!(
+            "# {}, transport {}, world size {n}",
+            if shared {
+                "all_reduce_shared"
+            } else {
+                "all_reduce"
+            },
+            group.transport()
+        );
         println!(
             "# {:>10} {:>10} {:>5} {:>5} {:>10} {:>11} {:>11} {:>7}",
             "size(B)", "count", "type", "redop", "time(us)", "algbw(GB/s)", "busbw(GB/s)", "#wrong"
@@ -204,31 +225,32 @@ fn child() {
     }
     for size in sizes {
         let count = size / 4;
+        let mut buf = if shared {
+            Buffer::Shared(group.shared_buffer::<f32>(count).expect("shared_buffer"))
+        } else {
+            Buffer::Heap(vec![0.0; count])
+        };
         // Verified run: rank-dependent integers, exact in f32.
-        let mut buf: Vec<f32> = (0..count).map(|i| ((i + rank) % 7) as f32).collect();
-        group
-            .all_reduce(&mut buf, Reduction::Sum)
-            .expect("all_reduce");
+        for (i, v) in buf.values().iter_mut().enumerate() {
+            *v = ((i + rank) % 7) as f32;
+        }
+        buf.all_reduce(&mut group);
         let wrong = buf
+            .values()
             .iter()
             .enumerate()
             .filter(|&(i, &v)| v != (0..n).map(|r| ((i + r) % 7) as f32).sum::<f32>())
             .count();
         // Timed runs on zeros (values stay 0, so nothing overflows or turns denormal).
-        buf.fill(0.0);
-        let iters = (256 << 20) / size.max(1);
-        let iters = iters.clamp(5, 500);
+        buf.values().fill(0.0);
+        let iters = ((256 << 20) / size.max(1)).clamp(5, 500);
         for _ in 0..iters.min(20) / 4 + 1 {
-            group
-                .all_reduce(&mut buf, Reduction::Sum)
-                .expect("all_reduce");
+            buf.all_reduce(&mut group);
         }
         let mut times = Vec::with_capacity(iters);
         for _ in 0..iters {
             let started = Instant::now();
-            group
-                .all_reduce(&mut buf, Reduction::Sum)
-                .expect("all_reduce");
+            buf.all_reduce(&mut group);
             times.push(started.elapsed().as_secs_f64());
         }
         times.sort_by(f64::total_cmp);
@@ -259,4 +281,27 @@ fn child() {
         }
     }
     group.barrier().expect("final barrier");
+}
+
+/// The buffer under test: a plain vector, or one from `ProcessGroup::shared_buffer`.
+enum Buffer {
+    Heap(Vec<f32>),
+    Shared(SharedBuffer<f32>),
+}
+
+impl Buffer {
+    fn values(&mut self) -> &mut [f32] {
+        match self {
+            Buffer::Heap(v) => v,
+            Buffer::Shared(b) => b,
+        }
+    }
+
+    fn all_reduce(&mut self, group: &mut ProcessGroup) {
+        match self {
+            Buffer::Heap(v) => group.all_reduce(v, Reduction::Sum),
+            Buffer::Shared(b) => group.all_reduce_shared(b, Reduction::Sum),
+        }
+        .expect("all_reduce");
+    }
 }

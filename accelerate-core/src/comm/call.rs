@@ -23,6 +23,10 @@ pub enum OpKind {
     Abort = 6,
     /// Group set-up (connections, shared memory mapping).
     Setup = 7,
+    /// `shared_buffer`: every rank allocates a buffer its peers can read.
+    CreateBuffer = 8,
+    /// `all_reduce_shared`: an all-reduce in place on shared buffers.
+    AllReduceShared = 9,
 }
 
 impl OpKind {
@@ -36,6 +40,8 @@ impl OpKind {
             OpKind::Barrier => "barrier",
             OpKind::Abort => "abort",
             OpKind::Setup => "setup",
+            OpKind::CreateBuffer => "shared_buffer",
+            OpKind::AllReduceShared => "all_reduce_shared",
         }
     }
 
@@ -48,6 +54,8 @@ impl OpKind {
             5 => OpKind::Barrier,
             6 => OpKind::Abort,
             7 => OpKind::Setup,
+            8 => OpKind::CreateBuffer,
+            9 => OpKind::AllReduceShared,
             _ => return None,
         })
     }
@@ -70,6 +78,8 @@ pub struct CallDesc {
     pub reduce: Option<ReduceOp>,
     /// Root rank, for broadcast.
     pub root: Option<u32>,
+    /// Shared buffer id, for `shared_buffer` and `all_reduce_shared`.
+    pub buffer: Option<u32>,
 }
 
 impl CallDesc {
@@ -82,6 +92,7 @@ impl CallDesc {
             dtype: None,
             reduce: None,
             root: None,
+            buffer: None,
         }
     }
 
@@ -97,7 +108,7 @@ impl CallDesc {
                 | u64::from(root) << 32,
             self.seq,
             self.count,
-            0,
+            self.buffer.map_or(u64::MAX, u64::from),
         ]
     }
 
@@ -119,6 +130,10 @@ impl CallDesc {
             u32::MAX => None,
             r => Some(r),
         };
+        let buffer = match words[3] {
+            u64::MAX => None,
+            id => Some(u32::try_from(id).ok()?),
+        };
         Some(Self {
             op,
             seq: words[1],
@@ -126,6 +141,7 @@ impl CallDesc {
             dtype,
             reduce,
             root,
+            buffer,
         })
     }
 }
@@ -148,12 +164,15 @@ impl fmt::Display for CallDesc {
         if let Some(root) = self.root {
             write!(f, ", root {root}")?;
         }
+        if let Some(buffer) = self.buffer {
+            write!(f, ", buffer {buffer}")?;
+        }
         write!(f, ")")
     }
 }
 
 /// Bytes of a [`Header`] on the wire.
-pub const HEADER_BYTES: usize = 40;
+pub const HEADER_BYTES: usize = 48;
 const MAGIC: u32 = 0x4143_4331; // "ACC1"
 
 /// The header in front of every message of the message-passing transports.
@@ -177,7 +196,8 @@ impl Header {
         out[8..16].copy_from_slice(&words[0].to_le_bytes());
         out[16..24].copy_from_slice(&words[1].to_le_bytes());
         out[24..32].copy_from_slice(&words[2].to_le_bytes());
-        out[32..40].copy_from_slice(&self.payload_len.to_le_bytes());
+        out[32..40].copy_from_slice(&words[3].to_le_bytes());
+        out[40..48].copy_from_slice(&self.payload_len.to_le_bytes());
         out
     }
 
@@ -189,8 +209,8 @@ impl Header {
         }
         Some(Self {
             sender: u32::from_le_bytes(bytes[4..8].try_into().ok()?),
-            call: CallDesc::unpack([word(8), word(16), word(24), 0])?,
-            payload_len: word(32),
+            call: CallDesc::unpack([word(8), word(16), word(24), word(32)])?,
+            payload_len: word(40),
         })
     }
 }
@@ -208,6 +228,7 @@ mod tests {
             dtype: Some(DType::BF16),
             reduce: Some(ReduceOp::Max),
             root: None,
+            buffer: Some(3),
         };
         let h = Header {
             call,
@@ -215,7 +236,10 @@ mod tests {
             payload_len: 200,
         };
         assert_eq!(Header::decode(&h.encode()), Some(h));
-        assert_eq!(call.to_string(), "all_reduce #12 (100 x bf16, max)");
+        assert_eq!(
+            call.to_string(),
+            "all_reduce #12 (100 x bf16, max, buffer 3)"
+        );
         let b = CallDesc {
             root: Some(2),
             ..CallDesc::new(OpKind::Broadcast, 1)

@@ -54,6 +54,31 @@ pub trait Engine: Send {
 
     /// Sets how long any wait may last.
     fn set_timeout(&mut self, timeout: std::time::Duration);
+
+    /// Allocates this rank's `bytes`-byte part of shared buffer `call.buffer`, readable by the
+    /// peers. `None` when the transport has no shared memory (the caller uses the heap), or
+    /// for an empty buffer.
+    fn create_shared(
+        &mut self,
+        call: &CallDesc,
+        bytes: usize,
+    ) -> Result<Option<memmap2::MmapMut>, CommError> {
+        let _ = (call, bytes);
+        Ok(None)
+    }
+
+    /// All-reduces shared buffer `call.buffer`, whose bytes on this rank are `buf`. Without
+    /// shared memory this is a plain all-reduce.
+    fn all_reduce_shared(
+        &mut self,
+        call: &CallDesc,
+        buf: &mut [u8],
+        dtype: DType,
+        op: ReduceOp,
+        scale: Option<f32>,
+    ) -> Result<(), CommError> {
+        self.all_reduce(call, buf, dtype, op, scale)
+    }
 }
 
 /// Byte range of chunk `index` when `bytes` of `elem`-byte elements are cut into `parts`.

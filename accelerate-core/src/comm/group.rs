@@ -14,6 +14,7 @@ use super::collective::MessageEngine;
 use super::engine::Engine;
 use super::options::{GroupOptions, TransportChoice};
 use super::rendezvous::RendezvousConfig;
+use super::shared_buffer::SharedBuffer;
 use super::transport::local::LocalLink;
 use super::transport::shm::{ShmEngine, create_segment, segment_path};
 use super::transport::tcp::TcpLink;
@@ -55,6 +56,16 @@ pub struct ProcessGroup {
     engine: Option<Box<dyn Engine>>,
     seq: u64,
     failed: Option<CommError>,
+    /// Shared buffers allocated so far (the next one's id).
+    buffers: u32,
+    /// Identifies this group among the others of the process, for its shared buffers.
+    tag: u64,
+}
+
+/// A process-unique tag for a new group.
+fn next_tag() -> u64 {
+    static NEXT: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(1);
+    NEXT.fetch_add(1, std::sync::atomic::Ordering::Relaxed)
 }
 
 impl ProcessGroup {
@@ -66,6 +77,8 @@ impl ProcessGroup {
             engine: None,
             seq: 0,
             failed: None,
+            buffers: 0,
+            tag: next_tag(),
         }
     }
 
@@ -136,6 +149,8 @@ impl ProcessGroup {
             engine: Some(engine),
             seq: 0,
             failed: None,
+            buffers: 0,
+            tag: next_tag(),
         };
         // The shared-memory engine used the rendezvous timeout for set-up; collectives use theirs.
         group.set_timeout(options.timeout);
@@ -161,6 +176,8 @@ impl ProcessGroup {
                 ))),
                 seq: 0,
                 failed: None,
+                buffers: 0,
+                tag: next_tag(),
             })
             .collect()
     }
@@ -354,6 +371,57 @@ impl ProcessGroup {
                 accelerate_kernels::reduce::scale_bytes(T::DTYPE, out, 1.0 / n as f32);
             }
             Ok(())
+        })
+    }
+
+    /// Allocates a zeroed buffer of `len` elements that [`all_reduce_shared`](Self::all_reduce_shared)
+    /// reduces in place: on a shared-memory group every rank reads its peers' buffers directly,
+    /// with no staging copy. Every rank must call this with the same `len`.
+    pub fn shared_buffer<T: Element>(&mut self, len: usize) -> Result<SharedBuffer<T>, CommError> {
+        let id = self.buffers;
+        self.buffers += 1;
+        let mut call = self.call(OpKind::CreateBuffer);
+        call.count = len as u64;
+        call.dtype = Some(T::DTYPE);
+        call.buffer = Some(id);
+        let mut mapped = None;
+        self.run(|e| {
+            mapped = e.create_shared(&call, len * size_of::<T>())?;
+            Ok(())
+        })?;
+        Ok(match mapped {
+            Some(map) => SharedBuffer::mapped(map, len, id, self.tag),
+            None => SharedBuffer::heap(len, id, self.tag),
+        })
+    }
+
+    /// Combines `buf` across ranks, in place, with `reduction`, like
+    /// [`all_reduce`](Self::all_reduce) but without staging copies on shared memory.
+    pub fn all_reduce_shared<T: Element>(
+        &mut self,
+        buf: &mut SharedBuffer<T>,
+        reduction: Reduction,
+    ) -> Result<(), CommError> {
+        if buf.group() != self.tag {
+            return Err(self.usage(
+                OpKind::AllReduceShared,
+                "the buffer was allocated by another process group".into(),
+            ));
+        }
+        let mut call = self.call(OpKind::AllReduceShared);
+        call.count = buf.len() as u64;
+        call.dtype = Some(T::DTYPE);
+        call.reduce = Some(reduction.op());
+        call.buffer = Some(buf.id());
+        let scale = (reduction == Reduction::Mean).then(|| 1.0 / self.world_size as f32);
+        let in_place = buf.is_shared_memory();
+        self.run(|e| {
+            let bytes = bytemuck::cast_slice_mut(&mut buf[..]);
+            if in_place {
+                e.all_reduce_shared(&call, bytes, T::DTYPE, reduction.op(), scale)
+            } else {
+                e.all_reduce(&call, bytes, T::DTYPE, reduction.op(), scale)
+            }
         })
     }
 

@@ -7,6 +7,8 @@
 //!   message transports.
 //! - [`ProcessGroup`]: all_reduce (sum, mean, max, min), broadcast, all_gather,
 //!   reduce_scatter, barrier, and broadcast/gather of small serde values; f32, f16, bf16.
+//! - [`SharedBuffer`]: a buffer the peers of a shared-memory group read directly, all-reduced
+//!   in place with no staging copy (what the flat gradient buffer should live in).
 //!
 //! ```
 //! use accelerate_core::comm::{GroupOptions, ProcessGroup, Reduction};
@@ -40,9 +42,11 @@ mod group;
 pub mod link;
 mod options;
 pub mod rendezvous;
+mod shared_buffer;
 pub mod transport;
 
 pub use call::{CallDesc, OpKind};
 pub use collective::AllReduceAlgorithm;
 pub use group::{ProcessGroup, Reduction};
 pub use options::{GroupOptions, TransportChoice};
+pub use shared_buffer::SharedBuffer;

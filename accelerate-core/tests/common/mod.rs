@@ -118,3 +118,28 @@ pub fn check_all<T: Convert>(group: &mut ProcessGroup, lens: &[usize]) {
         .unwrap();
     assert_eq!(config, vec![(world - 1) as u64, 42]);
 }
+
+/// Checks `all_reduce_shared` on buffers from `shared_buffer`, each reused for every reduction.
+/// Returns whether the buffers lived in shared memory.
+pub fn check_shared<T: Convert>(group: &mut ProcessGroup, lens: &[usize]) -> bool {
+    let (rank, world) = (group.rank(), group.world_size());
+    let mut in_shared_memory = false;
+    for &len in lens {
+        let mut buf = group.shared_buffer::<T>(len).unwrap();
+        assert!(
+            buf.iter().all(|v| *v == T::from_f32(0.0)),
+            "a new buffer is zeroed"
+        );
+        in_shared_memory |= buf.is_shared_memory();
+        for reduction in REDUCTIONS {
+            buf.copy_from_slice(&input::<T>(rank, len));
+            group.all_reduce_shared(&mut buf, reduction).unwrap();
+            assert_eq!(
+                &buf[..],
+                &reduced::<T>(world, len, reduction)[..],
+                "all_reduce_shared {reduction:?} len {len} rank {rank}"
+            );
+        }
+    }
+    in_shared_memory
+}

@@ -22,9 +22,11 @@
 
 mod region;
 
+use std::collections::HashMap;
 use std::fs::OpenOptions;
 use std::hash::{DefaultHasher, Hash, Hasher};
 use std::path::{Path, PathBuf};
+use std::sync::Arc;
 use std::sync::atomic::Ordering;
 use std::time::{Duration, Instant};
 
@@ -34,12 +36,15 @@ use accelerate_kernels::{DType, ReduceOp};
 use crate::comm::call::{CallDesc, OpKind};
 use crate::comm::engine::{Engine, chunk_bytes};
 use crate::error::CommError;
+use memmap2::{Mmap, MmapMut};
 use region::Region;
 
 /// Default bytes per slot (each rank has two).
 pub const DEFAULT_SLOT_BYTES: usize = 4 << 20;
 /// How often a waiting rank checks that the ranks it waits for are still alive.
 const LIVENESS_INTERVAL: Duration = Duration::from_millis(5);
+/// Shared buffers up to this size are all-reduced through the slots (fewer barriers).
+const IN_PLACE_MIN_BYTES: usize = 256 << 10;
 /// Longest single sleep on the doorbell (a missed wake-up costs at most this).
 const NAP: Duration = Duration::from_millis(2);
 
@@ -53,6 +58,10 @@ pub struct ShmEngine {
     segments: u64,
     /// Spins before sleeping: long when every rank has a core, short when ranks share cores.
     spin_limit: u32,
+    /// The group's segment path; shared buffer files are named after it.
+    base: PathBuf,
+    /// Every peer's mapping of each shared buffer (`None` at this rank's own index).
+    buffers: HashMap<u32, Arc<Vec<Option<Mmap>>>>,
 }
 
 /// The segment path of a group: a hash of its job token and rendezvous address, so two jobs
@@ -126,6 +135,8 @@ impl ShmEngine {
             arrivals: 0,
             segments: 0,
             spin_limit: if world_size <= cores { 4_000 } else { 64 },
+            base: path.to_path_buf(),
+            buffers: HashMap::new(),
         };
         engine.barrier_wait(&CallDesc::new(OpKind::Setup, 0), false)?;
         Ok(engine)
@@ -289,6 +300,62 @@ fn sleep_on(_word: &std::sync::atomic::AtomicU32, _seen: u32, _nap: Duration) {
 
 #[cfg(not(target_os = "linux"))]
 fn wake_all(_word: &std::sync::atomic::AtomicU32) {}
+
+impl ShmEngine {
+    fn buffer_path(&self, id: u32, rank: usize) -> PathBuf {
+        let mut name = self.base.clone().into_os_string();
+        name.push(format!("-b{id}-r{rank}"));
+        PathBuf::from(name)
+    }
+
+    fn create_shared_inner(
+        &mut self,
+        call: &CallDesc,
+        id: u32,
+        bytes: usize,
+    ) -> Result<Option<MmapMut>, CommError> {
+        let rank = self.rank;
+        let own_path = self.buffer_path(id, rank);
+        let own = if bytes == 0 {
+            None
+        } else {
+            let _ = std::fs::remove_file(&own_path);
+            let file = OpenOptions::new()
+                .read(true)
+                .write(true)
+                .create_new(true)
+                .open(&own_path)
+                .map_err(|e| CommError::io(rank, format!("creating {}", own_path.display()), e))?;
+            file.set_len(bytes as u64)
+                .map_err(|e| CommError::io(rank, format!("sizing {}", own_path.display()), e))?;
+            Some(
+                region::map_own_buffer(&file).map_err(|e| {
+                    CommError::io(rank, format!("mapping {}", own_path.display()), e)
+                })?,
+            )
+        };
+        // Every rank has created its file.
+        self.begin(call)?;
+        let mut peers = Vec::with_capacity(self.world_size);
+        for peer in 0..self.world_size {
+            if peer == rank || bytes == 0 {
+                peers.push(None);
+                continue;
+            }
+            let path = self.buffer_path(id, peer);
+            let file = OpenOptions::new().read(true).open(&path).map_err(|e| {
+                CommError::io(rank, format!("opening rank {peer}'s {}", path.display()), e)
+            })?;
+            peers.push(Some(region::map_peer_buffer(&file).map_err(|e| {
+                CommError::io(rank, format!("mapping rank {peer}'s {}", path.display()), e)
+            })?));
+        }
+        self.buffers.insert(id, Arc::new(peers));
+        // Every rank has mapped every file: the names can go.
+        self.barrier_wait(call, false)?;
+        Ok(own)
+    }
+}
 
 /// True while process `pid` exists and is not a zombie.
 fn process_alive(pid: u64) -> bool {
@@ -473,6 +540,69 @@ impl Engine for ShmEngine {
 
     fn set_timeout(&mut self, timeout: Duration) {
         self.timeout = timeout;
+    }
+
+    fn create_shared(
+        &mut self,
+        call: &CallDesc,
+        bytes: usize,
+    ) -> Result<Option<MmapMut>, CommError> {
+        let id = call.buffer.unwrap_or(u32::MAX);
+        let result = self.create_shared_inner(call, id, bytes);
+        // Whatever happened, no name stays in /dev/shm: mappings keep the memory alive.
+        let _ = std::fs::remove_file(self.buffer_path(id, self.rank));
+        result
+    }
+
+    fn all_reduce_shared(
+        &mut self,
+        call: &CallDesc,
+        buf: &mut [u8],
+        dtype: DType,
+        op: ReduceOp,
+        scale: Option<f32>,
+    ) -> Result<(), CommError> {
+        let (n, rank) = (self.world_size, self.rank);
+        let peers = match call.buffer.and_then(|id| self.buffers.get(&id)) {
+            Some(peers) => Arc::clone(peers),
+            None => {
+                return Err(CommError::Usage {
+                    op: call.op.name(),
+                    rank,
+                    reason: "this buffer was not allocated by this group".into(),
+                });
+            }
+        };
+        if buf.len() <= IN_PLACE_MIN_BYTES {
+            // Latency-bound: two barriers through the slots beat three in place.
+            return self.all_reduce(call, buf, dtype, op, scale);
+        }
+        // Phase 1: every rank's input is in place.
+        self.begin(call)?;
+        if buf.is_empty() {
+            return Ok(());
+        }
+        let len = buf.len();
+        let elem = dtype.size();
+        let peer = |p: usize, range: std::ops::Range<usize>| -> &[u8] {
+            peers[p].as_ref().map_or(&[][..], |map| &map[range])
+        };
+        // Phase 2: reduce this rank's part from every peer's buffer, in place.
+        let mine = chunk_bytes(len, elem, n, rank);
+        for p in (0..n).filter(|&p| p != rank) {
+            reduce_bytes(dtype, op, &mut buf[mine.clone()], peer(p, mine.clone()));
+        }
+        if let Some(factor) = scale {
+            scale_bytes(dtype, &mut buf[mine], factor);
+        }
+        self.barrier_wait(call, false)?;
+        // Phase 3: copy the other parts from their owners.
+        for p in (0..n).filter(|&p| p != rank) {
+            let theirs = chunk_bytes(len, elem, n, p);
+            buf[theirs.clone()].copy_from_slice(peer(p, theirs));
+        }
+        // Phase 4: nobody reads this rank's buffer any more, so the caller may write it.
+        self.barrier_wait(call, false)
     }
 
     fn abort(&mut self, error: &CommError) {

@@ -30,7 +30,7 @@
 use std::fs::File;
 use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
 
-use memmap2::MmapMut;
+use memmap2::{Mmap, MmapMut};
 
 /// Bytes of one rank's control block.
 pub const CONTROL_BYTES: usize = 512;
@@ -194,4 +194,20 @@ impl Region {
         // by the barrier protocol nobody reads it concurrently (see the module docs).
         unsafe { std::slice::from_raw_parts_mut(self.map.as_ptr().add(at).cast_mut(), len) }
     }
+}
+
+/// Maps this rank's shared buffer file, writable.
+pub fn map_own_buffer(file: &File) -> std::io::Result<MmapMut> {
+    // SAFETY: the file is this rank's private buffer file, sized once before mapping and
+    // never truncated. Peers map it read-only and read it only between barriers at which
+    // this rank does not write the bytes they read (see `ShmEngine::all_reduce_shared`).
+    unsafe { MmapMut::map_mut(file) }
+}
+
+/// Maps a peer's shared buffer file, read-only.
+pub fn map_peer_buffer(file: &File) -> std::io::Result<Mmap> {
+    // SAFETY: as for `map_own_buffer`: the file's size never changes while mapped, and this
+    // rank reads a range of it only while its owner, by the barrier protocol, leaves that
+    // range alone.
+    unsafe { Mmap::map(file) }
 }
