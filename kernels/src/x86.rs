@@ -15,7 +15,6 @@ use std::sync::atomic::{AtomicU8, Ordering};
 use half::{bf16, f16};
 
 use crate::ReduceOp;
-use crate::convert;
 
 /// True when this CPU has AVX2 and F16C (checked once, then cached).
 fn has_avx2_f16c() -> bool {
@@ -47,30 +46,16 @@ fn combine(op: ReduceOp, a: __m256, b: __m256) -> __m256 {
     }
 }
 
-/// `acc[i] = op(acc[i], other[i])` on f16 values, combined in f32 and rounded once.
-///
-/// # Safety
-///
-/// The CPU must support AVX2 and F16C (see `has_avx2_f16c`).
-#[target_feature(enable = "avx2,f16c")]
-unsafe fn reduce_f16_avx2(acc: &mut [f16], other: &[f16], op: ReduceOp) {
-    let n = acc.len().min(other.len());
-    let body = n - n % 8;
-    let a = acc.as_mut_ptr().cast::<u16>();
-    let b = other.as_ptr().cast::<u16>();
-    let mut i = 0;
-    while i < body {
-        // SAFETY: i + 8 <= body <= both lengths, so each 16-byte load and store is in bounds;
-        // unaligned forms are used.
-        unsafe {
-            let x = _mm256_cvtph_ps(_mm_loadu_si128(a.add(i).cast()));
-            let y = _mm256_cvtph_ps(_mm_loadu_si128(b.add(i).cast()));
-            let r = _mm256_cvtps_ph::<_MM_FROUND_TO_NEAREST_INT>(combine(op, x, y));
-            _mm_storeu_si128(a.add(i).cast(), r);
-        }
-        i += 8;
-    }
-    crate::reduce::reduce_f16_portable(&mut acc[body..n], &other[body..n], op);
+#[inline(always)]
+fn f16_widen(v: __m128i) -> __m256 {
+    // SAFETY: only reached from functions compiled with F16C enabled (see `combine`).
+    unsafe { _mm256_cvtph_ps(v) }
+}
+
+#[inline(always)]
+fn f16_narrow(v: __m256) -> __m128i {
+    // SAFETY: only reached from functions compiled with F16C enabled (see `combine`).
+    unsafe { _mm256_cvtps_ph::<_MM_FROUND_TO_NEAREST_INT>(v) }
 }
 
 #[inline(always)]
@@ -100,6 +85,58 @@ fn bf16_narrow(v: __m256) -> __m128i {
     }
 }
 
+/// `f(acc[i..i+8], other[i..i+8])` stored into `acc` for every full group of 8 elements;
+/// returns how many elements were done (the caller finishes the tail).
+#[inline(always)]
+fn combine_lanes(acc: &mut [u16], other: &[u16], f: impl Fn(__m128i, __m128i) -> __m128i) -> usize {
+    let n = acc.len().min(other.len());
+    let body = n - n % 8;
+    let (a, b) = (acc.as_mut_ptr(), other.as_ptr());
+    let mut i = 0;
+    while i < body {
+        // SAFETY: i + 8 <= body <= both lengths, so each 16-byte unaligned load and store is in
+        // bounds; the intrinsics need SSE2, which every x86-64 CPU has.
+        unsafe {
+            let r = f(
+                _mm_loadu_si128(a.add(i).cast()),
+                _mm_loadu_si128(b.add(i).cast()),
+            );
+            _mm_storeu_si128(a.add(i).cast(), r);
+        }
+        i += 8;
+    }
+    body
+}
+
+/// `values[i..i+8] = f(values[i..i+8])` for every full group of 8 elements; returns how many
+/// elements were done (the caller finishes the tail).
+#[inline(always)]
+fn map_lanes(values: &mut [u16], f: impl Fn(__m128i) -> __m128i) -> usize {
+    let body = values.len() - values.len() % 8;
+    let p = values.as_mut_ptr();
+    let mut i = 0;
+    while i < body {
+        // SAFETY: i + 8 <= body <= values.len(), so the 16-byte unaligned load and store are in
+        // bounds; the intrinsics need SSE2, which every x86-64 CPU has.
+        unsafe { _mm_storeu_si128(p.add(i).cast(), f(_mm_loadu_si128(p.add(i).cast()))) };
+        i += 8;
+    }
+    body
+}
+
+/// `acc[i] = op(acc[i], other[i])` on f16 values, combined in f32 and rounded once.
+///
+/// # Safety
+///
+/// The CPU must support AVX2 and F16C (see `has_avx2_f16c`).
+#[target_feature(enable = "avx2,f16c")]
+unsafe fn reduce_f16_avx2(acc: &mut [f16], other: &[f16], op: ReduceOp) {
+    let done = combine_lanes(as_bits_mut(acc), as_bits(other), |x, y| {
+        f16_narrow(combine(op, f16_widen(x), f16_widen(y)))
+    });
+    crate::reduce::reduce_f16_portable(&mut acc[done..], &other[done..], op);
+}
+
 /// `acc[i] = op(acc[i], other[i])` on bf16 values, combined in f32 and rounded once.
 ///
 /// # Safety
@@ -107,21 +144,10 @@ fn bf16_narrow(v: __m256) -> __m128i {
 /// The CPU must support AVX2 (see `has_avx2_f16c`).
 #[target_feature(enable = "avx2,f16c")]
 unsafe fn reduce_bf16_avx2(acc: &mut [bf16], other: &[bf16], op: ReduceOp) {
-    let n = acc.len().min(other.len());
-    let body = n - n % 8;
-    let a = acc.as_mut_ptr().cast::<u16>();
-    let b = other.as_ptr().cast::<u16>();
-    let mut i = 0;
-    while i < body {
-        // SAFETY: as in `reduce_f16`: every 16-byte access is within both slices.
-        unsafe {
-            let x = bf16_widen(_mm_loadu_si128(a.add(i).cast()));
-            let y = bf16_widen(_mm_loadu_si128(b.add(i).cast()));
-            _mm_storeu_si128(a.add(i).cast(), bf16_narrow(combine(op, x, y)));
-        }
-        i += 8;
-    }
-    crate::reduce::reduce_bf16_portable(&mut acc[body..n], &other[body..n], op);
+    let done = combine_lanes(as_bits_mut(acc), as_bits(other), |x, y| {
+        bf16_narrow(combine(op, bf16_widen(x), bf16_widen(y)))
+    });
+    crate::reduce::reduce_bf16_portable(&mut acc[done..], &other[done..], op);
 }
 
 /// Multiplies f16 values by `factor` in f32, rounding once.
@@ -131,25 +157,11 @@ unsafe fn reduce_bf16_avx2(acc: &mut [bf16], other: &[bf16], op: ReduceOp) {
 /// The CPU must support AVX2 and F16C (see `has_avx2_f16c`).
 #[target_feature(enable = "avx2,f16c")]
 unsafe fn scale_f16_avx2(values: &mut [f16], factor: f32) {
-    let n = values.len();
-    let body = n - n % 8;
-    let p = values.as_mut_ptr().cast::<u16>();
     let f = _mm256_set1_ps(factor);
-    let mut i = 0;
-    while i < body {
-        // SAFETY: every 16-byte access is within `values`.
-        unsafe {
-            let x = _mm256_cvtph_ps(_mm_loadu_si128(p.add(i).cast()));
-            let r = _mm256_cvtps_ph::<_MM_FROUND_TO_NEAREST_INT>(_mm256_mul_ps(x, f));
-            _mm_storeu_si128(p.add(i).cast(), r);
-        }
-        i += 8;
-    }
-    for v in &mut values[body..] {
-        *v = f16::from_bits(convert::f32_to_f16_bits(
-            convert::f16_bits_to_f32(v.to_bits()) * factor,
-        ));
-    }
+    let done = map_lanes(as_bits_mut(values), |x| {
+        f16_narrow(_mm256_mul_ps(f16_widen(x), f))
+    });
+    crate::reduce::scale_f16_portable(&mut values[done..], factor);
 }
 
 /// Multiplies bf16 values by `factor` in f32, rounding once.
@@ -159,24 +171,19 @@ unsafe fn scale_f16_avx2(values: &mut [f16], factor: f32) {
 /// The CPU must support AVX2 (see `has_avx2_f16c`).
 #[target_feature(enable = "avx2,f16c")]
 unsafe fn scale_bf16_avx2(values: &mut [bf16], factor: f32) {
-    let n = values.len();
-    let body = n - n % 8;
-    let p = values.as_mut_ptr().cast::<u16>();
     let f = _mm256_set1_ps(factor);
-    let mut i = 0;
-    while i < body {
-        // SAFETY: every 16-byte access is within `values`.
-        unsafe {
-            let x = bf16_widen(_mm_loadu_si128(p.add(i).cast()));
-            _mm_storeu_si128(p.add(i).cast(), bf16_narrow(_mm256_mul_ps(x, f)));
-        }
-        i += 8;
-    }
-    for v in &mut values[body..] {
-        *v = bf16::from_bits(convert::f32_to_bf16_bits(
-            convert::bf16_bits_to_f32(v.to_bits()) * factor,
-        ));
-    }
+    let done = map_lanes(as_bits_mut(values), |x| {
+        bf16_narrow(_mm256_mul_ps(bf16_widen(x), f))
+    });
+    crate::reduce::scale_bf16_portable(&mut values[done..], factor);
+}
+
+fn as_bits<T: bytemuck::Pod>(values: &[T]) -> &[u16] {
+    bytemuck::cast_slice(values)
+}
+
+fn as_bits_mut<T: bytemuck::Pod>(values: &mut [T]) -> &mut [u16] {
+    bytemuck::cast_slice_mut(values)
 }
 
 /// Runs the AVX2 + F16C `reduce` on f16 values when the CPU has them; false when it does not

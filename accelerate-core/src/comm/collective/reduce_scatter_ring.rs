@@ -1,6 +1,8 @@
 //! Ring reduce-scatter: `n - 1` steps in which each rank passes one partially reduced chunk
 //! to its right neighbour; rank `r` ends with the fully reduced chunk `r`.
 
+use std::time::Instant;
+
 use accelerate_kernels::reduce::reduce_bytes;
 use accelerate_kernels::schedule::{ring_neighbours, ring_reduce_scatter_step};
 use accelerate_kernels::{DType, ReduceOp};
@@ -20,12 +22,27 @@ impl<L: Link> MessageEngine<L> {
         dtype: DType,
         op: ReduceOp,
     ) -> Result<(), CommError> {
-        let (n, rank) = (self.world_size(), self.rank());
-        let (left, right) = ring_neighbours(rank, n);
-        let elem = dtype.size();
-        let len = input.len();
         let mut work = input.to_vec();
         let deadline = self.deadline();
+        self.ring_reduce_scatter_in_place(call, &mut work, dtype, op, deadline)?;
+        let mine = chunk_bytes(work.len(), dtype.size(), self.world_size(), self.rank());
+        output.copy_from_slice(&work[mine]);
+        Ok(())
+    }
+
+    /// The reduce-scatter steps on `work`, cut into `n` chunks: afterwards chunk `rank` of
+    /// `work` holds the reduction of every rank's chunk `rank` (other chunks hold partials).
+    pub(super) fn ring_reduce_scatter_in_place(
+        &mut self,
+        call: &CallDesc,
+        work: &mut [u8],
+        dtype: DType,
+        op: ReduceOp,
+        deadline: Instant,
+    ) -> Result<(), CommError> {
+        let (n, rank) = (self.world_size(), self.rank());
+        let (left, right) = ring_neighbours(rank, n);
+        let (len, elem) = (work.len(), dtype.size());
         for step in 0..n - 1 {
             let (send, recv) = ring_reduce_scatter_step(rank, n, step);
             let incoming = self.exchange(
@@ -42,7 +59,6 @@ impl<L: Link> MessageEngine<L> {
                 &incoming,
             );
         }
-        output.copy_from_slice(&work[chunk_bytes(len, elem, n, rank)]);
         Ok(())
     }
 }
