@@ -271,13 +271,18 @@ impl RendezvousConfig {
             refuse_all(&mut hellos, &reason);
             return Err(self.err(reason));
         }
-        let shared_memory = one_host && self.allow_shared_memory;
+        let mut shared_memory = one_host && self.allow_shared_memory;
         if shared_memory && let Err(e) = on_shared_memory() {
-            refuse_all(
-                &mut hellos,
-                &format!("rank 0 could not create the shared memory segment: {e}"),
-            );
-            return Err(e);
+            if self.require_shared_memory {
+                refuse_all(
+                    &mut hellos,
+                    &format!("rank 0 could not create the shared memory segment: {e}"),
+                );
+                return Err(e);
+            }
+            // Automatic choice: TCP works wherever shared memory does not.
+            tracing::warn!("shared memory unavailable ({e}); the group uses TCP");
+            shared_memory = false;
         }
         let welcome = Reply::Welcome {
             peers: peers.clone(),
