@@ -197,14 +197,14 @@ impl<B: AcceleratorBackend> Accelerator<B> {
         PreparedScheduler::new(scheduler.into(), self.shared.clone())
     }
 
-    /// Prepares a training loader: batches arrive on [`device`](Self::device) and their
-    /// positions drive the accumulation windows.
-    pub fn prepare_data_loader<I, O>(&self, loader: DataLoader<I, O>) -> PreparedDataLoader<I, O> {
-        PreparedDataLoader::new(
-            loader,
-            self.device(),
-            LoaderRole::Train(self.shared.clone()),
-        )
+    /// Prepares a training loader: batches arrive on [`device`](Self::device), this process
+    /// gets its share of every round, and batch positions drive the accumulation windows.
+    pub fn prepare_data_loader<I, O>(
+        &self,
+        loader: DataLoader<I, O>,
+    ) -> Result<PreparedDataLoader<I, O>, AccelerateError> {
+        let train = LoaderRole::Train(self.shared.clone());
+        PreparedDataLoader::new(loader, self.device(), train, self.rank_and_world())
     }
 
     /// Prepares an evaluation loader: batches arrive on the device and leave accumulation
@@ -212,14 +212,15 @@ impl<B: AcceleratorBackend> Accelerator<B> {
     pub fn prepare_eval_data_loader<I, O>(
         &self,
         loader: DataLoader<I, O>,
-    ) -> PreparedDataLoader<I, O> {
-        PreparedDataLoader::new(
-            loader,
-            self.device(),
-            LoaderRole::Eval {
-                rank: self.state.rank,
-            },
-        )
+    ) -> Result<PreparedDataLoader<I, O>, AccelerateError> {
+        let eval = LoaderRole::Eval {
+            rank: self.state.rank,
+        };
+        PreparedDataLoader::new(loader, self.device(), eval, self.rank_and_world())
+    }
+
+    fn rank_and_world(&self) -> (usize, usize) {
+        (self.state.rank, self.state.world_size)
     }
 
     /// Runs the backward pass of `loss` and returns the gradients to step with.

@@ -1,16 +1,16 @@
 //! Data loading: a loader described by a data set, a Burn batcher and a batch size, and its
 //! prepared form that yields batches on the accelerator's device.
 //!
-//! The order of an epoch is [`accelerate_core::sampler::epoch_order`] of `(seed, epoch)`, a pure
-//! function: the same on every run and platform, which exact resume relies on. Burn's own
-//! loader shuffles with a generator it owns and has no `set_epoch`, so we feed Burn's
-//! [`Batcher`] ourselves.
+//! Which samples a process visits, batch by batch, is decided by a
+//! [`DistributedSampler`]: the epoch's order is a pure function of `(seed, epoch)`, the same on
+//! every run, process and platform, which exact resume relies on, and each process takes its
+//! share of every round. Burn's own loader shuffles with a generator it owns and has no
+//! `set_epoch`, so we feed Burn's [`Batcher`] ourselves.
 
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 
-use accelerate_core::BatchPosition;
-use accelerate_core::sampler::epoch_order;
+use accelerate_core::{BatchPosition, DistributedSampler, RankBatch, SamplerConfig};
 use burn::data::dataloader::batcher::Batcher;
 use burn::data::dataset::Dataset;
 use burn::tensor::Device;
@@ -23,17 +23,13 @@ use crate::loop_state::SharedLoop;
 pub struct DataLoader<I, O> {
     dataset: Arc<dyn Dataset<I>>,
     batcher: Arc<dyn Batcher<I, O>>,
-    batch_size: usize,
-    shuffle: Option<u64>,
-    drop_last: bool,
+    sampling: SamplerConfig,
 }
 
 /// Builds a [`DataLoader`], in the style of Burn's `DataLoaderBuilder`.
 pub struct DataLoaderBuilder<I, O> {
     batcher: Arc<dyn Batcher<I, O>>,
-    batch_size: usize,
-    shuffle: Option<u64>,
-    drop_last: bool,
+    sampling: SamplerConfig,
 }
 
 impl<I, O> DataLoader<I, O> {
@@ -41,10 +37,21 @@ impl<I, O> DataLoader<I, O> {
     pub fn builder(batcher: impl Batcher<I, O> + 'static) -> DataLoaderBuilder<I, O> {
         DataLoaderBuilder {
             batcher: Arc::new(batcher),
-            batch_size: 1,
-            shuffle: None,
-            drop_last: false,
+            sampling: SamplerConfig {
+                shuffle: false,
+                ..SamplerConfig::new(0, 1, 0)
+            },
         }
+    }
+
+    /// The sampler of process `rank` of `world_size` over this loader's data.
+    fn sampler(
+        &self,
+        rank: usize,
+        world_size: usize,
+    ) -> Result<DistributedSampler, AccelerateError> {
+        DistributedSampler::new(self.sampling.clone(), rank, world_size)
+            .map_err(|source| AccelerateError::Sampler { rank, source })
     }
 
     /// Items in the data set.
@@ -52,66 +59,66 @@ impl<I, O> DataLoader<I, O> {
         self.dataset.len()
     }
 
-    /// Items per batch.
+    /// Items per batch (per process; the global batch with `split_batches`).
     pub fn batch_size(&self) -> usize {
-        self.batch_size
+        self.sampling.batch_size
     }
 
-    /// Batches per epoch.
-    pub fn len(&self) -> usize {
-        if self.drop_last {
-            self.dataset.len() / self.batch_size
-        } else {
-            self.dataset.len().div_ceil(self.batch_size)
-        }
-    }
-
-    /// True when an epoch yields no batch.
-    pub fn is_empty(&self) -> bool {
-        self.len() == 0
-    }
-
-    /// The data-set indices of epoch `epoch`, in visiting order.
+    /// The data-set indices a single process visits in epoch `epoch`, in order.
     pub fn epoch_indices(&self, epoch: u64) -> Vec<usize> {
-        let shuffle = self.shuffle.is_some();
-        let mut order = epoch_order(
-            self.dataset.len(),
-            shuffle,
-            self.shuffle.unwrap_or(0),
-            epoch,
-        );
-        order.truncate(self.len() * self.batch_size);
-        order
+        let Ok(mut single) = DistributedSampler::new(self.sampling.clone(), 0, 1) else {
+            return Vec::new();
+        };
+        single.set_epoch(epoch);
+        single
+            .batches()
+            .into_iter()
+            .flat_map(|b| b.indices)
+            .collect()
     }
 }
 
 impl<I, O> DataLoaderBuilder<I, O> {
-    /// Items per batch (at least 1).
+    /// Items per batch and process (at least 1); with [`split_batches`](Self::split_batches),
+    /// items per global batch. Without it the global batch is `batch_size x processes`.
     pub fn batch_size(mut self, batch_size: usize) -> Self {
-        self.batch_size = batch_size.max(1);
+        self.sampling.batch_size = batch_size.max(1);
         self
     }
 
     /// Visits each epoch in a shuffled order drawn from `(seed, epoch)`.
     pub fn shuffle(mut self, seed: u64) -> Self {
-        self.shuffle = Some(seed);
+        self.sampling.shuffle = true;
+        self.sampling.seed = seed;
         self
     }
 
-    /// Drops the last batch of an epoch when it is smaller than the batch size.
+    /// Drops the last (global) batch of an epoch when it is short.
     pub fn drop_last(mut self, drop_last: bool) -> Self {
-        self.drop_last = drop_last;
+        self.sampling.drop_last = drop_last;
+        self
+    }
+
+    /// With several processes, fills a short last round by cycling from the epoch's start so
+    /// that every process gets the same number of full batches (default: true).
+    pub fn even_batches(mut self, even_batches: bool) -> Self {
+        self.sampling.even_batches = even_batches;
+        self
+    }
+
+    /// Treats the batch size as the global batch, split evenly across processes.
+    pub fn split_batches(mut self, split_batches: bool) -> Self {
+        self.sampling.split_batches = split_batches;
         self
     }
 
     /// Finishes the loader over `dataset`.
-    pub fn build(self, dataset: impl Dataset<I> + 'static) -> DataLoader<I, O> {
+    pub fn build(mut self, dataset: impl Dataset<I> + 'static) -> DataLoader<I, O> {
+        self.sampling.len = dataset.len();
         DataLoader {
             dataset: Arc::new(dataset),
             batcher: self.batcher,
-            batch_size: self.batch_size,
-            shuffle: self.shuffle,
-            drop_last: self.drop_last,
+            sampling: self.sampling,
         }
     }
 }
@@ -128,19 +135,26 @@ pub(crate) enum LoaderRole {
 /// device, epoch by epoch.
 pub struct PreparedDataLoader<I, O> {
     loader: DataLoader<I, O>,
+    sampler: DistributedSampler,
     device: Device,
     role: LoaderRole,
     epoch: AtomicU64,
 }
 
 impl<I, O> PreparedDataLoader<I, O> {
-    pub(crate) fn new(loader: DataLoader<I, O>, device: Device, role: LoaderRole) -> Self {
-        Self {
+    pub(crate) fn new(
+        loader: DataLoader<I, O>,
+        device: Device,
+        role: LoaderRole,
+        (rank, world_size): (usize, usize),
+    ) -> Result<Self, AccelerateError> {
+        Ok(Self {
+            sampler: loader.sampler(rank, world_size)?,
             loader,
             device,
             role,
             epoch: AtomicU64::new(0),
-        }
+        })
     }
 
     /// Selects the epoch whose order the next [`iter`](Self::iter) follows.
@@ -153,14 +167,14 @@ impl<I, O> PreparedDataLoader<I, O> {
         self.epoch.load(Ordering::Relaxed)
     }
 
-    /// Batches per epoch.
+    /// Batches this process gets per epoch.
     pub fn len(&self) -> usize {
-        self.loader.len()
+        self.sampler.len()
     }
 
     /// True when an epoch yields no batch.
     pub fn is_empty(&self) -> bool {
-        self.loader.is_empty()
+        self.sampler.is_empty()
     }
 
     /// The loader as given to `prepare`.
@@ -171,9 +185,11 @@ impl<I, O> PreparedDataLoader<I, O> {
     /// Iterates over the batches of the current epoch, built on the accelerator's device.
     pub fn iter(&self) -> BatchIter<'_, I, O> {
         let epoch = self.epoch();
+        let mut sampler = self.sampler.clone();
+        sampler.set_epoch(epoch);
         BatchIter {
             prepared: self,
-            order: self.loader.epoch_indices(epoch),
+            batches: sampler.batches().into_iter(),
             epoch,
             next_batch: 0,
         }
@@ -192,7 +208,7 @@ impl<'a, I, O> IntoIterator for &'a PreparedDataLoader<I, O> {
 /// The batches of one epoch of a [`PreparedDataLoader`].
 pub struct BatchIter<'a, I, O> {
     prepared: &'a PreparedDataLoader<I, O>,
-    order: Vec<usize>,
+    batches: std::vec::IntoIter<RankBatch>,
     epoch: u64,
     next_batch: usize,
 }
@@ -201,12 +217,7 @@ impl<I, O> Iterator for BatchIter<'_, I, O> {
     type Item = Result<O, AccelerateError>;
 
     fn next(&mut self) -> Option<Self::Item> {
-        let loader = &self.prepared.loader;
-        let start = self.next_batch * loader.batch_size;
-        if start >= self.order.len() {
-            return None;
-        }
-        let end = (start + loader.batch_size).min(self.order.len());
+        let batch = self.batches.next()?;
         let index = self.next_batch;
         self.next_batch += 1;
         let rank = match &self.prepared.role {
@@ -214,13 +225,15 @@ impl<I, O> Iterator for BatchIter<'_, I, O> {
                 let mut shared = shared.lock();
                 shared.accumulation.begin_batch(BatchPosition {
                     index,
-                    epoch_len: loader.len(),
+                    epoch_len: self.prepared.len(),
                 });
                 shared.rank
             }
             LoaderRole::Eval { rank } => *rank,
         };
-        let items = self.order[start..end]
+        let loader = &self.prepared.loader;
+        let items = batch
+            .indices
             .iter()
             .map(|&i| loader.dataset.get(i))
             .collect::<Result<Vec<I>, _>>()
@@ -234,8 +247,7 @@ impl<I, O> Iterator for BatchIter<'_, I, O> {
     }
 
     fn size_hint(&self) -> (usize, Option<usize>) {
-        let left = self.prepared.loader.len().saturating_sub(self.next_batch);
-        (left, Some(left))
+        self.batches.size_hint()
     }
 }
 

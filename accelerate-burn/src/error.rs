@@ -53,6 +53,15 @@ pub enum AccelerateError {
         source: burn::data::dataset::DatasetError,
     },
 
+    /// The data loader's batching cannot be shared across the processes.
+    #[error("rank {rank}: data loader: {source}")]
+    Sampler {
+        /// This process's rank.
+        rank: usize,
+        /// What is wrong.
+        source: accelerate_core::SamplerError,
+    },
+
     /// The optimizer was asked to apply gradients that no accumulation window produced.
     #[error(
         "rank {rank}: optimizer step with gradients that did not come from Accelerator::backward \

@@ -33,7 +33,7 @@ impl<B: AcceleratorBackend, I, O> Prepare<B> for DataLoader<I, O> {
     type Prepared = PreparedDataLoader<I, O>;
 
     fn prepare(self, acc: &Accelerator<B>) -> Result<Self::Prepared, AccelerateError> {
-        Ok(acc.prepare_data_loader(self))
+        acc.prepare_data_loader(self)
     }
 }
 
@@ -50,7 +50,7 @@ impl<B: AcceleratorBackend, M: Module, I, O> Prepare<B> for (M, ModuleOptimizer,
 
     fn prepare(self, acc: &Accelerator<B>) -> Result<Self::Prepared, AccelerateError> {
         let (model, optim) = acc.prepare((self.0, self.1))?;
-        Ok((model, optim, acc.prepare_data_loader(self.2)))
+        Ok((model, optim, acc.prepare_data_loader(self.2)?))
     }
 }
 
@@ -66,6 +66,6 @@ impl<B: AcceleratorBackend, M: Module, I, O, J, P> Prepare<B>
 
     fn prepare(self, acc: &Accelerator<B>) -> Result<Self::Prepared, AccelerateError> {
         let (model, optim, train) = acc.prepare((self.0, self.1, self.2))?;
-        Ok((model, optim, train, acc.prepare_eval_data_loader(self.3)))
+        Ok((model, optim, train, acc.prepare_eval_data_loader(self.3)?))
     }
 }

@@ -367,7 +367,7 @@ fn batches_arrive_on_the_accelerator_device_and_process_queries_answer() {
     let acc = accelerator(1);
     assert!(acc.is_main_process() && acc.is_local_main_process());
     assert_eq!((acc.process_index(), acc.num_processes()), (0, 1));
-    let train = acc.prepare_data_loader(loader(10, 4));
+    let train = acc.prepare_data_loader(loader(10, 4)).unwrap();
     assert_eq!(train.len(), 3);
     let batches: Vec<_> = train.iter().map(Result::unwrap).collect();
     assert_eq!(batches.len(), 3);

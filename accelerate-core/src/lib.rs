@@ -25,11 +25,13 @@
 //! - [`config`]: [`AcceleratorConfig`] and its sources.
 //! - [`accumulation`]: gradient accumulation windows.
 //! - [`sampler`]: the per-epoch data order.
+//! - [`distributed_sampler`]: each rank's batches of an epoch, padding and resume cursor.
 //! - [`comm`]: the process group and its collectives (rendezvous, shared memory, TCP).
 
 pub mod accumulation;
 pub mod comm;
 pub mod config;
+pub mod distributed_sampler;
 pub mod error;
 pub mod sampler;
 pub mod state;
@@ -37,5 +39,8 @@ pub mod state;
 pub use accumulation::{BatchPosition, GradientAccumulation, MicroStep};
 pub use comm::{GroupOptions, ProcessGroup, Reduction};
 pub use config::{AcceleratorConfig, ConfigOverrides};
+pub use distributed_sampler::{
+    DistributedSampler, RankBatch, SamplerConfig, SamplerCursor, SamplerError,
+};
 pub use error::{CommError, ConfigError, StateError};
 pub use state::{EnvSource, Launcher, ProcessEnv, ProcessState};

@@ -1,0 +1,435 @@
+//! `DistributedSampler`: which data-set indices each rank visits, batch by batch, in an epoch.
+//!
+//! Every rank computes the same epoch order ([`epoch_order`] of `(seed, epoch)`) without
+//! communicating, and takes its share of each *round*: the next `world_size` batches of that
+//! order, one per rank, in rank order. So concatenating the ranks' batches of a round, in rank
+//! order, gives the round's stretch of the epoch order, which is what
+//! `gather_for_metrics` relies on to return predictions in order.
+//!
+//! - Per-rank batches (default): each rank's batch has `batch_size` samples; the global batch
+//!   is `batch_size x world_size`.
+//! - `split_batches`: `batch_size` is the global batch, split evenly across ranks (it must be
+//!   a multiple of the world size).
+//!
+//! The last round may be short. With `drop_last` it is dropped. Otherwise, with `even_batches`
+//! (the default) and several ranks, it is filled by cycling from the start of the epoch order,
+//! so every rank gets the same number of full batches, and [`RankBatch::padding`] says how
+//! many of a batch's samples are such repeats; without `even_batches` (or with one rank, which
+//! needs no evening out) it is cut in batch-sized pieces, so some ranks get a short batch or
+//! none.
+
+use serde::{Deserialize, Serialize};
+
+use crate::sampler::epoch_order;
+
+/// How the data is cut and shared.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct SamplerConfig {
+    /// Items in the data set.
+    pub len: usize,
+    /// Samples per rank per batch, or per global batch with `split_batches`.
+    pub batch_size: usize,
+    /// Visit each epoch in a shuffled order (else in data-set order).
+    pub shuffle: bool,
+    /// Seed of the shuffled orders.
+    pub seed: u64,
+    /// Drop the last round when it is short.
+    pub drop_last: bool,
+    /// Fill a short last round by cycling from the epoch's start (ignored with `drop_last`).
+    pub even_batches: bool,
+    /// `batch_size` is the global batch, split across ranks.
+    pub split_batches: bool,
+}
+
+impl SamplerConfig {
+    /// `len` items in batches of `batch_size` per rank, shuffled with `seed`, even batches.
+    pub fn new(len: usize, batch_size: usize, seed: u64) -> Self {
+        Self {
+            len,
+            batch_size,
+            shuffle: true,
+            seed,
+            drop_last: false,
+            even_batches: true,
+            split_batches: false,
+        }
+    }
+}
+
+/// The configuration cannot describe a valid sampler.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum SamplerError {
+    /// A batch must hold at least one sample.
+    #[error("batch_size is 0: expected at least 1")]
+    ZeroBatch,
+    /// `split_batches` needs a global batch that divides evenly.
+    #[error(
+        "split_batches: batch_size {batch_size} is not a multiple of the world size \
+         {world_size}. hint: use a batch size divisible by the number of processes"
+    )]
+    Uneven {
+        /// The global batch size.
+        batch_size: usize,
+        /// Ranks.
+        world_size: usize,
+    },
+    /// The rank is outside the world.
+    #[error("rank {rank} is not below the world size {world_size}")]
+    Rank {
+        /// The rank given.
+        rank: usize,
+        /// Ranks.
+        world_size: usize,
+    },
+}
+
+/// One batch of one rank.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct RankBatch {
+    /// Data-set indices, in order.
+    pub indices: Vec<usize>,
+    /// How many of the trailing indices repeat earlier samples to even out the last round
+    /// (`gather_for_metrics` drops them).
+    pub padding: usize,
+    /// True for this rank's last batch of the epoch.
+    pub last: bool,
+}
+
+/// Where a rank is in the data: the epoch, and how many of its batches it consumed.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct SamplerCursor {
+    /// The epoch.
+    pub epoch: u64,
+    /// Batches of that epoch this rank has consumed.
+    pub batches_consumed: usize,
+}
+
+/// One rank's view of the data, epoch by epoch.
+#[derive(Debug, Clone)]
+pub struct DistributedSampler {
+    config: SamplerConfig,
+    rank: usize,
+    world_size: usize,
+    epoch: u64,
+}
+
+impl DistributedSampler {
+    /// The sampler of `rank` among `world_size` ranks.
+    pub fn new(
+        config: SamplerConfig,
+        rank: usize,
+        world_size: usize,
+    ) -> Result<Self, SamplerError> {
+        if config.batch_size == 0 {
+            return Err(SamplerError::ZeroBatch);
+        }
+        if rank >= world_size {
+            return Err(SamplerError::Rank { rank, world_size });
+        }
+        if config.split_batches && !config.batch_size.is_multiple_of(world_size) {
+            return Err(SamplerError::Uneven {
+                batch_size: config.batch_size,
+                world_size,
+            });
+        }
+        Ok(Self {
+            config,
+            rank,
+            world_size,
+            epoch: 0,
+        })
+    }
+
+    /// The configuration.
+    pub fn config(&self) -> &SamplerConfig {
+        &self.config
+    }
+
+    /// Selects the epoch whose order [`batches`](Self::batches) follows.
+    pub fn set_epoch(&mut self, epoch: u64) {
+        self.epoch = epoch;
+    }
+
+    /// The selected epoch.
+    pub fn epoch(&self) -> u64 {
+        self.epoch
+    }
+
+    /// Samples in one rank's full batch.
+    pub fn rank_batch_size(&self) -> usize {
+        if self.config.split_batches {
+            self.config.batch_size / self.world_size
+        } else {
+            self.config.batch_size
+        }
+    }
+
+    /// Samples in a round (one batch of every rank).
+    pub fn global_batch_size(&self) -> usize {
+        self.rank_batch_size() * self.world_size
+    }
+
+    /// Whether a short last round is padded: asked for, and needed (several ranks).
+    fn pads(&self) -> bool {
+        self.config.even_batches && !self.config.drop_last && self.world_size > 1
+    }
+
+    fn rounds(&self) -> (usize, usize) {
+        let round = self.global_batch_size();
+        (self.config.len / round, self.config.len % round)
+    }
+
+    /// Batches this rank gets per epoch.
+    pub fn len(&self) -> usize {
+        let (full, rest) = self.rounds();
+        let b = self.rank_batch_size();
+        full + match rest {
+            0 => 0,
+            _ if self.config.drop_last => 0,
+            _ if self.pads() => 1,
+            rest => usize::from(rest > self.rank * b),
+        }
+    }
+
+    /// True when this rank gets no batch in an epoch.
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
+    /// This rank's batches of the selected epoch, from the start.
+    pub fn batches(&self) -> Vec<RankBatch> {
+        self.batches_from(0)
+    }
+
+    /// This rank's batches of the selected epoch, skipping the first `skip` (resume).
+    pub fn batches_from(&self, skip: usize) -> Vec<RankBatch> {
+        let order = epoch_order(
+            self.config.len,
+            self.config.shuffle,
+            self.config.seed,
+            self.epoch,
+        );
+        let (b, round) = (self.rank_batch_size(), self.global_batch_size());
+        let count = self.len();
+        (skip.min(count)..count)
+            .map(|k| {
+                let start = k * round + self.rank * b;
+                let end = start + b;
+                let (indices, padding) = if end <= order.len() {
+                    (order[start..end].to_vec(), 0)
+                } else if self.pads() && !order.is_empty() {
+                    // Cycle from the epoch's start (several times if the data is tiny).
+                    let indices: Vec<usize> =
+                        (start..end).map(|i| order[i % order.len()]).collect();
+                    let real = order.len().saturating_sub(start).min(b);
+                    (indices, b - real)
+                } else {
+                    (order[start.min(order.len())..order.len()].to_vec(), 0)
+                };
+                RankBatch {
+                    indices,
+                    padding,
+                    last: k + 1 == count,
+                }
+            })
+            .collect()
+    }
+
+    /// Padding samples in the whole last round (over all ranks): what `gather_for_metrics`
+    /// drops from the end of the gathered round.
+    pub fn last_round_padding(&self) -> usize {
+        let (_, rest) = self.rounds();
+        if rest == 0 || !self.pads() {
+            0
+        } else {
+            self.global_batch_size() - rest
+        }
+    }
+
+    /// The cursor after consuming `batches_consumed` batches of the selected epoch.
+    pub fn cursor(&self, batches_consumed: usize) -> SamplerCursor {
+        SamplerCursor {
+            epoch: self.epoch,
+            batches_consumed,
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn all_configs() -> impl Iterator<Item = (SamplerConfig, usize)> {
+        let lens = [0usize, 1, 2, 7, 10, 16, 31, 100];
+        let batches = [1usize, 2, 3, 4, 8];
+        lens.into_iter().flat_map(move |len| {
+            batches.into_iter().flat_map(move |batch_size| {
+                (1..=5usize).flat_map(move |world| {
+                    (0..16u32).map(move |bits| {
+                        let config = SamplerConfig {
+                            len,
+                            batch_size,
+                            shuffle: bits & 1 != 0,
+                            seed: 5,
+                            drop_last: bits & 2 != 0,
+                            even_batches: bits & 4 != 0,
+                            split_batches: bits & 8 != 0,
+                        };
+                        (config, world)
+                    })
+                })
+            })
+        })
+    }
+
+    fn samplers(
+        config: &SamplerConfig,
+        world: usize,
+        epoch: u64,
+    ) -> Option<Vec<DistributedSampler>> {
+        (0..world)
+            .map(|rank| {
+                let mut s = DistributedSampler::new(config.clone(), rank, world).ok()?;
+                s.set_epoch(epoch);
+                Some(s)
+            })
+            .collect()
+    }
+
+    #[test]
+    fn every_sample_once_per_epoch_and_gathered_in_order() {
+        let mut checked = 0;
+        for (config, world) in all_configs() {
+            let Some(ranks) = samplers(&config, world, 3) else {
+                assert!(config.split_batches && config.batch_size % world != 0);
+                continue;
+            };
+            checked += 1;
+            let order = epoch_order(config.len, config.shuffle, config.seed, 3);
+            let per_rank: Vec<Vec<RankBatch>> = ranks.iter().map(|s| s.batches()).collect();
+            for (s, batches) in ranks.iter().zip(&per_rank) {
+                assert_eq!(s.len(), batches.len(), "{config:?} world {world}");
+                assert!(batches.last().is_none_or(|b| b.last));
+                assert_eq!(
+                    batches.iter().filter(|b| b.last).count(),
+                    usize::from(!batches.is_empty())
+                );
+            }
+            if config.even_batches && !config.drop_last && world > 1 {
+                let n = per_rank[0].len();
+                assert!(
+                    per_rank.iter().all(|b| b.len() == n),
+                    "even: {config:?} world {world}"
+                );
+                let b = ranks[0].rank_batch_size();
+                assert!(
+                    per_rank
+                        .iter()
+                        .flatten()
+                        .all(|batch| batch.indices.len() == b || config.len == 0)
+                );
+            }
+            // Gather round by round in rank order, then drop the last round's padding.
+            let rounds = per_rank.iter().map(Vec::len).max().unwrap_or(0);
+            let mut gathered: Vec<usize> = Vec::new();
+            for k in 0..rounds {
+                for batches in &per_rank {
+                    if let Some(batch) = batches.get(k) {
+                        gathered.extend(&batch.indices);
+                    }
+                }
+            }
+            gathered.truncate(gathered.len() - ranks[0].last_round_padding());
+            let expected_len = if config.drop_last {
+                config.len - config.len % ranks[0].global_batch_size()
+            } else {
+                config.len
+            };
+            assert_eq!(gathered, order[..expected_len], "{config:?} world {world}");
+            // The padding each batch reports adds up to the round's padding.
+            let reported: usize = per_rank.iter().flatten().map(|b| b.padding).sum();
+            assert_eq!(
+                reported,
+                ranks[0].last_round_padding(),
+                "{config:?} world {world}"
+            );
+        }
+        assert!(checked > 2000, "{checked} combinations checked");
+    }
+
+    #[test]
+    fn every_process_draws_the_same_order() {
+        let config = SamplerConfig::new(1000, 8, 42);
+        let a = samplers(&config, 4, 7).unwrap();
+        let b = samplers(&config, 4, 7).unwrap();
+        for (x, y) in a.iter().zip(&b) {
+            assert_eq!(x.batches(), y.batches());
+        }
+        let other_epoch = samplers(&config, 4, 8).unwrap();
+        assert_ne!(a[0].batches(), other_epoch[0].batches());
+    }
+
+    #[test]
+    fn resuming_from_a_cursor_continues_the_same_batches() {
+        let mut s = DistributedSampler::new(SamplerConfig::new(103, 4, 1), 1, 3).unwrap();
+        s.set_epoch(2);
+        let all = s.batches();
+        let cursor = s.cursor(5);
+        let mut resumed = DistributedSampler::new(SamplerConfig::new(103, 4, 1), 1, 3).unwrap();
+        resumed.set_epoch(cursor.epoch);
+        assert_eq!(resumed.batches_from(cursor.batches_consumed), all[5..]);
+    }
+
+    #[test]
+    fn split_batches_share_one_global_batch() {
+        let config = SamplerConfig {
+            split_batches: true,
+            shuffle: false,
+            ..SamplerConfig::new(16, 8, 0)
+        };
+        let ranks = samplers(&config, 2, 0).unwrap();
+        assert_eq!(ranks[0].batches()[0].indices, [0, 1, 2, 3]);
+        assert_eq!(ranks[1].batches()[0].indices, [4, 5, 6, 7]);
+        let err = DistributedSampler::new(
+            SamplerConfig {
+                batch_size: 9,
+                ..config
+            },
+            0,
+            2,
+        )
+        .unwrap_err();
+        assert!(
+            err.to_string()
+                .contains("not a multiple of the world size 2"),
+            "{err}"
+        );
+    }
+
+    #[test]
+    fn even_batches_pad_by_cycling_and_say_so() {
+        let config = SamplerConfig {
+            shuffle: false,
+            ..SamplerConfig::new(5, 2, 0)
+        };
+        let ranks = samplers(&config, 2, 0).unwrap();
+        // Rounds of 4: [0 1 | 2 3], then [4 0 | 1 2] with 3 samples of padding.
+        assert_eq!(
+            ranks[0].batches()[1],
+            RankBatch {
+                indices: vec![4, 0],
+                padding: 1,
+                last: true
+            }
+        );
+        assert_eq!(
+            ranks[1].batches()[1],
+            RankBatch {
+                indices: vec![1, 2],
+                padding: 2,
+                last: true
+            }
+        );
+        assert_eq!(ranks[0].last_round_padding(), 3);
+    }
+}
