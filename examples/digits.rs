@@ -76,8 +76,10 @@ pub fn train(epochs: u64) -> anyhow::Result<Report> {
     let (mut right, mut total) = (0, 0);
     for batch in test.iter() {
         let batch = batch?;
-        total += batch.targets.dims()[0];
-        right += correct(model.forward(batch.images), batch.targets);
+        let logits = acc.gather_for_metrics(model.forward(batch.images))?;
+        let targets = acc.gather_for_metrics(batch.targets)?;
+        total += targets.dims()[0];
+        right += correct(logits, targets);
     }
     acc.print(format!(
         "test accuracy: {:.2} % ({right}/{total}) after {epochs} epochs, {} updates, {:.1} s on {}",

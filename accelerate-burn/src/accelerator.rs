@@ -4,6 +4,10 @@ use std::fmt::Display;
 use std::marker::PhantomData;
 use std::path::{Path, PathBuf};
 
+use std::sync::atomic::AtomicBool;
+use std::sync::{Mutex, MutexGuard, PoisonError};
+
+use accelerate_core::comm::{GroupOptions, ProcessGroup};
 use accelerate_core::{AcceleratorConfig, ConfigOverrides, ProcessState};
 use burn::lr_scheduler::module_lr_scheduler::ModuleLrScheduler;
 use burn::module::Module;
@@ -37,7 +41,9 @@ pub struct Accelerator<B: AcceleratorBackend> {
     state: ProcessState,
     config: AcceleratorConfig,
     device: Device,
-    shared: SharedLoop,
+    pub(crate) shared: SharedLoop,
+    pub(crate) group: Mutex<ProcessGroup>,
+    pub(crate) trigger: AtomicBool,
     _backend: PhantomData<B>,
 }
 
@@ -45,6 +51,7 @@ pub struct Accelerator<B: AcceleratorBackend> {
 pub struct AcceleratorBuilder<B: AcceleratorBackend> {
     overrides: ConfigOverrides,
     state: Option<ProcessState>,
+    group_options: Option<GroupOptions>,
     _backend: PhantomData<B>,
 }
 
@@ -67,6 +74,13 @@ impl<B: AcceleratorBackend> AcceleratorBuilder<B> {
         self
     }
 
+    /// Uses `options` for the process group (timeouts, transport) instead of reading
+    /// `ACCELERATE_*` variables.
+    pub fn process_group_options(mut self, options: GroupOptions) -> Self {
+        self.group_options = Some(options);
+        self
+    }
+
     /// Reads what was not set in code from the environment, validates it, and selects the
     /// device of this process's local rank.
     pub fn build(self) -> Result<Accelerator<B>, AccelerateError> {
@@ -74,13 +88,16 @@ impl<B: AcceleratorBackend> AcceleratorBuilder<B> {
             Some(state) => state,
             None => ProcessState::from_env()?,
         };
-        if state.is_distributed() {
-            return Err(AccelerateError::MultiProcessUnsupported {
-                rank: state.rank,
-                world_size: state.world_size,
-            });
-        }
         let config = self.overrides.resolve()?;
+        let group = if state.is_distributed() {
+            let options = match self.group_options {
+                Some(options) => options,
+                None => GroupOptions::from_env()?,
+            };
+            ProcessGroup::new(&state, &options)?
+        } else {
+            ProcessGroup::single()
+        };
         let device = B::device(state.local_rank)?.autodiff();
         if let Some(seed) = config.seed {
             device.seed(seed);
@@ -88,6 +105,8 @@ impl<B: AcceleratorBackend> AcceleratorBuilder<B> {
         tracing::debug!(backend = B::NAME, %state, ?config, "accelerator ready");
         Ok(Accelerator {
             shared: SharedLoop::new(config.gradient_accumulation_steps, state.rank),
+            group: Mutex::new(group),
+            trigger: AtomicBool::new(false),
             state,
             config,
             device,
@@ -108,6 +127,7 @@ impl<B: AcceleratorBackend> Accelerator<B> {
         AcceleratorBuilder {
             overrides: ConfigOverrides::default(),
             state: None,
+            group_options: None,
             _backend: PhantomData,
         }
     }
@@ -181,9 +201,22 @@ impl<B: AcceleratorBackend> Accelerator<B> {
         items.prepare(self)
     }
 
-    /// Places `model` on this process's device with its own autodiff graph.
+    /// Places `model` on this process's device with its own autodiff graph. With several
+    /// processes, first checks that every process built the same model (float parameter
+    /// shapes, in visit order; a mismatch is an error on every rank), then gives every process
+    /// rank 0's parameter values and ids, so all start identical.
     pub fn prepare_model<M: Module>(&self, model: M) -> Result<M, AccelerateError> {
-        Ok(model.fork(&self.device))
+        let model = model.fork(&self.device);
+        if !self.state.is_distributed() {
+            return Ok(model);
+        }
+        crate::sync::broadcast_parameters(model, &mut self.group())
+    }
+
+    /// The process group, locked (a panic elsewhere cannot leave it half-updated: a failed
+    /// collective poisons the group itself).
+    pub(crate) fn group(&self) -> MutexGuard<'_, ProcessGroup> {
+        self.group.lock().unwrap_or_else(PoisonError::into_inner)
     }
 
     /// Wraps Burn's optimizer so that it steps once per accumulation window.
@@ -203,8 +236,13 @@ impl<B: AcceleratorBackend> Accelerator<B> {
         &self,
         loader: DataLoader<I, O>,
     ) -> Result<PreparedDataLoader<I, O>, AccelerateError> {
-        let train = LoaderRole::Train(self.shared.clone());
-        PreparedDataLoader::new(loader, self.device(), train, self.rank_and_world())
+        PreparedDataLoader::new(
+            loader,
+            self.device(),
+            LoaderRole::Train,
+            self.shared.clone(),
+            self.rank_and_world(),
+        )
     }
 
     /// Prepares an evaluation loader: batches arrive on the device and leave accumulation
@@ -213,10 +251,13 @@ impl<B: AcceleratorBackend> Accelerator<B> {
         &self,
         loader: DataLoader<I, O>,
     ) -> Result<PreparedDataLoader<I, O>, AccelerateError> {
-        let eval = LoaderRole::Eval {
-            rank: self.state.rank,
-        };
-        PreparedDataLoader::new(loader, self.device(), eval, self.rank_and_world())
+        PreparedDataLoader::new(
+            loader,
+            self.device(),
+            LoaderRole::Eval,
+            self.shared.clone(),
+            self.rank_and_world(),
+        )
     }
 
     fn rank_and_world(&self) -> (usize, usize) {
@@ -228,7 +269,10 @@ impl<B: AcceleratorBackend> Accelerator<B> {
     /// With gradient accumulation the loss is divided by the real length of its window (a
     /// short last window of an epoch is weighted by its size), gradients are summed on the
     /// device, and only the micro-batch that completes the window returns them; the others
-    /// return an empty set, with which the prepared optimizer does not step.
+    /// return an empty set, with which the prepared optimizer does not step. With several
+    /// processes the returned gradients are averaged over them (in buckets of
+    /// `gradient_bucket_bytes`, in module visit order); micro-batches that complete no window
+    /// communicate nothing.
     pub fn backward<M: Module>(
         &self,
         loss: Tensor<1>,
@@ -237,7 +281,9 @@ impl<B: AcceleratorBackend> Accelerator<B> {
         let mut shared = self.shared.lock();
         let step = shared.accumulation.micro_step();
         if shared.accumulation.steps() == 1 {
-            return Ok(GradientsParams::from_grads(loss.backward(), model));
+            let mut grads = GradientsParams::from_grads(loss.backward(), model);
+            self.average_if_distributed(&mut grads, model)?;
+            return Ok(grads);
         }
         let loss = if step.window_len > 1 {
             loss.div_scalar(step.window_len as f64)
@@ -253,11 +299,30 @@ impl<B: AcceleratorBackend> Accelerator<B> {
             _ => grads,
         };
         if step.sync {
+            let mut summed = summed;
+            self.average_if_distributed(&mut summed, model)?;
             Ok(summed)
         } else {
             shared.accumulated = Some(summed);
             Ok(GradientsParams::new())
         }
+    }
+
+    /// With several processes, averages `grads` over them (bucketed all-reduce).
+    fn average_if_distributed<M: Module>(
+        &self,
+        grads: &mut GradientsParams,
+        model: &M,
+    ) -> Result<(), AccelerateError> {
+        if !self.state.is_distributed() {
+            return Ok(());
+        }
+        crate::sync::average_gradients(
+            grads,
+            model,
+            &mut self.group(),
+            self.config.gradient_bucket_bytes,
+        )
     }
 
     /// True when the latest backward pass completed an accumulation window, so the optimizer

@@ -126,9 +126,9 @@ impl<I, O> DataLoaderBuilder<I, O> {
 /// What a prepared loader is for.
 pub(crate) enum LoaderRole {
     /// Training: each batch's position drives the accumulation windows.
-    Train(SharedLoop),
+    Train,
     /// Evaluation: no effect on training state.
-    Eval { rank: usize },
+    Eval,
 }
 
 /// A loader prepared by an [`Accelerator`](crate::Accelerator): yields batches built on its
@@ -138,6 +138,7 @@ pub struct PreparedDataLoader<I, O> {
     sampler: DistributedSampler,
     device: Device,
     role: LoaderRole,
+    shared: SharedLoop,
     epoch: AtomicU64,
 }
 
@@ -146,6 +147,7 @@ impl<I, O> PreparedDataLoader<I, O> {
         loader: DataLoader<I, O>,
         device: Device,
         role: LoaderRole,
+        shared: SharedLoop,
         (rank, world_size): (usize, usize),
     ) -> Result<Self, AccelerateError> {
         Ok(Self {
@@ -153,6 +155,7 @@ impl<I, O> PreparedDataLoader<I, O> {
             loader,
             device,
             role,
+            shared,
             epoch: AtomicU64::new(0),
         })
     }
@@ -220,16 +223,19 @@ impl<I, O> Iterator for BatchIter<'_, I, O> {
         let batch = self.batches.next()?;
         let index = self.next_batch;
         self.next_batch += 1;
-        let rank = match &self.prepared.role {
-            LoaderRole::Train(shared) => {
-                let mut shared = shared.lock();
+        let rank = {
+            let mut shared = self.prepared.shared.lock();
+            if let LoaderRole::Train = self.prepared.role {
                 shared.accumulation.begin_batch(BatchPosition {
                     index,
                     epoch_len: self.prepared.len(),
                 });
-                shared.rank
             }
-            LoaderRole::Eval { rank } => *rank,
+            // `gather_for_metrics` drops the padding of the last round of samples.
+            shared.last_batch_padding = batch
+                .last
+                .then(|| self.prepared.sampler.last_round_padding());
+            shared.rank
         };
         let loader = &self.prepared.loader;
         let items = batch

@@ -27,17 +27,28 @@ pub enum AccelerateError {
         hint: &'static str,
     },
 
-    /// The environment describes a multi-process job, which this version cannot run yet.
-    #[error(
-        "rank {rank} of {world_size}: this version of accelerate-rs trains in one process only; \
-         training each rank alone would silently diverge. hint: run without a launcher \
-         (unset RANK/WORLD_SIZE or the SLURM/MPI variables)"
-    )]
-    MultiProcessUnsupported {
+    /// A collective between the processes failed (the message names the call and ranks).
+    #[error(transparent)]
+    Comm(#[from] accelerate_core::CommError),
+
+    /// The processes did not build the same model.
+    #[error("rank {rank}: {detail}. hint: every process must build the same model")]
+    ModelMismatch {
         /// This process's rank.
         rank: usize,
-        /// Processes in the job.
-        world_size: usize,
+        /// What differs.
+        detail: String,
+    },
+
+    /// A tensor cannot be gathered or reduced as asked.
+    #[error("rank {rank}: {op}: {detail}")]
+    Tensor {
+        /// This process's rank.
+        rank: usize,
+        /// The operation.
+        op: &'static str,
+        /// What is wrong.
+        detail: String,
     },
 
     /// The data set failed to produce an item.

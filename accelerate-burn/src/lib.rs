@@ -62,12 +62,14 @@
 
 mod accelerator;
 pub mod backend;
+mod collectives;
 mod data;
 mod error;
 mod grads;
 mod loop_state;
 mod optim;
 mod prepare;
+mod sync;
 
 pub use accelerator::{Accelerator, AcceleratorBuilder, MODEL_FILE};
 pub use backend::{AcceleratorBackend, DefaultBackend, enabled_backends};
@@ -76,6 +78,7 @@ pub use error::AccelerateError;
 pub use optim::{PreparedOptimizer, PreparedScheduler};
 pub use prepare::Prepare;
 
+pub use accelerate_core::comm::Reduction;
 pub use accelerate_core::{AcceleratorConfig, ProcessState};
 /// The Burn this crate is built on, re-exported so users match its version.
 pub use burn;

@@ -17,6 +17,9 @@ pub(crate) struct LoopState {
     pub accumulated: Option<GradientsParams>,
     /// Rank of this process, for error messages.
     pub rank: usize,
+    /// Set while the latest batch handed out is its loader's last of the epoch: how many
+    /// samples of that round, over all processes, are padding.
+    pub last_batch_padding: Option<usize>,
 }
 
 impl SharedLoop {
@@ -25,6 +28,7 @@ impl SharedLoop {
             accumulation: GradientAccumulation::new(accumulation_steps),
             accumulated: None,
             rank,
+            last_batch_padding: None,
         })))
     }
 

@@ -4,6 +4,7 @@ use accelerate_burn::{
     AccelerateError, Accelerator, DataLoader, DefaultBackend, MODEL_FILE, ProcessState,
 };
 use accelerate_core::Launcher;
+use accelerate_core::comm::GroupOptions;
 use burn::data::dataloader::batcher::Batcher;
 use burn::data::dataset::InMemDataset;
 use burn::lr_scheduler::linear::LinearLrSchedulerConfig;
@@ -342,7 +343,12 @@ fn gradients_from_a_plain_backward_are_refused_not_ignored() {
 }
 
 #[test]
-fn a_multi_process_environment_is_refused_until_supported() {
+fn a_rank_whose_peers_never_come_fails_naming_the_address() {
+    let port = std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port();
     let state = ProcessState {
         rank: 1,
         world_size: 2,
@@ -350,16 +356,22 @@ fn a_multi_process_environment_is_refused_until_supported() {
         local_world_size: 2,
         node_rank: 0,
         master_addr: Some("127.0.0.1".into()),
-        master_port: 29500,
+        master_port: port,
         launcher: Launcher::Torchrun,
+    };
+    let options = GroupOptions {
+        rendezvous_timeout: std::time::Duration::from_millis(500),
+        ..GroupOptions::default()
     };
     let err = Accelerator::<DefaultBackend>::builder()
         .process_state(state)
+        .process_group_options(options)
         .build()
         .err()
         .unwrap();
     let message = err.to_string();
-    assert!(message.starts_with("rank 1 of 2"), "{message}");
+    assert!(message.contains(&format!("127.0.0.1:{port}")), "{message}");
+    assert!(message.contains("rank 0 never answered"), "{message}");
 }
 
 #[test]

@@ -13,6 +13,8 @@ use crate::state::{EnvSource, ProcessEnv};
 pub const ENV_GRADIENT_ACCUMULATION_STEPS: &str = "ACCELERATE_GRADIENT_ACCUMULATION_STEPS";
 /// Environment variable for [`AcceleratorConfig::seed`].
 pub const ENV_SEED: &str = "ACCELERATE_SEED";
+/// Environment variable for [`AcceleratorConfig::gradient_bucket_bytes`], in MiB.
+pub const ENV_GRADIENT_BUCKET_MB: &str = "ACCELERATE_GRADIENT_BUCKET_MB";
 
 /// The resolved configuration of an accelerated training loop.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
@@ -21,6 +23,9 @@ pub struct AcceleratorConfig {
     pub gradient_accumulation_steps: usize,
     /// Seed for parameter initialisation and data order, when set (default: none).
     pub seed: Option<u64>,
+    /// Gradients are all-reduced in buckets of at most this many bytes, in module visit order
+    /// (default 25 MiB, like PyTorch DDP).
+    pub gradient_bucket_bytes: usize,
 }
 
 impl Default for AcceleratorConfig {
@@ -28,6 +33,7 @@ impl Default for AcceleratorConfig {
         Self {
             gradient_accumulation_steps: 1,
             seed: None,
+            gradient_bucket_bytes: 25 << 20,
         }
     }
 }
@@ -39,6 +45,8 @@ pub struct ConfigOverrides {
     pub gradient_accumulation_steps: Option<usize>,
     /// See [`AcceleratorConfig::seed`].
     pub seed: Option<u64>,
+    /// See [`AcceleratorConfig::gradient_bucket_bytes`].
+    pub gradient_bucket_bytes: Option<usize>,
 }
 
 impl ConfigOverrides {
@@ -77,9 +85,25 @@ impl ConfigOverrides {
                 v.parse::<u64>().ok()
             })?,
         };
+        let gradient_bucket_bytes = match self.gradient_bucket_bytes {
+            Some(bytes) => bytes.max(1),
+            None => env_parse(
+                env,
+                ENV_GRADIENT_BUCKET_MB,
+                "a positive number of MiB",
+                |v| {
+                    v.parse::<f64>()
+                        .ok()
+                        .filter(|mb| mb.is_finite() && *mb > 0.0)
+                        .map(|mb| ((mb * 1048576.0) as usize).max(1))
+                },
+            )?
+            .unwrap_or(defaults.gradient_bucket_bytes),
+        };
         Ok(AcceleratorConfig {
             gradient_accumulation_steps,
             seed,
+            gradient_bucket_bytes,
         })
     }
 }
@@ -121,10 +145,21 @@ mod tests {
         let code = ConfigOverrides {
             gradient_accumulation_steps: Some(2),
             seed: Some(1),
+            ..Default::default()
         };
         let from_code = code.resolve_with(&env[..]).unwrap();
         assert_eq!(from_code.gradient_accumulation_steps, 2);
         assert_eq!(from_code.seed, Some(1));
+    }
+
+    #[test]
+    fn bucket_size_comes_in_mib_from_the_environment() {
+        let env = [(ENV_GRADIENT_BUCKET_MB, "0.5")];
+        let c = ConfigOverrides::default().resolve_with(&env[..]).unwrap();
+        assert_eq!(c.gradient_bucket_bytes, 512 << 10);
+        assert_eq!(AcceleratorConfig::default().gradient_bucket_bytes, 25 << 20);
+        let env = [(ENV_GRADIENT_BUCKET_MB, "-1")];
+        assert!(ConfigOverrides::default().resolve_with(&env[..]).is_err());
     }
 
     #[test]

@@ -314,6 +314,23 @@ impl ProcessGroup {
         )
     }
 
+    /// [`all_gather`](Self::all_gather) on raw bytes (any element type): every rank passes
+    /// the same number of bytes.
+    pub fn all_gather_raw(&mut self, input: &[u8], output: &mut [u8]) -> Result<(), CommError> {
+        if output.len() != input.len() * self.world_size {
+            return Err(self.usage(
+                OpKind::AllGather,
+                format!(
+                    "output holds {} bytes, {} x {} ranks expected",
+                    output.len(),
+                    input.len(),
+                    self.world_size
+                ),
+            ));
+        }
+        self.all_gather_bytes(input, output, None, input.len())
+    }
+
     fn all_gather_bytes(
         &mut self,
         input: &[u8],
@@ -480,6 +497,16 @@ impl ProcessGroup {
                 ),
             ));
         }
+        let all = self.all_gather_object(value)?;
+        Ok((self.rank == root).then_some(all))
+    }
+
+    /// Every rank's value, in rank order, on every rank. Meant for small values: it travels
+    /// as JSON.
+    pub fn all_gather_object<V: Serialize + DeserializeOwned>(
+        &mut self,
+        value: &V,
+    ) -> Result<Vec<V>, CommError> {
         let mut bytes =
             serde_json::to_vec(value).map_err(|e| self.usage(OpKind::AllGather, e.to_string()))?;
         let n = self.world_size;
@@ -493,9 +520,6 @@ impl ProcessGroup {
         bytes.resize(longest, 0);
         let mut all = vec![0u8; longest * n];
         self.all_gather_bytes(&bytes, &mut all, None, longest)?;
-        if self.rank != root {
-            return Ok(None);
-        }
         lens.iter()
             .enumerate()
             .map(|(r, &len)| {
@@ -507,6 +531,5 @@ impl ProcessGroup {
                 })
             })
             .collect::<Result<Vec<V>, _>>()
-            .map(Some)
     }
 }

@@ -1,0 +1,223 @@
+//! Keeping the processes' models identical: the start (every rank checks it built rank 0's
+//! model, then takes rank 0's parameter values and ids) and every update (gradients averaged
+//! over the ranks, in buckets, in module visit order).
+//!
+//! Parameters are matched across processes by visit order, never by `ParamId` (Burn draws ids
+//! at random per process); after [`broadcast_parameters`] the ids agree too, so optimizer
+//! records and checkpoints line up.
+
+use std::collections::HashMap;
+
+use accelerate_core::comm::{ProcessGroup, Reduction};
+use burn::module::{Module, ModuleMapper, ModuleVisitor, Param, ParamId};
+use burn::optim::GradientsParams;
+use burn::tensor::{DType, Tensor, TensorData};
+
+use crate::error::AccelerateError;
+
+/// Ids and shapes of `model`'s float parameters, in visit order.
+fn parameters<M: Module>(model: &M) -> Vec<(u64, Vec<usize>)> {
+    struct Collect(Vec<(u64, Vec<usize>)>);
+    impl ModuleVisitor for Collect {
+        fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<D>>) {
+            self.0
+                .push((param.id.val(), param.lazy_shape().as_slice().to_vec()));
+        }
+    }
+    let mut collect = Collect(Vec::new());
+    model.visit(&mut collect);
+    collect.0
+}
+
+/// What differs between this rank's parameter shapes and rank 0's, if anything.
+fn describe_difference(mine: &[Vec<usize>], rank0: &[Vec<usize>]) -> Option<String> {
+    if mine.len() != rank0.len() {
+        return Some(format!(
+            "this process's model has {} float parameters, rank 0's has {}",
+            mine.len(),
+            rank0.len()
+        ));
+    }
+    mine.iter().zip(rank0).position(|(a, b)| a != b).map(|i| {
+        format!(
+            "parameter #{i} has shape {:?} here and {:?} on rank 0",
+            mine[i], rank0[i]
+        )
+    })
+}
+
+/// Checks that every rank built the same model (float parameter shapes, in visit order), then
+/// gives every rank rank 0's parameter values and ids. A mismatch is an error on every rank.
+pub(crate) fn broadcast_parameters<M: Module>(
+    model: M,
+    group: &mut ProcessGroup,
+) -> Result<M, AccelerateError> {
+    let rank = group.rank();
+    let params = parameters(&model);
+    let shapes: Vec<Vec<usize>> = params.iter().map(|(_, s)| s.clone()).collect();
+    let rank0_shapes: Vec<Vec<usize>> = group.broadcast_object(Some(&shapes), 0)?;
+    let difference = describe_difference(&shapes, &rank0_shapes);
+    let mut differs = vec![0.0_f32; group.world_size()];
+    group.all_gather(&[f32::from(u8::from(difference.is_some()))], &mut differs)?;
+    let bad: Vec<String> = differs
+        .iter()
+        .enumerate()
+        .filter(|(_, d)| **d != 0.0)
+        .map(|(r, _)| r.to_string())
+        .collect();
+    if !bad.is_empty() {
+        let detail = difference.unwrap_or_else(|| {
+            format!(
+                "ranks {} built a different model than rank 0",
+                bad.join(", ")
+            )
+        });
+        return Err(AccelerateError::ModelMismatch { rank, detail });
+    }
+
+    let ids: Vec<u64> = params.iter().map(|(id, _)| *id).collect();
+    let ids: Vec<u64> = group.broadcast_object(Some(&ids), 0)?;
+    let total: usize = shapes.iter().map(|s| s.iter().product::<usize>()).sum();
+    let mut flat = if rank == 0 {
+        flatten(&model)
+    } else {
+        vec![0.0; total]
+    };
+    group.broadcast(&mut flat, 0)?;
+
+    struct Load {
+        flat: Vec<f32>,
+        offset: usize,
+        ids: std::vec::IntoIter<u64>,
+    }
+    impl ModuleMapper for Load {
+        fn map_float<const D: usize>(&mut self, param: Param<Tensor<D>>) -> Param<Tensor<D>> {
+            let (id, tensor, mapper) = param.consume();
+            let dims = tensor.dims();
+            let n: usize = dims.iter().product();
+            let values = self.flat[self.offset..self.offset + n].to_vec();
+            self.offset += n;
+            let mut value = Tensor::<D>::from_data(TensorData::new(values, dims), &tensor.device());
+            if tensor.dtype() != DType::F32 {
+                value = value.cast(tensor.dtype());
+            }
+            if tensor.is_require_grad() {
+                value = value.require_grad();
+            }
+            let id = self.ids.next().map_or(id, ParamId::from);
+            Param::from_mapped_value(id, value, mapper)
+        }
+    }
+    Ok(model.map(&mut Load {
+        flat,
+        offset: 0,
+        ids: ids.into_iter(),
+    }))
+}
+
+/// Every float parameter's values, as f32, concatenated in visit order.
+fn flatten<M: Module>(model: &M) -> Vec<f32> {
+    struct Flatten(Vec<f32>);
+    impl ModuleVisitor for Flatten {
+        fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<D>>) {
+            let data = param.val().into_data().convert::<f32>();
+            self.0.extend(data.iter::<f32>());
+        }
+    }
+    let mut f = Flatten(Vec::new());
+    model.visit(&mut f);
+    f.0
+}
+
+/// Averages `grads` over the ranks: in visit order, gradients are concatenated into buckets of
+/// at most `bucket_bytes` (f32), each bucket is all-reduced as one buffer, and the results are
+/// put back. Every rank must hold gradients for the same parameters (a collective mismatch
+/// error says so otherwise).
+pub(crate) fn average_gradients<M: Module>(
+    grads: &mut GradientsParams,
+    model: &M,
+    group: &mut ProcessGroup,
+    bucket_bytes: usize,
+) -> Result<(), AccelerateError> {
+    // Take every gradient out, flattened, in visit order.
+    struct Take<'a> {
+        grads: &'a mut GradientsParams,
+        flat: Vec<(ParamId, Tensor<1>, DType)>,
+    }
+    impl ModuleVisitor for Take<'_> {
+        fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<D>>) {
+            if let Some(grad) = self.grads.remove::<D>(param.id) {
+                let n = grad.shape().num_elements();
+                let dtype = grad.dtype();
+                self.flat.push((param.id, grad.reshape([n]), dtype));
+            }
+        }
+    }
+    let mut take = Take {
+        grads,
+        flat: Vec::new(),
+    };
+    model.visit(&mut take);
+    let flat = take.flat;
+
+    let mut reduced: HashMap<ParamId, Tensor<1>> = HashMap::with_capacity(flat.len());
+    let mut pending: Vec<(ParamId, Tensor<1>, DType)> = Vec::new();
+    let mut pending_bytes = 0;
+    let mut entries = flat.into_iter().peekable();
+    while let Some(entry) = entries.next() {
+        pending_bytes += entry.1.shape().num_elements() * 4;
+        pending.push(entry);
+        if pending_bytes >= bucket_bytes || entries.peek().is_none() {
+            all_reduce_bucket(std::mem::take(&mut pending), group, &mut reduced)?;
+            pending_bytes = 0;
+        }
+    }
+
+    struct Put<'a> {
+        grads: &'a mut GradientsParams,
+        reduced: HashMap<ParamId, Tensor<1>>,
+    }
+    impl ModuleVisitor for Put<'_> {
+        fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<D>>) {
+            if let Some(grad) = self.reduced.remove(&param.id) {
+                let dims = param.lazy_shape();
+                self.grads.register::<D>(param.id, grad.reshape(dims));
+            }
+        }
+    }
+    model.visit(&mut Put { grads, reduced });
+    Ok(())
+}
+
+fn all_reduce_bucket(
+    bucket: Vec<(ParamId, Tensor<1>, DType)>,
+    group: &mut ProcessGroup,
+    reduced: &mut HashMap<ParamId, Tensor<1>>,
+) -> Result<(), AccelerateError> {
+    let Some(device) = bucket.first().map(|(_, t, _)| t.device()) else {
+        return Ok(());
+    };
+    let sizes: Vec<usize> = bucket
+        .iter()
+        .map(|(_, t, _)| t.shape().num_elements())
+        .collect();
+    let tensors: Vec<Tensor<1>> = bucket
+        .iter()
+        .map(|(_, t, _)| t.clone().cast(DType::F32))
+        .collect();
+    let joined = Tensor::cat(tensors, 0);
+    let len = joined.shape().num_elements();
+    let mut values: Vec<f32> = joined.into_data().convert::<f32>().iter::<f32>().collect();
+    group.all_reduce(&mut values, Reduction::Mean)?;
+    let joined = Tensor::<1>::from_data(TensorData::new(values, [len]), &device);
+    let mut offset = 0;
+    for ((id, _, dtype), n) in bucket.into_iter().zip(sizes) {
+        let mut part = joined.clone().narrow(0, offset, n);
+        if dtype != DType::F32 {
+            part = part.cast(dtype);
+        }
+        reduced.insert(id, part);
+        offset += n;
+    }
+    Ok(())
+}
