@@ -5,8 +5,10 @@
 //! cargo run --example mlp_synthetic
 //! ```
 //!
-//! Arguments: `--samples N` (default 60000). Prints samples per second, excluding the first
-//! 10 steps (warm-up), and the final loss.
+//! Arguments: `--samples N` (default 60000). Prints samples per second over all processes,
+//! excluding the first 10 steps (warm-up), the final loss, and with several processes
+//! (`accelerate launch -n 2 --example mlp_synthetic`) the time per step spent averaging
+//! gradients.
 
 use accelerate_burn::burn;
 use accelerate_burn::{Accelerator, DataLoader, DefaultBackend};
@@ -35,26 +37,41 @@ fn main() -> anyhow::Result<()> {
 
     let mut timed = None;
     let mut last_loss = f32::NAN;
+    let mut timed_steps = 0u32;
     for (step, batch) in train.iter().enumerate() {
         if step == WARM_UP_STEPS {
-            timed = Some((std::time::Instant::now(), 0usize));
+            timed = Some((std::time::Instant::now(), 0usize, acc.communication_time()));
         }
         let batch = batch?;
         let n = batch.targets.dims()[0];
         let loss = model.forward_loss(batch.features, batch.targets).loss;
         let grads = acc.backward(loss.clone(), &model)?;
         model = optim.step(1e-3, model, grads)?;
-        if let Some((_, seen)) = timed.as_mut() {
+        if let Some((_, seen, _)) = timed.as_mut() {
             *seen += n;
+            timed_steps += 1;
         }
         last_loss = loss.into_scalar::<f32>();
     }
     match timed {
-        Some((started, seen)) => acc.print(format!(
-            "{:.0} samples/s over {seen} samples (first {WARM_UP_STEPS} steps excluded), final loss {last_loss:.4}, {}",
-            seen as f64 / started.elapsed().as_secs_f64(),
-            acc.backend_name(),
-        )),
+        Some((started, seen, comm_before)) => {
+            let seconds = started.elapsed().as_secs_f64();
+            let processes = acc.num_processes();
+            let comm = (acc.communication_time() - comm_before).as_secs_f64();
+            acc.print(format!(
+                "{:.0} samples/s over {} samples on {processes} process(es) (first {WARM_UP_STEPS} steps excluded), final loss {last_loss:.4}, {}",
+                (seen * processes) as f64 / seconds,
+                seen * processes,
+                acc.backend_name(),
+            ));
+            if processes > 1 {
+                acc.print(format!(
+                    "communication: {:.2} ms of {:.2} ms per step",
+                    1e3 * comm / f64::from(timed_steps),
+                    1e3 * seconds / f64::from(timed_steps),
+                ));
+            }
+        }
         None => acc.print(format!(
             "too few samples to time (fewer than {WARM_UP_STEPS} steps); final loss {last_loss:.4}"
         )),

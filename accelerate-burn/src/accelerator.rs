@@ -4,7 +4,7 @@ use std::fmt::Display;
 use std::marker::PhantomData;
 use std::path::{Path, PathBuf};
 
-use std::sync::atomic::AtomicBool;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Mutex, MutexGuard, PoisonError};
 
 use accelerate_core::comm::{GroupOptions, ProcessGroup};
@@ -44,6 +44,8 @@ pub struct Accelerator<B: AcceleratorBackend> {
     pub(crate) shared: SharedLoop,
     pub(crate) group: Mutex<ProcessGroup>,
     pub(crate) trigger: AtomicBool,
+    /// Nanoseconds spent averaging gradients across processes.
+    communication_ns: AtomicU64,
     _backend: PhantomData<B>,
 }
 
@@ -107,6 +109,7 @@ impl<B: AcceleratorBackend> AcceleratorBuilder<B> {
             shared: SharedLoop::new(config.gradient_accumulation_steps, state.rank),
             group: Mutex::new(group),
             trigger: AtomicBool::new(false),
+            communication_ns: AtomicU64::new(0),
             state,
             config,
             device,
@@ -317,12 +320,22 @@ impl<B: AcceleratorBackend> Accelerator<B> {
         if !self.state.is_distributed() {
             return Ok(());
         }
-        crate::sync::average_gradients(
+        let started = std::time::Instant::now();
+        let result = crate::sync::average_gradients(
             grads,
             model,
             &mut self.group(),
             self.config.gradient_bucket_bytes,
-        )
+        );
+        let spent = u64::try_from(started.elapsed().as_nanos()).unwrap_or(u64::MAX);
+        self.communication_ns.fetch_add(spent, Ordering::Relaxed);
+        result
+    }
+
+    /// Time spent so far averaging gradients across processes (zero with one process), to
+    /// tell how much of a step is communication.
+    pub fn communication_time(&self) -> std::time::Duration {
+        std::time::Duration::from_nanos(self.communication_ns.load(Ordering::Relaxed))
     }
 
     /// True when the latest backward pass completed an accumulation window, so the optimizer

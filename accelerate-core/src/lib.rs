@@ -27,12 +27,15 @@
 //! - [`sampler`]: the per-epoch data order.
 //! - [`distributed_sampler`]: each rank's batches of an epoch, padding and resume cursor.
 //! - [`comm`]: the process group and its collectives (rendezvous, shared memory, TCP).
+//! - `launch` (Unix): starting and supervising the workers of one machine.
 
 pub mod accumulation;
 pub mod comm;
 pub mod config;
 pub mod distributed_sampler;
 pub mod error;
+#[cfg(unix)]
+pub mod launch;
 pub mod sampler;
 pub mod state;
 

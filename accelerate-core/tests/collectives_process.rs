@@ -346,3 +346,37 @@ fn a_killed_rank_fails_the_others_promptly_naming_it() {
         assert_eq!(leftovers(&segment), Vec::<std::path::PathBuf>::new());
     }
 }
+
+#[test]
+fn ranks_started_by_slurm_form_a_group_without_our_launcher() {
+    let port = free_port();
+    let token = format!("slurm-{}-{port}", std::process::id());
+    let children = (0..2)
+        .map(|rank| {
+            Command::new(std::env::current_exe().unwrap())
+                .args(["child", "--exact", "--nocapture", "--test-threads=1"])
+                .env(SCENARIO, "all")
+                .env("SLURM_PROCID", rank.to_string())
+                .env("SLURM_NTASKS", "2")
+                .env("SLURM_LOCALID", rank.to_string())
+                .env("SLURM_NODEID", "0")
+                .env("SLURM_STEP_TASKS_PER_NODE", "2")
+                .env("SLURM_JOB_NODELIST", "localhost")
+                .env("MASTER_ADDR", "127.0.0.1")
+                .env("MASTER_PORT", port.to_string())
+                .env("ACCELERATE_JOB_TOKEN", &token)
+                .env("ACCELERATE_SHM_SLOT_BYTES", "65536")
+                .stdout(Stdio::piped())
+                .stderr(Stdio::piped())
+                .spawn()
+                .unwrap()
+        })
+        .collect();
+    let results = Job {
+        children,
+        token,
+        port,
+    }
+    .finish(Duration::from_secs(120));
+    assert_all_ok(&results, "shm");
+}

@@ -1,0 +1,478 @@
+//! Starting and supervising the worker processes of one machine (what `accelerate launch`
+//! does).
+//!
+//! Each worker gets the process contract of the architecture: `RANK`, `WORLD_SIZE`,
+//! `LOCAL_RANK`, `LOCAL_WORLD_SIZE`, `NODE_RANK`, `MASTER_ADDR`, `MASTER_PORT`, and a job token
+//! (`ACCELERATE_JOB_TOKEN`, fresh and random for a single machine). Every line a worker prints
+//! is relayed with a `[rank N]` prefix, whole lines at a time, so lines never interleave. When
+//! a worker fails, the others are stopped (SIGTERM to each worker's process group, SIGKILL
+//! after a grace period) and the launch fails naming the rank and how it ended; an interrupt
+//! (Ctrl-C) is forwarded the same way. Each worker runs in its own process group, so the
+//! processes it started are stopped with it.
+
+use std::fs::File;
+use std::io::{BufRead, BufReader, Read, Write};
+use std::net::TcpListener;
+use std::path::PathBuf;
+use std::process::{Child, Command, ExitStatus, Stdio};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex, PoisonError};
+use std::thread::JoinHandle;
+use std::time::{Duration, Instant};
+
+use crate::sampler::SplitMix64;
+use crate::state::DEFAULT_MASTER_PORT;
+
+/// What to start, and how.
+#[derive(Debug, Clone)]
+pub struct LaunchConfig {
+    /// The program each worker runs.
+    pub program: PathBuf,
+    /// Its arguments.
+    pub args: Vec<String>,
+    /// Workers on this machine.
+    pub num_processes: usize,
+    /// Machines in the job (each runs its own launcher).
+    pub num_machines: usize,
+    /// This machine's index, `0..num_machines`.
+    pub machine_rank: usize,
+    /// Address of rank 0's machine.
+    pub main_process_ip: String,
+    /// Rank 0's rendezvous port; 0 picks a free one (single machine only).
+    pub main_process_port: u16,
+    /// Times the whole group is restarted after a failure before the launch fails.
+    pub max_restarts: usize,
+    /// When set, each rank's output is also written to `rank_N.log` in this directory.
+    pub log_dir: Option<PathBuf>,
+    /// Extra environment for every worker (configuration such as `ACCELERATE_*`).
+    pub env: Vec<(String, String)>,
+    /// How long stopped workers get between SIGTERM and SIGKILL.
+    pub grace: Duration,
+}
+
+impl Default for LaunchConfig {
+    fn default() -> Self {
+        Self {
+            program: PathBuf::new(),
+            args: Vec::new(),
+            num_processes: 1,
+            num_machines: 1,
+            machine_rank: 0,
+            main_process_ip: "127.0.0.1".into(),
+            main_process_port: DEFAULT_MASTER_PORT,
+            max_restarts: 0,
+            log_dir: None,
+            env: Vec::new(),
+            grace: Duration::from_secs(5),
+        }
+    }
+}
+
+/// Why a launch failed.
+#[derive(Debug, thiserror::Error)]
+pub enum LaunchError {
+    /// The options contradict each other.
+    #[error("{0}")]
+    Config(String),
+    /// The rendezvous port is taken.
+    #[error(
+        "port {port} on {ip} is already in use, so rank 0 could not serve the rendezvous there. \
+         hint: pass --main-process-port 0 to pick a free port, or stop what holds it"
+    )]
+    PortBusy {
+        /// The address.
+        ip: String,
+        /// The port.
+        port: u16,
+    },
+    /// A worker could not be started.
+    #[error("could not start rank {rank} ({program}): {source}")]
+    Spawn {
+        /// The rank.
+        rank: usize,
+        /// The program.
+        program: String,
+        /// The system's error.
+        source: std::io::Error,
+    },
+    /// A log file could not be written.
+    #[error("log file {path}: {source}")]
+    Log {
+        /// The file.
+        path: PathBuf,
+        /// The system's error.
+        source: std::io::Error,
+    },
+    /// A worker failed; the others were stopped.
+    #[error("rank {rank} (pid {pid}) {how}; the other workers were stopped")]
+    WorkerFailed {
+        /// The first rank that failed.
+        rank: usize,
+        /// Its process id.
+        pid: u32,
+        /// "exited with status 1", "was killed by signal 9 (SIGKILL)".
+        how: String,
+        /// The exit code to pass on (128 + signal for a signal).
+        code: i32,
+    },
+    /// The launcher was interrupted; the workers were stopped.
+    #[error("interrupted; the workers were stopped")]
+    Interrupted,
+}
+
+impl LaunchError {
+    /// The exit code `accelerate launch` ends with.
+    pub fn exit_code(&self) -> i32 {
+        match self {
+            LaunchError::WorkerFailed { code, .. } => *code,
+            LaunchError::Interrupted => 130,
+            _ => 1,
+        }
+    }
+}
+
+/// Describes how a process ended, and the exit code to pass on.
+pub fn describe_exit(status: ExitStatus) -> (String, i32) {
+    use std::os::unix::process::ExitStatusExt;
+    if let Some(code) = status.code() {
+        return (format!("exited with status {code}"), code);
+    }
+    let signal = status.signal().unwrap_or(0);
+    let name = nix::sys::signal::Signal::try_from(signal)
+        .map(|s| format!(" ({})", s.as_str()))
+        .unwrap_or_default();
+    (format!("was killed by signal {signal}{name}"), 128 + signal)
+}
+
+/// A fresh random job token.
+fn fresh_token() -> String {
+    let time = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| d.as_nanos() as u64);
+    static CALLS: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
+    let call = CALLS.fetch_add(1, Ordering::Relaxed);
+    let mut rng =
+        SplitMix64::new(time ^ (u64::from(std::process::id()) << 32) ^ call.rotate_left(17));
+    format!("{:016x}{:016x}", rng.next_u64(), rng.next_u64())
+}
+
+/// Relays one stream of one worker, line by line, with its rank prefix.
+fn relay(
+    stream: impl Read + Send + 'static,
+    prefix: String,
+    to_stderr: bool,
+    log: Option<Arc<Mutex<File>>>,
+) -> JoinHandle<()> {
+    std::thread::spawn(move || {
+        let mut reader = BufReader::new(stream);
+        let mut line = Vec::new();
+        loop {
+            line.clear();
+            match reader.read_until(b'\n', &mut line) {
+                Ok(0) | Err(_) => return,
+                Ok(_) => {}
+            }
+            if line.last() != Some(&b'\n') {
+                line.push(b'\n');
+            }
+            let mut out = Vec::with_capacity(prefix.len() + line.len());
+            out.extend_from_slice(prefix.as_bytes());
+            out.extend_from_slice(&line);
+            // One write of a whole line under the stream's lock: lines never interleave.
+            let _ = if to_stderr {
+                std::io::stderr().lock().write_all(&out)
+            } else {
+                std::io::stdout().lock().write_all(&out)
+            };
+            if let Some(log) = &log {
+                let _ = log
+                    .lock()
+                    .unwrap_or_else(PoisonError::into_inner)
+                    .write_all(&line);
+            }
+        }
+    })
+}
+
+struct Worker {
+    rank: usize,
+    child: Child,
+    relays: Vec<JoinHandle<()>>,
+}
+
+fn signal_group(pid: u32, signal: nix::sys::signal::Signal) {
+    let pgid = nix::unistd::Pid::from_raw(pid as i32);
+    let _ = nix::sys::signal::killpg(pgid, signal);
+}
+
+impl LaunchConfig {
+    fn validate(&self) -> Result<(), LaunchError> {
+        if self.num_processes == 0 {
+            return Err(LaunchError::Config(
+                "--num-processes must be at least 1".into(),
+            ));
+        }
+        if self.num_machines == 0 || self.machine_rank >= self.num_machines {
+            return Err(LaunchError::Config(format!(
+                "--machine-rank {} must be below --num-machines {}",
+                self.machine_rank, self.num_machines
+            )));
+        }
+        if self.num_machines > 1 && self.main_process_port == 0 {
+            return Err(LaunchError::Config(
+                "--main-process-port 0 (pick a free port) works on one machine only: every \
+                 machine must be given rank 0's port"
+                    .into(),
+            ));
+        }
+        Ok(())
+    }
+
+    /// The port rank 0 will serve on: a free one for 0, else the given one after checking
+    /// (on rank 0's machine) that it is free.
+    fn rendezvous_port(&self) -> Result<u16, LaunchError> {
+        if self.main_process_port == 0 {
+            return TcpListener::bind((self.main_process_ip.as_str(), 0))
+                .and_then(|l| l.local_addr())
+                .map(|a| a.port())
+                .map_err(|e| {
+                    LaunchError::Config(format!(
+                        "cannot find a free port on {}: {e}",
+                        self.main_process_ip
+                    ))
+                });
+        }
+        if self.machine_rank == 0
+            && let Err(e) =
+                TcpListener::bind((self.main_process_ip.as_str(), self.main_process_port))
+            && e.kind() == std::io::ErrorKind::AddrInUse
+        {
+            return Err(LaunchError::PortBusy {
+                ip: self.main_process_ip.clone(),
+                port: self.main_process_port,
+            });
+        }
+        Ok(self.main_process_port)
+    }
+
+    fn spawn(
+        &self,
+        local_rank: usize,
+        port: u16,
+        token: Option<&str>,
+    ) -> Result<Worker, LaunchError> {
+        use std::os::unix::process::CommandExt;
+        let rank = self.machine_rank * self.num_processes + local_rank;
+        let mut cmd = Command::new(&self.program);
+        cmd.args(&self.args)
+            .env("RANK", rank.to_string())
+            .env(
+                "WORLD_SIZE",
+                (self.num_processes * self.num_machines).to_string(),
+            )
+            .env("LOCAL_RANK", local_rank.to_string())
+            .env("LOCAL_WORLD_SIZE", self.num_processes.to_string())
+            .env("NODE_RANK", self.machine_rank.to_string())
+            .env("MASTER_ADDR", &self.main_process_ip)
+            .env("MASTER_PORT", port.to_string())
+            .envs(self.env.iter().map(|(k, v)| (k, v)))
+            .stdin(Stdio::null())
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped())
+            // Its own process group: what the worker starts is stopped with it, and a
+            // terminal's Ctrl-C reaches the launcher, which forwards it.
+            .process_group(0);
+        if let Some(token) = token {
+            cmd.env("ACCELERATE_JOB_TOKEN", token);
+        }
+        let mut child = cmd.spawn().map_err(|source| LaunchError::Spawn {
+            rank,
+            program: self.program.display().to_string(),
+            source,
+        })?;
+        let log = match &self.log_dir {
+            Some(dir) => {
+                let path = dir.join(format!("rank_{rank}.log"));
+                let file = std::fs::create_dir_all(dir)
+                    .and_then(|()| File::create(&path))
+                    .map_err(|source| LaunchError::Log { path, source })?;
+                Some(Arc::new(Mutex::new(file)))
+            }
+            None => None,
+        };
+        let prefix = format!("[rank {rank}] ");
+        let mut relays = Vec::new();
+        if let Some(out) = child.stdout.take() {
+            relays.push(relay(out, prefix.clone(), false, log.clone()));
+        }
+        if let Some(err) = child.stderr.take() {
+            relays.push(relay(err, prefix, true, log));
+        }
+        Ok(Worker {
+            rank,
+            child,
+            relays,
+        })
+    }
+
+    /// Starts the workers once and supervises them until all succeed, one fails, or
+    /// `interrupted` is raised.
+    fn run_once(&self, interrupted: &AtomicBool) -> Result<(), LaunchError> {
+        let port = self.rendezvous_port()?;
+        // One machine: a fresh token. Several: each machine's launcher must present the same
+        // one, so it comes from the environment (or is derived from the address by the ranks).
+        let token = if self.num_machines == 1 {
+            Some(fresh_token())
+        } else {
+            std::env::var("ACCELERATE_JOB_TOKEN").ok()
+        };
+        let mut workers = Vec::with_capacity(self.num_processes);
+        for local_rank in 0..self.num_processes {
+            match self.spawn(local_rank, port, token.as_deref()) {
+                Ok(worker) => workers.push(worker),
+                Err(e) => {
+                    self.stop(&mut workers);
+                    return Err(e);
+                }
+            }
+        }
+        let mut running: Vec<bool> = vec![true; workers.len()];
+        let outcome = loop {
+            if interrupted.load(Ordering::Relaxed) {
+                break Err(LaunchError::Interrupted);
+            }
+            let mut failure = None;
+            for (i, worker) in workers.iter_mut().enumerate() {
+                if !running[i] {
+                    continue;
+                }
+                if let Ok(Some(status)) = worker.child.try_wait() {
+                    running[i] = false;
+                    if !status.success() && failure.is_none() {
+                        let (how, code) = describe_exit(status);
+                        failure = Some(LaunchError::WorkerFailed {
+                            rank: worker.rank,
+                            pid: worker.child.id(),
+                            how,
+                            code,
+                        });
+                    }
+                }
+            }
+            if let Some(failure) = failure {
+                break Err(failure);
+            }
+            if running.iter().all(|r| !r) {
+                break Ok(());
+            }
+            std::thread::sleep(Duration::from_millis(20));
+        };
+        self.stop(&mut workers);
+        outcome
+    }
+
+    /// Stops every worker still running (SIGTERM, then SIGKILL after the grace period),
+    /// clears their process groups, and waits for their output to drain.
+    fn stop(&self, workers: &mut [Worker]) {
+        for worker in workers.iter_mut() {
+            if matches!(worker.child.try_wait(), Ok(None)) {
+                signal_group(worker.child.id(), nix::sys::signal::Signal::SIGTERM);
+            }
+        }
+        let deadline = Instant::now() + self.grace;
+        while Instant::now() < deadline
+            && workers
+                .iter_mut()
+                .any(|w| matches!(w.child.try_wait(), Ok(None)))
+        {
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        for worker in workers.iter_mut() {
+            // Whatever is left of the group (the worker, or processes it started) goes now.
+            signal_group(worker.child.id(), nix::sys::signal::Signal::SIGKILL);
+            let _ = worker.child.wait();
+        }
+        for worker in workers.iter_mut() {
+            for relay in worker.relays.drain(..) {
+                let _ = relay.join();
+            }
+        }
+    }
+}
+
+/// Runs the job: starts the workers, supervises them, and restarts the whole group up to
+/// `max_restarts` times after a failure.
+pub fn launch(config: &LaunchConfig, interrupted: &AtomicBool) -> Result<(), LaunchError> {
+    config.validate()?;
+    let mut attempt = 0;
+    loop {
+        match config.run_once(interrupted) {
+            Err(LaunchError::WorkerFailed { rank, how, .. })
+                if attempt < config.max_restarts && !interrupted.load(Ordering::Relaxed) =>
+            {
+                attempt += 1;
+                eprintln!(
+                    "accelerate launch: rank {rank} {how}; restarting every worker \
+                     (restart {attempt} of {})",
+                    config.max_restarts
+                );
+            }
+            outcome => return outcome,
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn exits_are_described_with_their_code() {
+        use std::os::unix::process::ExitStatusExt;
+        assert_eq!(
+            describe_exit(ExitStatus::from_raw(1 << 8)),
+            ("exited with status 1".into(), 1)
+        );
+        assert_eq!(
+            describe_exit(ExitStatus::from_raw(9)),
+            ("was killed by signal 9 (SIGKILL)".into(), 137)
+        );
+    }
+
+    #[test]
+    fn tokens_are_fresh() {
+        assert_ne!(fresh_token(), fresh_token());
+        assert_eq!(fresh_token().len(), 32);
+    }
+
+    #[test]
+    fn contradictory_options_are_refused() {
+        let bad = LaunchConfig {
+            num_machines: 2,
+            machine_rank: 2,
+            ..LaunchConfig::default()
+        };
+        assert!(
+            bad.validate()
+                .unwrap_err()
+                .to_string()
+                .contains("--machine-rank 2")
+        );
+        let bad = LaunchConfig {
+            num_machines: 2,
+            main_process_port: 0,
+            ..LaunchConfig::default()
+        };
+        assert!(
+            bad.validate()
+                .unwrap_err()
+                .to_string()
+                .contains("one machine only")
+        );
+        let bad = LaunchConfig {
+            num_processes: 0,
+            ..LaunchConfig::default()
+        };
+        assert!(bad.validate().is_err());
+    }
+}

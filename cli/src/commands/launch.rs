@@ -1,0 +1,180 @@
+//! `accelerate launch`: start the workers of a job on this machine and supervise them.
+
+use std::path::PathBuf;
+use std::process::{Command, ExitCode, Stdio};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::time::Duration;
+
+use accelerate_core::launch::{LaunchConfig, launch};
+use anyhow::{Context, bail};
+use clap::Args;
+
+/// Start worker processes with the process contract set (RANK, WORLD_SIZE, LOCAL_RANK,
+/// MASTER_ADDR, MASTER_PORT, a job token, ...), prefix their output with their rank, and stop
+/// them all if one fails.
+///
+/// Examples:
+///   accelerate launch -n 2 ./target/release/train --epochs 3
+///   accelerate launch -n 2 --example digits
+#[derive(Debug, Args)]
+pub struct LaunchArgs {
+    /// Worker processes on this machine.
+    #[arg(short = 'n', long, default_value_t = 1)]
+    num_processes: usize,
+
+    /// Machines in the job; each runs `accelerate launch` with its own --machine-rank.
+    #[arg(long, default_value_t = 1)]
+    num_machines: usize,
+
+    /// This machine's index, from 0 (the machine of rank 0).
+    #[arg(long, default_value_t = 0)]
+    machine_rank: usize,
+
+    /// Address of rank 0's machine, where the rendezvous is served.
+    #[arg(long, default_value = "127.0.0.1")]
+    main_process_ip: String,
+
+    /// Rank 0's rendezvous port; 0 picks a free one (the default on one machine; 29500 on
+    /// several, where every machine must name the same port).
+    #[arg(long)]
+    main_process_port: Option<u16>,
+
+    /// Mixed precision for the workers (passed as ACCELERATE_MIXED_PRECISION).
+    #[arg(long, value_parser = ["no", "fp16", "bf16"])]
+    mixed_precision: Option<String>,
+
+    /// Hide every GPU from the workers (CUDA_VISIBLE_DEVICES="").
+    #[arg(long, conflicts_with = "gpu_ids")]
+    cpu: bool,
+
+    /// GPUs the workers may use, e.g. "0,1" (CUDA_VISIBLE_DEVICES).
+    #[arg(long)]
+    gpu_ids: Option<String>,
+
+    /// Restart every worker up to this many times after a failure.
+    #[arg(long, default_value_t = 0)]
+    max_restarts: usize,
+
+    /// Also write each rank's output to DIR/rank_N.log.
+    #[arg(long, value_name = "DIR")]
+    log_dir: Option<PathBuf>,
+
+    /// Seconds stopped workers get between SIGTERM and SIGKILL.
+    #[arg(long, default_value_t = 5.0)]
+    grace_period: f64,
+
+    /// Build this cargo example of the current workspace and launch it.
+    #[arg(long, conflicts_with = "bin")]
+    example: Option<String>,
+
+    /// Build this cargo binary of the current workspace and launch it.
+    #[arg(long)]
+    bin: Option<String>,
+
+    /// With --example or --bin: build with --release.
+    #[arg(long)]
+    release: bool,
+
+    /// With --example or --bin: cargo features to build with.
+    #[arg(long)]
+    features: Option<String>,
+
+    /// The program and its arguments; with --example or --bin, the arguments only.
+    #[arg(
+        trailing_var_arg = true,
+        allow_hyphen_values = true,
+        value_name = "PROGRAM [ARGS]"
+    )]
+    command: Vec<String>,
+}
+
+static INTERRUPTED: AtomicBool = AtomicBool::new(false);
+
+/// Runs the launch; the exit code is the first failing worker's.
+pub fn run(args: LaunchArgs) -> anyhow::Result<ExitCode> {
+    let (program, program_args) = match (&args.example, &args.bin) {
+        (Some(name), _) => (build("example", name, &args)?, args.command.clone()),
+        (_, Some(name)) => (build("bin", name, &args)?, args.command.clone()),
+        (None, None) => match args.command.split_first() {
+            Some((program, rest)) => (PathBuf::from(program), rest.to_vec()),
+            None => bail!("nothing to launch: give a program, --example NAME or --bin NAME"),
+        },
+    };
+    let mut env = Vec::new();
+    if let Some(mp) = &args.mixed_precision {
+        env.push(("ACCELERATE_MIXED_PRECISION".to_string(), mp.clone()));
+    }
+    if args.cpu {
+        env.push(("CUDA_VISIBLE_DEVICES".to_string(), String::new()));
+        env.push(("ACCELERATE_USE_CPU".to_string(), "1".to_string()));
+    }
+    if let Some(ids) = &args.gpu_ids {
+        env.push(("CUDA_VISIBLE_DEVICES".to_string(), ids.clone()));
+    }
+    let port = args
+        .main_process_port
+        .unwrap_or(if args.num_machines == 1 { 0 } else { 29500 });
+    if !(args.grace_period.is_finite() && args.grace_period >= 0.0) {
+        bail!(
+            "--grace-period {} is not a number of seconds",
+            args.grace_period
+        );
+    }
+    let config = LaunchConfig {
+        program,
+        args: program_args,
+        num_processes: args.num_processes,
+        num_machines: args.num_machines,
+        machine_rank: args.machine_rank,
+        main_process_ip: args.main_process_ip,
+        main_process_port: port,
+        max_restarts: args.max_restarts,
+        log_dir: args.log_dir,
+        env,
+        grace: Duration::from_secs_f64(args.grace_period),
+    };
+    ctrlc::set_handler(|| INTERRUPTED.store(true, Ordering::Relaxed))
+        .context("installing the Ctrl-C handler")?;
+    match launch(&config, &INTERRUPTED) {
+        Ok(()) => Ok(ExitCode::SUCCESS),
+        Err(e) => {
+            eprintln!("error: {e}");
+            Ok(ExitCode::from(u8::try_from(e.exit_code()).unwrap_or(1)))
+        }
+    }
+}
+
+/// Builds a cargo example or binary of the workspace in the current directory and returns
+/// the path of its executable.
+fn build(kind: &str, name: &str, args: &LaunchArgs) -> anyhow::Result<PathBuf> {
+    let cargo = std::env::var("CARGO").unwrap_or_else(|_| "cargo".into());
+    let mut cmd = Command::new(&cargo);
+    cmd.args(["build", "--message-format=json-render-diagnostics"])
+        .arg(format!("--{kind}"))
+        .arg(name)
+        .stdout(Stdio::piped());
+    if args.release {
+        cmd.arg("--release");
+    }
+    if let Some(features) = &args.features {
+        cmd.args(["--features", features]);
+    }
+    let output = cmd
+        .output()
+        .with_context(|| format!("running `{cargo} build --{kind} {name}`"))?;
+    if !output.status.success() {
+        bail!("`cargo build --{kind} {name}` failed (its errors are above)");
+    }
+    let stdout = String::from_utf8_lossy(&output.stdout);
+    stdout
+        .lines()
+        .filter_map(|line| serde_json::from_str::<serde_json::Value>(line).ok())
+        .filter(|m| m["reason"] == "compiler-artifact" && m["target"]["name"] == name)
+        .filter(|m| {
+            m["target"]["kind"]
+                .as_array()
+                .is_some_and(|kinds| kinds.iter().any(|k| k == kind))
+        })
+        .find_map(|m| m["executable"].as_str().map(PathBuf::from))
+        .with_context(|| format!("cargo built no executable for the {kind} `{name}`"))
+}

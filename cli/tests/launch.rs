@@ -1,0 +1,152 @@
+//! `accelerate launch` supervising real worker processes (small shell scripts as workers).
+
+use std::net::TcpListener;
+use std::process::{Command, Output};
+use std::time::{Duration, Instant};
+
+fn launch(args: &[&str]) -> (Output, Duration) {
+    let started = Instant::now();
+    let output = Command::new(env!("CARGO_BIN_EXE_accelerate"))
+        .arg("launch")
+        .args(args)
+        .output()
+        .unwrap();
+    (output, started.elapsed())
+}
+
+fn text(bytes: &[u8]) -> String {
+    String::from_utf8_lossy(bytes).into_owned()
+}
+
+/// The pid a worker printed as "PID <n>".
+fn printed_pid(stdout: &str, rank: usize) -> u32 {
+    let prefix = format!("[rank {rank}] PID ");
+    stdout
+        .lines()
+        .find_map(|l| l.strip_prefix(&prefix))
+        .and_then(|p| p.trim().parse().ok())
+        .unwrap_or_else(|| panic!("rank {rank} printed no pid:\n{stdout}"))
+}
+
+fn alive(pid: u32) -> bool {
+    std::fs::read_to_string(format!("/proc/{pid}/stat"))
+        .map(|stat| !stat.contains(") Z"))
+        .unwrap_or(false)
+}
+
+#[test]
+fn workers_get_the_process_contract_and_their_lines_are_prefixed() {
+    let script = r#"echo "hello from $RANK of $WORLD_SIZE local $LOCAL_RANK/$LOCAL_WORLD_SIZE at $MASTER_ADDR:$MASTER_PORT"; test -n "$ACCELERATE_JOB_TOKEN" && echo token >&2"#;
+    let (out, _) = launch(&["-n", "2", "--", "sh", "-c", script]);
+    let stdout = text(&out.stdout);
+    let stderr = text(&out.stderr);
+    assert!(out.status.success(), "{stdout}\n{stderr}");
+    for rank in 0..2 {
+        let line = stdout
+            .lines()
+            .find(|l| {
+                l.starts_with(&format!(
+                    "[rank {rank}] hello from {rank} of 2 local {rank}/2 at 127.0.0.1:"
+                ))
+            })
+            .unwrap_or_else(|| panic!("{stdout}"));
+        // Port 0 was replaced by a real free port.
+        assert!(!line.ends_with(":0"), "{line}");
+        assert!(stderr.contains(&format!("[rank {rank}] token")), "{stderr}");
+    }
+}
+
+#[test]
+fn a_failing_worker_stops_the_others_and_the_exit_names_its_rank() {
+    let script = r#"echo "PID $$"; if [ "$RANK" = 1 ]; then sleep 0.3; exit 1; fi; sleep 60 & echo "PID $!"; wait"#;
+    let (out, elapsed) = launch(&["-n", "2", "--grace-period", "2", "--", "sh", "-c", script]);
+    let stdout = text(&out.stdout);
+    let stderr = text(&out.stderr);
+    assert_eq!(out.status.code(), Some(1), "{stdout}\n{stderr}");
+    assert!(elapsed < Duration::from_secs(10), "took {elapsed:?}");
+    assert!(stderr.contains("error: rank 1 (pid "), "{stderr}");
+    assert!(
+        stderr.contains("exited with status 1; the other workers were stopped"),
+        "{stderr}"
+    );
+    // Rank 0's shell and the sleep it started in the background are both gone.
+    let shell = printed_pid(&stdout, 0);
+    assert!(!alive(shell), "rank 0 (pid {shell}) outlived the launcher");
+    let background = stdout
+        .lines()
+        .filter_map(|l| l.strip_prefix("[rank 0] PID "))
+        .nth(1)
+        .and_then(|p| p.trim().parse::<u32>().ok())
+        .unwrap_or_else(|| panic!("{stdout}"));
+    assert!(
+        !alive(background),
+        "a process rank 0 started (pid {background}) outlived it"
+    );
+}
+
+#[test]
+fn a_killed_worker_fails_the_launch_with_its_signal() {
+    let script = r#"if [ "$RANK" = 1 ]; then sleep 0.3; kill -9 $$; fi; exec sleep 60"#;
+    let (out, elapsed) = launch(&["-n", "2", "--grace-period", "2", "--", "sh", "-c", script]);
+    let stderr = text(&out.stderr);
+    assert_eq!(out.status.code(), Some(137), "{stderr}");
+    assert!(elapsed < Duration::from_secs(10), "took {elapsed:?}");
+    assert!(stderr.contains("rank 1 (pid "), "{stderr}");
+    assert!(
+        stderr.contains("was killed by signal 9 (SIGKILL)"),
+        "{stderr}"
+    );
+}
+
+#[test]
+fn a_busy_port_is_a_clear_error() {
+    let taken = TcpListener::bind("127.0.0.1:0").unwrap();
+    let port = taken.local_addr().unwrap().port().to_string();
+    let (out, _) = launch(&["-n", "2", "--main-process-port", &port, "--", "true"]);
+    let stderr = text(&out.stderr);
+    assert_eq!(out.status.code(), Some(1), "{stderr}");
+    assert!(
+        stderr.contains(&format!("port {port} on 127.0.0.1 is already in use")),
+        "{stderr}"
+    );
+    assert!(stderr.contains("--main-process-port 0"), "{stderr}");
+}
+
+#[test]
+fn failed_groups_are_restarted_and_logs_are_kept() {
+    let dir = tempfile::tempdir().unwrap();
+    let marker = dir.path().join("failed-once");
+    let script = format!(
+        r#"echo "attempt of $RANK"; if [ "$RANK" = 1 ] && [ ! -f {m} ]; then touch {m}; exit 3; fi"#,
+        m = marker.display()
+    );
+    let logs = dir.path().join("logs");
+    let logs_arg = logs.display().to_string();
+    let (out, _) = launch(&[
+        "-n",
+        "2",
+        "--max-restarts",
+        "1",
+        "--log-dir",
+        &logs_arg,
+        "--",
+        "sh",
+        "-c",
+        &script,
+    ]);
+    let stderr = text(&out.stderr);
+    assert!(out.status.success(), "{stderr}");
+    assert!(
+        stderr.contains("rank 1 exited with status 3; restarting every worker (restart 1 of 1)"),
+        "{stderr}"
+    );
+    let log = std::fs::read_to_string(logs.join("rank_1.log")).unwrap();
+    assert_eq!(log, "attempt of 1\n", "the log holds the last attempt");
+}
+
+#[test]
+fn nothing_to_launch_is_a_user_error() {
+    let (out, _) = launch(&["-n", "2"]);
+    assert_eq!(out.status.code(), Some(1));
+    assert!(text(&out.stderr).contains("nothing to launch"));
+}
