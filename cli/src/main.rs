@@ -24,14 +24,14 @@ enum Command {
     /// Print the versions, platform and launcher environment, for bug reports.
     Env(commands::env::EnvArgs),
     /// Start the worker processes of a training job and supervise them.
-    Launch(commands::launch::LaunchArgs),
+    Launch(Box<commands::launch::LaunchArgs>),
 }
 
 fn main() -> ExitCode {
     let cli = Cli::parse();
     let result = match cli.command {
         Command::Env(args) => commands::env::run(args),
-        Command::Launch(args) => commands::launch::run(args),
+        Command::Launch(args) => commands::launch::run(*args),
     };
     match result {
         Ok(code) => code,
