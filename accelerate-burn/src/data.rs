@@ -9,10 +9,12 @@
 
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::mpsc::Receiver;
+use std::thread::JoinHandle;
 
 use accelerate_core::{BatchPosition, DistributedSampler, RankBatch, SamplerConfig};
 use burn::data::dataloader::batcher::Batcher;
-use burn::data::dataset::Dataset;
+use burn::data::dataset::{Dataset, DatasetError};
 use burn::tensor::Device;
 
 use crate::error::AccelerateError;
@@ -24,13 +26,18 @@ pub struct DataLoader<I, O> {
     dataset: Arc<dyn Dataset<I>>,
     batcher: Arc<dyn Batcher<I, O>>,
     sampling: SamplerConfig,
+    prefetch: usize,
 }
 
 /// Builds a [`DataLoader`], in the style of Burn's `DataLoaderBuilder`.
 pub struct DataLoaderBuilder<I, O> {
     batcher: Arc<dyn Batcher<I, O>>,
     sampling: SamplerConfig,
+    prefetch: usize,
 }
+
+/// Batches built ahead of the training loop by default.
+pub const DEFAULT_PREFETCH: usize = 2;
 
 impl<I, O> DataLoader<I, O> {
     /// Starts a loader that turns items into batches with `batcher` (batch size 1, in order).
@@ -41,6 +48,7 @@ impl<I, O> DataLoader<I, O> {
                 shuffle: false,
                 ..SamplerConfig::new(0, 1, 0)
             },
+            prefetch: DEFAULT_PREFETCH,
         }
     }
 
@@ -112,6 +120,13 @@ impl<I, O> DataLoaderBuilder<I, O> {
         self
     }
 
+    /// Builds up to `batches` batches ahead on a background thread (default
+    /// [`DEFAULT_PREFETCH`]); 0 builds each batch when the loop asks for it.
+    pub fn prefetch(mut self, batches: usize) -> Self {
+        self.prefetch = batches;
+        self
+    }
+
     /// Finishes the loader over `dataset`.
     pub fn build(mut self, dataset: impl Dataset<I> + 'static) -> DataLoader<I, O> {
         self.sampling.len = dataset.len();
@@ -119,6 +134,7 @@ impl<I, O> DataLoaderBuilder<I, O> {
             dataset: Arc::new(dataset),
             batcher: self.batcher,
             sampling: self.sampling,
+            prefetch: self.prefetch,
         }
     }
 }
@@ -184,22 +200,106 @@ impl<I, O> PreparedDataLoader<I, O> {
     pub fn loader(&self) -> &DataLoader<I, O> {
         &self.loader
     }
+}
 
-    /// Iterates over the batches of the current epoch, built on the accelerator's device.
+impl<I: 'static, O: Send + 'static> PreparedDataLoader<I, O> {
+    /// Iterates over the batches of the current epoch, built on the accelerator's device
+    /// (ahead of time on a background thread, unless the loader's `prefetch` is 0).
     pub fn iter(&self) -> BatchIter<'_, I, O> {
         let epoch = self.epoch();
         let mut sampler = self.sampler.clone();
         sampler.set_epoch(epoch);
+        let batches = sampler.batches();
+        let prefetch = (self.loader.prefetch > 0).then(|| {
+            Prefetcher::start(
+                &self.loader,
+                self.device.clone(),
+                batches.iter().map(|b| b.indices.clone()).collect(),
+            )
+        });
         BatchIter {
             prepared: self,
-            batches: sampler.batches().into_iter(),
+            batches: batches.into_iter(),
             epoch,
             next_batch: 0,
+            prefetch,
         }
     }
 }
 
-impl<'a, I, O> IntoIterator for &'a PreparedDataLoader<I, O> {
+/// Loads the items of `indices` and runs the batcher.
+fn build_batch<I, O>(
+    dataset: &dyn Dataset<I>,
+    batcher: &dyn Batcher<I, O>,
+    indices: &[usize],
+    device: &Device,
+) -> Result<O, DatasetError> {
+    let items = indices
+        .iter()
+        .map(|&i| dataset.get(i))
+        .collect::<Result<Vec<I>, _>>()?;
+    Ok(batcher.batch(items, device))
+}
+
+/// A thread building an epoch's batches, a bounded number ahead of the loop.
+struct Prefetcher<O> {
+    built: Receiver<Result<O, DatasetError>>,
+    thread: Option<JoinHandle<()>>,
+}
+
+impl<O: Send + 'static> Prefetcher<O> {
+    fn start<I: 'static>(
+        loader: &DataLoader<I, O>,
+        device: Device,
+        batches: Vec<Vec<usize>>,
+    ) -> Self {
+        let (send, built) = std::sync::mpsc::sync_channel(loader.prefetch);
+        let dataset = Arc::clone(&loader.dataset);
+        let batcher = Arc::clone(&loader.batcher);
+        let thread = std::thread::Builder::new()
+            .name("accelerate-prefetch".into())
+            .spawn(move || {
+                for indices in batches {
+                    let batch = build_batch(dataset.as_ref(), batcher.as_ref(), &indices, &device);
+                    // The loop stopped early (the iterator was dropped): stop too.
+                    if send.send(batch).is_err() {
+                        return;
+                    }
+                }
+            })
+            .ok();
+        Self { built, thread }
+    }
+
+    fn next(&mut self) -> Result<O, DatasetError> {
+        match self.built.recv() {
+            Ok(batch) => batch,
+            Err(_) => {
+                // The thread ended early: a panic in the data set or batcher is re-raised
+                // here, in the training loop, as if it had happened there.
+                if let Some(Err(panic)) = self.thread.take().map(JoinHandle::join) {
+                    std::panic::resume_unwind(panic);
+                }
+                Err(DatasetError::new(std::io::Error::other(
+                    "the prefetch thread could not be started or stopped early",
+                )))
+            }
+        }
+    }
+}
+
+impl<O> Drop for Prefetcher<O> {
+    fn drop(&mut self) {
+        // Closing the channel first lets a thread blocked on a full channel finish.
+        let (_, closed) = std::sync::mpsc::sync_channel(0);
+        drop(std::mem::replace(&mut self.built, closed));
+        if let Some(thread) = self.thread.take() {
+            let _ = thread.join();
+        }
+    }
+}
+
+impl<'a, I: 'static, O: Send + 'static> IntoIterator for &'a PreparedDataLoader<I, O> {
     type Item = Result<O, AccelerateError>;
     type IntoIter = BatchIter<'a, I, O>;
 
@@ -214,9 +314,10 @@ pub struct BatchIter<'a, I, O> {
     batches: std::vec::IntoIter<RankBatch>,
     epoch: u64,
     next_batch: usize,
+    prefetch: Option<Prefetcher<O>>,
 }
 
-impl<I, O> Iterator for BatchIter<'_, I, O> {
+impl<I: 'static, O: Send + 'static> Iterator for BatchIter<'_, I, O> {
     type Item = Result<O, AccelerateError>;
 
     fn next(&mut self) -> Option<Self::Item> {
@@ -238,18 +339,21 @@ impl<I, O> Iterator for BatchIter<'_, I, O> {
             shared.rank
         };
         let loader = &self.prepared.loader;
-        let items = batch
-            .indices
-            .iter()
-            .map(|&i| loader.dataset.get(i))
-            .collect::<Result<Vec<I>, _>>()
-            .map_err(|source| AccelerateError::Data {
-                rank,
-                epoch: self.epoch,
-                batch: index,
-                source,
-            });
-        Some(items.map(|items| loader.batcher.batch(items, &self.prepared.device)))
+        let built = match self.prefetch.as_mut() {
+            Some(prefetch) => prefetch.next(),
+            None => build_batch(
+                loader.dataset.as_ref(),
+                loader.batcher.as_ref(),
+                &batch.indices,
+                &self.prepared.device,
+            ),
+        };
+        Some(built.map_err(|source| AccelerateError::Data {
+            rank,
+            epoch: self.epoch,
+            batch: index,
+            source,
+        }))
     }
 
     fn size_hint(&self) -> (usize, Option<usize>) {
@@ -257,4 +361,4 @@ impl<I, O> Iterator for BatchIter<'_, I, O> {
     }
 }
 
-impl<I, O> ExactSizeIterator for BatchIter<'_, I, O> {}
+impl<I: 'static, O: Send + 'static> ExactSizeIterator for BatchIter<'_, I, O> {}

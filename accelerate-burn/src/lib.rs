@@ -73,7 +73,7 @@ mod sync;
 
 pub use accelerator::{Accelerator, AcceleratorBuilder, MODEL_FILE};
 pub use backend::{AcceleratorBackend, DefaultBackend, enabled_backends};
-pub use data::{BatchIter, DataLoader, DataLoaderBuilder, PreparedDataLoader};
+pub use data::{BatchIter, DEFAULT_PREFETCH, DataLoader, DataLoaderBuilder, PreparedDataLoader};
 pub use error::AccelerateError;
 pub use optim::{PreparedOptimizer, PreparedScheduler};
 pub use prepare::Prepare;

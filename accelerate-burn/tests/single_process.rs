@@ -404,3 +404,78 @@ fn flex_computes_in_f32_f16_and_bf16() {
         assert_eq!(sum, 3.5);
     }
 }
+
+/// A data set whose item 13 cannot be read.
+struct Flaky;
+
+impl burn::data::dataset::Dataset<Item> for Flaky {
+    fn get(&self, index: usize) -> Result<Item, burn::data::dataset::DatasetError> {
+        if index == 13 {
+            return Err(burn::data::dataset::DatasetError::new(
+                std::io::Error::other("item 13 is corrupt"),
+            ));
+        }
+        Ok(items(20)[index])
+    }
+
+    fn len(&self) -> usize {
+        20
+    }
+}
+
+#[test]
+fn prefetched_batches_equal_batches_built_in_the_loop() {
+    let acc = accelerator(1);
+    let eager = acc
+        .prepare_data_loader(
+            DataLoader::builder(Rows)
+                .batch_size(6)
+                .shuffle(9)
+                .prefetch(0)
+                .build(InMemDataset::new(items(50))),
+        )
+        .unwrap();
+    let ahead = acc.prepare_data_loader(loader_with_seed(50, 6, 9)).unwrap();
+    for epoch in 0..2 {
+        eager.set_epoch(epoch);
+        ahead.set_epoch(epoch);
+        let a: Vec<Vec<f32>> = eager
+            .iter()
+            .map(|b| b.unwrap().0.into_data().iter::<f32>().collect())
+            .collect();
+        let b: Vec<Vec<f32>> = ahead
+            .iter()
+            .map(|b| b.unwrap().0.into_data().iter::<f32>().collect())
+            .collect();
+        assert_eq!(a.len(), 9);
+        assert_eq!(a, b);
+    }
+    // Leaving an epoch early stops its prefetching; the next epoch starts cleanly.
+    let first = ahead.iter().next().unwrap().unwrap();
+    assert_eq!(first.0.dims(), [6, FEATURES]);
+    assert_eq!(ahead.iter().count(), 9);
+}
+
+#[test]
+fn a_data_set_error_names_the_batch_and_does_not_end_the_epoch() {
+    let acc = accelerator(1);
+    let train = acc
+        .prepare_data_loader(DataLoader::builder(Rows).batch_size(5).build(Flaky))
+        .unwrap();
+    let results: Vec<_> = train.iter().collect();
+    assert_eq!(results.len(), 4);
+    let errors: Vec<String> = results
+        .iter()
+        .filter_map(|r| r.as_ref().err().map(ToString::to_string))
+        .collect();
+    assert_eq!(errors.len(), 1);
+    assert!(errors[0].contains("batch 2 of epoch 0"), "{}", errors[0]);
+    assert!(errors[0].contains("item 13 is corrupt"), "{}", errors[0]);
+}
+
+fn loader_with_seed(n: usize, batch: usize, seed: u64) -> DataLoader<Item, (Tensor<2>, Tensor<2>)> {
+    DataLoader::builder(Rows)
+        .batch_size(batch)
+        .shuffle(seed)
+        .build(InMemDataset::new(items(n)))
+}

@@ -150,3 +150,88 @@ fn nothing_to_launch_is_a_user_error() {
     assert_eq!(out.status.code(), Some(1));
     assert!(text(&out.stderr).contains("nothing to launch"));
 }
+
+#[test]
+fn a_config_file_sets_defaults_that_flags_override() {
+    let dir = tempfile::tempdir().unwrap();
+    let file = dir.path().join("launch.toml");
+    std::fs::write(&file, "num_processes = 3\nmixed_precision = \"bf16\"\n").unwrap();
+    let file_arg = file.display().to_string();
+    let script = r#"echo "$WORLD_SIZE $ACCELERATE_MIXED_PRECISION""#;
+    let (out, _) = launch(&["--config-file", &file_arg, "--", "sh", "-c", script]);
+    assert!(out.status.success(), "{}", text(&out.stderr));
+    assert!(
+        text(&out.stdout).contains("[rank 2] 3 bf16"),
+        "{}",
+        text(&out.stdout)
+    );
+    let (out, _) = launch(&[
+        "--config-file",
+        &file_arg,
+        "-n",
+        "1",
+        "--",
+        "sh",
+        "-c",
+        script,
+    ]);
+    assert!(
+        text(&out.stdout).contains("[rank 0] 1 bf16"),
+        "{}",
+        text(&out.stdout)
+    );
+    std::fs::write(&file, "num_process = 3\n").unwrap();
+    let (out, _) = launch(&["--config-file", &file_arg, "--", "true"]);
+    assert_eq!(out.status.code(), Some(1));
+    assert!(
+        text(&out.stderr).contains("num_process"),
+        "{}",
+        text(&out.stderr)
+    );
+}
+
+#[test]
+fn ctrl_c_stops_the_workers() {
+    let mut launcher = Command::new(env!("CARGO_BIN_EXE_accelerate"))
+        .args([
+            "launch",
+            "-n",
+            "2",
+            "--grace-period",
+            "2",
+            "--",
+            "sh",
+            "-c",
+            r#"echo "PID $$"; exec sleep 60"#,
+        ])
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    let mut stdout = std::io::BufReader::new(launcher.stdout.take().unwrap());
+    let mut pids = Vec::new();
+    let mut line = String::new();
+    while pids.len() < 2 {
+        line.clear();
+        use std::io::BufRead;
+        assert!(
+            stdout.read_line(&mut line).unwrap() > 0,
+            "the workers never started"
+        );
+        if let Some((_, pid)) = line.trim().split_once("PID ") {
+            pids.push(pid.parse::<u32>().unwrap());
+        }
+    }
+    let started = Instant::now();
+    let status = Command::new("kill")
+        .args(["-INT", &launcher.id().to_string()])
+        .status()
+        .unwrap();
+    assert!(status.success());
+    let status = launcher.wait().unwrap();
+    assert_eq!(status.code(), Some(130));
+    assert!(started.elapsed() < Duration::from_secs(10));
+    for pid in pids {
+        assert!(!alive(pid), "worker {pid} outlived the launcher");
+    }
+}

@@ -5,7 +5,7 @@ use std::process::{Command, ExitCode, Stdio};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Duration;
 
-use accelerate_core::launch::{LaunchConfig, launch};
+use accelerate_core::launch::{LaunchConfig, LaunchFile, launch};
 use anyhow::{Context, bail};
 use clap::Args;
 
@@ -18,21 +18,22 @@ use clap::Args;
 ///   accelerate launch -n 2 --example digits
 #[derive(Debug, Args)]
 pub struct LaunchArgs {
-    /// Worker processes on this machine.
-    #[arg(short = 'n', long, default_value_t = 1)]
-    num_processes: usize,
+    /// Worker processes on this machine [default: 1].
+    #[arg(short = 'n', long)]
+    num_processes: Option<usize>,
 
-    /// Machines in the job; each runs `accelerate launch` with its own --machine-rank.
-    #[arg(long, default_value_t = 1)]
-    num_machines: usize,
+    /// Machines in the job; each runs `accelerate launch` with its own --machine-rank
+    /// [default: 1].
+    #[arg(long)]
+    num_machines: Option<usize>,
 
-    /// This machine's index, from 0 (the machine of rank 0).
-    #[arg(long, default_value_t = 0)]
-    machine_rank: usize,
+    /// This machine's index, from 0 (the machine of rank 0) [default: 0].
+    #[arg(long)]
+    machine_rank: Option<usize>,
 
-    /// Address of rank 0's machine, where the rendezvous is served.
-    #[arg(long, default_value = "127.0.0.1")]
-    main_process_ip: String,
+    /// Address of rank 0's machine, where the rendezvous is served [default: 127.0.0.1].
+    #[arg(long)]
+    main_process_ip: Option<String>,
 
     /// Rank 0's rendezvous port; 0 picks a free one (the default on one machine; 29500 on
     /// several, where every machine must name the same port).
@@ -51,9 +52,15 @@ pub struct LaunchArgs {
     #[arg(long)]
     gpu_ids: Option<String>,
 
-    /// Restart every worker up to this many times after a failure.
-    #[arg(long, default_value_t = 0)]
-    max_restarts: usize,
+    /// Restart every worker up to this many times after a failure [default: 0].
+    #[arg(long)]
+    max_restarts: Option<usize>,
+
+    /// Read settings from a TOML file (keys: num_processes, num_machines, machine_rank,
+    /// main_process_ip, main_process_port, mixed_precision, gpu_ids, use_cpu, max_restarts);
+    /// flags given here win over it.
+    #[arg(long, value_name = "FILE")]
+    config_file: Option<PathBuf>,
 
     /// Also write each rank's output to DIR/rank_N.log.
     #[arg(long, value_name = "DIR")]
@@ -100,20 +107,27 @@ pub fn run(args: LaunchArgs) -> anyhow::Result<ExitCode> {
             None => bail!("nothing to launch: give a program, --example NAME or --bin NAME"),
         },
     };
+    let file = match &args.config_file {
+        Some(path) => LaunchFile::read(path)?,
+        None => LaunchFile::default(),
+    };
+    let num_machines = args.num_machines.or(file.num_machines).unwrap_or(1);
     let mut env = Vec::new();
-    if let Some(mp) = &args.mixed_precision {
-        env.push(("ACCELERATE_MIXED_PRECISION".to_string(), mp.clone()));
+    if let Some(mp) = args.mixed_precision.or(file.mixed_precision) {
+        env.push(("ACCELERATE_MIXED_PRECISION".to_string(), mp));
     }
-    if args.cpu {
+    let gpu_ids = args.gpu_ids.or(file.gpu_ids);
+    let cpu = args.cpu || (gpu_ids.is_none() && file.use_cpu == Some(true));
+    if cpu {
         env.push(("CUDA_VISIBLE_DEVICES".to_string(), String::new()));
         env.push(("ACCELERATE_USE_CPU".to_string(), "1".to_string()));
-    }
-    if let Some(ids) = &args.gpu_ids {
-        env.push(("CUDA_VISIBLE_DEVICES".to_string(), ids.clone()));
+    } else if let Some(ids) = gpu_ids {
+        env.push(("CUDA_VISIBLE_DEVICES".to_string(), ids));
     }
     let port = args
         .main_process_port
-        .unwrap_or(if args.num_machines == 1 { 0 } else { 29500 });
+        .or(file.main_process_port)
+        .unwrap_or(if num_machines == 1 { 0 } else { 29500 });
     if !(args.grace_period.is_finite() && args.grace_period >= 0.0) {
         bail!(
             "--grace-period {} is not a number of seconds",
@@ -123,12 +137,15 @@ pub fn run(args: LaunchArgs) -> anyhow::Result<ExitCode> {
     let config = LaunchConfig {
         program,
         args: program_args,
-        num_processes: args.num_processes,
-        num_machines: args.num_machines,
-        machine_rank: args.machine_rank,
-        main_process_ip: args.main_process_ip,
+        num_processes: args.num_processes.or(file.num_processes).unwrap_or(1),
+        num_machines,
+        machine_rank: args.machine_rank.or(file.machine_rank).unwrap_or(0),
+        main_process_ip: args
+            .main_process_ip
+            .or(file.main_process_ip)
+            .unwrap_or_else(|| "127.0.0.1".into()),
         main_process_port: port,
-        max_restarts: args.max_restarts,
+        max_restarts: args.max_restarts.or(file.max_restarts).unwrap_or(0),
         log_dir: args.log_dir,
         env,
         grace: Duration::from_secs_f64(args.grace_period),
