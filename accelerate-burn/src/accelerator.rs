@@ -239,13 +239,7 @@ impl<B: AcceleratorBackend> Accelerator<B> {
         &self,
         loader: DataLoader<I, O>,
     ) -> Result<PreparedDataLoader<I, O>, AccelerateError> {
-        PreparedDataLoader::new(
-            loader,
-            self.device(),
-            LoaderRole::Train,
-            self.shared.clone(),
-            self.rank_and_world(),
-        )
+        self.prepare_loader(loader, LoaderRole::Train)
     }
 
     /// Prepares an evaluation loader: batches arrive on the device and leave accumulation
@@ -254,17 +248,22 @@ impl<B: AcceleratorBackend> Accelerator<B> {
         &self,
         loader: DataLoader<I, O>,
     ) -> Result<PreparedDataLoader<I, O>, AccelerateError> {
+        self.prepare_loader(loader, LoaderRole::Eval)
+    }
+
+    fn prepare_loader<I, O>(
+        &self,
+        loader: DataLoader<I, O>,
+        role: LoaderRole,
+    ) -> Result<PreparedDataLoader<I, O>, AccelerateError> {
+        let rank_and_world = (self.state.rank, self.state.world_size);
         PreparedDataLoader::new(
             loader,
             self.device(),
-            LoaderRole::Eval,
+            role,
             self.shared.clone(),
-            self.rank_and_world(),
+            rank_and_world,
         )
-    }
-
-    fn rank_and_world(&self) -> (usize, usize) {
-        (self.state.rank, self.state.world_size)
     }
 
     /// Runs the backward pass of `loss` and returns the gradients to step with.
