@@ -1,6 +1,7 @@
-//! One Burn training loop, written once, that runs on a laptop CPU, a GPU, or (soon) many
-//! processes: the user keeps a plain Rust loop and an [`Accelerator`] adds device placement,
-//! gradient accumulation, global gradient clipping and safe model saving.
+//! One Burn training loop, written once, that runs on a laptop CPU, a GPU, or many processes:
+//! the user keeps a plain Rust loop and an [`Accelerator`] adds device placement,
+//! data-parallel gradient averaging across processes (started by `accelerate launch`, torchrun,
+//! SLURM or MPI), gradient accumulation, global gradient clipping and safe model saving.
 //!
 //! ```
 //! use accelerate_burn::{Accelerator, DataLoader, DefaultBackend};
@@ -46,7 +47,11 @@
 //!
 //! - [`Accelerator`]: the facade; [`AcceleratorBuilder`] for settings in code.
 //! - [`backend`]: backend kinds by feature; [`DefaultBackend`] is the best one enabled.
-//! - [`DataLoader`] / [`PreparedDataLoader`]: batches on the device, a reproducible order.
+//! - [`DataLoader`] / [`PreparedDataLoader`]: batches on the device, a reproducible order,
+//!   each process's share of every round, built ahead on a background thread.
+//! - Cross-process helpers on [`Accelerator`]: `gather`, `gather_for_metrics`, `reduce`,
+//!   `pad_across_processes`, `wait_for_everyone`, `main_process_first`,
+//!   `split_between_processes`, `set_trigger` / `check_trigger`.
 //! - [`PreparedOptimizer`] / [`PreparedScheduler`]: one step per accumulation window.
 //!
 //! # Feature flags
