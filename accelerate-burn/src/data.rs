@@ -321,7 +321,11 @@ impl<I: 'static, O: Send + 'static> Iterator for BatchIter<'_, I, O> {
     type Item = Result<O, AccelerateError>;
 
     fn next(&mut self) -> Option<Self::Item> {
-        let batch = self.batches.next()?;
+        let Some(batch) = self.batches.next() else {
+            // The epoch is over: later gathers belong to no last batch.
+            self.prepared.shared.lock().last_batch_padding = None;
+            return None;
+        };
         let index = self.next_batch;
         self.next_batch += 1;
         let rank = {

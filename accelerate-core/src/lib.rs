@@ -25,6 +25,7 @@
 //! - [`config`]: [`AcceleratorConfig`] and its sources.
 //! - [`accumulation`]: gradient accumulation windows.
 //! - [`sampler`]: the per-epoch data order.
+//! - [`scaler`]: the dynamic loss scaler of fp16 training (state machine, no tensors).
 //! - [`distributed_sampler`]: each rank's batches of an epoch, padding and resume cursor.
 //! - [`comm`]: the process group and its collectives (rendezvous, shared memory, TCP).
 //! - `launch` (Unix): starting and supervising the workers of one machine.
@@ -37,6 +38,7 @@ pub mod error;
 #[cfg(unix)]
 pub mod launch;
 pub mod sampler;
+pub mod scaler;
 pub mod state;
 
 pub use accumulation::{BatchPosition, GradientAccumulation, MicroStep};
@@ -46,4 +48,5 @@ pub use distributed_sampler::{
     DistributedSampler, RankBatch, SamplerConfig, SamplerCursor, SamplerError,
 };
 pub use error::{CommError, ConfigError, StateError};
+pub use scaler::{DynamicLossScaler, ScaledStep, ScalerConfig, ScalerState};
 pub use state::{EnvSource, Launcher, ProcessEnv, ProcessState};

@@ -3,6 +3,7 @@
 // criterion_group! generates an undocumented function.
 #![allow(missing_docs)]
 
+use accelerate_kernels::amp::unscale_and_check;
 use accelerate_kernels::reduce::{reduce_bf16, reduce_f16, reduce_f32};
 use accelerate_kernels::{ReduceOp, scale_in_place, sum_of_squares};
 use criterion::{Criterion, Throughput, criterion_group, criterion_main};
@@ -49,5 +50,17 @@ fn reductions(c: &mut Criterion) {
     group.finish();
 }
 
-criterion_group!(benches, kernels, reductions);
+/// The fused unscale-and-check pass of fp16 training over 16 MiB of f32 gradients (bytes read
+/// plus bytes written).
+fn unscale(c: &mut Criterion) {
+    let mut group = c.benchmark_group("amp");
+    let mut grads = vec![1.0_f32; 4 << 20];
+    group.throughput(Throughput::Bytes(2 * 4 * grads.len() as u64));
+    group.bench_function("unscale_and_check_16MiB", |b| {
+        b.iter(|| black_box(unscale_and_check(black_box(&mut grads), 1.0)))
+    });
+    group.finish();
+}
+
+criterion_group!(benches, kernels, reductions, unscale);
 criterion_main!(benches);

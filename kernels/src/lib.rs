@@ -7,6 +7,7 @@
 //!
 //! - [`norm`]: sum of squares and global L2 norm, f32 lanes with f64 block totals.
 //! - [`scale`]: in-place scaling and the gradient-clipping coefficient.
+//! - [`amp`]: the fused unscale-and-check pass of dynamic loss scaling.
 //! - [`convert`]: branch-free f32 <-> f16/bf16 conversions that vectorise.
 //! - [`reduce`]: element-wise sum, max and min for f32, f16 and bf16 (halves combined in f32).
 //! - [`schedule`]: ring, recursive-doubling and binomial-tree schedules of the collectives.
@@ -22,6 +23,7 @@
 //! assert!((l2_norm(&grads) - 1.0).abs() < 1e-6);
 //! ```
 
+pub mod amp;
 pub mod convert;
 pub mod norm;
 pub mod reduce;

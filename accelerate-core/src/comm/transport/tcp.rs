@@ -20,8 +20,10 @@ use crate::comm::rendezvous::PeerInfo;
 use crate::error::CommError;
 
 const HANDSHAKE_MAGIC: u32 = 0x4143_4354; // "ACCT"
-/// A writer that cannot hand bytes to the kernel for this long gives up on its peer.
-const WRITE_TIMEOUT: Duration = Duration::from_secs(120);
+/// A writer that cannot hand bytes to the kernel for this long gives up on its peer (a peer
+/// that reads nothing for 30 s is stuck or gone; this also bounds how long dropping a link
+/// waits for its queues to drain).
+const WRITE_TIMEOUT: Duration = Duration::from_secs(30);
 
 struct Peer {
     reader: TcpStream,
