@@ -7,7 +7,7 @@
 //! Arguments: `--epochs N` (default 30).
 
 use accelerate_burn::burn;
-use accelerate_burn::{Accelerator, DataLoader, DefaultBackend};
+use accelerate_burn::{Accelerator, DataLoader, DefaultBackend, MixedPrecision};
 use accelerate_examples::digits::{self, DigitBatcher};
 use accelerate_examples::{MlpConfig, correct};
 use anyhow::Context;
@@ -21,6 +21,8 @@ pub struct Report {
     pub accuracy: f64,
     /// Optimizer updates applied.
     pub updates: u64,
+    /// Mean training loss of the last epoch.
+    pub final_loss: f32,
 }
 
 fn main() -> anyhow::Result<()> {
@@ -28,15 +30,20 @@ fn main() -> anyhow::Result<()> {
         Some(n) => n.parse().context("--epochs expects a number")?,
         None => 30,
     };
-    train(epochs)?;
+    train(epochs, None)?;
     Ok(())
 }
 
-/// Trains for `epochs` epochs, prints and returns the test accuracy.
-pub fn train(epochs: u64) -> anyhow::Result<Report> {
+/// Trains for `epochs` epochs in `precision` (else ACCELERATE_MIXED_PRECISION), prints and
+/// returns the test accuracy.
+pub fn train(epochs: u64, precision: Option<MixedPrecision>) -> anyhow::Result<Report> {
     let (train_set, test_set) = digits::train_test_split()?;
 
-    let acc = Accelerator::<DefaultBackend>::builder().seed(42).build()?;
+    let mut builder = Accelerator::<DefaultBackend>::builder().seed(42);
+    if let Some(precision) = precision {
+        builder = builder.mixed_precision(precision);
+    }
+    let acc = builder.build()?;
     let device = acc.device();
     let model = MlpConfig::new(digits::PIXELS, vec![128], digits::CLASSES).init(&device);
     let optim = AdamWConfig::new().init();
@@ -58,16 +65,24 @@ pub fn train(epochs: u64) -> anyhow::Result<Report> {
     bar.set_style(ProgressStyle::with_template(
         "{bar:40} {pos}/{len} steps, epoch {msg}",
     )?);
+    let mut final_loss = 0.0;
     for epoch in 0..epochs {
         train.set_epoch(epoch);
         bar.set_message(format!("{}/{epochs}", epoch + 1));
+        let mut epoch_loss = 0.0;
         for batch in train.iter() {
             let batch = batch?;
-            let loss = model.forward_loss(batch.images, batch.targets).loss;
+            let loss = acc
+                .autocast(&model, |m, c| {
+                    m.forward_loss(c.input(batch.images), batch.targets)
+                })
+                .loss;
+            epoch_loss += loss.clone().into_scalar::<f32>();
             let grads = acc.backward(loss, &model)?;
             model = optim.step(3e-3, model, grads)?;
             bar.inc(1);
         }
+        final_loss = epoch_loss / train.len() as f32;
     }
     bar.finish_and_clear();
     let elapsed = started.elapsed();
@@ -82,14 +97,17 @@ pub fn train(epochs: u64) -> anyhow::Result<Report> {
         right += correct(logits, targets);
     }
     acc.print(format!(
-        "test accuracy: {:.2} % ({right}/{total}) after {epochs} epochs, {} updates, {:.1} s on {}",
+        "test accuracy: {:.2} % ({right}/{total}) after {epochs} epochs, {} updates, final loss \
+         {final_loss:.4}, {:.1} s on {} in {:?}",
         100.0 * right as f64 / total as f64,
         optim.updates(),
         elapsed.as_secs_f64(),
         acc.backend_name(),
+        acc.compute_dtype(),
     ));
     Ok(Report {
         accuracy: right as f64 / total as f64,
         updates: optim.updates(),
+        final_loss,
     })
 }

@@ -44,7 +44,11 @@ fn main() -> anyhow::Result<()> {
         }
         let batch = batch?;
         let n = batch.targets.dims()[0];
-        let loss = model.forward_loss(batch.features, batch.targets).loss;
+        let loss = acc
+            .autocast(&model, |m, c| {
+                m.forward_loss(c.input(batch.features), batch.targets)
+            })
+            .loss;
         let grads = acc.backward(loss.clone(), &model)?;
         model = optim.step(1e-3, model, grads)?;
         if let Some((_, seen, _)) = timed.as_mut() {
@@ -59,10 +63,11 @@ fn main() -> anyhow::Result<()> {
             let processes = acc.num_processes();
             let comm = (acc.communication_time() - comm_before).as_secs_f64();
             acc.print(format!(
-                "{:.0} samples/s over {} samples on {processes} process(es) (first {WARM_UP_STEPS} steps excluded), final loss {last_loss:.4}, {}",
+                "{:.0} samples/s over {} samples on {processes} process(es) (first {WARM_UP_STEPS} steps excluded), final loss {last_loss:.4}, {} in {:?}",
                 (seen * processes) as f64 / seconds,
                 seen * processes,
                 acc.backend_name(),
+                acc.compute_dtype(),
             ));
             if processes > 1 {
                 acc.print(format!(

@@ -8,7 +8,10 @@ use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Mutex, MutexGuard, PoisonError};
 
 use accelerate_core::comm::{GroupOptions, ProcessGroup};
-use accelerate_core::{AcceleratorConfig, ConfigOverrides, ProcessState};
+use accelerate_core::{
+    AcceleratorConfig, ConfigOverrides, DynamicLossScaler, MixedPrecision, ProcessState,
+    ScaledStep, ScalerConfig,
+};
 use burn::lr_scheduler::module_lr_scheduler::ModuleLrScheduler;
 use burn::module::Module;
 use burn::optim::{GradientsParams, ModuleOptimizer};
@@ -21,6 +24,7 @@ use crate::error::AccelerateError;
 use crate::grads;
 use crate::loop_state::SharedLoop;
 use crate::optim::{PreparedOptimizer, PreparedScheduler};
+use crate::precision::{Autocast, Caster, low_precision_view};
 use crate::prepare::Prepare;
 
 /// File name of the weights written by [`Accelerator::save_model`].
@@ -42,6 +46,7 @@ pub struct Accelerator<B: AcceleratorBackend> {
     config: AcceleratorConfig,
     device: Device,
     pub(crate) shared: SharedLoop,
+    compute_dtype: DType,
     pub(crate) group: Mutex<ProcessGroup>,
     pub(crate) trigger: AtomicBool,
     /// Nanoseconds spent averaging gradients across processes.
@@ -54,6 +59,8 @@ pub struct AcceleratorBuilder<B: AcceleratorBackend> {
     overrides: ConfigOverrides,
     state: Option<ProcessState>,
     group_options: Option<GroupOptions>,
+    strict_precision: bool,
+    scaler: ScalerConfig,
     _backend: PhantomData<B>,
 }
 
@@ -67,6 +74,26 @@ impl<B: AcceleratorBackend> AcceleratorBuilder<B> {
     /// Seeds the device's random generator (parameter initialisation, dropout) at build time.
     pub fn seed(mut self, seed: u64) -> Self {
         self.overrides.seed = Some(seed);
+        self
+    }
+
+    /// Computes in bf16 or fp16 (master weights, gradients and optimizer state stay f32);
+    /// wins over `ACCELERATE_MIXED_PRECISION`.
+    pub fn mixed_precision(mut self, precision: MixedPrecision) -> Self {
+        self.overrides.mixed_precision = Some(precision);
+        self
+    }
+
+    /// Fails to build when the device cannot compute in the requested precision, instead of
+    /// warning once and training in f32.
+    pub fn strict_mixed_precision(mut self, strict: bool) -> Self {
+        self.strict_precision = strict;
+        self
+    }
+
+    /// Settings of the fp16 dynamic loss scaler (PyTorch's defaults otherwise).
+    pub fn loss_scaler(mut self, config: ScalerConfig) -> Self {
+        self.scaler = config;
         self
     }
 
@@ -104,9 +131,39 @@ impl<B: AcceleratorBackend> AcceleratorBuilder<B> {
         if let Some(seed) = config.seed {
             device.seed(seed);
         }
+        let compute_dtype = match config.mixed_precision {
+            MixedPrecision::No => DType::F32,
+            MixedPrecision::Bf16 => DType::BF16,
+            MixedPrecision::Fp16 => DType::F16,
+        };
+        let compute_dtype = if B::float_dtypes(&device).contains(&compute_dtype) {
+            compute_dtype
+        } else if self.strict_precision {
+            return Err(AccelerateError::PrecisionUnsupported {
+                backend: B::NAME,
+                dtype: format!("{compute_dtype:?}"),
+            });
+        } else {
+            if state.is_main_process() {
+                eprintln!(
+                    "warning: the {} backend cannot compute in {compute_dtype:?} on this device; \
+                     training in f32 (ask for strict mixed precision to make this an error)",
+                    B::NAME
+                );
+            }
+            DType::F32
+        };
+        let scaler = if compute_dtype == DType::F16 {
+            Some(DynamicLossScaler::new(self.scaler)?)
+        } else {
+            None
+        };
         tracing::debug!(backend = B::NAME, %state, ?config, "accelerator ready");
+        let shared = SharedLoop::new(config.gradient_accumulation_steps, state.rank);
+        shared.lock().scaler = scaler;
         Ok(Accelerator {
-            shared: SharedLoop::new(config.gradient_accumulation_steps, state.rank),
+            shared,
+            compute_dtype,
             group: Mutex::new(group),
             trigger: AtomicBool::new(false),
             communication_ns: AtomicU64::new(0),
@@ -131,6 +188,8 @@ impl<B: AcceleratorBackend> Accelerator<B> {
             overrides: ConfigOverrides::default(),
             state: None,
             group_options: None,
+            strict_precision: false,
+            scaler: ScalerConfig::default(),
             _backend: PhantomData,
         }
     }
@@ -282,32 +341,43 @@ impl<B: AcceleratorBackend> Accelerator<B> {
     ) -> Result<GradientsParams, AccelerateError> {
         let mut shared = self.shared.lock();
         let step = shared.accumulation.micro_step();
-        if shared.accumulation.steps() == 1 {
-            let mut grads = GradientsParams::from_grads(loss.backward(), model);
-            self.average_if_distributed(&mut grads, model)?;
-            return Ok(grads);
+        let mut loss = loss;
+        if loss.dtype() != DType::F32 {
+            loss = loss.cast(DType::F32);
         }
-        let loss = if step.window_len > 1 {
-            loss.div_scalar(step.window_len as f64)
-        } else {
-            loss
-        };
+        if step.window_len > 1 {
+            loss = loss.div_scalar(step.window_len as f64);
+        }
+        if let Some(scaler) = &shared.scaler {
+            loss = loss.mul_scalar(scaler.scale());
+        }
         let grads = GradientsParams::from_grads(loss.backward(), model);
         let summed = match shared.accumulated.take() {
-            Some(mut sum) if !step.first => {
+            Some(mut sum) if !step.first && shared.accumulation.steps() > 1 => {
                 grads::add_into(&mut sum, grads, model);
                 sum
             }
             _ => grads,
         };
-        if step.sync {
-            let mut summed = summed;
-            self.average_if_distributed(&mut summed, model)?;
-            Ok(summed)
-        } else {
+        if !step.sync {
             shared.accumulated = Some(summed);
-            Ok(GradientsParams::new())
+            return Ok(GradientsParams::new());
         }
+        let mut summed = summed;
+        self.average_if_distributed(&mut summed, model)?;
+        shared.step_skipped = false;
+        if let Some(scaler) = shared.scaler.as_mut() {
+            grads::scale(&mut summed, scaler.inv_scale(), model);
+            // Averaged gradients hold an overflow of any rank (sums keep inf and NaN), so
+            // every rank makes the same decision here without another collective.
+            let overflow = grads::global_norm(&summed, model).is_some_and(|n| !n.is_finite());
+            if scaler.update(overflow) == ScaledStep::Skip {
+                shared.accumulation.skip_update();
+                shared.step_skipped = true;
+                return Ok(GradientsParams::new());
+            }
+        }
+        Ok(summed)
     }
 
     /// With several processes, averages `grads` over them (bucketed all-reduce).
@@ -329,6 +399,47 @@ impl<B: AcceleratorBackend> Accelerator<B> {
         let spent = u64::try_from(started.elapsed().as_nanos()).unwrap_or(u64::MAX);
         self.communication_ns.fetch_add(spent, Ordering::Relaxed);
         result
+    }
+
+    /// Runs `forward` in the compute precision: on a view of `model` whose float parameters
+    /// are cast (tracked by autodiff, so gradients reach the f32 master parameters as f32),
+    /// with a [`Caster`] for the inputs; float tensors in the result come back as f32.
+    /// Without mixed precision this is `forward(model, caster)` with an identity caster.
+    ///
+    /// ```text
+    /// let loss = acc.autocast(&model, |m, c| m.forward_loss(c.input(batch.images), batch.targets));
+    /// ```
+    pub fn autocast<M: Module, R: Autocast>(
+        &self,
+        model: &M,
+        forward: impl FnOnce(&M, &Caster) -> R,
+    ) -> R {
+        let caster = Caster::new(self.compute_dtype);
+        if self.compute_dtype == DType::F32 {
+            return forward(model, &caster);
+        }
+        let view = low_precision_view(model, self.compute_dtype);
+        forward(&view, &caster).autocast(DType::F32)
+    }
+
+    /// The dtype forward passes compute in under [`autocast`](Self::autocast).
+    pub fn compute_dtype(&self) -> DType {
+        self.compute_dtype
+    }
+
+    /// True when the latest completed window's optimizer step was skipped because a gradient
+    /// overflowed (fp16 only); the optimizer and scheduler did not move.
+    pub fn optimizer_step_was_skipped(&self) -> bool {
+        self.shared.lock().step_skipped
+    }
+
+    /// The current fp16 loss scale (`None` without fp16).
+    pub fn loss_scale(&self) -> Option<f32> {
+        self.shared
+            .lock()
+            .scaler
+            .as_ref()
+            .map(DynamicLossScaler::scale)
     }
 
     /// Time spent so far averaging gradients across processes (zero with one process), to

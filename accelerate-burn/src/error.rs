@@ -27,6 +27,18 @@ pub enum AccelerateError {
         hint: &'static str,
     },
 
+    /// Strict mixed precision was asked for a dtype the device cannot compute in.
+    #[error(
+        "the {backend} backend cannot compute in {dtype} on this device. hint: use another \
+         mixed precision, or drop strict mode to train in f32"
+    )]
+    PrecisionUnsupported {
+        /// Backend name.
+        backend: &'static str,
+        /// The dtype asked for.
+        dtype: String,
+    },
+
     /// A collective between the processes failed (the message names the call and ranks).
     #[error(transparent)]
     Comm(#[from] accelerate_core::CommError),

@@ -73,6 +73,7 @@ mod error;
 mod grads;
 mod loop_state;
 mod optim;
+mod precision;
 mod prepare;
 mod sync;
 
@@ -81,10 +82,11 @@ pub use backend::{AcceleratorBackend, DefaultBackend, enabled_backends};
 pub use data::{BatchIter, DEFAULT_PREFETCH, DataLoader, DataLoaderBuilder, PreparedDataLoader};
 pub use error::AccelerateError;
 pub use optim::{PreparedOptimizer, PreparedScheduler};
+pub use precision::{Autocast, Caster};
 pub use prepare::Prepare;
 
 pub use accelerate_core::comm::Reduction;
-pub use accelerate_core::{AcceleratorConfig, ProcessState};
+pub use accelerate_core::{AcceleratorConfig, MixedPrecision, ProcessState, ScalerConfig};
 /// The Burn this crate is built on, re-exported so users match its version.
 pub use burn;
 

@@ -3,7 +3,7 @@
 
 use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
 
-use accelerate_core::GradientAccumulation;
+use accelerate_core::{DynamicLossScaler, GradientAccumulation};
 use burn::optim::GradientsParams;
 
 /// State shared between an [`Accelerator`](crate::Accelerator), its prepared optimizers,
@@ -20,6 +20,10 @@ pub(crate) struct LoopState {
     /// Set while the latest batch handed out is its loader's last of the epoch: how many
     /// samples of that round, over all processes, are padding.
     pub last_batch_padding: Option<usize>,
+    /// The fp16 loss scaler (none in f32 and bf16).
+    pub scaler: Option<DynamicLossScaler>,
+    /// True when the latest completed window's step was skipped (overflow).
+    pub step_skipped: bool,
 }
 
 impl SharedLoop {
@@ -29,6 +33,8 @@ impl SharedLoop {
             accumulated: None,
             rank,
             last_batch_padding: None,
+            scaler: None,
+            step_skipped: false,
         })))
     }
 

@@ -479,3 +479,91 @@ fn loader_with_seed(n: usize, batch: usize, seed: u64) -> DataLoader<Item, (Tens
         .shuffle(seed)
         .build(InMemDataset::new(items(n)))
 }
+
+/// A backend kind whose device computes in f32 only, like ndarray.
+struct F32Only;
+
+impl accelerate_burn::AcceleratorBackend for F32Only {
+    const NAME: &'static str = "f32-only";
+
+    fn device(_local_rank: usize) -> Result<Device, AccelerateError> {
+        Ok(Device::flex())
+    }
+
+    fn float_dtypes(_device: &Device) -> Vec<DType> {
+        vec![DType::F32]
+    }
+}
+
+#[test]
+fn a_device_without_the_dtype_trains_in_f32_or_refuses_in_strict_mode() {
+    use accelerate_burn::MixedPrecision;
+    let acc = Accelerator::<F32Only>::builder()
+        .process_state(ProcessState::single())
+        .mixed_precision(MixedPrecision::Bf16)
+        .build()
+        .unwrap();
+    assert_eq!(acc.compute_dtype(), DType::F32);
+    assert_eq!(acc.loss_scale(), None);
+    let (mut model, mut optim, train) = acc
+        .prepare((
+            Net::new(&acc.device()),
+            SgdConfig::new().init(),
+            loader(16, 8),
+        ))
+        .unwrap();
+    for batch in train.iter() {
+        let (x, y) = batch.unwrap();
+        let loss = acc.autocast(&model, |m, c| m.loss((c.input(x), y)));
+        assert_eq!(loss.dtype(), DType::F32);
+        let grads = acc.backward(loss, &model).unwrap();
+        model = optim.step(0.1, model, grads).unwrap();
+    }
+    assert_eq!(optim.updates(), 2);
+    let err = Accelerator::<F32Only>::builder()
+        .process_state(ProcessState::single())
+        .mixed_precision(MixedPrecision::Fp16)
+        .strict_mixed_precision(true)
+        .build()
+        .err()
+        .unwrap();
+    assert!(err.to_string().contains("cannot compute in F16"), "{err}");
+}
+
+#[cfg(feature = "flex")]
+#[test]
+fn autocast_computes_in_half_precision_and_returns_f32() {
+    use accelerate_burn::MixedPrecision;
+    for (precision, dtype) in [
+        (MixedPrecision::Bf16, DType::BF16),
+        (MixedPrecision::Fp16, DType::F16),
+    ] {
+        let acc = Accelerator::<DefaultBackend>::builder()
+            .process_state(ProcessState::single())
+            .mixed_precision(precision)
+            // Scale 1: this untrained sum would overflow fp16 at the default 65,536.
+            .loss_scaler(accelerate_burn::ScalerConfig {
+                init_scale: 1.0,
+                ..Default::default()
+            })
+            .build()
+            .unwrap();
+        assert_eq!(acc.compute_dtype(), dtype);
+        let model = Net::new(&acc.device());
+        let (x, _) = Rows.batch(items(4), &acc.device());
+        let (inside, out) = acc.autocast(&model, |m, c| {
+            let y = m.forward(c.input(x));
+            (y.dtype(), y)
+        });
+        assert_eq!(inside, dtype);
+        assert_eq!(out.dtype(), DType::F32);
+        // Gradients land on the f32 master parameters.
+        let loss = acc.autocast(&model, |m, c| {
+            m.forward(c.input(Rows.batch(items(4), &acc.device()).0))
+                .sum()
+        });
+        let grads = acc.backward(loss, &model).unwrap();
+        let g = grads.get::<2>(model.hidden.weight.id).unwrap();
+        assert_eq!(g.dtype(), DType::F32);
+    }
+}

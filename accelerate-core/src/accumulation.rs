@@ -121,6 +121,12 @@ impl GradientAccumulation {
         due
     }
 
+    /// Drops the update the latest micro-batch completed without counting it (a skipped step:
+    /// its gradients overflowed). Schedules, which count updates, do not advance.
+    pub fn skip_update(&mut self) {
+        self.update_due = false;
+    }
+
     /// True when an update is due and not yet taken.
     pub fn update_due(&self) -> bool {
         self.update_due
@@ -235,6 +241,18 @@ mod tests {
             epoch_len: 4,
         });
         assert!(acc.micro_step().sync);
+    }
+
+    #[test]
+    fn a_skipped_update_is_not_counted() {
+        let mut acc = GradientAccumulation::new(1);
+        acc.micro_step();
+        acc.skip_update();
+        assert!(!acc.take_update());
+        assert_eq!(acc.updates(), 0);
+        acc.micro_step();
+        assert!(acc.take_update());
+        assert_eq!(acc.updates(), 1);
     }
 
     #[test]

@@ -13,8 +13,37 @@ use crate::state::{EnvSource, ProcessEnv};
 pub const ENV_GRADIENT_ACCUMULATION_STEPS: &str = "ACCELERATE_GRADIENT_ACCUMULATION_STEPS";
 /// Environment variable for [`AcceleratorConfig::seed`].
 pub const ENV_SEED: &str = "ACCELERATE_SEED";
+/// Environment variable for [`AcceleratorConfig::mixed_precision`].
+pub const ENV_MIXED_PRECISION: &str = "ACCELERATE_MIXED_PRECISION";
 /// Environment variable for [`AcceleratorConfig::gradient_bucket_bytes`], in MiB.
 pub const ENV_GRADIENT_BUCKET_MB: &str = "ACCELERATE_GRADIENT_BUCKET_MB";
+
+/// Which precision the forward and backward passes compute in; master weights, gradients
+/// and optimizer state stay f32 in every mode.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum MixedPrecision {
+    /// f32 throughout (default).
+    #[default]
+    No,
+    /// bfloat16 compute, no loss scaling (bf16 has f32's range).
+    Bf16,
+    /// float16 compute with dynamic loss scaling.
+    Fp16,
+}
+
+impl std::str::FromStr for MixedPrecision {
+    type Err = ();
+
+    fn from_str(s: &str) -> Result<Self, ()> {
+        match s.trim().to_ascii_lowercase().as_str() {
+            "no" | "fp32" | "f32" => Ok(Self::No),
+            "bf16" => Ok(Self::Bf16),
+            "fp16" | "f16" => Ok(Self::Fp16),
+            _ => Err(()),
+        }
+    }
+}
 
 /// The resolved configuration of an accelerated training loop.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
@@ -26,6 +55,8 @@ pub struct AcceleratorConfig {
     /// Gradients are all-reduced in buckets of at most this many bytes, in module visit order
     /// (default 25 MiB, like PyTorch DDP).
     pub gradient_bucket_bytes: usize,
+    /// Compute precision (default: no mixed precision).
+    pub mixed_precision: MixedPrecision,
 }
 
 impl Default for AcceleratorConfig {
@@ -34,6 +65,7 @@ impl Default for AcceleratorConfig {
             gradient_accumulation_steps: 1,
             seed: None,
             gradient_bucket_bytes: 25 << 20,
+            mixed_precision: MixedPrecision::No,
         }
     }
 }
@@ -47,6 +79,8 @@ pub struct ConfigOverrides {
     pub seed: Option<u64>,
     /// See [`AcceleratorConfig::gradient_bucket_bytes`].
     pub gradient_bucket_bytes: Option<usize>,
+    /// See [`AcceleratorConfig::mixed_precision`].
+    pub mixed_precision: Option<MixedPrecision>,
 }
 
 impl ConfigOverrides {
@@ -100,10 +134,18 @@ impl ConfigOverrides {
             )?
             .unwrap_or(defaults.gradient_bucket_bytes),
         };
+        let mixed_precision = match self.mixed_precision {
+            Some(mp) => mp,
+            None => env_parse(env, ENV_MIXED_PRECISION, "no, fp16 or bf16", |v| {
+                v.parse().ok()
+            })?
+            .unwrap_or(defaults.mixed_precision),
+        };
         Ok(AcceleratorConfig {
             gradient_accumulation_steps,
             seed,
             gradient_bucket_bytes,
+            mixed_precision,
         })
     }
 }
@@ -150,6 +192,29 @@ mod tests {
         let from_code = code.resolve_with(&env[..]).unwrap();
         assert_eq!(from_code.gradient_accumulation_steps, 2);
         assert_eq!(from_code.seed, Some(1));
+    }
+
+    #[test]
+    fn mixed_precision_comes_from_code_or_env() {
+        let env = [(ENV_MIXED_PRECISION, "BF16")];
+        let c = ConfigOverrides::default().resolve_with(&env[..]).unwrap();
+        assert_eq!(c.mixed_precision, MixedPrecision::Bf16);
+        let code = ConfigOverrides {
+            mixed_precision: Some(MixedPrecision::Fp16),
+            ..Default::default()
+        };
+        assert_eq!(
+            code.resolve_with(&env[..]).unwrap().mixed_precision,
+            MixedPrecision::Fp16
+        );
+        let err = ConfigOverrides::default()
+            .resolve_with(&[(ENV_MIXED_PRECISION, "fp8")][..])
+            .unwrap_err()
+            .to_string();
+        assert_eq!(
+            err,
+            "ACCELERATE_MIXED_PRECISION (env) = fp8: expected no, fp16 or bf16"
+        );
     }
 
     #[test]

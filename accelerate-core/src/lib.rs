@@ -43,7 +43,7 @@ pub mod state;
 
 pub use accumulation::{BatchPosition, GradientAccumulation, MicroStep};
 pub use comm::{GroupOptions, ProcessGroup, Reduction};
-pub use config::{AcceleratorConfig, ConfigOverrides};
+pub use config::{AcceleratorConfig, ConfigOverrides, MixedPrecision};
 pub use distributed_sampler::{
     DistributedSampler, RankBatch, SamplerConfig, SamplerCursor, SamplerError,
 };

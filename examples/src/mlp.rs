@@ -1,11 +1,11 @@
 //! A multi-layer perceptron classifier with ReLU activations.
 
-use accelerate_burn::burn;
+use accelerate_burn::{Autocast, burn};
 use burn::config::Config;
 use burn::module::Module;
 use burn::nn::loss::CrossEntropyLossConfig;
 use burn::nn::{Linear, LinearConfig, Relu};
-use burn::tensor::{Device, Int, Tensor};
+use burn::tensor::{DType, Device, Int, Tensor};
 
 /// Layer sizes of an [`Mlp`].
 #[derive(Config, Debug)]
@@ -31,6 +31,15 @@ pub struct Prediction {
     pub loss: Tensor<1>,
     /// One row of class scores per sample.
     pub logits: Tensor<2>,
+}
+
+impl Autocast for Prediction {
+    fn autocast(self, dtype: DType) -> Self {
+        Prediction {
+            loss: self.loss.autocast(dtype),
+            logits: self.logits.autocast(dtype),
+        }
+    }
 }
 
 impl MlpConfig {

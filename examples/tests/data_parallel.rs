@@ -9,13 +9,15 @@ use std::net::TcpListener;
 use std::process::{Command, Output, Stdio};
 
 use accelerate_burn::burn;
-use accelerate_burn::{Accelerator, DataLoader, DefaultBackend, Reduction};
+use accelerate_burn::{
+    Accelerator, DataLoader, DefaultBackend, MixedPrecision, Reduction, ScalerConfig,
+};
 use accelerate_examples::MlpConfig;
 use accelerate_examples::digits::{self, DigitBatcher};
 use burn::data::dataloader::batcher::Batcher;
 use burn::data::dataset::InMemDataset;
 use burn::module::{Module, ModuleVisitor, Param};
-use burn::optim::SgdConfig;
+use burn::optim::{AdamWConfig, SgdConfig};
 use burn::tensor::{Device, Int, Tensor, TensorData};
 
 const SCENARIO: &str = "ACCELERATE_TEST_CHILD";
@@ -75,6 +77,58 @@ fn train() -> anyhow::Result<()> {
         .collect();
     println!("UPDATES {}", optim.updates());
     println!("PARAMS {}", bits.join(","));
+    Ok(())
+}
+
+/// fp16 training where rank 1's loss is infinite at step 3: every rank must skip exactly that
+/// step, leave parameters and optimizer state untouched, and halve the loss scale.
+fn overflow() -> anyhow::Result<()> {
+    let acc = Accelerator::<DefaultBackend>::builder()
+        .seed(7)
+        .mixed_precision(MixedPrecision::Fp16)
+        // Small enough that no step overflows by itself (65,536 does on the first steps).
+        .loss_scaler(ScalerConfig {
+            init_scale: 256.0,
+            ..ScalerConfig::default()
+        })
+        .build()?;
+    let model = MlpConfig::new(digits::PIXELS, vec![32], digits::CLASSES).init(&acc.device());
+    let data: Vec<_> = digits::load()?.into_iter().take(SAMPLES).collect();
+    let train = DataLoader::builder(DigitBatcher)
+        .batch_size(PER_RANK_BATCH)
+        .shuffle(3)
+        .build(InMemDataset::new(data));
+    let (mut model, mut optim, train) = acc.prepare((model, AdamWConfig::new().init(), train))?;
+    for (step, batch) in train.iter().enumerate().take(6) {
+        let batch = batch?;
+        let mut loss = acc
+            .autocast(&model, |m, c| {
+                m.forward_loss(c.input(batch.images), batch.targets)
+            })
+            .loss;
+        if step == 3 && acc.process_index() == 1 {
+            loss = loss.mul_scalar(f32::INFINITY);
+        }
+        let (params_before, state_before, scale_before) = (
+            parameters(&model),
+            optim.inner().into_bytes()?.to_vec(),
+            acc.loss_scale().unwrap_or(0.0),
+        );
+        let grads = acc.backward(loss, &model)?;
+        model = optim.step(1e-3, model, grads)?;
+        let skipped = acc.optimizer_step_was_skipped();
+        println!("STEP {step} skipped {skipped}");
+        if step == 3 {
+            let unchanged = parameters(&model) == params_before
+                && optim.inner().into_bytes()?.to_vec() == state_before;
+            println!("UNCHANGED {unchanged}");
+            println!(
+                "SCALE {scale_before} -> {}",
+                acc.loss_scale().unwrap_or(0.0)
+            );
+        }
+    }
+    println!("UPDATES {}", optim.updates());
     Ok(())
 }
 
@@ -139,6 +193,7 @@ fn child() {
     let result = match scenario.as_str() {
         "train" => train(),
         "evaluate" => evaluate(),
+        "overflow" => overflow(),
         other => panic!("unknown scenario {other}"),
     };
     if let Err(e) = result {
@@ -312,4 +367,23 @@ fn processes_that_built_different_models_all_fail_saying_so() {
         rank0.contains("ranks 1 built a different model than rank 0"),
         "{rank0}"
     );
+}
+
+#[test]
+fn an_overflow_on_one_rank_skips_that_step_on_both() {
+    let outputs = run("overflow", 2, &[]);
+    for (rank, output) in outputs.iter().enumerate() {
+        assert!(
+            output.status.success(),
+            "rank {rank}: {}",
+            String::from_utf8_lossy(&output.stderr)
+        );
+        for step in 0..6 {
+            let skipped = line(output, &format!("STEP {step} skipped "));
+            assert_eq!(skipped, (step == 3).to_string(), "rank {rank} step {step}");
+        }
+        assert_eq!(line(output, "UNCHANGED "), "true", "rank {rank}");
+        assert_eq!(line(output, "SCALE "), "256 -> 128", "rank {rank}");
+        assert_eq!(line(output, "UPDATES "), "5", "rank {rank}");
+    }
 }
