@@ -84,6 +84,13 @@ impl<B: AcceleratorBackend> AcceleratorBuilder<B> {
         self
     }
 
+    /// Sends gradients between processes in bf16 or fp16 (half the bytes; sums still
+    /// accumulate in f32); wins over `ACCELERATE_GRADIENT_COMMUNICATION`. Off by default.
+    pub fn gradient_communication(mut self, precision: MixedPrecision) -> Self {
+        self.overrides.gradient_communication = Some(precision);
+        self
+    }
+
     /// Fails to build when the device cannot compute in the requested precision, instead of
     /// warning once and training in f32.
     pub fn strict_mixed_precision(mut self, strict: bool) -> Self {
@@ -364,13 +371,21 @@ impl<B: AcceleratorBackend> Accelerator<B> {
             return Ok(GradientsParams::new());
         }
         let mut summed = summed;
-        self.average_if_distributed(&mut summed, model)?;
+        let inv_scale = shared.scaler.as_ref().map(DynamicLossScaler::inv_scale);
+        let host_overflow = self.average_if_distributed(&mut summed, model, inv_scale)?;
         shared.step_skipped = false;
         if let Some(scaler) = shared.scaler.as_mut() {
-            grads::scale(&mut summed, scaler.inv_scale(), model);
+            // Several processes: the gradients were unscaled and checked on the host, in the
+            // averaging pass (one fused kernel over each bucket). One process: on the device.
+            let overflow = match host_overflow {
+                Some(overflow) => overflow,
+                None => {
+                    grads::scale(&mut summed, scaler.inv_scale(), model);
+                    grads::global_norm(&summed, model).is_some_and(|n| !n.is_finite())
+                }
+            };
             // Averaged gradients hold an overflow of any rank (sums keep inf and NaN), so
             // every rank makes the same decision here without another collective.
-            let overflow = grads::global_norm(&summed, model).is_some_and(|n| !n.is_finite());
             if scaler.update(overflow) == ScaledStep::Skip {
                 shared.accumulation.skip_update();
                 shared.step_skipped = true;
@@ -381,13 +396,16 @@ impl<B: AcceleratorBackend> Accelerator<B> {
     }
 
     /// With several processes, averages `grads` over them (bucketed all-reduce).
+    /// With several processes, averages `grads` over them (bucketed all-reduce) and, given
+    /// `inv_scale`, unscales them in the same pass and says whether any is not finite.
     fn average_if_distributed<M: Module>(
         &self,
         grads: &mut GradientsParams,
         model: &M,
-    ) -> Result<(), AccelerateError> {
+        inv_scale: Option<f32>,
+    ) -> Result<Option<bool>, AccelerateError> {
         if !self.state.is_distributed() {
-            return Ok(());
+            return Ok(None);
         }
         let started = std::time::Instant::now();
         let result = crate::sync::average_gradients(
@@ -395,10 +413,12 @@ impl<B: AcceleratorBackend> Accelerator<B> {
             model,
             &mut self.group(),
             self.config.gradient_bucket_bytes,
+            self.config.gradient_communication,
+            inv_scale,
         );
         let spent = u64::try_from(started.elapsed().as_nanos()).unwrap_or(u64::MAX);
         self.communication_ns.fetch_add(spent, Ordering::Relaxed);
-        result
+        result.map(|overflow| inv_scale.map(|_| overflow))
     }
 
     /// Runs `forward` in the compute precision: on a view of `model` whose float parameters

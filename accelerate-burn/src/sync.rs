@@ -8,10 +8,14 @@
 
 use std::collections::HashMap;
 
+use accelerate_core::MixedPrecision;
 use accelerate_core::comm::{ProcessGroup, Reduction};
+use accelerate_kernels::amp::unscale_and_check;
+use accelerate_kernels::convert;
 use burn::module::{Module, ModuleMapper, ModuleVisitor, Param, ParamId};
 use burn::optim::GradientsParams;
 use burn::tensor::{DType, Tensor, TensorData};
+use half::{bf16, f16};
 
 use crate::error::AccelerateError;
 
@@ -131,14 +135,17 @@ fn flatten<M: Module>(model: &M) -> Vec<f32> {
 
 /// Averages `grads` over the ranks: in visit order, gradients are concatenated into buckets of
 /// at most `bucket_bytes` (f32), each bucket is all-reduced as one buffer, and the results are
-/// put back. Every rank must hold gradients for the same parameters (a collective mismatch
-/// error says so otherwise).
+/// put back. With `inv_scale` (fp16 loss scaling) each bucket is also unscaled in the same
+/// host pass, and the result says whether any gradient is not finite. Every rank must hold
+/// gradients for the same parameters (a collective mismatch error says so otherwise).
 pub(crate) fn average_gradients<M: Module>(
     grads: &mut GradientsParams,
     model: &M,
     group: &mut ProcessGroup,
     bucket_bytes: usize,
-) -> Result<(), AccelerateError> {
+    wire: MixedPrecision,
+    inv_scale: Option<f32>,
+) -> Result<bool, AccelerateError> {
     // Take every gradient out, flattened, in visit order.
     struct Take<'a> {
         grads: &'a mut GradientsParams,
@@ -161,6 +168,7 @@ pub(crate) fn average_gradients<M: Module>(
     let flat = take.flat;
 
     let mut reduced: HashMap<ParamId, Tensor<1>> = HashMap::with_capacity(flat.len());
+    let mut overflow = false;
     let mut pending: Vec<(ParamId, Tensor<1>, DType)> = Vec::new();
     let mut pending_bytes = 0;
     let mut entries = flat.into_iter().peekable();
@@ -168,7 +176,13 @@ pub(crate) fn average_gradients<M: Module>(
         pending_bytes += entry.1.shape().num_elements() * 4;
         pending.push(entry);
         if pending_bytes >= bucket_bytes || entries.peek().is_none() {
-            all_reduce_bucket(std::mem::take(&mut pending), group, &mut reduced)?;
+            overflow |= all_reduce_bucket(
+                std::mem::take(&mut pending),
+                group,
+                wire,
+                inv_scale,
+                &mut reduced,
+            )?;
             pending_bytes = 0;
         }
     }
@@ -186,16 +200,48 @@ pub(crate) fn average_gradients<M: Module>(
         }
     }
     model.visit(&mut Put { grads, reduced });
+    Ok(overflow)
+}
+
+/// Averages `values` over the ranks, travelling in `wire` precision.
+fn average(
+    values: &mut [f32],
+    group: &mut ProcessGroup,
+    wire: MixedPrecision,
+) -> Result<(), AccelerateError> {
+    match wire {
+        MixedPrecision::No => group.all_reduce(values, Reduction::Mean)?,
+        MixedPrecision::Bf16 => {
+            let mut half = vec![bf16::ZERO; values.len()];
+            convert::f32_to_bf16_slice(values, &mut half);
+            group.all_reduce(&mut half, Reduction::Mean)?;
+            convert::bf16_to_f32_slice(&half, values);
+        }
+        MixedPrecision::Fp16 => {
+            // Divide before summing: f16's range is small, and a sum over many ranks could
+            // overflow where the mean would not.
+            let n = group.world_size() as f32;
+            let mut half = vec![f16::ZERO; values.len()];
+            let scaled: Vec<f32> = values.iter().map(|v| v / n).collect();
+            convert::f32_to_f16_slice(&scaled, &mut half);
+            group.all_reduce(&mut half, Reduction::Sum)?;
+            convert::f16_to_f32_slice(&half, values);
+        }
+    }
     Ok(())
 }
 
+/// All-reduces one bucket; with `inv_scale`, also unscales it and returns whether any value
+/// is not finite.
 fn all_reduce_bucket(
     bucket: Vec<(ParamId, Tensor<1>, DType)>,
     group: &mut ProcessGroup,
+    wire: MixedPrecision,
+    inv_scale: Option<f32>,
     reduced: &mut HashMap<ParamId, Tensor<1>>,
-) -> Result<(), AccelerateError> {
+) -> Result<bool, AccelerateError> {
     let Some(device) = bucket.first().map(|(_, t, _)| t.device()) else {
-        return Ok(());
+        return Ok(false);
     };
     let sizes: Vec<usize> = bucket
         .iter()
@@ -208,7 +254,8 @@ fn all_reduce_bucket(
     let joined = Tensor::cat(tensors, 0);
     let len = joined.shape().num_elements();
     let mut values: Vec<f32> = joined.into_data().convert::<f32>().iter::<f32>().collect();
-    group.all_reduce(&mut values, Reduction::Mean)?;
+    average(&mut values, group, wire)?;
+    let overflow = inv_scale.is_some_and(|inv| unscale_and_check(&mut values, inv));
     let joined = Tensor::<1>::from_data(TensorData::new(values, [len]), &device);
     let mut offset = 0;
     for ((id, _, dtype), n) in bucket.into_iter().zip(sizes) {
@@ -219,5 +266,5 @@ fn all_reduce_bucket(
         reduced.insert(id, part);
         offset += n;
     }
-    Ok(())
+    Ok(overflow)
 }

@@ -15,6 +15,8 @@ pub const ENV_GRADIENT_ACCUMULATION_STEPS: &str = "ACCELERATE_GRADIENT_ACCUMULAT
 pub const ENV_SEED: &str = "ACCELERATE_SEED";
 /// Environment variable for [`AcceleratorConfig::mixed_precision`].
 pub const ENV_MIXED_PRECISION: &str = "ACCELERATE_MIXED_PRECISION";
+/// Environment variable for [`AcceleratorConfig::gradient_communication`].
+pub const ENV_GRADIENT_COMMUNICATION: &str = "ACCELERATE_GRADIENT_COMMUNICATION";
 /// Environment variable for [`AcceleratorConfig::gradient_bucket_bytes`], in MiB.
 pub const ENV_GRADIENT_BUCKET_MB: &str = "ACCELERATE_GRADIENT_BUCKET_MB";
 
@@ -57,6 +59,9 @@ pub struct AcceleratorConfig {
     pub gradient_bucket_bytes: usize,
     /// Compute precision (default: no mixed precision).
     pub mixed_precision: MixedPrecision,
+    /// Precision gradients travel in between processes: `No` sends f32 (default); `Bf16` and
+    /// `Fp16` halve the bytes, like DDP's compression hooks (sums still accumulate in f32).
+    pub gradient_communication: MixedPrecision,
 }
 
 impl Default for AcceleratorConfig {
@@ -66,6 +71,7 @@ impl Default for AcceleratorConfig {
             seed: None,
             gradient_bucket_bytes: 25 << 20,
             mixed_precision: MixedPrecision::No,
+            gradient_communication: MixedPrecision::No,
         }
     }
 }
@@ -81,6 +87,8 @@ pub struct ConfigOverrides {
     pub gradient_bucket_bytes: Option<usize>,
     /// See [`AcceleratorConfig::mixed_precision`].
     pub mixed_precision: Option<MixedPrecision>,
+    /// See [`AcceleratorConfig::gradient_communication`].
+    pub gradient_communication: Option<MixedPrecision>,
 }
 
 impl ConfigOverrides {
@@ -141,11 +149,19 @@ impl ConfigOverrides {
             })?
             .unwrap_or(defaults.mixed_precision),
         };
+        let gradient_communication = match self.gradient_communication {
+            Some(mp) => mp,
+            None => env_parse(env, ENV_GRADIENT_COMMUNICATION, "no, fp16 or bf16", |v| {
+                v.parse().ok()
+            })?
+            .unwrap_or(defaults.gradient_communication),
+        };
         Ok(AcceleratorConfig {
             gradient_accumulation_steps,
             seed,
             gradient_bucket_bytes,
             mixed_precision,
+            gradient_communication,
         })
     }
 }

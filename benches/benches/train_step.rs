@@ -5,6 +5,7 @@
 #![allow(missing_docs)]
 
 use accelerate_benches::StepBench;
+use accelerate_burn::MixedPrecision;
 use criterion::{Criterion, criterion_group, criterion_main};
 
 fn train_step(c: &mut Criterion) {
@@ -26,5 +27,33 @@ fn train_step(c: &mut Criterion) {
     group.finish();
 }
 
-criterion_group!(benches, train_step);
+/// The accelerated step in f32, bf16 and fp16, and the cost of building the cast view.
+fn precision(c: &mut Criterion) {
+    let mut group = c.benchmark_group("precision");
+    group.sample_size(20);
+    for (name, precision) in [
+        ("f32", MixedPrecision::No),
+        ("bf16", MixedPrecision::Bf16),
+        ("fp16", MixedPrecision::Fp16),
+    ] {
+        let mut bench = StepBench::with_precision(128, precision);
+        group.bench_function(format!("step_{name}"), |b| {
+            b.iter(|| {
+                bench.accelerated_step();
+                bench.sync();
+            })
+        });
+        if precision != MixedPrecision::No {
+            group.bench_function(format!("cast_view_{name}"), |b| {
+                b.iter(|| {
+                    bench.cast_view();
+                    bench.sync();
+                })
+            });
+        }
+    }
+    group.finish();
+}
+
+criterion_group!(benches, train_step, precision);
 criterion_main!(benches);

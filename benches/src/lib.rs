@@ -11,7 +11,9 @@
 #![forbid(unsafe_code)]
 
 use accelerate_burn::burn;
-use accelerate_burn::{Accelerator, DefaultBackend, PreparedOptimizer, ProcessState};
+use accelerate_burn::{
+    Accelerator, DefaultBackend, MixedPrecision, PreparedOptimizer, ProcessState,
+};
 use accelerate_examples::synthetic::{CLASSES, FEATURES};
 use accelerate_examples::{Mlp, MlpConfig};
 use burn::optim::{AdamWConfig, GradientsParams, ModuleOptimizer};
@@ -29,8 +31,14 @@ pub struct StepBench {
 impl StepBench {
     /// Models 784-1024-1024-10 with AdamW and a random batch of `batch` samples.
     pub fn new(batch: usize) -> Self {
+        Self::with_precision(batch, MixedPrecision::No)
+    }
+
+    /// The same, with the accelerated loop computing in `precision`.
+    pub fn with_precision(batch: usize, precision: MixedPrecision) -> Self {
         let acc = Accelerator::<DefaultBackend>::builder()
             .process_state(ProcessState::single())
+            .mixed_precision(precision)
             .seed(0)
             .build()
             .expect("the default backend runs on this machine");
@@ -64,13 +72,24 @@ impl StepBench {
         self.plain = Some((model, optim));
     }
 
-    /// One step of the accelerated loop: the same, through the accelerator.
+    /// Builds the low-precision view of the model and drops it (the cost autocast adds).
+    pub fn cast_view(&self) {
+        if let Some((model, _)) = &self.accelerated {
+            self.acc.autocast(model, |_, _| ());
+        }
+    }
+
+    /// One step of the accelerated loop: the same, through the accelerator (and its autocast).
     pub fn accelerated_step(&mut self) {
         let (model, mut optim) = self
             .accelerated
             .take()
             .expect("state is put back after each step");
-        let loss = model.forward_loss(self.x.clone(), self.y.clone()).loss;
+        let (x, y) = (self.x.clone(), self.y.clone());
+        let loss = self
+            .acc
+            .autocast(&model, |m, c| m.forward_loss(c.input(x), y))
+            .loss;
         let grads = self
             .acc
             .backward(loss, &model)
