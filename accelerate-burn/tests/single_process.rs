@@ -486,8 +486,8 @@ struct F32Only;
 impl accelerate_burn::AcceleratorBackend for F32Only {
     const NAME: &'static str = "f32-only";
 
-    fn device(_local_rank: usize) -> Result<Device, AccelerateError> {
-        Ok(Device::flex())
+    fn device(local_rank: usize) -> Result<Device, AccelerateError> {
+        <DefaultBackend as accelerate_burn::AcceleratorBackend>::device(local_rank)
     }
 
     fn float_dtypes(_device: &Device) -> Vec<DType> {
@@ -566,4 +566,22 @@ fn autocast_computes_in_half_precision_and_returns_f32() {
         let g = grads.get::<2>(model.hidden.weight.id).unwrap();
         assert_eq!(g.dtype(), DType::F32);
     }
+}
+
+#[cfg(feature = "ndarray")]
+#[test]
+fn ndarray_asked_for_bf16_trains_in_f32() {
+    use accelerate_burn::{MixedPrecision, NdArray};
+    let acc = Accelerator::<NdArray>::builder()
+        .process_state(ProcessState::single())
+        .mixed_precision(MixedPrecision::Bf16)
+        .build()
+        .unwrap();
+    assert_eq!(acc.compute_dtype(), DType::F32);
+    let model = Net::new(&acc.device());
+    let (x, y) = Rows.batch(items(8), &acc.device());
+    let loss = acc.autocast(&model, |m, c| m.loss((c.input(x), y)));
+    assert_eq!(loss.dtype(), DType::F32);
+    let grads = acc.backward(loss, &model).unwrap();
+    assert!(grads.get::<2>(model.hidden.weight.id).is_some());
 }
