@@ -359,8 +359,8 @@ impl<B: AcceleratorBackend> Accelerator<B> {
             loss = loss.mul_scalar(scaler.scale());
         }
         let grads = GradientsParams::from_grads(loss.backward(), model);
-        let summed = match shared.accumulated.take() {
-            Some(mut sum) if !step.first && shared.accumulation.steps() > 1 => {
+        let mut summed = match shared.accumulated.take() {
+            Some(mut sum) if !step.first => {
                 grads::add_into(&mut sum, grads, model);
                 sum
             }
@@ -370,17 +370,16 @@ impl<B: AcceleratorBackend> Accelerator<B> {
             shared.accumulated = Some(summed);
             return Ok(GradientsParams::new());
         }
-        let mut summed = summed;
         let inv_scale = shared.scaler.as_ref().map(DynamicLossScaler::inv_scale);
         let host_overflow = self.average_if_distributed(&mut summed, model, inv_scale)?;
         shared.step_skipped = false;
-        if let Some(scaler) = shared.scaler.as_mut() {
+        if let (Some(scaler), Some(inv_scale)) = (shared.scaler.as_mut(), inv_scale) {
             // Several processes: the gradients were unscaled and checked on the host, in the
             // averaging pass (one fused kernel over each bucket). One process: on the device.
             let overflow = match host_overflow {
                 Some(overflow) => overflow,
                 None => {
-                    grads::scale(&mut summed, scaler.inv_scale(), model);
+                    grads::scale(&mut summed, inv_scale, model);
                     grads::global_norm(&summed, model).is_some_and(|n| !n.is_finite())
                 }
             };
@@ -395,7 +394,6 @@ impl<B: AcceleratorBackend> Accelerator<B> {
         Ok(summed)
     }
 
-    /// With several processes, averages `grads` over them (bucketed all-reduce).
     /// With several processes, averages `grads` over them (bucketed all-reduce) and, given
     /// `inv_scale`, unscales them in the same pass and says whether any is not finite.
     fn average_if_distributed<M: Module>(

@@ -220,10 +220,9 @@ fn average(
         MixedPrecision::Fp16 => {
             // Divide before summing: f16's range is small, and a sum over many ranks could
             // overflow where the mean would not.
-            let n = group.world_size() as f32;
+            accelerate_kernels::scale_in_place(values, 1.0 / group.world_size() as f32);
             let mut half = vec![f16::ZERO; values.len()];
-            let scaled: Vec<f32> = values.iter().map(|v| v / n).collect();
-            convert::f32_to_f16_slice(&scaled, &mut half);
+            convert::f32_to_f16_slice(values, &mut half);
             group.all_reduce(&mut half, Reduction::Sum)?;
             convert::f16_to_f32_slice(&half, values);
         }
@@ -253,7 +252,8 @@ fn all_reduce_bucket(
         .collect();
     let joined = Tensor::cat(tensors, 0);
     let len = joined.shape().num_elements();
-    let mut values: Vec<f32> = joined.into_data().convert::<f32>().iter::<f32>().collect();
+    // Already f32 (each part was cast above).
+    let mut values: Vec<f32> = joined.into_data().iter::<f32>().collect();
     average(&mut values, group, wire)?;
     let overflow = inv_scale.is_some_and(|inv| unscale_and_check(&mut values, inv));
     let joined = Tensor::<1>::from_data(TensorData::new(values, [len]), &device);
