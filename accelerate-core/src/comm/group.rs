@@ -12,6 +12,7 @@ use serde::de::DeserializeOwned;
 use super::call::{CallDesc, OpKind};
 use super::collective::MessageEngine;
 use super::engine::Engine;
+use super::link::Link;
 use super::options::{GroupOptions, TransportChoice};
 use super::rendezvous::RendezvousConfig;
 use super::shared_buffer::SharedBuffer;
@@ -62,6 +63,16 @@ pub struct ProcessGroup {
     tag: u64,
 }
 
+/// The message-passing engine over `link`, set up as `options` say.
+fn message_engine<L: Link + 'static>(link: L, options: &GroupOptions) -> Box<dyn Engine> {
+    Box::new(MessageEngine::new(
+        link,
+        options.timeout,
+        options.algorithm,
+        options.segment_bytes,
+    ))
+}
+
 /// A process-unique tag for a new group.
 fn next_tag() -> u64 {
     static NEXT: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(1);
@@ -71,10 +82,14 @@ fn next_tag() -> u64 {
 impl ProcessGroup {
     /// The group of a single process: every collective returns its input.
     pub fn single() -> Self {
+        Self::with_engine(0, 1, None)
+    }
+
+    fn with_engine(rank: usize, world_size: usize, engine: Option<Box<dyn Engine>>) -> Self {
         Self {
-            rank: 0,
-            world_size: 1,
-            engine: None,
+            rank,
+            world_size,
+            engine,
             seq: 0,
             failed: None,
             buffers: 0,
@@ -135,23 +150,10 @@ impl ProcessGroup {
                 hasher.finish(),
                 deadline,
             )?;
-            Box::new(MessageEngine::new(
-                link,
-                options.timeout,
-                options.algorithm,
-                options.segment_bytes,
-            ))
+            message_engine(link, options)
         };
         tracing::info!(rank, world_size, transport = engine.name(), %addr, "process group formed");
-        let mut group = Self {
-            rank,
-            world_size,
-            engine: Some(engine),
-            seq: 0,
-            failed: None,
-            buffers: 0,
-            tag: next_tag(),
-        };
+        let mut group = Self::with_engine(rank, world_size, Some(engine));
         // The shared-memory engine used the rendezvous timeout for set-up; collectives use theirs.
         group.set_timeout(options.timeout);
         Ok(group)
@@ -165,19 +167,8 @@ impl ProcessGroup {
         LocalLink::group(world_size)
             .into_iter()
             .enumerate()
-            .map(|(rank, link)| Self {
-                rank,
-                world_size,
-                engine: Some(Box::new(MessageEngine::new(
-                    link,
-                    options.timeout,
-                    options.algorithm,
-                    options.segment_bytes,
-                ))),
-                seq: 0,
-                failed: None,
-                buffers: 0,
-                tag: next_tag(),
+            .map(|(rank, link)| {
+                Self::with_engine(rank, world_size, Some(message_engine(link, options)))
             })
             .collect()
     }
