@@ -74,7 +74,7 @@ impl<I, O> DataLoader<I, O> {
 
     /// The data-set indices a single process visits in epoch `epoch`, in order.
     pub fn epoch_indices(&self, epoch: u64) -> Vec<usize> {
-        let Ok(mut single) = DistributedSampler::new(self.sampling.clone(), 0, 1) else {
+        let Ok(mut single) = self.sampler(0, 1) else {
             return Vec::new();
         };
         single.set_epoch(epoch);
