@@ -42,15 +42,21 @@ pub const MODEL_FILE: &str = "model.safetensors";
 /// # Ok::<(), accelerate_burn::AccelerateError>(())
 /// ```
 pub struct Accelerator<B: AcceleratorBackend> {
-    state: ProcessState,
-    config: AcceleratorConfig,
-    device: Device,
+    pub(crate) state: ProcessState,
+    pub(crate) config: AcceleratorConfig,
+    pub(crate) device: Device,
     pub(crate) shared: SharedLoop,
     compute_dtype: DType,
     pub(crate) group: Mutex<ProcessGroup>,
     pub(crate) trigger: AtomicBool,
     /// Nanoseconds spent averaging gradients across processes.
     communication_ns: AtomicU64,
+    /// Where automatically named checkpoints go.
+    pub(crate) project_dir: Option<PathBuf>,
+    /// Automatically named checkpoints kept.
+    pub(crate) checkpoint_total_limit: Option<usize>,
+    /// Whether a checkpoint of another world size may be loaded.
+    pub(crate) resume_any_world_size: bool,
     _backend: PhantomData<B>,
 }
 
@@ -61,6 +67,9 @@ pub struct AcceleratorBuilder<B: AcceleratorBackend> {
     group_options: Option<GroupOptions>,
     strict_precision: bool,
     scaler: ScalerConfig,
+    project_dir: Option<PathBuf>,
+    checkpoint_total_limit: Option<usize>,
+    resume_any_world_size: bool,
     _backend: PhantomData<B>,
 }
 
@@ -101,6 +110,28 @@ impl<B: AcceleratorBackend> AcceleratorBuilder<B> {
     /// Settings of the fp16 dynamic loss scaler (PyTorch's defaults otherwise).
     pub fn loss_scaler(mut self, config: ScalerConfig) -> Self {
         self.scaler = config;
+        self
+    }
+
+    /// The project directory: automatically named checkpoints go to its `checkpoints/`
+    /// ([`save_checkpoint`](Accelerator::save_checkpoint),
+    /// [`load_latest_checkpoint`](Accelerator::load_latest_checkpoint)).
+    pub fn project_dir(mut self, dir: impl Into<PathBuf>) -> Self {
+        self.project_dir = Some(dir.into());
+        self
+    }
+
+    /// Keeps at most `limit` automatically named checkpoints, removing the oldest.
+    pub fn checkpoint_total_limit(mut self, limit: usize) -> Self {
+        self.checkpoint_total_limit = Some(limit.max(1));
+        self
+    }
+
+    /// Allows loading a checkpoint saved by another number of processes: the training loader
+    /// then continues the saved epoch's order from the global position the saved run reached
+    /// (batch composition differs from an uninterrupted run, the samples do not).
+    pub fn resume_with_different_world_size(mut self, allow: bool) -> Self {
+        self.resume_any_world_size = allow;
         self
     }
 
@@ -174,6 +205,9 @@ impl<B: AcceleratorBackend> AcceleratorBuilder<B> {
             group: Mutex::new(group),
             trigger: AtomicBool::new(false),
             communication_ns: AtomicU64::new(0),
+            project_dir: self.project_dir,
+            checkpoint_total_limit: self.checkpoint_total_limit,
+            resume_any_world_size: self.resume_any_world_size,
             state,
             config,
             device,
@@ -197,6 +231,9 @@ impl<B: AcceleratorBackend> Accelerator<B> {
             group_options: None,
             strict_precision: false,
             scaler: ScalerConfig::default(),
+            project_dir: None,
+            checkpoint_total_limit: None,
+            resume_any_world_size: false,
             _backend: PhantomData,
         }
     }
@@ -369,6 +406,16 @@ impl<B: AcceleratorBackend> Accelerator<B> {
         if !step.sync {
             shared.accumulated = Some(summed);
             return Ok(GradientsParams::new());
+        }
+        // The window is complete: the next one draws from a stream fixed by the window count,
+        // so that a resumed run draws what an uninterrupted one would.
+        shared.windows += 1;
+        if let Some(seed) = self.config.seed {
+            self.device.seed(crate::checkpoint::window_seed(
+                seed,
+                self.state.rank,
+                shared.windows,
+            ));
         }
         let inv_scale = shared.scaler.as_ref().map(DynamicLossScaler::inv_scale);
         let host_overflow = self.average_if_distributed(&mut summed, model, inv_scale)?;

@@ -18,7 +18,7 @@ use burn::data::dataset::{Dataset, DatasetError};
 use burn::tensor::Device;
 
 use crate::error::AccelerateError;
-use crate::loop_state::SharedLoop;
+use crate::loop_state::{SharedLoop, Skip, TrainLoaderLink};
 
 /// A data set, a batcher and how to cut the data into batches; give it to
 /// [`Accelerator::prepare`](crate::Accelerator::prepare).
@@ -155,7 +155,8 @@ pub struct PreparedDataLoader<I, O> {
     device: Device,
     role: LoaderRole,
     shared: SharedLoop,
-    epoch: AtomicU64,
+    /// Shared with the accelerator (training loaders), so that loading a checkpoint moves it.
+    epoch: Arc<AtomicU64>,
 }
 
 impl<I, O> PreparedDataLoader<I, O> {
@@ -166,17 +167,32 @@ impl<I, O> PreparedDataLoader<I, O> {
         shared: SharedLoop,
         (rank, world_size): (usize, usize),
     ) -> Result<Self, AccelerateError> {
+        let sampler = loader.sampler(rank, world_size)?;
+        let epoch = Arc::new(AtomicU64::new(0));
+        if let LoaderRole::Train = role {
+            // Checkpoints follow the latest prepared training loader.
+            shared.lock().train = Some(TrainLoaderLink {
+                epoch: Arc::clone(&epoch),
+                sampler: sampler.clone(),
+                cursor_epoch: 0,
+                batches: 0,
+                start_sample: 0,
+            });
+        }
         Ok(Self {
-            sampler: loader.sampler(rank, world_size)?,
+            sampler,
             loader,
             device,
             role,
             shared,
-            epoch: AtomicU64::new(0),
+            epoch,
         })
     }
 
-    /// Selects the epoch whose order the next [`iter`](Self::iter) follows.
+    /// Selects the epoch whose order the next [`iter`](Self::iter) follows. After
+    /// [`load_state`](crate::Accelerator::load_state) a training loader is already at the
+    /// checkpoint's epoch, and its next `iter` over that epoch continues where the saved run
+    /// stopped: write epoch loops as `for epoch in train.epoch()..epochs`.
     pub fn set_epoch(&self, epoch: u64) {
         self.epoch.store(epoch, Ordering::Relaxed);
     }
@@ -209,7 +225,27 @@ impl<I: 'static, O: Send + 'static> PreparedDataLoader<I, O> {
         let epoch = self.epoch();
         let mut sampler = self.sampler.clone();
         sampler.set_epoch(epoch);
-        let batches = sampler.batches();
+        let (batches, first_index, epoch_len, padding) = match self.take_resume(epoch) {
+            Some(Skip::Samples(start)) => (
+                sampler.batches_from_sample(start),
+                0,
+                sampler.len_from_sample(start),
+                sampler.last_round_padding_from_sample(start),
+            ),
+            skip => {
+                let skip = match skip {
+                    Some(Skip::Batches(n)) => n,
+                    _ => 0,
+                };
+                let len = sampler.len();
+                (
+                    sampler.batches_from(skip),
+                    skip.min(len),
+                    len,
+                    sampler.last_round_padding(),
+                )
+            }
+        };
         let prefetch = (self.loader.prefetch > 0).then(|| {
             Prefetcher::start(
                 &self.loader,
@@ -221,9 +257,42 @@ impl<I: 'static, O: Send + 'static> PreparedDataLoader<I, O> {
             prepared: self,
             batches: batches.into_iter(),
             epoch,
-            next_batch: 0,
+            next_batch: first_index,
+            epoch_len,
+            last_round_padding: padding,
             prefetch,
         }
+    }
+
+    /// For a training loader: takes the resume point of a loaded checkpoint when it is for
+    /// `epoch`, and records that an iteration of `epoch` starts.
+    fn take_resume(&self, epoch: u64) -> Option<Skip> {
+        let LoaderRole::Train = self.role else {
+            return None;
+        };
+        let mut shared = self.shared.lock();
+        let skip = match shared.resume.take() {
+            Some(point) if point.epoch == epoch => Some(point.skip),
+            Some(point) => {
+                tracing::warn!(
+                    resumed = point.epoch,
+                    epoch,
+                    "the training loader was resumed at epoch {} but iterates epoch {epoch}:                      starting that epoch from its beginning",
+                    point.epoch
+                );
+                None
+            }
+            None => None,
+        };
+        if let Some(link) = shared.train.as_mut() {
+            link.cursor_epoch = epoch;
+            (link.batches, link.start_sample) = match skip {
+                Some(Skip::Batches(n)) => (n, 0),
+                Some(Skip::Samples(start)) => (0, start),
+                None => (0, 0),
+            };
+        }
+        skip
     }
 }
 
@@ -314,6 +383,10 @@ pub struct BatchIter<'a, I, O> {
     batches: std::vec::IntoIter<RankBatch>,
     epoch: u64,
     next_batch: usize,
+    /// Batches of the epoch as its accumulation windows count them.
+    epoch_len: usize,
+    /// Padding of the epoch's last round, over all processes.
+    last_round_padding: usize,
     prefetch: Option<Prefetcher<O>>,
 }
 
@@ -333,13 +406,14 @@ impl<I: 'static, O: Send + 'static> Iterator for BatchIter<'_, I, O> {
             if let LoaderRole::Train = self.prepared.role {
                 shared.accumulation.begin_batch(BatchPosition {
                     index,
-                    epoch_len: self.prepared.len(),
+                    epoch_len: self.epoch_len,
                 });
+                if let Some(link) = shared.train.as_mut() {
+                    link.batches += 1;
+                }
             }
             // `gather_for_metrics` drops the padding of the last round of samples.
-            shared.last_batch_padding = batch
-                .last
-                .then(|| self.prepared.sampler.last_round_padding());
+            shared.last_batch_padding = batch.last.then_some(self.last_round_padding);
             shared.rank
         };
         let loader = &self.prepared.loader;

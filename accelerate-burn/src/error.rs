@@ -106,4 +106,15 @@ pub enum AccelerateError {
         /// What went wrong.
         reason: String,
     },
+
+    /// A checkpoint could not be saved or loaded.
+    #[error("rank {rank}: checkpoint {}: {reason}", path.display())]
+    Checkpoint {
+        /// This process's rank.
+        rank: usize,
+        /// The checkpoint directory.
+        path: PathBuf,
+        /// What went wrong, and what to do.
+        reason: String,
+    },
 }

@@ -53,6 +53,7 @@
 //!   `pad_across_processes`, `wait_for_everyone`, `main_process_first`,
 //!   `split_between_processes`, `set_trigger` / `check_trigger`.
 //! - [`PreparedOptimizer`] / [`PreparedScheduler`]: one step per accumulation window.
+//! - [`checkpoint`]: `save_state` / `load_state` with exact resume, atomic saves, rotation.
 //!
 //! # Feature flags
 //!
@@ -67,6 +68,7 @@
 
 mod accelerator;
 pub mod backend;
+pub mod checkpoint;
 mod collectives;
 mod data;
 mod error;
@@ -79,6 +81,7 @@ mod sync;
 
 pub use accelerator::{Accelerator, AcceleratorBuilder, MODEL_FILE};
 pub use backend::{AcceleratorBackend, DefaultBackend, enabled_backends};
+pub use checkpoint::{Checkpoint, CheckpointInfo, Restored};
 pub use data::{BatchIter, DEFAULT_PREFETCH, DataLoader, DataLoaderBuilder, PreparedDataLoader};
 pub use error::AccelerateError;
 pub use optim::{PreparedOptimizer, PreparedScheduler};

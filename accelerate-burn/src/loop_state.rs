@@ -1,9 +1,10 @@
 //! The bookkeeping shared by an accelerator and what it prepared: the accumulation state
 //! machine and the gradients of the open window.
 
+use std::sync::atomic::AtomicU64;
 use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
 
-use accelerate_core::{DynamicLossScaler, GradientAccumulation};
+use accelerate_core::{DistributedSampler, DynamicLossScaler, GradientAccumulation};
 use burn::optim::GradientsParams;
 
 /// State shared between an [`Accelerator`](crate::Accelerator), its prepared optimizers,
@@ -24,6 +25,46 @@ pub(crate) struct LoopState {
     pub scaler: Option<DynamicLossScaler>,
     /// True when the latest completed window's step was skipped (overflow).
     pub step_skipped: bool,
+    /// Accumulation windows completed, skipped steps included (the device's random stream
+    /// is reseeded from it).
+    pub windows: u64,
+    /// The training loader, for checkpoints: where it stands and how to move it.
+    pub train: Option<TrainLoaderLink>,
+    /// Where the training loader continues after a checkpoint was loaded.
+    pub resume: Option<ResumePoint>,
+}
+
+/// What a checkpoint needs of the (latest prepared) training loader.
+pub(crate) struct TrainLoaderLink {
+    /// The loader's epoch, shared so that loading a checkpoint can set it.
+    pub epoch: Arc<AtomicU64>,
+    /// This rank's sampler.
+    pub sampler: DistributedSampler,
+    /// The epoch being iterated (or last iterated).
+    pub cursor_epoch: u64,
+    /// Batches of that epoch handed to the loop.
+    pub batches: usize,
+    /// Samples of the epoch order, over all ranks, consumed before this epoch's iteration
+    /// started (non-zero only when resumed with another world size).
+    pub start_sample: usize,
+}
+
+/// Where a resumed training loader continues.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) struct ResumePoint {
+    /// The epoch to continue.
+    pub epoch: u64,
+    /// What to skip of it.
+    pub skip: Skip,
+}
+
+/// The part of a resumed epoch that was already consumed.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Skip {
+    /// This rank's first batches (same world size: exactly the batches it would have had).
+    Batches(usize),
+    /// The first samples of the epoch order over all ranks (another world size).
+    Samples(usize),
 }
 
 impl SharedLoop {
@@ -35,6 +76,9 @@ impl SharedLoop {
             last_batch_padding: None,
             scaler: None,
             step_skipped: false,
+            windows: 0,
+            train: None,
+            resume: None,
         })))
     }
 

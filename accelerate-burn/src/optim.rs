@@ -1,6 +1,7 @@
 //! Prepared optimizers and learning-rate schedulers: they act once per optimizer update, not
 //! once per micro-batch.
 
+use burn::lr_scheduler::LrSchedulerRecord;
 use burn::lr_scheduler::module_lr_scheduler::{ModuleLearningRate, ModuleLrScheduler};
 use burn::module::Module;
 use burn::optim::{GradientsParams, ModuleOptimizer};
@@ -78,6 +79,9 @@ pub struct PreparedScheduler {
     shared: SharedLoop,
     advanced: u64,
     lr: ModuleLearningRate,
+    /// The record from before the latest advance: a checkpoint taken after
+    /// `step` was already called for the next update stores the state of this one.
+    before_latest: Option<LrSchedulerRecord>,
 }
 
 impl PreparedScheduler {
@@ -87,6 +91,7 @@ impl PreparedScheduler {
             shared,
             advanced: 0,
             lr: ModuleLearningRate::default(),
+            before_latest: None,
         }
     }
 
@@ -94,6 +99,7 @@ impl PreparedScheduler {
     pub fn step(&mut self) -> ModuleLearningRate {
         let wanted = self.shared.lock().accumulation.updates() + 1;
         while self.advanced < wanted {
+            self.before_latest = Some(self.inner.to_record());
             self.lr = self.inner.step();
             self.advanced += 1;
         }
@@ -103,5 +109,24 @@ impl PreparedScheduler {
     /// Burn's scheduler, for its record.
     pub fn inner(&self) -> &ModuleLrScheduler {
         &self.inner
+    }
+
+    /// The scheduler's record after `updates` advances, which is what a checkpoint taken
+    /// after `updates` updates stores; `None` when it advanced further (it cannot go back).
+    pub(crate) fn record_at(&self, updates: u64) -> Option<LrSchedulerRecord> {
+        if self.advanced == updates {
+            Some(self.inner.to_record())
+        } else if self.advanced == updates + 1 {
+            self.before_latest.clone()
+        } else {
+            None
+        }
+    }
+
+    /// Continues from `record`, taken after `updates` advances.
+    pub(crate) fn restore(&mut self, record: LrSchedulerRecord, updates: u64) {
+        self.inner = self.inner.clone().load_record(record);
+        self.advanced = updates;
+        self.before_latest = None;
     }
 }

@@ -136,6 +136,20 @@ impl GradientAccumulation {
     pub fn updates(&self) -> u64 {
         self.updates
     }
+
+    /// Micro-batches summed in the open window (0 at a window boundary, where a checkpoint
+    /// can be taken).
+    pub fn pending(&self) -> usize {
+        self.pending
+    }
+
+    /// Continues from a checkpoint taken at a window boundary after `updates` updates.
+    pub fn restore(&mut self, updates: u64) {
+        *self = Self {
+            updates,
+            ..Self::new(self.steps)
+        };
+    }
 }
 
 #[cfg(test)]

@@ -174,14 +174,15 @@ impl DistributedSampler {
         self.config.even_batches && !self.config.drop_last && self.world_size > 1
     }
 
-    fn rounds(&self) -> (usize, usize) {
-        let round = self.global_batch_size();
-        (self.config.len / round, self.config.len % round)
-    }
-
     /// Batches this rank gets per epoch.
     pub fn len(&self) -> usize {
-        let (full, rest) = self.rounds();
+        self.len_of(self.config.len)
+    }
+
+    /// Batches this rank gets from `samples` samples of the epoch order.
+    fn len_of(&self, samples: usize) -> usize {
+        let round = self.global_batch_size();
+        let (full, rest) = (samples / round, samples % round);
         let b = self.rank_batch_size();
         full + match rest {
             0 => 0,
@@ -203,28 +204,43 @@ impl DistributedSampler {
 
     /// This rank's batches of the selected epoch, skipping the first `skip` (resume).
     pub fn batches_from(&self, skip: usize) -> Vec<RankBatch> {
+        let mut batches = self.batches_from_sample(0);
+        batches.drain(..skip.min(batches.len()));
+        batches
+    }
+
+    /// This rank's batches of the rest of the selected epoch once `start` samples of its order
+    /// were consumed, over all ranks (resume with a different world size): the remaining
+    /// samples are cut in rounds as a whole epoch is, and a short last round is padded from
+    /// the epoch's start.
+    pub fn batches_from_sample(&self, start: usize) -> Vec<RankBatch> {
         let order = epoch_order(
             self.config.len,
             self.config.shuffle,
             self.config.seed,
             self.epoch,
         );
+        let rest = &order[start.min(order.len())..];
         let (b, round) = (self.rank_batch_size(), self.global_batch_size());
-        let count = self.len();
-        (skip.min(count)..count)
+        let count = self.len_of(rest.len());
+        (0..count)
             .map(|k| {
                 let start = k * round + self.rank * b;
                 let end = start + b;
-                let (indices, padding) = if end <= order.len() {
-                    (order[start..end].to_vec(), 0)
+                let (indices, padding) = if end <= rest.len() {
+                    (rest[start..end].to_vec(), 0)
                 } else if self.pads() && !order.is_empty() {
                     // Cycle from the epoch's start (several times if the data is tiny).
-                    let indices: Vec<usize> =
-                        (start..end).map(|i| order[i % order.len()]).collect();
-                    let real = order.len().saturating_sub(start).min(b);
+                    let indices: Vec<usize> = (start..end)
+                        .map(|i| match rest.get(i) {
+                            Some(&index) => index,
+                            None => order[(i - rest.len()) % order.len()],
+                        })
+                        .collect();
+                    let real = rest.len().saturating_sub(start).min(b);
                     (indices, b - real)
                 } else {
-                    (order[start.min(order.len())..order.len()].to_vec(), 0)
+                    (rest[start.min(rest.len())..].to_vec(), 0)
                 };
                 RankBatch {
                     indices,
@@ -235,15 +251,26 @@ impl DistributedSampler {
             .collect()
     }
 
-    /// Padding samples in the whole last round (over all ranks): what `gather_for_metrics`
-    /// drops from the end of the gathered round.
-    pub fn last_round_padding(&self) -> usize {
-        let (_, rest) = self.rounds();
+    /// Batches this rank gets from the rest of the epoch once `start` samples were consumed.
+    pub fn len_from_sample(&self, start: usize) -> usize {
+        self.len_of(self.config.len.saturating_sub(start))
+    }
+
+    /// Padding samples in the last round after a start at sample `start` (see
+    /// [`last_round_padding`](Self::last_round_padding)).
+    pub fn last_round_padding_from_sample(&self, start: usize) -> usize {
+        let rest = self.config.len.saturating_sub(start) % self.global_batch_size();
         if rest == 0 || !self.pads() {
             0
         } else {
             self.global_batch_size() - rest
         }
+    }
+
+    /// Padding samples in the whole last round (over all ranks): what `gather_for_metrics`
+    /// drops from the end of the gathered round.
+    pub fn last_round_padding(&self) -> usize {
+        self.last_round_padding_from_sample(0)
     }
 
     /// The cursor after consuming `batches_consumed` batches of the selected epoch.
@@ -431,5 +458,54 @@ mod tests {
             }
         );
         assert_eq!(ranks[0].last_round_padding(), 3);
+    }
+
+    #[test]
+    fn resuming_from_a_sample_position_continues_the_epoch_order() {
+        for (config, world) in all_configs() {
+            let Some(before) = samplers(&config, world, 3) else {
+                continue;
+            };
+            let rounds = before[0].len();
+            for consumed in 0..=rounds {
+                let start = (consumed * before[0].global_batch_size()).min(config.len);
+                // Same world size: the same batches as skipping whole batches.
+                for s in &before {
+                    assert_eq!(
+                        s.batches_from_sample(start),
+                        s.batches_from(consumed),
+                        "{config:?} world {world} consumed {consumed}"
+                    );
+                }
+                // Another world size: the rest of the order, each sample once.
+                for new_world in 1..=4 {
+                    let Some(after) = samplers(&config, new_world, 3) else {
+                        continue;
+                    };
+                    let mut seen: Vec<usize> = after
+                        .iter()
+                        .flat_map(|s| {
+                            assert_eq!(
+                                s.batches_from_sample(start).len(),
+                                s.len_from_sample(start)
+                            );
+                            s.batches_from_sample(start).into_iter().flat_map(|b| {
+                                let real = b.indices.len() - b.padding;
+                                b.indices.into_iter().take(real)
+                            })
+                        })
+                        .collect();
+                    seen.sort_unstable();
+                    let mut rest =
+                        epoch_order(config.len, config.shuffle, config.seed, 3)[start..].to_vec();
+                    rest.sort_unstable();
+                    if config.drop_last {
+                        assert!(seen.len() <= rest.len());
+                    } else {
+                        assert_eq!(seen, rest, "{config:?} {world} -> {new_world} at {start}");
+                    }
+                }
+            }
+        }
     }
 }

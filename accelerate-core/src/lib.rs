@@ -27,10 +27,12 @@
 //! - [`sampler`]: the per-epoch data order.
 //! - [`scaler`]: the dynamic loss scaler of fp16 training (state machine, no tensors).
 //! - [`distributed_sampler`]: each rank's batches of an epoch, padding and resume cursor.
+//! - [`checkpoint`]: checkpoint directories: manifest, per-rank state, atomic commit, rotation.
 //! - [`comm`]: the process group and its collectives (rendezvous, shared memory, TCP).
 //! - `launch` (Unix): starting and supervising the workers of one machine.
 
 pub mod accumulation;
+pub mod checkpoint;
 pub mod comm;
 pub mod config;
 pub mod distributed_sampler;
@@ -42,6 +44,7 @@ pub mod scaler;
 pub mod state;
 
 pub use accumulation::{BatchPosition, GradientAccumulation, MicroStep};
+pub use checkpoint::{CheckpointError, CheckpointRotation, LoaderState, Manifest, RankState};
 pub use comm::{GroupOptions, ProcessGroup, Reduction};
 pub use config::{AcceleratorConfig, ConfigOverrides, MixedPrecision};
 pub use distributed_sampler::{

@@ -4,7 +4,7 @@ use accelerate_burn::{Autocast, burn};
 use burn::config::Config;
 use burn::module::Module;
 use burn::nn::loss::CrossEntropyLossConfig;
-use burn::nn::{Linear, LinearConfig, Relu};
+use burn::nn::{Dropout, DropoutConfig, Linear, LinearConfig, Relu};
 use burn::tensor::{DType, Device, Int, Tensor};
 
 /// Layer sizes of an [`Mlp`].
@@ -16,13 +16,17 @@ pub struct MlpConfig {
     pub hidden: Vec<usize>,
     /// Output classes.
     pub classes: usize,
+    /// Probability of zeroing a hidden activation while training.
+    #[config(default = 0.0)]
+    pub dropout: f64,
 }
 
-/// Linear layers with ReLU between them.
+/// Linear layers with ReLU (and dropout, if configured) between them.
 #[derive(Module, Debug)]
 pub struct Mlp {
     layers: Vec<Linear>,
     activation: Relu,
+    dropout: Dropout,
 }
 
 /// The loss of a batch and the logits it came from.
@@ -55,6 +59,7 @@ impl MlpConfig {
         Mlp {
             layers,
             activation: Relu::new(),
+            dropout: DropoutConfig::new(self.dropout).init(),
         }
     }
 }
@@ -66,7 +71,7 @@ impl Mlp {
         self.layers.iter().enumerate().fold(x, |x, (i, layer)| {
             let y = layer.forward(x);
             if i < last {
-                self.activation.forward(y)
+                self.dropout.forward(self.activation.forward(y))
             } else {
                 y
             }

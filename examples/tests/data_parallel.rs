@@ -5,8 +5,7 @@
 //! The test binary starts copies of itself as the ranks (the `child` test, which does nothing
 //! unless `ACCELERATE_TEST_CHILD` names a scenario).
 
-use std::net::TcpListener;
-use std::process::{Command, Output, Stdio};
+mod common;
 
 use accelerate_burn::burn;
 use accelerate_burn::{
@@ -16,26 +15,13 @@ use accelerate_examples::MlpConfig;
 use accelerate_examples::digits::{self, DigitBatcher};
 use burn::data::dataloader::batcher::Batcher;
 use burn::data::dataset::InMemDataset;
-use burn::module::{Module, ModuleVisitor, Param};
 use burn::optim::{AdamWConfig, SgdConfig};
 use burn::tensor::{Device, Int, Tensor, TensorData};
+use common::{SCENARIO, line, parameters, params, print_params, run};
 
-const SCENARIO: &str = "ACCELERATE_TEST_CHILD";
 /// Samples trained on: divisible by the global batch of every world size tested (8 x 1, 2, 3).
 const SAMPLES: usize = 240;
 const PER_RANK_BATCH: usize = 8;
-
-fn parameters<M: Module>(model: &M) -> Vec<f32> {
-    struct Collect(Vec<f32>);
-    impl ModuleVisitor for Collect {
-        fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<D>>) {
-            self.0.extend(param.val().into_data().iter::<f32>());
-        }
-    }
-    let mut c = Collect(Vec::new());
-    model.visit(&mut c);
-    c.0
-}
 
 fn env_usize(key: &str) -> usize {
     std::env::var(key)
@@ -77,12 +63,8 @@ fn train() -> anyhow::Result<()> {
             model = optim.step(0.05, model, grads)?;
         }
     }
-    let bits: Vec<String> = parameters(&model)
-        .iter()
-        .map(|v| format!("{:08x}", v.to_bits()))
-        .collect();
     println!("UPDATES {}", optim.updates());
-    println!("PARAMS {}", bits.join(","));
+    print_params(&model);
     Ok(())
 }
 
@@ -207,64 +189,6 @@ fn child() {
         std::process::exit(3);
     }
     std::process::exit(0);
-}
-
-/// Runs `scenario` on `world` processes (or one process without launcher variables) and
-/// returns each rank's output.
-fn run(scenario: &str, world: usize, env: &[(&str, String)]) -> Vec<Output> {
-    let port = TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port();
-    let children: Vec<_> = (0..world)
-        .map(|rank| {
-            let mut cmd = Command::new(std::env::current_exe().unwrap());
-            cmd.args(["child", "--exact", "--nocapture", "--test-threads=1"])
-                .env(SCENARIO, scenario)
-                .env("ACCELERATE_TIMEOUT", "60")
-                .env("ACCELERATE_RENDEZVOUS_TIMEOUT", "60")
-                .env("ACCELERATE_JOB_TOKEN", format!("dp-{port}"))
-                .env("RAYON_NUM_THREADS", "1")
-                .stdout(Stdio::piped())
-                .stderr(Stdio::piped());
-            if world > 1 {
-                cmd.env("RANK", rank.to_string())
-                    .env("WORLD_SIZE", world.to_string())
-                    .env("LOCAL_RANK", rank.to_string())
-                    .env("LOCAL_WORLD_SIZE", world.to_string())
-                    .env("MASTER_ADDR", "127.0.0.1")
-                    .env("MASTER_PORT", port.to_string());
-            }
-            for (k, v) in env {
-                cmd.env(k, v);
-            }
-            cmd.spawn().unwrap()
-        })
-        .collect();
-    children
-        .into_iter()
-        .map(|c| c.wait_with_output().unwrap())
-        .collect()
-}
-
-fn line(output: &Output, prefix: &str) -> String {
-    let stdout = String::from_utf8_lossy(&output.stdout);
-    let stderr = String::from_utf8_lossy(&output.stderr);
-    // The test harness prints "test child ... " in front of the first line.
-    stdout
-        .lines()
-        .map(|l| l.strip_prefix("test child ... ").unwrap_or(l))
-        .find_map(|l| l.strip_prefix(prefix))
-        .unwrap_or_else(|| panic!("no {prefix} line in:\n{stdout}\n{stderr}"))
-        .to_string()
-}
-
-fn params(output: &Output) -> Vec<f32> {
-    line(output, "PARAMS ")
-        .split(',')
-        .map(|h| f32::from_bits(u32::from_str_radix(h, 16).unwrap()))
-        .collect()
 }
 
 /// Tolerance 1e-6: a rank's gradient is the mean over its batch, and the all-reduce averages

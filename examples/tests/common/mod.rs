@@ -1,0 +1,94 @@
+//! The harness of the multi-process tests: the test binary starts copies of itself as the
+//! ranks (its `child` test does nothing unless [`SCENARIO`] names one), on 127.0.0.1.
+
+#![allow(dead_code)]
+
+use std::net::TcpListener;
+use std::process::{Command, Output, Stdio};
+
+use accelerate_burn::burn;
+use burn::module::{Module, ModuleVisitor, Param};
+use burn::tensor::Tensor;
+
+/// The variable naming the scenario a child process runs.
+pub const SCENARIO: &str = "ACCELERATE_TEST_CHILD";
+
+/// Every float parameter of `model`, in visit order.
+pub fn parameters<M: Module>(model: &M) -> Vec<f32> {
+    struct Collect(Vec<f32>);
+    impl ModuleVisitor for Collect {
+        fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<D>>) {
+            self.0.extend(param.val().into_data().iter::<f32>());
+        }
+    }
+    let mut c = Collect(Vec::new());
+    model.visit(&mut c);
+    c.0
+}
+
+/// Prints `model`'s parameters as hex bit patterns on a `PARAMS` line (read by [`params`]).
+pub fn print_params<M: Module>(model: &M) {
+    let bits: Vec<String> = parameters(model)
+        .iter()
+        .map(|v| format!("{:08x}", v.to_bits()))
+        .collect();
+    println!("PARAMS {}", bits.join(","));
+}
+
+/// Runs `scenario` on `world` processes (or one process without launcher variables) and
+/// returns each rank's output.
+pub fn run(scenario: &str, world: usize, env: &[(&str, String)]) -> Vec<Output> {
+    let port = TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port();
+    let children: Vec<_> = (0..world)
+        .map(|rank| {
+            let mut cmd = Command::new(std::env::current_exe().unwrap());
+            cmd.args(["child", "--exact", "--nocapture", "--test-threads=1"])
+                .env(SCENARIO, scenario)
+                .env("ACCELERATE_TIMEOUT", "60")
+                .env("ACCELERATE_RENDEZVOUS_TIMEOUT", "60")
+                .env("ACCELERATE_JOB_TOKEN", format!("dp-{port}"))
+                .env("RAYON_NUM_THREADS", "1")
+                .stdout(Stdio::piped())
+                .stderr(Stdio::piped());
+            if world > 1 {
+                cmd.env("RANK", rank.to_string())
+                    .env("WORLD_SIZE", world.to_string())
+                    .env("LOCAL_RANK", rank.to_string())
+                    .env("LOCAL_WORLD_SIZE", world.to_string())
+                    .env("MASTER_ADDR", "127.0.0.1")
+                    .env("MASTER_PORT", port.to_string());
+            }
+            for (k, v) in env {
+                cmd.env(k, v);
+            }
+            cmd.spawn().unwrap()
+        })
+        .collect();
+    children
+        .into_iter()
+        .map(|c| c.wait_with_output().unwrap())
+        .collect()
+}
+
+pub fn line(output: &Output, prefix: &str) -> String {
+    let stdout = String::from_utf8_lossy(&output.stdout);
+    let stderr = String::from_utf8_lossy(&output.stderr);
+    // The test harness prints "test child ... " in front of the first line.
+    stdout
+        .lines()
+        .map(|l| l.strip_prefix("test child ... ").unwrap_or(l))
+        .find_map(|l| l.strip_prefix(prefix))
+        .unwrap_or_else(|| panic!("no {prefix} line in:\n{stdout}\n{stderr}"))
+        .to_string()
+}
+
+pub fn params(output: &Output) -> Vec<f32> {
+    line(output, "PARAMS ")
+        .split(',')
+        .map(|h| f32::from_bits(u32::from_str_radix(h, 16).unwrap()))
+        .collect()
+}

@@ -1,0 +1,285 @@
+//! Checkpoints with real processes on 127.0.0.1: a run stopped after update k (mid-epoch,
+//! fp16 with a moving loss scale, dropout, gradient accumulation, AdamW and a schedule) and
+//! resumed from its checkpoint ends bit-identical to a run that never stopped, on 1 and 2
+//! processes; a process killed in the middle of a save leaves the previous checkpoint the
+//! latest; another world size is refused unless asked for.
+
+mod common;
+
+use std::path::Path;
+
+use accelerate_burn::burn;
+use accelerate_burn::{
+    Accelerator, Checkpoint, DataLoader, DefaultBackend, MixedPrecision, ScalerConfig,
+};
+use accelerate_core::checkpoint::{CheckpointRotation, partial_dir, read_manifest};
+use accelerate_examples::MlpConfig;
+use accelerate_examples::digits::{self, DigitBatcher};
+use burn::data::dataset::InMemDataset;
+use burn::lr_scheduler::linear::LinearLrSchedulerConfig;
+use burn::optim::AdamWConfig;
+use common::{SCENARIO, line, params, print_params, run};
+use serde::{Serialize, Serializer};
+
+const SAMPLES: usize = 240;
+
+fn env(key: &str) -> String {
+    std::env::var(key).unwrap_or_default()
+}
+
+fn env_u64(key: &str) -> u64 {
+    env(key).parse().unwrap_or(0)
+}
+
+/// A user object that kills its process when a checkpoint serialises it.
+struct Bomb;
+
+impl Serialize for Bomb {
+    fn serialize<S: Serializer>(&self, _: S) -> Result<S::Ok, S::Error> {
+        eprintln!("the bomb goes off in the middle of save_state");
+        std::process::abort();
+    }
+}
+
+/// Trains 2 epochs; with `TEST_STOP=k`, saves a checkpoint after update k and exits; with
+/// `TEST_RESUME=1`, first loads the project's latest checkpoint; with `TEST_BOMB=k`, dies in
+/// the middle of the save after update k.
+fn train() -> anyhow::Result<()> {
+    let precision = match env("TEST_PRECISION").as_str() {
+        "fp16" => MixedPrecision::Fp16,
+        _ => MixedPrecision::No,
+    };
+    let acc = Accelerator::<DefaultBackend>::builder()
+        .seed(11)
+        .gradient_accumulation_steps(2)
+        .mixed_precision(precision)
+        // Grows every 2 clean steps, so the scale rises, overflows and backs off in a short run.
+        .loss_scaler(ScalerConfig {
+            init_scale: 16384.0,
+            growth_interval: 2,
+            ..ScalerConfig::default()
+        })
+        .project_dir(env("TEST_DIR"))
+        .checkpoint_total_limit(2)
+        .resume_with_different_world_size(env("TEST_ANY_WORLD") == "1")
+        .build()?;
+    let model = MlpConfig::new(digits::PIXELS, vec![32], digits::CLASSES)
+        .with_dropout(0.2)
+        .init(&acc.device());
+    let data: Vec<_> = digits::load()?.into_iter().take(SAMPLES).collect();
+    let train = DataLoader::builder(DigitBatcher)
+        .batch_size(8)
+        .shuffle(3)
+        .build(InMemDataset::new(data));
+    let (model, mut optim, train) = acc.prepare((model, AdamWConfig::new().init(), train))?;
+    let schedule = LinearLrSchedulerConfig::new(3e-3, 1e-4, 40)
+        .init()
+        .map_err(anyhow::Error::msg)?;
+    let mut sched = acc.prepare_scheduler(schedule);
+    let mut model = model;
+    let (mut batches_seen, mut skipped) = (0u64, 0u64);
+    if env("TEST_RESUME") == "1" {
+        let restored = acc.load_latest_checkpoint(model, &mut optim, Some(&mut sched))?;
+        model = restored.model;
+        batches_seen = restored.info.object("batches_seen")?.unwrap_or(0);
+        println!("RESUMED {} {batches_seen}", restored.info.updates);
+    }
+    let (stop, bomb) = (env_u64("TEST_STOP"), env_u64("TEST_BOMB"));
+    for epoch in train.epoch()..2 {
+        train.set_epoch(epoch);
+        for batch in train.iter() {
+            let batch = batch?;
+            let loss = acc
+                .autocast(&model, |m, c| {
+                    m.forward_loss(c.input(batch.images), batch.targets)
+                })
+                .loss;
+            let grads = acc.backward(loss, &model)?;
+            let lr = sched.step();
+            model = optim.step(lr, model, grads)?;
+            skipped += u64::from(acc.sync_gradients() && acc.optimizer_step_was_skipped());
+            batches_seen += 1;
+            if !acc.sync_gradients() {
+                continue;
+            }
+            let updates = optim.updates();
+            if updates == stop || updates == bomb {
+                let checkpoint = Checkpoint::new(&model, &optim)
+                    .scheduler(&sched)
+                    .object("batches_seen", &batches_seen);
+                let checkpoint = match updates == bomb && acc.is_main_process() {
+                    true => checkpoint.object("bomb", &Bomb),
+                    false => checkpoint,
+                };
+                let dir = acc.save_checkpoint(&checkpoint)?;
+                println!("SAVED {}", dir.display());
+                if updates == stop {
+                    return Ok(());
+                }
+            }
+        }
+    }
+    println!("UPDATES {}", optim.updates());
+    println!("SEEN {batches_seen}");
+    println!("SCALE {:?}", acc.loss_scale());
+    println!("SKIPPED {skipped}");
+    print_params(&model);
+    Ok(())
+}
+
+#[test]
+fn child() {
+    let Ok(scenario) = std::env::var(SCENARIO) else {
+        return;
+    };
+    let result = match scenario.as_str() {
+        "train" => train(),
+        other => panic!("unknown scenario {other}"),
+    };
+    if let Err(e) = result {
+        eprintln!("ERROR {e}");
+        std::process::exit(3);
+    }
+    std::process::exit(0);
+}
+
+fn stderr(output: &std::process::Output) -> String {
+    String::from_utf8_lossy(&output.stderr).into_owned()
+}
+
+fn assert_ok(outputs: &[std::process::Output]) {
+    for (rank, output) in outputs.iter().enumerate() {
+        assert!(output.status.success(), "rank {rank}: {}", stderr(output));
+    }
+}
+
+fn run_in(dir: &Path, world: usize, extra: &[(&str, &str)]) -> Vec<std::process::Output> {
+    let mut env: Vec<(&str, String)> = vec![("TEST_DIR", dir.display().to_string())];
+    env.extend(extra.iter().map(|(k, v)| (*k, v.to_string())));
+    run("train", world, &env)
+}
+
+/// The bit-identical resume contract, for `world` processes: epochs of 30 batches (1 process)
+/// or 15 per rank (2: the last accumulation window of each epoch is short).
+fn resume_is_bit_identical(world: usize, stop: &str) {
+    for precision in ["none", "fp16"] {
+        let tmp = tempfile::tempdir().unwrap();
+        let whole = run_in(tmp.path(), world, &[("TEST_PRECISION", precision)]);
+        assert_ok(&whole);
+
+        let dir = tmp.path().join("resumed");
+        let stopped = run_in(
+            &dir,
+            world,
+            &[("TEST_PRECISION", precision), ("TEST_STOP", stop)],
+        );
+        assert_ok(&stopped);
+        let resumed = run_in(
+            &dir,
+            world,
+            &[("TEST_PRECISION", precision), ("TEST_RESUME", "1")],
+        );
+        assert_ok(&resumed);
+
+        for rank in 0..world {
+            let context = format!("{world} processes, {precision}, rank {rank}");
+            assert!(
+                line(&resumed[rank], "RESUMED ").starts_with(&format!("{stop} ")),
+                "{context}"
+            );
+            for key in ["UPDATES ", "SEEN ", "SCALE "] {
+                assert_eq!(
+                    line(&resumed[rank], key),
+                    line(&whole[rank], key),
+                    "{key}{context}"
+                );
+            }
+            assert!(
+                params(&resumed[rank]) == params(&whole[rank]),
+                "parameters differ: {context}"
+            );
+        }
+        if precision == "fp16" {
+            // The scale grew and backed off, so the scaler's state was exercised.
+            assert_ne!(line(&whole[0], "SCALE "), "Some(16384.0)");
+            assert!(line(&whole[0], "SKIPPED ") != "0", "no step overflowed");
+        }
+    }
+}
+
+#[test]
+fn a_resumed_single_process_run_ends_bit_identical() {
+    // 15 updates per epoch: update 20 is in the middle of the second epoch.
+    resume_is_bit_identical(1, "20");
+}
+
+#[test]
+fn a_resumed_two_process_run_ends_bit_identical() {
+    // 8 updates per epoch (the last of 1 batch): update 11 is in the middle of the second.
+    resume_is_bit_identical(2, "11");
+}
+
+#[test]
+fn a_process_killed_mid_save_leaves_the_previous_checkpoint_the_latest() {
+    let tmp = tempfile::tempdir().unwrap();
+    let first = run_in(tmp.path(), 2, &[("TEST_STOP", "3")]);
+    assert_ok(&first);
+    let crashed = run_in(tmp.path(), 2, &[("TEST_RESUME", "1"), ("TEST_BOMB", "6")]);
+    assert!(!crashed[0].status.success(), "rank 0 should have died");
+    assert!(
+        stderr(&crashed[0]).contains("the bomb goes off"),
+        "{}",
+        stderr(&crashed[0])
+    );
+    // The surviving rank fails too, and says which peer is gone.
+    assert!(!crashed[1].status.success());
+    assert!(
+        stderr(&crashed[1]).contains("rank 0"),
+        "{}",
+        stderr(&crashed[1])
+    );
+
+    let rotation = CheckpointRotation::new(tmp.path(), None);
+    let half = partial_dir(&rotation.path_for(6));
+    assert!(
+        half.join("model.safetensors").exists(),
+        "the save got as far as the model"
+    );
+    assert!(
+        read_manifest(&half).is_err(),
+        "a half-written checkpoint must not load"
+    );
+    assert!(!rotation.path_for(6).exists());
+    assert_eq!(rotation.latest(), Some(rotation.path_for(3)));
+
+    // Resuming takes the previous checkpoint and trains to the end.
+    let resumed = run_in(tmp.path(), 2, &[("TEST_RESUME", "1")]);
+    assert_ok(&resumed);
+    assert!(line(&resumed[0], "RESUMED ").starts_with("3 "));
+}
+
+#[test]
+fn another_world_size_is_refused_unless_asked_for() {
+    let tmp = tempfile::tempdir().unwrap();
+    assert_ok(&run_in(tmp.path(), 2, &[("TEST_STOP", "5")]));
+    let refused = run_in(tmp.path(), 1, &[("TEST_RESUME", "1")]);
+    assert!(!refused[0].status.success());
+    let err = stderr(&refused[0]);
+    assert!(
+        err.contains("saved by 2 processes and this job has 1"),
+        "{err}"
+    );
+    assert!(err.contains("resume_with_different_world_size"), "{err}");
+
+    // Opted in: the single process continues the epoch from the global position (5 updates
+    // of 2 rounds of 16 samples = 160 of 240 samples of epoch 0) and sees every other sample.
+    let resumed = run_in(
+        tmp.path(),
+        1,
+        &[("TEST_RESUME", "1"), ("TEST_ANY_WORLD", "1")],
+    );
+    assert_ok(&resumed);
+    // Per-process batches seen by rank 0 before (10) plus: 80 samples left of epoch 0 = 10
+    // batches of 8, then 30 of epoch 1.
+    assert_eq!(line(&resumed[0], "SEEN "), "50");
+}
