@@ -53,6 +53,7 @@
 //!   `pad_across_processes`, `wait_for_everyone`, `main_process_first`,
 //!   `split_between_processes`, `set_trigger` / `check_trigger`.
 //! - [`PreparedOptimizer`] / [`PreparedScheduler`]: one step per accumulation window.
+//! - [`selftest`]: the checks `accelerate test` runs on every process.
 //! - [`checkpoint`]: `save_state` / `load_state` with exact resume, atomic saves, rotation.
 //!
 //! # Feature flags
@@ -77,6 +78,7 @@ mod loop_state;
 mod optim;
 mod precision;
 mod prepare;
+pub mod selftest;
 mod sync;
 
 pub use accelerator::{Accelerator, AcceleratorBuilder, MODEL_FILE};

@@ -1,11 +1,13 @@
 //! `AcceleratorConfig`: the knobs of an accelerated loop and where each value comes from.
 //!
 //! Precedence, highest first: a value set in code (on [`ConfigOverrides`]), then the
-//! `ACCELERATE_*` environment variable, then the default. Every value is validated once, here,
+//! `ACCELERATE_*` environment variable (which `accelerate launch` flags set), then the config
+//! file ([`crate::config_file`]), then the default. Every value is validated once, here,
 //! and an error names the key, the source and what would have been accepted.
 
 use serde::{Deserialize, Serialize};
 
+use crate::config_file::{self, ConfigFile};
 use crate::error::ConfigError;
 use crate::state::{EnvSource, ProcessEnv};
 
@@ -92,17 +94,39 @@ pub struct ConfigOverrides {
 }
 
 impl ConfigOverrides {
-    /// Resolves against the process environment and the defaults.
+    /// Resolves against the process environment, the config file it leads to, and the
+    /// defaults.
     pub fn resolve(&self) -> Result<AcceleratorConfig, ConfigError> {
-        self.resolve_with(&ProcessEnv)
+        let loaded = config_file::discover(&ProcessEnv)?;
+        if let Some(note) = loaded.as_ref().and_then(|l| l.ignored_note()) {
+            tracing::debug!("{note}");
+        }
+        self.resolve_with_file(&ProcessEnv, loaded.map(|l| l.file).as_ref())
     }
 
-    /// Resolves against `env` and the defaults.
+    /// Resolves against `env` and the defaults (no config file).
     pub fn resolve_with(
         &self,
         env: &(impl EnvSource + ?Sized),
     ) -> Result<AcceleratorConfig, ConfigError> {
-        let defaults = AcceleratorConfig::default();
+        self.resolve_with_file(env, None)
+    }
+
+    /// Resolves against `env`, then `file`, then the defaults.
+    pub fn resolve_with_file(
+        &self,
+        env: &(impl EnvSource + ?Sized),
+        file: Option<&ConfigFile>,
+    ) -> Result<AcceleratorConfig, ConfigError> {
+        let file = file.cloned().unwrap_or_default();
+        let defaults = AcceleratorConfig {
+            gradient_accumulation_steps: file
+                .gradient_accumulation_steps
+                .unwrap_or(AcceleratorConfig::default().gradient_accumulation_steps),
+            seed: file.seed,
+            mixed_precision: file.mixed_precision.unwrap_or_default(),
+            ..AcceleratorConfig::default()
+        };
         let gradient_accumulation_steps = match self.gradient_accumulation_steps {
             Some(0) => {
                 return Err(ConfigError::Invalid {
@@ -125,7 +149,8 @@ impl ConfigOverrides {
             Some(seed) => Some(seed),
             None => env_parse(env, ENV_SEED, "an unsigned 64-bit integer", |v| {
                 v.parse::<u64>().ok()
-            })?,
+            })?
+            .or(defaults.seed),
         };
         let gradient_bucket_bytes = match self.gradient_bucket_bytes {
             Some(bytes) => bytes.max(1),
@@ -208,6 +233,35 @@ mod tests {
         let from_code = code.resolve_with(&env[..]).unwrap();
         assert_eq!(from_code.gradient_accumulation_steps, 2);
         assert_eq!(from_code.seed, Some(1));
+    }
+
+    #[test]
+    fn code_beats_env_beats_file_beats_default() {
+        let file = ConfigFile {
+            gradient_accumulation_steps: Some(8),
+            seed: Some(5),
+            mixed_precision: Some(MixedPrecision::Bf16),
+            ..ConfigFile::default()
+        };
+        let from_file = ConfigOverrides::default()
+            .resolve_with_file(&[][..], Some(&file))
+            .unwrap();
+        assert_eq!(from_file.gradient_accumulation_steps, 8);
+        assert_eq!(from_file.seed, Some(5));
+        assert_eq!(from_file.mixed_precision, MixedPrecision::Bf16);
+        let env = [(ENV_MIXED_PRECISION, "fp16"), (ENV_SEED, "6")];
+        let from_env = ConfigOverrides::default()
+            .resolve_with_file(&env[..], Some(&file))
+            .unwrap();
+        assert_eq!(from_env.mixed_precision, MixedPrecision::Fp16);
+        assert_eq!(from_env.seed, Some(6));
+        assert_eq!(from_env.gradient_accumulation_steps, 8);
+        let code = ConfigOverrides {
+            mixed_precision: Some(MixedPrecision::No),
+            ..Default::default()
+        };
+        let from_code = code.resolve_with_file(&env[..], Some(&file)).unwrap();
+        assert_eq!(from_code.mixed_precision, MixedPrecision::No);
     }
 
     #[test]

@@ -53,6 +53,9 @@ pub enum ConfigError {
         /// What would have been accepted.
         expected: &'static str,
     },
+    /// The config file could not be read.
+    #[error(transparent)]
+    File(#[from] crate::config_file::ConfigFileError),
 }
 
 /// A collective, the rendezvous or a transport failed. Every variant names the operation or

@@ -20,67 +20,8 @@ use std::sync::{Arc, Mutex, PoisonError};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
-use serde::Deserialize;
-
 use crate::sampler::SplitMix64;
 use crate::state::DEFAULT_MASTER_PORT;
-
-/// Launch settings read from a TOML file (`accelerate launch --config-file FILE`); every key
-/// is optional, and a flag given on the command line wins over the file.
-///
-/// ```toml
-/// num_processes = 2
-/// num_machines = 1
-/// machine_rank = 0
-/// main_process_ip = "127.0.0.1"
-/// main_process_port = 29500
-/// mixed_precision = "bf16"   # no, fp16 or bf16
-/// gpu_ids = "0,1"
-/// use_cpu = false
-/// max_restarts = 0
-/// ```
-#[derive(Debug, Clone, Default, PartialEq, Eq, Deserialize)]
-#[serde(deny_unknown_fields)]
-pub struct LaunchFile {
-    /// Workers on this machine.
-    pub num_processes: Option<usize>,
-    /// Machines in the job.
-    pub num_machines: Option<usize>,
-    /// This machine's index.
-    pub machine_rank: Option<usize>,
-    /// Address of rank 0's machine.
-    pub main_process_ip: Option<String>,
-    /// Rank 0's rendezvous port.
-    pub main_process_port: Option<u16>,
-    /// `no`, `fp16` or `bf16`.
-    pub mixed_precision: Option<String>,
-    /// GPUs the workers may use.
-    pub gpu_ids: Option<String>,
-    /// Hide every GPU from the workers.
-    pub use_cpu: Option<bool>,
-    /// Restarts after a failure.
-    pub max_restarts: Option<usize>,
-}
-
-impl LaunchFile {
-    /// Reads and validates `path`; errors name the file and the key.
-    pub fn read(path: &std::path::Path) -> Result<Self, LaunchError> {
-        let text = std::fs::read_to_string(path)
-            .map_err(|e| LaunchError::Config(format!("config file {}: {e}", path.display())))?;
-        let file: LaunchFile = toml::from_str(&text).map_err(|e| {
-            LaunchError::Config(format!("config file {}: {}", path.display(), e.message()))
-        })?;
-        if let Some(mp) = &file.mixed_precision
-            && !["no", "fp16", "bf16"].contains(&mp.as_str())
-        {
-            return Err(LaunchError::Config(format!(
-                "config file {}: mixed_precision = {mp:?}: expected \"no\", \"fp16\" or \"bf16\"",
-                path.display()
-            )));
-        }
-        Ok(file)
-    }
-}
 
 /// What to start, and how.
 #[derive(Debug, Clone)]
@@ -501,36 +442,6 @@ mod tests {
             describe_exit(ExitStatus::from_raw(9)),
             ("was killed by signal 9 (SIGKILL)".into(), 137)
         );
-    }
-
-    #[test]
-    fn launch_files_are_read_and_their_errors_name_file_and_key() {
-        let dir =
-            std::env::temp_dir().join(format!("accelerate-launch-file-{}", std::process::id()));
-        std::fs::create_dir_all(&dir).unwrap();
-        let good = dir.join("good.toml");
-        std::fs::write(
-            &good,
-            "num_processes = 3\nmixed_precision = \"bf16\"\nuse_cpu = true\n",
-        )
-        .unwrap();
-        let file = LaunchFile::read(&good).unwrap();
-        assert_eq!(file.num_processes, Some(3));
-        assert_eq!(file.mixed_precision.as_deref(), Some("bf16"));
-        assert_eq!(file.use_cpu, Some(true));
-        assert_eq!(file.main_process_port, None);
-        let unknown = dir.join("unknown.toml");
-        std::fs::write(&unknown, "num_procs = 3\n").unwrap();
-        let err = LaunchFile::read(&unknown).unwrap_err().to_string();
-        assert!(
-            err.contains("unknown.toml") && err.contains("num_procs"),
-            "{err}"
-        );
-        let bad = dir.join("bad.toml");
-        std::fs::write(&bad, "mixed_precision = \"fp8\"\n").unwrap();
-        let err = LaunchFile::read(&bad).unwrap_err().to_string();
-        assert!(err.contains("mixed_precision = \"fp8\""), "{err}");
-        let _ = std::fs::remove_dir_all(&dir);
     }
 
     #[test]

@@ -23,6 +23,7 @@
 //!
 //! - [`state`]: the launcher environment, parsed and validated.
 //! - [`config`]: [`AcceleratorConfig`] and its sources.
+//! - [`config_file`]: the config file (`accelerate config`), and Accelerate's YAML import.
 //! - [`accumulation`]: gradient accumulation windows.
 //! - [`sampler`]: the per-epoch data order.
 //! - [`scaler`]: the dynamic loss scaler of fp16 training (state machine, no tensors).
@@ -35,6 +36,7 @@ pub mod accumulation;
 pub mod checkpoint;
 pub mod comm;
 pub mod config;
+pub mod config_file;
 pub mod distributed_sampler;
 pub mod error;
 #[cfg(unix)]
@@ -47,6 +49,7 @@ pub use accumulation::{BatchPosition, GradientAccumulation, MicroStep};
 pub use checkpoint::{CheckpointError, CheckpointRotation, LoaderState, Manifest, RankState};
 pub use comm::{GroupOptions, ProcessGroup, Reduction};
 pub use config::{AcceleratorConfig, ConfigOverrides, MixedPrecision};
+pub use config_file::{ConfigFile, ConfigFileError, LoadedConfig};
 pub use distributed_sampler::{
     DistributedSampler, RankBatch, SamplerConfig, SamplerCursor, SamplerError,
 };

@@ -152,45 +152,6 @@ fn nothing_to_launch_is_a_user_error() {
 }
 
 #[test]
-fn a_config_file_sets_defaults_that_flags_override() {
-    let dir = tempfile::tempdir().unwrap();
-    let file = dir.path().join("launch.toml");
-    std::fs::write(&file, "num_processes = 3\nmixed_precision = \"bf16\"\n").unwrap();
-    let file_arg = file.display().to_string();
-    let script = r#"echo "$WORLD_SIZE $ACCELERATE_MIXED_PRECISION""#;
-    let (out, _) = launch(&["--config-file", &file_arg, "--", "sh", "-c", script]);
-    assert!(out.status.success(), "{}", text(&out.stderr));
-    assert!(
-        text(&out.stdout).contains("[rank 2] 3 bf16"),
-        "{}",
-        text(&out.stdout)
-    );
-    let (out, _) = launch(&[
-        "--config-file",
-        &file_arg,
-        "-n",
-        "1",
-        "--",
-        "sh",
-        "-c",
-        script,
-    ]);
-    assert!(
-        text(&out.stdout).contains("[rank 0] 1 bf16"),
-        "{}",
-        text(&out.stdout)
-    );
-    std::fs::write(&file, "num_process = 3\n").unwrap();
-    let (out, _) = launch(&["--config-file", &file_arg, "--", "true"]);
-    assert_eq!(out.status.code(), Some(1));
-    assert!(
-        text(&out.stderr).contains("num_process"),
-        "{}",
-        text(&out.stderr)
-    );
-}
-
-#[test]
 fn ctrl_c_stops_the_workers() {
     let mut launcher = Command::new(env!("CARGO_BIN_EXE_accelerate"))
         .args([

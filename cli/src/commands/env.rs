@@ -3,8 +3,15 @@
 use std::fmt::Write as _;
 use std::process::ExitCode;
 
-use accelerate_core::ProcessState;
+use accelerate_burn::{AcceleratorBackend, DefaultBackend, enabled_backends};
+use accelerate_core::config_file::{self, ConfigFormat};
+use accelerate_core::state::ProcessEnv;
+use accelerate_core::{ConfigOverrides, ProcessState};
 use clap::Args;
+
+/// The Burn release accelerate-rs is built on (pinned in the workspace's Cargo.toml; a test
+/// checks the lock file agrees).
+const BURN_VERSION: &str = "0.22.1";
 
 /// Variables that launchers set and that decide a process's place in a job.
 const LAUNCHER_VARS: &[&str] = &[
@@ -34,7 +41,73 @@ pub struct EnvArgs {}
 pub fn run(_args: EnvArgs) -> anyhow::Result<ExitCode> {
     let vars: Vec<(String, String)> = std::env::vars().collect();
     print!("{}", report(&vars));
+    print!("{}", backends());
+    print!("{}", configuration());
     Ok(ExitCode::SUCCESS)
+}
+
+/// Backends compiled in, and what the default one finds on this machine.
+fn backends() -> String {
+    let mut out = String::new();
+    let _ = writeln!(out, "burn version: {BURN_VERSION}");
+    let _ = writeln!(
+        out,
+        "backends compiled in: {} (default: {})",
+        enabled_backends().join(", "),
+        DefaultBackend::NAME
+    );
+    match DefaultBackend::device(0) {
+        Ok(device) => {
+            let dtypes: Vec<String> = DefaultBackend::float_dtypes(&device)
+                .iter()
+                .map(|d| format!("{d:?}"))
+                .collect();
+            let _ = writeln!(
+                out,
+                "device of local rank 0: {device:?} (float dtypes: {})",
+                dtypes.join(", ")
+            );
+        }
+        Err(e) => {
+            let _ = writeln!(out, "device of local rank 0: unavailable: {e}");
+        }
+    }
+    out
+}
+
+/// The config file in effect and the configuration a process would resolve here.
+fn configuration() -> String {
+    let mut out = String::new();
+    match config_file::discover(&ProcessEnv) {
+        Ok(None) => {
+            let ours = config_file::default_path(&ProcessEnv)
+                .map_or("(HOME is not set)".into(), |p| p.display().to_string());
+            let _ = writeln!(out, "config file: none (`accelerate config` writes {ours})");
+        }
+        Ok(Some(loaded)) => {
+            let format = match loaded.format {
+                ConfigFormat::Toml => "accelerate-rs",
+                ConfigFormat::AccelerateYaml => "Hugging Face Accelerate YAML",
+            };
+            let _ = writeln!(out, "config file: {} ({format})", loaded.path.display());
+            let _ = writeln!(out, "  {:?}", loaded.file);
+            if let Some(note) = loaded.ignored_note() {
+                let _ = writeln!(out, "  {note}");
+            }
+        }
+        Err(e) => {
+            let _ = writeln!(out, "config file: {e}");
+        }
+    }
+    match ConfigOverrides::default().resolve() {
+        Ok(config) => {
+            let _ = writeln!(out, "resolved configuration: {config:?}");
+        }
+        Err(e) => {
+            let _ = writeln!(out, "resolved configuration: invalid: {e}");
+        }
+    }
+    out
 }
 
 /// The report for an environment given as `vars`. Secrets (the job token) are redacted.
@@ -113,6 +186,28 @@ mod tests {
         assert!(r.contains("ACCELERATE_JOB_TOKEN=<redacted>"), "{r}");
         assert!(!r.contains("s3cret"));
         assert!(r.contains("ACCELERATE_SEED=3"));
+    }
+
+    #[test]
+    fn the_burn_version_is_the_locked_one() {
+        let lock = include_str!("../../../Cargo.lock");
+        let locked = lock
+            .split("[[package]]")
+            .find(|p| p.contains("name = \"burn\"\n"))
+            .and_then(|p| p.lines().find_map(|l| l.strip_prefix("version = ")))
+            .unwrap();
+        assert_eq!(locked.trim_matches('"'), BURN_VERSION);
+    }
+
+    #[test]
+    fn the_runtime_sections_name_backends_and_configuration() {
+        let b = backends();
+        assert!(
+            b.contains(&format!("default: {}", DefaultBackend::NAME)),
+            "{b}"
+        );
+        assert!(b.contains("device of local rank 0"), "{b}");
+        assert!(configuration().contains("resolved configuration"));
     }
 
     #[test]

@@ -5,13 +5,19 @@ use std::process::{Command, ExitCode, Stdio};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Duration;
 
-use accelerate_core::launch::{LaunchConfig, LaunchFile, launch};
+use accelerate_core::config_file::{self, ENV_CONFIG_FILE, LoadedConfig};
+use accelerate_core::launch::{LaunchConfig, launch};
+use accelerate_core::state::{EnvSource, ProcessEnv};
 use anyhow::{Context, bail};
 use clap::Args;
 
 /// Start worker processes with the process contract set (RANK, WORLD_SIZE, LOCAL_RANK,
 /// MASTER_ADDR, MASTER_PORT, a job token, ...), prefix their output with their rank, and stop
 /// them all if one fails.
+///
+/// Each setting comes from, highest first: the flag here, its ACCELERATE_* variable
+/// (ACCELERATE_NUM_PROCESSES, ACCELERATE_MIXED_PRECISION, ...), the config file (see
+/// `accelerate config`), the default.
 ///
 /// Examples:
 ///   accelerate launch -n 2 ./target/release/train --epochs 3
@@ -56,9 +62,8 @@ pub struct LaunchArgs {
     #[arg(long)]
     max_restarts: Option<usize>,
 
-    /// Read settings from a TOML file (keys: num_processes, num_machines, machine_rank,
-    /// main_process_ip, main_process_port, mixed_precision, gpu_ids, use_cpu, max_restarts);
-    /// flags given here win over it.
+    /// Read settings from this config file instead of the default one (`accelerate config`
+    /// writes it; Accelerate's `.yaml` files are read too); the workers read it as well.
     #[arg(long, value_name = "FILE")]
     config_file: Option<PathBuf>,
 
@@ -107,27 +112,62 @@ pub fn run(args: LaunchArgs) -> anyhow::Result<ExitCode> {
             None => bail!("nothing to launch: give a program, --example NAME or --bin NAME"),
         },
     };
-    let file = match &args.config_file {
-        Some(path) => LaunchFile::read(path)?,
-        None => LaunchFile::default(),
+    let loaded = match &args.config_file {
+        Some(path) => Some(config_file::read(path)?),
+        None => config_file::discover(&ProcessEnv)?,
     };
-    let num_machines = args.num_machines.or(file.num_machines).unwrap_or(1);
-    let mut env = Vec::new();
-    if let Some(mp) = args.mixed_precision.or(file.mixed_precision) {
+    if let Some(note) = loaded.as_ref().and_then(LoadedConfig::ignored_note) {
+        eprintln!("note: {note}");
+    }
+    let file = loaded.as_ref().map(|l| l.file.clone()).unwrap_or_default();
+    let from_env = |key: &str| -> anyhow::Result<Option<usize>> {
+        ProcessEnv
+            .var(key)
+            .map(|v| {
+                v.trim()
+                    .parse::<usize>()
+                    .with_context(|| format!("{key} = {v:?}: expected a non-negative integer"))
+            })
+            .transpose()
+    };
+    let num_machines = args
+        .num_machines
+        .or(from_env("ACCELERATE_NUM_MACHINES")?)
+        .or(file.num_machines)
+        .unwrap_or(1);
+    // The workers read the same file, below their environment.
+    let mut env = vec![(
+        ENV_CONFIG_FILE.to_string(),
+        loaded
+            .as_ref()
+            .map_or("none".to_string(), |l| l.path.display().to_string()),
+    )];
+    if let Some(mp) = args.mixed_precision {
         env.push(("ACCELERATE_MIXED_PRECISION".to_string(), mp));
     }
-    let gpu_ids = args.gpu_ids.or(file.gpu_ids);
-    let cpu = args.cpu || (gpu_ids.is_none() && file.use_cpu == Some(true));
+    let gpu_ids = args
+        .gpu_ids
+        .or(ProcessEnv.var("ACCELERATE_GPU_IDS"))
+        .or(file.gpu_ids);
+    let use_cpu = match ProcessEnv.var("ACCELERATE_USE_CPU") {
+        Some(v) => matches!(v.trim(), "1" | "true" | "yes"),
+        None => file.use_cpu == Some(true),
+    };
+    let cpu = args.cpu || (gpu_ids.is_none() && use_cpu);
     if cpu {
         env.push(("CUDA_VISIBLE_DEVICES".to_string(), String::new()));
         env.push(("ACCELERATE_USE_CPU".to_string(), "1".to_string()));
     } else if let Some(ids) = gpu_ids {
         env.push(("CUDA_VISIBLE_DEVICES".to_string(), ids));
     }
-    let port = args
-        .main_process_port
-        .or(file.main_process_port)
-        .unwrap_or(if num_machines == 1 { 0 } else { 29500 });
+    let port = match args.main_process_port {
+        Some(port) => Some(port),
+        None => from_env("ACCELERATE_MAIN_PROCESS_PORT")?
+            .map(|p| u16::try_from(p).context("ACCELERATE_MAIN_PROCESS_PORT: not a port"))
+            .transpose()?,
+    }
+    .or(file.main_process_port)
+    .unwrap_or(if num_machines == 1 { 0 } else { 29500 });
     if !(args.grace_period.is_finite() && args.grace_period >= 0.0) {
         bail!(
             "--grace-period {} is not a number of seconds",
@@ -137,15 +177,28 @@ pub fn run(args: LaunchArgs) -> anyhow::Result<ExitCode> {
     let config = LaunchConfig {
         program,
         args: program_args,
-        num_processes: args.num_processes.or(file.num_processes).unwrap_or(1),
+        num_processes: args
+            .num_processes
+            .or(from_env("ACCELERATE_NUM_PROCESSES")?)
+            .or(file.num_processes)
+            .unwrap_or(1),
         num_machines,
-        machine_rank: args.machine_rank.or(file.machine_rank).unwrap_or(0),
+        machine_rank: args
+            .machine_rank
+            .or(from_env("ACCELERATE_MACHINE_RANK")?)
+            .or(file.machine_rank)
+            .unwrap_or(0),
         main_process_ip: args
             .main_process_ip
+            .or(ProcessEnv.var("ACCELERATE_MAIN_PROCESS_IP"))
             .or(file.main_process_ip)
             .unwrap_or_else(|| "127.0.0.1".into()),
         main_process_port: port,
-        max_restarts: args.max_restarts.or(file.max_restarts).unwrap_or(0),
+        max_restarts: args
+            .max_restarts
+            .or(from_env("ACCELERATE_MAX_RESTARTS")?)
+            .or(file.max_restarts)
+            .unwrap_or(0),
         log_dir: args.log_dir,
         env,
         grace: Duration::from_secs_f64(args.grace_period),

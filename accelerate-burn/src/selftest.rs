@@ -1,0 +1,212 @@
+//! The checks `accelerate test` runs on every process of a job: collectives against values
+//! computed locally, the same data order on every rank, and a few training steps that leave
+//! every rank with the same parameters. Each check reports what it found, not just pass/fail.
+
+use accelerate_core::comm::Reduction;
+use accelerate_core::{DistributedSampler, SamplerConfig};
+use burn::data::dataloader::batcher::Batcher;
+use burn::data::dataset::InMemDataset;
+use burn::module::{Module, ModuleVisitor, Param};
+use burn::nn::{Linear, LinearConfig};
+use burn::optim::SgdConfig;
+use burn::tensor::{Device, Tensor, TensorData};
+
+use crate::accelerator::Accelerator;
+use crate::backend::AcceleratorBackend;
+use crate::data::DataLoader;
+use crate::error::AccelerateError;
+
+/// The outcome of one check on this process.
+#[derive(Debug, Clone, PartialEq)]
+pub struct CheckOutcome {
+    /// What was checked.
+    pub name: &'static str,
+    /// `Ok(summary)` or `Err(what differed)`.
+    pub result: Result<String, String>,
+}
+
+/// Runs every check on this process (every process of the job must call it) and returns the
+/// outcomes in order. A collective that fails outright ends the run with its error.
+pub fn run_checks<B: AcceleratorBackend>(
+    acc: &Accelerator<B>,
+) -> Result<Vec<CheckOutcome>, AccelerateError> {
+    Ok(vec![
+        CheckOutcome {
+            name: "all-reduce, broadcast and all-gather against local references",
+            result: collectives(acc)?,
+        },
+        CheckOutcome {
+            name: "every rank draws the same epoch order and a disjoint share of it",
+            result: sampler(acc)?,
+        },
+        CheckOutcome {
+            name: "training steps leave every rank with the same parameters",
+            result: training(acc)?,
+        },
+    ])
+}
+
+fn collectives<B: AcceleratorBackend>(
+    acc: &Accelerator<B>,
+) -> Result<Result<String, String>, AccelerateError> {
+    let (rank, world) = (acc.process_index(), acc.num_processes());
+    // Integers below 2^24 are exact in f32, so the sums must match exactly. The length spans
+    // several chunks of every algorithm.
+    let len = 1 << 20;
+    let mut buf: Vec<f32> = (0..len).map(|i| ((i % 1000) * (rank + 1)) as f32).collect();
+    acc.group().all_reduce(&mut buf, Reduction::Sum)?;
+    let factor = world * (world + 1) / 2;
+    if let Some(i) = (0..len).find(|&i| buf[i] != ((i % 1000) * factor) as f32) {
+        return Ok(Err(format!(
+            "all-reduce sum of {len} floats: element {i} is {}, expected {}",
+            buf[i],
+            (i % 1000) * factor
+        )));
+    }
+    let mut root = vec![rank as f32; 1000];
+    acc.group().broadcast(&mut root, world - 1)?;
+    if root.iter().any(|&v| v != (world - 1) as f32) {
+        return Ok(Err(format!(
+            "broadcast from rank {}: got {:?}",
+            world - 1,
+            &root[..4]
+        )));
+    }
+    let gathered = acc.gather(Tensor::<1>::from_floats([rank as f32, 10.0], &acc.device()))?;
+    let gathered: Vec<f32> = gathered.into_data().iter::<f32>().collect();
+    let expected: Vec<f32> = (0..world).flat_map(|r| [r as f32, 10.0]).collect();
+    if gathered != expected {
+        return Ok(Err(format!(
+            "gather: got {gathered:?}, expected {expected:?}"
+        )));
+    }
+    let max = acc.reduce(
+        Tensor::<1>::from_floats([rank as f32], &acc.device()),
+        Reduction::Max,
+    )?;
+    let max: f32 = max.into_scalar();
+    if max != (world - 1) as f32 {
+        return Ok(Err(format!(
+            "reduce max: got {max}, expected {}",
+            world - 1
+        )));
+    }
+    Ok(Ok(format!(
+        "{len} floats summed exactly over {world} processes ({} transport)",
+        acc.group().transport()
+    )))
+}
+
+fn sampler<B: AcceleratorBackend>(
+    acc: &Accelerator<B>,
+) -> Result<Result<String, String>, AccelerateError> {
+    let (rank, world) = (acc.process_index(), acc.num_processes());
+    let config = SamplerConfig::new(1000, 7, 42);
+    let Ok(mut sampler) = DistributedSampler::new(config.clone(), rank, world) else {
+        return Ok(Err("the sampler refused the test configuration".into()));
+    };
+    sampler.set_epoch(3);
+    let order = accelerate_core::sampler::epoch_order(config.len, true, config.seed, 3);
+    let fingerprint = order
+        .iter()
+        .fold(0u64, |h, &i| h.wrapping_mul(31).wrapping_add(i as u64));
+    let fingerprints: Vec<u64> = acc.group().all_gather_object(&fingerprint)?;
+    if let Some(r) = fingerprints.iter().position(|&f| f != fingerprint) {
+        return Ok(Err(format!(
+            "rank {r} drew another epoch order than rank {rank}"
+        )));
+    }
+    let mine: Vec<usize> = sampler
+        .batches()
+        .into_iter()
+        .flat_map(|b| {
+            let real = b.indices.len() - b.padding;
+            b.indices.into_iter().take(real)
+        })
+        .collect();
+    let shares: Vec<Vec<usize>> = acc.group().all_gather_object(&mine)?;
+    let mut all: Vec<usize> = shares.iter().flatten().copied().collect();
+    all.sort_unstable();
+    if all != (0..config.len).collect::<Vec<_>>() {
+        return Ok(Err(format!(
+            "the ranks' shares hold {} samples, not each of the {} once",
+            all.len(),
+            config.len
+        )));
+    }
+    Ok(Ok(format!(
+        "{} samples in {} batches on this rank, all {} covered once",
+        mine.len(),
+        sampler.len(),
+        config.len
+    )))
+}
+
+/// Pairs (x, 2x + 1) as a batch.
+#[derive(Clone)]
+struct Line;
+
+impl Batcher<f32, (Tensor<2>, Tensor<2>)> for Line {
+    fn batch(&self, items: Vec<f32>, device: &Device) -> (Tensor<2>, Tensor<2>) {
+        let n = items.len();
+        let y: Vec<f32> = items.iter().map(|x| 2.0 * x + 1.0).collect();
+        (
+            Tensor::from_data(TensorData::new(items, [n, 1]), device),
+            Tensor::from_data(TensorData::new(y, [n, 1]), device),
+        )
+    }
+}
+
+fn parameters<M: Module>(model: &M) -> Vec<f32> {
+    struct Collect(Vec<f32>);
+    impl ModuleVisitor for Collect {
+        fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<D>>) {
+            self.0.extend(param.val().into_data().iter::<f32>());
+        }
+    }
+    let mut collect = Collect(Vec::new());
+    model.visit(&mut collect);
+    collect.0
+}
+
+fn training<B: AcceleratorBackend>(
+    acc: &Accelerator<B>,
+) -> Result<Result<String, String>, AccelerateError> {
+    let model: Linear = LinearConfig::new(1, 1).init(&acc.device());
+    let data: Vec<f32> = (0..64).map(|i| i as f32 / 64.0).collect();
+    let loader = DataLoader::builder(Line)
+        .batch_size(4)
+        .shuffle(5)
+        .build(InMemDataset::new(data));
+    let (mut model, mut optim, train) = acc.prepare((model, SgdConfig::new().init(), loader))?;
+    let mut losses = Vec::new();
+    for batch in train.iter().take(5) {
+        let (x, y) = batch?;
+        let loss = (model.forward(x) - y).square().mean();
+        losses.push(
+            acc.reduce(loss.clone().detach(), Reduction::Mean)?
+                .into_scalar::<f32>(),
+        );
+        let grads = acc.backward(loss, &model)?;
+        model = optim.step(0.1, model, grads)?;
+    }
+    let mine = parameters(&model);
+    let all: Vec<Vec<u32>> = acc
+        .group()
+        .all_gather_object(&mine.iter().map(|v| v.to_bits()).collect::<Vec<u32>>())?;
+    if let Some(r) = all.iter().position(|p| p != &all[0]) {
+        return Ok(Err(format!(
+            "after {} steps rank {r} holds other parameters than rank 0",
+            losses.len()
+        )));
+    }
+    if losses.len() < 2 || losses.last() >= losses.first() {
+        return Ok(Err(format!("the mean loss did not fall: {losses:?}")));
+    }
+    Ok(Ok(format!(
+        "{} steps, mean loss {:.4} -> {:.4}, parameters identical bit for bit",
+        losses.len(),
+        losses[0],
+        losses[losses.len() - 1]
+    )))
+}

@@ -1,0 +1,487 @@
+//! The config file: what `accelerate config` writes, and what `accelerate launch` and
+//! `Accelerator::from_env` read below the command line and the environment.
+//!
+//! Which file, first match wins:
+//! 1. `ACCELERATE_CONFIG_FILE` (`launch --config-file` sets it for its workers; `none` means
+//!    no file at all);
+//! 2. ours, `$XDG_CONFIG_HOME/accelerate-rs/config.toml` (`~/.config/...` without the variable);
+//! 3. Hugging Face Accelerate's `default_config.yaml` (`$HF_HOME/accelerate/`, else
+//!    `$XDG_CACHE_HOME/huggingface/accelerate/`, else `~/.cache/huggingface/accelerate/`), of
+//!    which the keys that mean the same here are read and the others reported as ignored.
+//!
+//! A file ending in `.yaml` or `.yml` is read as Accelerate's format, anything else as ours
+//! (TOML, unknown keys refused). Errors are one line naming the file and the line.
+
+use std::path::{Path, PathBuf};
+
+use serde::{Deserialize, Serialize};
+
+use crate::config::MixedPrecision;
+use crate::state::EnvSource;
+
+/// Variable naming the config file to read (`none`: read no file).
+pub const ENV_CONFIG_FILE: &str = "ACCELERATE_CONFIG_FILE";
+
+/// The settings a config file can hold; every key is optional.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct ConfigFile {
+    /// Worker processes per machine.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub num_processes: Option<usize>,
+    /// Machines in the job.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub num_machines: Option<usize>,
+    /// This machine's index.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub machine_rank: Option<usize>,
+    /// Address of rank 0's machine.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub main_process_ip: Option<String>,
+    /// Rank 0's rendezvous port.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub main_process_port: Option<u16>,
+    /// Compute precision: `no`, `fp16` or `bf16`.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub mixed_precision: Option<MixedPrecision>,
+    /// GPUs the workers may use (`"0,1"`; `"all"` for every one).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub gpu_ids: Option<String>,
+    /// Train on the CPU even where a GPU is present.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub use_cpu: Option<bool>,
+    /// Restarts of the workers after a failure.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub max_restarts: Option<usize>,
+    /// Micro-batches per optimizer update.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub gradient_accumulation_steps: Option<usize>,
+    /// Seed of the device's random streams.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub seed: Option<u64>,
+}
+
+/// Which format a config file was read as.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ConfigFormat {
+    /// Ours (TOML).
+    Toml,
+    /// Hugging Face Accelerate's YAML.
+    AccelerateYaml,
+}
+
+/// A config file as read: where from, what it set, and what it ignored.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct LoadedConfig {
+    /// The file.
+    pub path: PathBuf,
+    /// Its format.
+    pub format: ConfigFormat,
+    /// The settings.
+    pub file: ConfigFile,
+    /// Keys of an Accelerate YAML file that mean nothing here.
+    pub ignored: Vec<String>,
+}
+
+impl LoadedConfig {
+    /// A one-line note on the ignored keys, if any.
+    pub fn ignored_note(&self) -> Option<String> {
+        (!self.ignored.is_empty()).then(|| {
+            format!(
+                "{}: ignored keys that have no meaning in accelerate-rs: {}",
+                self.path.display(),
+                self.ignored.join(", ")
+            )
+        })
+    }
+}
+
+/// A config file could not be read.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("config file {}{}: {message}", path.display(), line.map(|l| format!(":{l}")).unwrap_or_default())]
+pub struct ConfigFileError {
+    /// The file.
+    pub path: PathBuf,
+    /// The 1-based line at fault, when known.
+    pub line: Option<usize>,
+    /// What is wrong.
+    pub message: String,
+}
+
+/// Our config file's location: `$XDG_CONFIG_HOME/accelerate-rs/config.toml`, or
+/// `$HOME/.config/accelerate-rs/config.toml`.
+pub fn default_path(env: &(impl EnvSource + ?Sized)) -> Option<PathBuf> {
+    let base = match env.var("XDG_CONFIG_HOME").filter(|v| !v.is_empty()) {
+        Some(dir) => PathBuf::from(dir),
+        None => PathBuf::from(env.var("HOME").filter(|v| !v.is_empty())?).join(".config"),
+    };
+    Some(base.join("accelerate-rs").join("config.toml"))
+}
+
+/// Hugging Face Accelerate's default config file location.
+pub fn accelerate_default_path(env: &(impl EnvSource + ?Sized)) -> Option<PathBuf> {
+    let home = || env.var("HOME").filter(|v| !v.is_empty()).map(PathBuf::from);
+    let hf_home = match env.var("HF_HOME").filter(|v| !v.is_empty()) {
+        Some(dir) => PathBuf::from(dir),
+        None => match env.var("XDG_CACHE_HOME").filter(|v| !v.is_empty()) {
+            Some(cache) => PathBuf::from(cache).join("huggingface"),
+            None => home()?.join(".cache").join("huggingface"),
+        },
+    };
+    Some(hf_home.join("accelerate").join("default_config.yaml"))
+}
+
+/// Finds and reads the config file that applies (see the module docs); `None` when there is
+/// none. A file named by `ACCELERATE_CONFIG_FILE` must exist.
+pub fn discover(env: &(impl EnvSource + ?Sized)) -> Result<Option<LoadedConfig>, ConfigFileError> {
+    if let Some(named) = env.var(ENV_CONFIG_FILE) {
+        if named == "none" {
+            return Ok(None);
+        }
+        return read(Path::new(&named)).map(Some);
+    }
+    for path in [default_path(env), accelerate_default_path(env)]
+        .into_iter()
+        .flatten()
+    {
+        if path.is_file() {
+            return read(&path).map(Some);
+        }
+    }
+    Ok(None)
+}
+
+/// Reads `path`, as Accelerate's YAML when it ends in `.yaml`/`.yml`, else as our TOML.
+pub fn read(path: &Path) -> Result<LoadedConfig, ConfigFileError> {
+    let text = std::fs::read_to_string(path).map_err(|e| ConfigFileError {
+        path: path.to_path_buf(),
+        line: None,
+        message: e.to_string(),
+    })?;
+    let yaml = path.extension().is_some_and(|e| e == "yaml" || e == "yml");
+    if yaml {
+        parse_accelerate_yaml(path, &text)
+    } else {
+        parse_toml(path, &text)
+    }
+}
+
+/// Parses our TOML format.
+pub fn parse_toml(path: &Path, text: &str) -> Result<LoadedConfig, ConfigFileError> {
+    let file: ConfigFile = toml::from_str(text).map_err(|e| ConfigFileError {
+        path: path.to_path_buf(),
+        line: e.span().map(|span| line_of(text, span.start)),
+        message: e.message().trim().replace('\n', " "),
+    })?;
+    let loaded = LoadedConfig {
+        path: path.to_path_buf(),
+        format: ConfigFormat::Toml,
+        file,
+        ignored: Vec::new(),
+    };
+    validate(&loaded, text)?;
+    Ok(loaded)
+}
+
+fn line_of(text: &str, offset: usize) -> usize {
+    text[..offset.min(text.len())].matches('\n').count() + 1
+}
+
+/// The line where `key` is set in `text`, for errors about its value.
+fn line_of_key(text: &str, key: &str) -> Option<usize> {
+    text.lines()
+        .position(|l| {
+            let l = l.trim_start();
+            l.strip_prefix(key)
+                .is_some_and(|rest| rest.trim_start().starts_with(['=', ':']))
+        })
+        .map(|i| i + 1)
+}
+
+fn validate(loaded: &LoadedConfig, text: &str) -> Result<(), ConfigFileError> {
+    let fail = |key: &str, message: String| ConfigFileError {
+        path: loaded.path.clone(),
+        line: line_of_key(text, key),
+        message,
+    };
+    let file = &loaded.file;
+    for (key, value) in [
+        ("num_processes", file.num_processes),
+        ("num_machines", file.num_machines),
+        (
+            "gradient_accumulation_steps",
+            file.gradient_accumulation_steps,
+        ),
+    ] {
+        if value == Some(0) {
+            return Err(fail(key, format!("{key} = 0: expected a positive integer")));
+        }
+    }
+    if let (Some(machines), Some(rank)) = (file.num_machines, file.machine_rank)
+        && rank >= machines
+    {
+        return Err(fail(
+            "machine_rank",
+            format!("machine_rank = {rank} is not below num_machines = {machines}"),
+        ));
+    }
+    Ok(())
+}
+
+/// Keys of Accelerate's `default_config.yaml` that mean the same here.
+const ACCELERATE_KEYS: [&str; 8] = [
+    "num_processes",
+    "num_machines",
+    "machine_rank",
+    "main_process_ip",
+    "main_process_port",
+    "mixed_precision",
+    "gpu_ids",
+    "use_cpu",
+];
+
+/// Parses Hugging Face Accelerate's YAML: the keys of [`ACCELERATE_KEYS`] are read (nulls are
+/// absent), the others are listed as ignored.
+pub fn parse_accelerate_yaml(path: &Path, text: &str) -> Result<LoadedConfig, ConfigFileError> {
+    let fail = |line: Option<usize>, message: String| ConfigFileError {
+        path: path.to_path_buf(),
+        line,
+        message,
+    };
+    let value: serde_yaml::Value = serde_yaml::from_str(text).map_err(|e| {
+        let message = e.to_string();
+        // serde_yaml appends " at line L column C"; the line goes in front instead.
+        let message = message
+            .split(" at line ")
+            .next()
+            .unwrap_or(&message)
+            .to_string();
+        fail(e.location().map(|l| l.line()), message)
+    })?;
+    let mapping = match value {
+        serde_yaml::Value::Mapping(m) => m,
+        serde_yaml::Value::Null => serde_yaml::Mapping::new(),
+        _ => return Err(fail(Some(1), "expected a mapping of keys to values".into())),
+    };
+    let mut kept = serde_yaml::Mapping::new();
+    let mut ignored = Vec::new();
+    for (key, value) in mapping {
+        let name = match &key {
+            serde_yaml::Value::String(s) => s.clone(),
+            other => format!("{other:?}"),
+        };
+        if !ACCELERATE_KEYS.contains(&name.as_str()) {
+            ignored.push(name);
+            continue;
+        }
+        let value = match (name.as_str(), value) {
+            (_, serde_yaml::Value::Null) => continue,
+            // Accelerate writes "all" for every GPU, and sometimes a bare number.
+            ("gpu_ids", serde_yaml::Value::String(s)) if s == "all" => continue,
+            ("gpu_ids", serde_yaml::Value::Number(n)) => serde_yaml::Value::String(n.to_string()),
+            (_, value) => value,
+        };
+        // One key at a time, so that an error names the key and its line.
+        let mut single = serde_yaml::Mapping::new();
+        single.insert(key.clone(), value.clone());
+        if let Err(e) = serde_yaml::from_value::<ConfigFile>(serde_yaml::Value::Mapping(single)) {
+            return Err(fail(line_of_key(text, &name), format!("{name}: {e}")));
+        }
+        kept.insert(key, value);
+    }
+    ignored.sort();
+    let file: ConfigFile =
+        serde_yaml::from_value(serde_yaml::Value::Mapping(kept)).map_err(|e| {
+            let message = e.to_string();
+            let line = ACCELERATE_KEYS
+                .iter()
+                .find(|k| message.contains(*k))
+                .and_then(|k| line_of_key(text, k));
+            fail(line, message)
+        })?;
+    let loaded = LoadedConfig {
+        path: path.to_path_buf(),
+        format: ConfigFormat::AccelerateYaml,
+        file,
+        ignored,
+    };
+    validate(&loaded, text)?;
+    Ok(loaded)
+}
+
+/// Writes `file` to `path` as our TOML (creating the directory; written to a temporary name
+/// and renamed, so a reader never sees half a file).
+pub fn write(path: &Path, file: &ConfigFile) -> Result<(), ConfigFileError> {
+    let fail = |message: String| ConfigFileError {
+        path: path.to_path_buf(),
+        line: None,
+        message,
+    };
+    let body = toml::to_string(file).map_err(|e| fail(e.to_string()))?;
+    let text = format!(
+        "# accelerate-rs configuration, written by `accelerate config`.\n\
+         # Read by `accelerate launch` and Accelerator::from_env; command-line flags and\n\
+         # ACCELERATE_* variables win over it.\n{body}"
+    );
+    if let Some(dir) = path.parent().filter(|d| !d.as_os_str().is_empty()) {
+        std::fs::create_dir_all(dir).map_err(|e| fail(format!("creating the directory: {e}")))?;
+    }
+    let tmp = path.with_extension("toml.tmp");
+    std::fs::write(&tmp, text).map_err(|e| fail(e.to_string()))?;
+    std::fs::rename(&tmp, path).map_err(|e| fail(e.to_string()))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const HF_YAML: &str = "\
+compute_environment: LOCAL_MACHINE
+debug: false
+distributed_type: MULTI_GPU
+downcast_bf16: 'no'
+enable_cpu_affinity: false
+gpu_ids: all
+machine_rank: 0
+main_training_function: main
+mixed_precision: bf16
+num_machines: 1
+num_processes: 2
+rdzv_backend: static
+same_network: true
+tpu_env: []
+tpu_use_cluster: false
+tpu_use_sudo: false
+use_cpu: false
+";
+
+    #[test]
+    fn accelerate_yaml_keeps_the_keys_that_mean_the_same_and_names_the_rest() {
+        let loaded = parse_accelerate_yaml(Path::new("default_config.yaml"), HF_YAML).unwrap();
+        assert_eq!(loaded.format, ConfigFormat::AccelerateYaml);
+        assert_eq!(
+            loaded.file,
+            ConfigFile {
+                num_processes: Some(2),
+                num_machines: Some(1),
+                machine_rank: Some(0),
+                mixed_precision: Some(MixedPrecision::Bf16),
+                use_cpu: Some(false),
+                ..ConfigFile::default()
+            }
+        );
+        assert_eq!(
+            loaded.ignored,
+            [
+                "compute_environment",
+                "debug",
+                "distributed_type",
+                "downcast_bf16",
+                "enable_cpu_affinity",
+                "main_training_function",
+                "rdzv_backend",
+                "same_network",
+                "tpu_env",
+                "tpu_use_cluster",
+                "tpu_use_sudo"
+            ]
+        );
+        assert!(loaded.ignored_note().unwrap().contains("distributed_type"));
+        let ids =
+            parse_accelerate_yaml(Path::new("c.yaml"), "gpu_ids: 0,1\nmain_process_ip: null\n")
+                .unwrap();
+        assert_eq!(ids.file.gpu_ids.as_deref(), Some("0,1"));
+        assert_eq!(ids.file.main_process_ip, None);
+    }
+
+    #[test]
+    fn malformed_files_are_one_line_errors_naming_file_and_line() {
+        let err = parse_accelerate_yaml(
+            Path::new("/x/c.yaml"),
+            "num_processes: 2\nmixed_precision: [\n",
+        )
+        .unwrap_err();
+        assert_eq!(err.line, Some(3), "{err}");
+        assert!(
+            err.to_string().starts_with("config file /x/c.yaml:3: "),
+            "{err}"
+        );
+        assert!(!err.to_string().contains('\n'), "{err}");
+
+        let err = parse_accelerate_yaml(
+            Path::new("c.yaml"),
+            "num_processes: 2\nmixed_precision: fp8\n",
+        )
+        .unwrap_err();
+        assert_eq!(err.line, Some(2), "{err}");
+        assert!(err.to_string().contains("fp8"), "{err}");
+
+        let err =
+            parse_toml(Path::new("c.toml"), "num_processes = 2\nnum_procs = 3\n").unwrap_err();
+        assert_eq!(err.line, Some(2), "{err}");
+        assert!(err.to_string().contains("num_procs"), "{err}");
+        assert!(!err.to_string().contains('\n'), "{err}");
+
+        let err = parse_toml(Path::new("c.toml"), "seed = 1\nnum_processes = 0\n").unwrap_err();
+        assert_eq!(
+            err.to_string(),
+            "config file c.toml:2: num_processes = 0: expected a positive integer"
+        );
+
+        let err =
+            parse_toml(Path::new("c.toml"), "num_machines = 2\nmachine_rank = 2\n").unwrap_err();
+        assert_eq!(err.line, Some(2));
+    }
+
+    #[test]
+    fn our_file_round_trips_and_is_found_where_documented() {
+        let tmp = tempfile::tempdir().unwrap();
+        let home = tmp.path().display().to_string();
+        let env = [("HOME", home.as_str())];
+        let ours = default_path(&env[..]).unwrap();
+        assert_eq!(ours, tmp.path().join(".config/accelerate-rs/config.toml"));
+        assert_eq!(discover(&env[..]).unwrap(), None);
+
+        // Accelerate's file is read when ours is absent.
+        let hf = accelerate_default_path(&env[..]).unwrap();
+        assert_eq!(
+            hf,
+            tmp.path()
+                .join(".cache/huggingface/accelerate/default_config.yaml")
+        );
+        std::fs::create_dir_all(hf.parent().unwrap()).unwrap();
+        std::fs::write(&hf, HF_YAML).unwrap();
+        assert_eq!(discover(&env[..]).unwrap().unwrap().path, hf);
+
+        // Ours wins over Accelerate's.
+        let file = ConfigFile {
+            num_processes: Some(4),
+            mixed_precision: Some(MixedPrecision::Fp16),
+            seed: Some(3),
+            ..ConfigFile::default()
+        };
+        write(&ours, &file).unwrap();
+        let found = discover(&env[..]).unwrap().unwrap();
+        assert_eq!((found.path.clone(), found.file), (ours.clone(), file));
+
+        // The variable wins over both; `none` means no file.
+        let other = tmp.path().join("other.toml");
+        std::fs::write(&other, "num_processes = 3\n").unwrap();
+        let other_s = other.display().to_string();
+        let env2 = [("HOME", home.as_str()), (ENV_CONFIG_FILE, other_s.as_str())];
+        assert_eq!(
+            discover(&env2[..]).unwrap().unwrap().file.num_processes,
+            Some(3)
+        );
+        let env3 = [("HOME", home.as_str()), (ENV_CONFIG_FILE, "none")];
+        assert_eq!(discover(&env3[..]).unwrap(), None);
+        let missing = [(ENV_CONFIG_FILE, "/nonexistent/c.toml")];
+        assert!(discover(&missing[..]).is_err());
+        // XDG_CONFIG_HOME moves ours.
+        let xdg = [("HOME", home.as_str()), ("XDG_CONFIG_HOME", "/etc/xdg")];
+        assert_eq!(
+            default_path(&xdg[..]).unwrap(),
+            PathBuf::from("/etc/xdg/accelerate-rs/config.toml")
+        );
+    }
+}
