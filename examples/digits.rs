@@ -4,10 +4,16 @@
 //! cargo run --example digits
 //! ```
 //!
-//! Arguments: `--epochs N` (default 30).
+//! Arguments: `--epochs N` (default 30); `--project-dir DIR` to log the loss to
+//! `DIR/logs` (CSV and TensorBoard), save a checkpoint after every epoch (the last 2 kept) and,
+//! when started again, resume from the latest one.
+
+use std::path::PathBuf;
 
 use accelerate_burn::burn;
-use accelerate_burn::{Accelerator, DataLoader, DefaultBackend, MixedPrecision};
+use accelerate_burn::{
+    Accelerator, Checkpoint, DataLoader, DefaultBackend, MixedPrecision, Tracker,
+};
 use accelerate_examples::digits::{self, DigitBatcher};
 use accelerate_examples::{MlpConfig, correct};
 use anyhow::Context;
@@ -30,18 +36,32 @@ fn main() -> anyhow::Result<()> {
         Some(n) => n.parse().context("--epochs expects a number")?,
         None => 30,
     };
-    train(epochs, None)?;
+    let project = std::env::args()
+        .skip_while(|a| a != "--project-dir")
+        .nth(1)
+        .map(PathBuf::from);
+    train(epochs, None, project)?;
     Ok(())
 }
 
 /// Trains for `epochs` epochs in `precision` (else ACCELERATE_MIXED_PRECISION), prints and
-/// returns the test accuracy.
-pub fn train(epochs: u64, precision: Option<MixedPrecision>) -> anyhow::Result<Report> {
+/// returns the test accuracy. With `project`, logs, checkpoints and resumes there.
+pub fn train(
+    epochs: u64,
+    precision: Option<MixedPrecision>,
+    project: Option<PathBuf>,
+) -> anyhow::Result<Report> {
     let (train_set, test_set) = digits::train_test_split()?;
 
     let mut builder = Accelerator::<DefaultBackend>::builder().seed(42);
     if let Some(precision) = precision {
         builder = builder.mixed_precision(precision);
+    }
+    if let Some(dir) = &project {
+        builder = builder
+            .project_dir(dir)
+            .checkpoint_total_limit(2)
+            .log_with(&[Tracker::Csv, Tracker::TensorBoard]);
     }
     let acc = builder.build()?;
     let device = acc.device();
@@ -55,6 +75,13 @@ pub fn train(epochs: u64, precision: Option<MixedPrecision>) -> anyhow::Result<R
         .batch_size(256)
         .build(InMemDataset::new(test_set));
     let (mut model, mut optim, train, test) = acc.prepare((model, optim, train, test))?;
+    if project.is_some() {
+        let restored = acc.load_latest_checkpoint(model, &mut optim, None)?;
+        model = restored.model;
+        if let Some(path) = restored.info.path {
+            acc.print(format!("resumed from {}", path.display()));
+        }
+    }
 
     let started = std::time::Instant::now();
     let bar = if acc.is_main_process() {
@@ -66,7 +93,8 @@ pub fn train(epochs: u64, precision: Option<MixedPrecision>) -> anyhow::Result<R
         "{bar:40} {pos}/{len} steps, epoch {msg}",
     )?);
     let mut final_loss = 0.0;
-    for epoch in 0..epochs {
+    bar.set_position(train.epoch() * train.len() as u64);
+    for epoch in train.epoch()..epochs {
         train.set_epoch(epoch);
         bar.set_message(format!("{}/{epochs}", epoch + 1));
         let mut epoch_loss = 0.0;
@@ -83,6 +111,10 @@ pub fn train(epochs: u64, precision: Option<MixedPrecision>) -> anyhow::Result<R
             bar.inc(1);
         }
         final_loss = epoch_loss / train.len() as f32;
+        if project.is_some() {
+            acc.log(&[("train/loss", f64::from(final_loss))], epoch + 1)?;
+            acc.save_checkpoint(&Checkpoint::new(&model, &optim))?;
+        }
     }
     bar.finish_and_clear();
     let elapsed = started.elapsed();

@@ -9,8 +9,8 @@ use std::sync::{Mutex, MutexGuard, PoisonError};
 
 use accelerate_core::comm::{GroupOptions, ProcessGroup};
 use accelerate_core::{
-    AcceleratorConfig, ConfigOverrides, DynamicLossScaler, MixedPrecision, ProcessState,
-    ScaledStep, ScalerConfig,
+    AcceleratorConfig, ConfigOverrides, DynamicLossScaler, MetricsLogger, MixedPrecision,
+    ProcessState, ScaledStep, ScalerConfig, Tracker,
 };
 use burn::lr_scheduler::module_lr_scheduler::ModuleLrScheduler;
 use burn::module::Module;
@@ -57,6 +57,9 @@ pub struct Accelerator<B: AcceleratorBackend> {
     pub(crate) checkpoint_total_limit: Option<usize>,
     /// Whether a checkpoint of another world size may be loaded.
     pub(crate) resume_any_world_size: bool,
+    /// Trackers of [`log`](Accelerator::log), opened at the first call (main process).
+    trackers: Vec<Tracker>,
+    metrics: Mutex<Option<MetricsLogger>>,
     _backend: PhantomData<B>,
 }
 
@@ -70,6 +73,7 @@ pub struct AcceleratorBuilder<B: AcceleratorBackend> {
     project_dir: Option<PathBuf>,
     checkpoint_total_limit: Option<usize>,
     resume_any_world_size: bool,
+    trackers: Vec<Tracker>,
     _backend: PhantomData<B>,
 }
 
@@ -135,6 +139,13 @@ impl<B: AcceleratorBackend> AcceleratorBuilder<B> {
         self
     }
 
+    /// Where [`log`](Accelerator::log) writes metrics: a CSV file and/or TensorBoard event
+    /// files in `<project_dir>/logs` (needs [`project_dir`](Self::project_dir)).
+    pub fn log_with(mut self, trackers: &[Tracker]) -> Self {
+        self.trackers = trackers.to_vec();
+        self
+    }
+
     /// Uses `state` instead of reading the launcher environment.
     pub fn process_state(mut self, state: ProcessState) -> Self {
         self.state = Some(state);
@@ -155,6 +166,14 @@ impl<B: AcceleratorBackend> AcceleratorBuilder<B> {
             Some(state) => state,
             None => ProcessState::from_env()?,
         };
+        if !self.trackers.is_empty() && self.project_dir.is_none() {
+            return Err(AccelerateError::Tracking {
+                rank: state.rank,
+                reason: "log_with needs a directory for the logs. hint: also call \
+                         .project_dir(path); metrics go to <path>/logs"
+                    .into(),
+            });
+        }
         let config = self.overrides.resolve()?;
         let group = if state.is_distributed() {
             let options = match self.group_options {
@@ -208,6 +227,8 @@ impl<B: AcceleratorBackend> AcceleratorBuilder<B> {
             project_dir: self.project_dir,
             checkpoint_total_limit: self.checkpoint_total_limit,
             resume_any_world_size: self.resume_any_world_size,
+            trackers: self.trackers,
+            metrics: Mutex::new(None),
             state,
             config,
             device,
@@ -234,6 +255,7 @@ impl<B: AcceleratorBackend> Accelerator<B> {
             project_dir: None,
             checkpoint_total_limit: None,
             resume_any_world_size: false,
+            trackers: Vec::new(),
             _backend: PhantomData,
         }
     }
@@ -543,6 +565,31 @@ impl<B: AcceleratorBackend> Accelerator<B> {
             grads::scale(grads, factor, model);
         }
         Ok(Some(norm))
+    }
+
+    /// Records `metrics` (name, value) at `step` in the trackers chosen with
+    /// [`log_with`](AcceleratorBuilder::log_with), on the main process only (others return at
+    /// once). Files are flushed at every call, so `tensorboard --logdir <project>/logs` shows
+    /// the run as it trains.
+    pub fn log(&self, metrics: &[(&str, f64)], step: u64) -> Result<(), AccelerateError> {
+        if !self.is_main_process() || self.trackers.is_empty() {
+            return Ok(());
+        }
+        let mut logger = self.metrics.lock().unwrap_or_else(PoisonError::into_inner);
+        let failed = |reason: String| AccelerateError::Tracking {
+            rank: self.state.rank,
+            reason,
+        };
+        if logger.is_none() {
+            let dir = self.project_dir.clone().unwrap_or_default().join("logs");
+            *logger = Some(
+                MetricsLogger::create(dir, &self.trackers).map_err(|e| failed(e.to_string()))?,
+            );
+        }
+        match logger.as_mut() {
+            Some(logger) => logger.log(metrics, step).map_err(|e| failed(e.to_string())),
+            None => Ok(()),
+        }
     }
 
     /// The user's model as prepared. Prepared models are the user's own module type with no

@@ -298,16 +298,32 @@ impl<B: AcceleratorBackend> Accelerator<B> {
                 windows: shared.windows,
                 seed: self.config.seed,
                 scaler: shared.scaler.as_ref().map(|s| s.state()),
-                loader: shared.train.as_ref().map(|link| LoaderState {
-                    cursor: SamplerCursor {
-                        epoch: link.cursor_epoch,
-                        batches_consumed: link.batches,
-                    },
-                    start_sample: link.start_sample,
-                    samples_consumed: (link.start_sample
-                        + link.batches * link.sampler.global_batch_size())
-                    .min(link.sampler.config().len),
-                    sampler: link.sampler.config().clone(),
+                loader: shared.train.as_ref().map(|link| {
+                    let epoch_len = link.sampler.len_from_sample(link.start_sample);
+                    if link.batches >= epoch_len {
+                        // A finished epoch resumes at the start of the next one.
+                        LoaderState {
+                            cursor: SamplerCursor {
+                                epoch: link.cursor_epoch + 1,
+                                batches_consumed: 0,
+                            },
+                            start_sample: 0,
+                            samples_consumed: 0,
+                            sampler: link.sampler.config().clone(),
+                        }
+                    } else {
+                        LoaderState {
+                            cursor: SamplerCursor {
+                                epoch: link.cursor_epoch,
+                                batches_consumed: link.batches,
+                            },
+                            start_sample: link.start_sample,
+                            samples_consumed: (link.start_sample
+                                + link.batches * link.sampler.global_batch_size())
+                            .min(link.sampler.config().len),
+                            sampler: link.sampler.config().clone(),
+                        }
+                    }
                 }),
             }
         };
@@ -440,9 +456,15 @@ impl<B: AcceleratorBackend> Accelerator<B> {
 
         let mut model = model;
         let mut store = SafetensorsStore::from_file(dir.join(MODEL_FILE));
-        let applied = model
-            .load_from(&mut store)
-            .map_err(|e| fail(format!("{MODEL_FILE}: {e}")))?;
+        let applied = model.load_from(&mut store).map_err(|e| {
+            // Burn's message is a multi-line table; its first line says what went wrong.
+            let e = e.to_string();
+            let first = e.lines().next().unwrap_or_default().trim_end_matches([':', ' ']);
+            fail(format!(
+                "{MODEL_FILE} does not fit this model ({first}). hint: build the model the \
+                 checkpoint was saved from"
+            ))
+        })?;
         if !applied.errors.is_empty() || !applied.missing.is_empty() {
             let missing: Vec<&str> = applied.missing.iter().map(|(p, _)| p.as_str()).collect();
             return Err(fail(format!(

@@ -117,4 +117,13 @@ pub enum AccelerateError {
         /// What went wrong, and what to do.
         reason: String,
     },
+
+    /// Metrics could not be logged.
+    #[error("rank {rank}: logging metrics: {reason}")]
+    Tracking {
+        /// This process's rank.
+        rank: usize,
+        /// What went wrong, and what to do.
+        reason: String,
+    },
 }

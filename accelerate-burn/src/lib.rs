@@ -91,7 +91,7 @@ pub use precision::{Autocast, Caster};
 pub use prepare::Prepare;
 
 pub use accelerate_core::comm::Reduction;
-pub use accelerate_core::{AcceleratorConfig, MixedPrecision, ProcessState, ScalerConfig};
+pub use accelerate_core::{AcceleratorConfig, MixedPrecision, ProcessState, ScalerConfig, Tracker};
 /// The Burn this crate is built on, re-exported so users match its version.
 pub use burn;
 

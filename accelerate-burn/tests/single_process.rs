@@ -585,3 +585,88 @@ fn ndarray_asked_for_bf16_trains_in_f32() {
     let grads = acc.backward(loss, &model).unwrap();
     assert!(grads.get::<2>(model.hidden.weight.id).is_some());
 }
+
+/// Trains on the first `micro_batches` batches of the loader's current epoch.
+fn train_updates(
+    acc: &Accelerator<DefaultBackend>,
+    model: Net,
+    optim: &mut accelerate_burn::PreparedOptimizer,
+    train: &accelerate_burn::PreparedDataLoader<Item, (Tensor<2>, Tensor<2>)>,
+    micro_batches: usize,
+) -> Net {
+    let mut model = model;
+    for batch in train.iter().take(micro_batches) {
+        let grads = acc.backward(model.loss(batch.unwrap()), &model).unwrap();
+        model = optim.step(0.01, model, grads).unwrap();
+    }
+    model
+}
+
+#[test]
+fn a_checkpoint_restores_in_process_and_refuses_what_it_cannot_hold() {
+    use accelerate_burn::Checkpoint;
+    let tmp = tempfile::tempdir().unwrap();
+    let dir = tmp.path().join("ckpt");
+
+    let acc = accelerator(2);
+    let model = Net::new(&acc.device());
+    let (model, mut optim, train) = acc
+        .prepare((model, AdamWConfig::new().init(), loader(64, 4)))
+        .unwrap();
+    // Mid-window (3 micro-batches of windows of 2): refused, naming the fix.
+    let model = train_updates(&acc, model, &mut optim, &train, 3);
+    let err = acc
+        .save_state(&dir, &Checkpoint::new(&model, &optim).object("note", &"hi"))
+        .unwrap_err()
+        .to_string();
+    assert!(err.contains("middle of an accumulation window"), "{err}");
+    assert!(err.contains("sync_gradients"), "{err}");
+    assert!(!dir.exists());
+    // At a window boundary: saved (the epoch restarts: 2 more updates).
+    let model = train_updates(&acc, model, &mut optim, &train, 4);
+    acc.save_state(&dir, &Checkpoint::new(&model, &optim).object("note", &"hi"))
+        .unwrap();
+
+    // A fresh accelerator continues from it: same parameters, counters, objects.
+    let acc2 = accelerator(2);
+    let fresh = Net::new(&acc2.device());
+    let (fresh, mut optim2, _train2) = acc2
+        .prepare((fresh, AdamWConfig::new().init(), loader(64, 4)))
+        .unwrap();
+    let restored = acc2.load_state(&dir, fresh, &mut optim2, None).unwrap();
+    assert_eq!(restored.model.values(), model.values());
+    assert_eq!(restored.info.updates, 3);
+    assert_eq!(optim2.updates(), 3);
+    assert_eq!(
+        restored.info.object::<String>("note").unwrap().as_deref(),
+        Some("hi")
+    );
+    assert_eq!(restored.info.object::<String>("absent").unwrap(), None);
+    assert!(restored.info.object::<u32>("note").is_err());
+
+    // A model of another shape, or a directory that is not a checkpoint, is an error.
+    #[derive(Module, Debug)]
+    struct Other {
+        only: Linear,
+    }
+    let other = Other {
+        only: LinearConfig::new(FEATURES, 3).init(&acc2.device()),
+    };
+    let err = acc2
+        .load_state(&dir, other, &mut optim2, None)
+        .unwrap_err()
+        .to_string();
+    assert!(err.starts_with("rank 0: checkpoint "), "{err}");
+    assert!(err.contains("does not fit this model"), "{err}");
+    let err = acc2
+        .load_state(tmp.path(), Net::new(&acc2.device()), &mut optim2, None)
+        .unwrap_err()
+        .to_string();
+    assert!(err.contains("not a complete checkpoint"), "{err}");
+    // Automatic naming needs a project directory.
+    let err = acc2
+        .save_checkpoint(&Checkpoint::new(&restored.model, &optim2))
+        .unwrap_err()
+        .to_string();
+    assert!(err.contains("project_dir"), "{err}");
+}

@@ -30,6 +30,7 @@
 //! - [`distributed_sampler`]: each rank's batches of an epoch, padding and resume cursor.
 //! - [`checkpoint`]: checkpoint directories: manifest, per-rank state, atomic commit, rotation.
 //! - [`comm`]: the process group and its collectives (rendezvous, shared memory, TCP).
+//! - [`tracking`]: metrics to CSV and TensorBoard event files (main process).
 //! - `launch` (Unix): starting and supervising the workers of one machine.
 
 pub mod accumulation;
@@ -44,6 +45,7 @@ pub mod launch;
 pub mod sampler;
 pub mod scaler;
 pub mod state;
+pub mod tracking;
 
 pub use accumulation::{BatchPosition, GradientAccumulation, MicroStep};
 pub use checkpoint::{CheckpointError, CheckpointRotation, LoaderState, Manifest, RankState};
@@ -56,3 +58,4 @@ pub use distributed_sampler::{
 pub use error::{CommError, ConfigError, StateError};
 pub use scaler::{DynamicLossScaler, ScaledStep, ScalerConfig, ScalerState};
 pub use state::{EnvSource, Launcher, ProcessEnv, ProcessState};
+pub use tracking::{MetricsLogger, Tracker, TrackingError};
