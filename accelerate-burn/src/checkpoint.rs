@@ -459,7 +459,11 @@ impl<B: AcceleratorBackend> Accelerator<B> {
         let applied = model.load_from(&mut store).map_err(|e| {
             // Burn's message is a multi-line table; its first line says what went wrong.
             let e = e.to_string();
-            let first = e.lines().next().unwrap_or_default().trim_end_matches([':', ' ']);
+            let first = e
+                .lines()
+                .next()
+                .unwrap_or_default()
+                .trim_end_matches([':', ' ']);
             fail(format!(
                 "{MODEL_FILE} does not fit this model ({first}). hint: build the model the \
                  checkpoint was saved from"
