@@ -63,7 +63,8 @@ pub struct Accelerator<B: AcceleratorBackend> {
     _backend: PhantomData<B>,
 }
 
-/// Builds an [`Accelerator`]; values set here win over `ACCELERATE_*` variables.
+/// Builds an [`Accelerator`]; values set here win over `ACCELERATE_*` variables and the
+/// config file.
 pub struct AcceleratorBuilder<B: AcceleratorBackend> {
     overrides: ConfigOverrides,
     state: Option<ProcessState>,
@@ -238,8 +239,9 @@ impl<B: AcceleratorBackend> AcceleratorBuilder<B> {
 }
 
 impl<B: AcceleratorBackend> Accelerator<B> {
-    /// An accelerator configured from the launcher environment and `ACCELERATE_*` variables;
-    /// with neither, rank 0 of 1 with default settings.
+    /// An accelerator configured from the launcher environment, `ACCELERATE_*` variables and
+    /// the config file (`accelerate config`), in that order; with none of them, rank 0 of 1
+    /// with default settings.
     pub fn from_env() -> Result<Self, AccelerateError> {
         Self::builder().build()
     }
