@@ -25,7 +25,7 @@ use accelerate_core::checkpoint::{
 use accelerate_core::sampler::SplitMix64;
 use accelerate_core::{CheckpointError, SamplerCursor};
 use burn::lr_scheduler::LrSchedulerRecord;
-use burn::module::{Module, ModuleMapper, ModuleVisitor, Param, ParamId};
+use burn::module::{Module, ModuleMapper, Param, ParamId};
 use burn::optim::OptimizerRecord;
 use burn::store::{ModuleSnapshot, SafetensorsStore};
 use burn::tensor::Tensor;
@@ -147,15 +147,10 @@ pub(crate) fn window_seed(seed: u64, rank: usize, windows: u64) -> u64 {
 }
 
 fn param_ids<M: Module>(model: &M) -> Vec<u64> {
-    struct Ids(Vec<u64>);
-    impl ModuleVisitor for Ids {
-        fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<D>>) {
-            self.0.push(param.id.val());
-        }
-    }
-    let mut ids = Ids(Vec::new());
-    model.visit(&mut ids);
-    ids.0
+    crate::sync::parameters(model)
+        .into_iter()
+        .map(|(id, _)| id)
+        .collect()
 }
 
 fn set_param_ids<M: Module>(model: M, ids: Vec<u64>) -> M {

@@ -6,7 +6,6 @@ use accelerate_core::comm::Reduction;
 use accelerate_core::{DistributedSampler, SamplerConfig};
 use burn::data::dataloader::batcher::Batcher;
 use burn::data::dataset::InMemDataset;
-use burn::module::{Module, ModuleVisitor, Param};
 use burn::nn::{Linear, LinearConfig};
 use burn::optim::SgdConfig;
 use burn::tensor::{Device, Tensor, TensorData};
@@ -157,18 +156,6 @@ impl Batcher<f32, (Tensor<2>, Tensor<2>)> for Line {
     }
 }
 
-fn parameters<M: Module>(model: &M) -> Vec<f32> {
-    struct Collect(Vec<f32>);
-    impl ModuleVisitor for Collect {
-        fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<D>>) {
-            self.0.extend(param.val().into_data().iter::<f32>());
-        }
-    }
-    let mut collect = Collect(Vec::new());
-    model.visit(&mut collect);
-    collect.0
-}
-
 fn training<B: AcceleratorBackend>(
     acc: &Accelerator<B>,
 ) -> Result<Result<String, String>, AccelerateError> {
@@ -190,7 +177,7 @@ fn training<B: AcceleratorBackend>(
         let grads = acc.backward(loss, &model)?;
         model = optim.step(0.1, model, grads)?;
     }
-    let mine = parameters(&model);
+    let mine = crate::sync::flatten(&model);
     let all: Vec<Vec<u32>> = acc
         .group()
         .all_gather_object(&mine.iter().map(|v| v.to_bits()).collect::<Vec<u32>>())?;

@@ -20,7 +20,7 @@ use half::{bf16, f16};
 use crate::error::AccelerateError;
 
 /// Ids and shapes of `model`'s float parameters, in visit order.
-fn parameters<M: Module>(model: &M) -> Vec<(u64, Vec<usize>)> {
+pub(crate) fn parameters<M: Module>(model: &M) -> Vec<(u64, Vec<usize>)> {
     struct Collect(Vec<(u64, Vec<usize>)>);
     impl ModuleVisitor for Collect {
         fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<D>>) {
@@ -120,7 +120,8 @@ pub(crate) fn broadcast_parameters<M: Module>(
 }
 
 /// Every float parameter's values, as f32, concatenated in visit order.
-fn flatten<M: Module>(model: &M) -> Vec<f32> {
+/// Every float parameter of `model` as f32, concatenated in visit order.
+pub(crate) fn flatten<M: Module>(model: &M) -> Vec<f32> {
     struct Flatten(Vec<f32>);
     impl ModuleVisitor for Flatten {
         fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<D>>) {

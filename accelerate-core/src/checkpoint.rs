@@ -142,8 +142,13 @@ fn io(action: &'static str, path: &Path) -> impl FnOnce(std::io::Error) -> Check
 
 /// The directory a save of `dir` writes into before it is committed.
 pub fn partial_dir(dir: &Path) -> PathBuf {
+    with_suffix(dir, PARTIAL_SUFFIX)
+}
+
+/// `dir` with `suffix` appended to its last component.
+fn with_suffix(dir: &Path, suffix: &str) -> PathBuf {
     let mut name = dir.file_name().unwrap_or_default().to_os_string();
-    name.push(PARTIAL_SUFFIX);
+    name.push(suffix);
     dir.with_file_name(name)
 }
 
@@ -201,11 +206,7 @@ pub fn commit(dir: &Path, partial: &Path, manifest: &Manifest) -> Result<(), Che
     check_files(partial, manifest)?;
     write_json(&partial.join(MANIFEST_FILE), manifest)?;
     sync_dir(partial)?;
-    let old = dir.with_file_name({
-        let mut name = dir.file_name().unwrap_or_default().to_os_string();
-        name.push(".old");
-        name
-    });
+    let old = with_suffix(dir, ".old");
     let replacing = dir.exists();
     if replacing {
         if old.exists() {
