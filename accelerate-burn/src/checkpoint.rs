@@ -508,32 +508,36 @@ impl<B: AcceleratorBackend> Accelerator<B> {
         shared.accumulated = None;
         shared.step_skipped = false;
         shared.windows = saved.windows;
-        if let (Some(scaler), Some(state)) = (shared.scaler.as_mut(), saved.scaler) {
-            scaler.load_state(state);
+        match (shared.scaler.as_mut(), saved.scaler) {
+            (Some(scaler), Some(state)) => scaler.load_state(state),
+            (None, None) => {}
+            (now, _) => tracing::warn!(
+                "the checkpoint was saved {} fp16 loss scaling and this run is {}: the loss \
+                 scale starts afresh",
+                if now.is_some() { "without" } else { "with" },
+                if now.is_some() { "fp16" } else { "not" },
+            ),
         }
         if let Some(seed) = self.config.seed {
             self.device.seed(window_seed(seed, rank, saved.windows));
         }
-        if let (Some(link), Some(loader)) = (shared.train.as_ref(), saved.loader.as_ref()) {
-            if link.sampler.config() != &loader.sampler {
-                return Err(fail(format!(
-                    "the training loader differs from the saved one (saved {:?}, now {:?}). \
-                     hint: resume with the same data set, batch size and shuffling",
-                    loader.sampler,
-                    link.sampler.config()
-                )));
-            }
+        if let Some(loader) = saved.loader {
             let skip = if same_world && loader.start_sample == 0 {
                 Skip::Batches(loader.cursor.batches_consumed)
             } else {
                 Skip::Samples(loader.samples_consumed)
             };
-            link.epoch
-                .store(loader.cursor.epoch, std::sync::atomic::Ordering::Relaxed);
-            shared.resume = Some(ResumePoint {
+            let point = ResumePoint {
+                checkpoint: dir.to_path_buf(),
+                sampler: loader.sampler,
                 epoch: loader.cursor.epoch,
                 skip,
-            });
+            };
+            // A loader prepared later takes the point when it is prepared.
+            if let Some(link) = shared.train.as_ref() {
+                link.attach(&point).map_err(fail)?;
+            }
+            shared.resume = Some(point);
         }
         drop(shared);
         tracing::info!(rank, path = %dir.display(), updates = saved.updates, "checkpoint loaded");

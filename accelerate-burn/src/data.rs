@@ -171,13 +171,24 @@ impl<I, O> PreparedDataLoader<I, O> {
         let epoch = Arc::new(AtomicU64::new(0));
         if let LoaderRole::Train = role {
             // Checkpoints follow the latest prepared training loader.
-            shared.lock().train = Some(TrainLoaderLink {
+            let link = TrainLoaderLink {
                 epoch: Arc::clone(&epoch),
                 sampler: sampler.clone(),
                 cursor_epoch: 0,
                 batches: 0,
                 start_sample: 0,
-            });
+            };
+            let mut shared = shared.lock();
+            if let Some(point) = shared.resume.as_ref() {
+                // A checkpoint was loaded before this loader was prepared.
+                link.attach(point)
+                    .map_err(|reason| AccelerateError::Checkpoint {
+                        rank,
+                        path: point.checkpoint.clone(),
+                        reason,
+                    })?;
+            }
+            shared.train = Some(link);
         }
         Ok(Self {
             sampler,

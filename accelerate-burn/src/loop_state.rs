@@ -1,10 +1,11 @@
 //! The bookkeeping shared by an accelerator and what it prepared: the accumulation state
 //! machine and the gradients of the open window.
 
-use std::sync::atomic::AtomicU64;
+use std::path::PathBuf;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
 
-use accelerate_core::{DistributedSampler, DynamicLossScaler, GradientAccumulation};
+use accelerate_core::{DistributedSampler, DynamicLossScaler, GradientAccumulation, SamplerConfig};
 use burn::optim::GradientsParams;
 
 /// State shared between an [`Accelerator`](crate::Accelerator), its prepared optimizers,
@@ -49,9 +50,30 @@ pub(crate) struct TrainLoaderLink {
     pub start_sample: usize,
 }
 
-/// Where a resumed training loader continues.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+impl TrainLoaderLink {
+    /// Moves this loader to the epoch of `point`, if it cuts its data as the saved one did.
+    pub fn attach(&self, point: &ResumePoint) -> Result<(), String> {
+        if self.sampler.config() != &point.sampler {
+            return Err(format!(
+                "the training loader differs from the saved one (saved {:?}, now {:?}). hint: \
+                 resume with the same data set, batch size and shuffling",
+                point.sampler,
+                self.sampler.config()
+            ));
+        }
+        self.epoch.store(point.epoch, Ordering::Relaxed);
+        Ok(())
+    }
+}
+
+/// Where a resumed training loader continues (kept until a training loader takes it, so the
+/// loader may be prepared before or after the checkpoint is loaded).
+#[derive(Debug, Clone, PartialEq, Eq)]
 pub(crate) struct ResumePoint {
+    /// The checkpoint it came from, for errors.
+    pub checkpoint: PathBuf,
+    /// How the saved loader cut its data.
+    pub sampler: SamplerConfig,
     /// The epoch to continue.
     pub epoch: u64,
     /// What to skip of it.
