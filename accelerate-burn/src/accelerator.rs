@@ -5,9 +5,9 @@ use std::marker::PhantomData;
 use std::path::{Path, PathBuf};
 
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
-use std::sync::{Mutex, MutexGuard, PoisonError};
+use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
 
-use accelerate_core::comm::{GroupOptions, ProcessGroup};
+use accelerate_core::comm::{GroupOptions, ProcessGroup, Reduction};
 use accelerate_core::{
     AcceleratorConfig, ConfigOverrides, DynamicLossScaler, MetricsLogger, MixedPrecision,
     ProcessState, ScaledStep, ScalerConfig, Tracker,
@@ -21,6 +21,7 @@ use burn::tensor::{DType, Device, Tensor};
 use crate::backend::AcceleratorBackend;
 use crate::data::{DataLoader, LoaderRole, PreparedDataLoader};
 use crate::error::AccelerateError;
+use crate::fused::{FlatEngine, FusedOptimizer};
 use crate::grads;
 use crate::loop_state::SharedLoop;
 use crate::optim::{PreparedOptimizer, PreparedScheduler};
@@ -47,7 +48,8 @@ pub struct Accelerator<B: AcceleratorBackend> {
     pub(crate) device: Device,
     pub(crate) shared: SharedLoop,
     compute_dtype: DType,
-    pub(crate) group: Mutex<ProcessGroup>,
+    /// Shared with prepared fused optimizers, whose ZeRO step gathers parameters.
+    pub(crate) group: Arc<Mutex<ProcessGroup>>,
     pub(crate) trigger: AtomicBool,
     /// Nanoseconds spent averaging gradients across processes.
     communication_ns: AtomicU64,
@@ -102,6 +104,14 @@ impl<B: AcceleratorBackend> AcceleratorBuilder<B> {
     /// accumulate in f32); wins over `ACCELERATE_GRADIENT_COMMUNICATION`. Off by default.
     pub fn gradient_communication(mut self, precision: MixedPrecision) -> Self {
         self.overrides.gradient_communication = Some(precision);
+        self
+    }
+
+    /// ZeRO stage of a fused optimizer: 1 shards the optimizer state across the processes
+    /// (each updates its 1/N of the parameters); 0 (default) keeps all of it everywhere. Wins
+    /// over `ACCELERATE_ZERO_STAGE`.
+    pub fn zero_stage(mut self, stage: u8) -> Self {
+        self.overrides.zero_stage = Some(stage);
         self
     }
 
@@ -222,7 +232,7 @@ impl<B: AcceleratorBackend> AcceleratorBuilder<B> {
         Ok(Accelerator {
             shared,
             compute_dtype,
-            group: Mutex::new(group),
+            group: Arc::new(Mutex::new(group)),
             trigger: AtomicBool::new(false),
             communication_ns: AtomicU64::new(0),
             project_dir: self.project_dir,
@@ -349,9 +359,38 @@ impl<B: AcceleratorBackend> Accelerator<B> {
         self.group.lock().unwrap_or_else(PoisonError::into_inner)
     }
 
-    /// Wraps Burn's optimizer so that it steps once per accumulation window.
+    /// Wraps Burn's optimizer so that it steps once per accumulation window. (ZeRO needs a
+    /// fused optimizer; with Burn's, `zero_stage` is ignored with a warning.)
     pub fn prepare_optimizer(&self, optim: ModuleOptimizer) -> PreparedOptimizer {
+        if self.config.zero_stage > 0 && self.is_main_process() {
+            eprintln!(
+                "warning: zero_stage {} needs a fused optimizer (FusedOptimizer::adamw(...)); \
+                 Burn's optimizer keeps all of its state on every process",
+                self.config.zero_stage
+            );
+        }
         PreparedOptimizer::new(optim, self.shared.clone())
+    }
+
+    /// Prepares a fused optimizer: the model's trainable parameters, their gradients and the
+    /// optimizer state become flat f32 buffers, updated by one fused pass per step (see
+    /// [`crate::fused`]); with `zero_stage(1)` and several processes the state is sharded.
+    pub fn prepare_fused_optimizer(
+        &self,
+        optimizer: FusedOptimizer,
+    ) -> Result<PreparedOptimizer, AccelerateError> {
+        if self.config.gradient_communication != MixedPrecision::No {
+            return Err(AccelerateError::FusedOptimizer {
+                reason: "compressed gradient communication is not fused yet. hint: leave \
+                         gradient_communication at `no` with a fused optimizer"
+                    .into(),
+            });
+        }
+        self.shared.lock().flat = Some(FlatEngine::new(optimizer, self.config.zero_stage));
+        Ok(PreparedOptimizer::fused(
+            self.shared.clone(),
+            Arc::clone(&self.group),
+        ))
     }
 
     /// Wraps a Burn learning-rate scheduler so that it advances once per optimizer update, not
@@ -441,6 +480,9 @@ impl<B: AcceleratorBackend> Accelerator<B> {
                 shared.windows,
             ));
         }
+        if shared.flat.is_some() {
+            return self.backward_flat(&mut shared, summed, model);
+        }
         let inv_scale = shared.scaler.as_ref().map(DynamicLossScaler::inv_scale);
         let host_overflow = self.average_if_distributed(&mut summed, model, inv_scale)?;
         shared.step_skipped = false;
@@ -463,6 +505,49 @@ impl<B: AcceleratorBackend> Accelerator<B> {
             }
         }
         Ok(summed)
+    }
+
+    /// The end of a completed window with a fused optimizer: the gradients go into the flat
+    /// buffer, are averaged (or reduce-scattered) and unscaled there, and the step reads them
+    /// from there; the returned set is empty.
+    fn backward_flat<M: Module>(
+        &self,
+        shared: &mut crate::loop_state::LoopState,
+        summed: GradientsParams,
+        model: &M,
+    ) -> Result<GradientsParams, AccelerateError> {
+        let (rank, world) = (self.state.rank, self.state.world_size);
+        let inv_scale = shared.scaler.as_ref().map(DynamicLossScaler::inv_scale);
+        let Some(engine) = shared.flat.as_mut() else {
+            return Ok(summed);
+        };
+        let sharded = engine.zero_stage >= 1 && world > 1;
+        let layout = engine.ensure_layout(model, rank, world)?;
+        layout.gather_grads(&summed, model, rank)?;
+        drop(summed);
+        let started = std::time::Instant::now();
+        let overflow = if self.state.is_distributed() {
+            layout.average(Some(&mut self.group()), sharded, inv_scale)?
+        } else {
+            layout.average(None, false, inv_scale)?
+        };
+        if self.state.is_distributed() {
+            let spent = u64::try_from(started.elapsed().as_nanos()).unwrap_or(u64::MAX);
+            self.communication_ns.fetch_add(spent, Ordering::Relaxed);
+        }
+        layout.clip_factor = 1.0;
+        layout.grads_ready = true;
+        shared.step_skipped = false;
+        if let Some(scaler) = shared.scaler.as_mut()
+            && scaler.update(overflow) == ScaledStep::Skip
+        {
+            if let Some(layout) = shared.flat.as_mut().and_then(|e| e.layout.as_mut()) {
+                layout.grads_ready = false;
+            }
+            shared.accumulation.skip_update();
+            shared.step_skipped = true;
+        }
+        Ok(GradientsParams::new())
     }
 
     /// With several processes, averages `grads` over them (bucketed all-reduce) and, given
@@ -558,6 +643,22 @@ impl<B: AcceleratorBackend> Accelerator<B> {
         grads: &mut GradientsParams,
         max_norm: f32,
     ) -> Result<Option<f32>, AccelerateError> {
+        if let Some(engine) = self.shared.lock().flat.as_mut() {
+            // Fused: the norm of the flat gradients; the step applies the factor.
+            let Some(layout) = engine.layout.as_mut().filter(|l| l.grads_ready) else {
+                return Ok(None);
+            };
+            let mut sum = [layout.shard_sum_of_squares() as f32];
+            if engine.zero_stage >= 1 && self.state.is_distributed() {
+                self.group().all_reduce(&mut sum, Reduction::Sum)?;
+            }
+            let norm = sum[0].sqrt();
+            let factor = accelerate_kernels::clip_coefficient(norm, max_norm);
+            if factor < 1.0 || factor.is_nan() {
+                layout.clip_factor = factor;
+            }
+            return Ok(Some(norm));
+        }
         let Some(norm) = grads::global_norm(grads, model) else {
             return Ok(None);
         };

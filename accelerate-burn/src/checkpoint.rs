@@ -35,6 +35,7 @@ use serde::{Deserialize, Serialize};
 use crate::accelerator::{Accelerator, MODEL_FILE};
 use crate::backend::AcceleratorBackend;
 use crate::error::AccelerateError;
+use crate::fused::FusedStateFile;
 use crate::loop_state::{ResumePoint, Skip};
 use crate::optim::{PreparedOptimizer, PreparedScheduler};
 
@@ -47,6 +48,13 @@ pub const TRAINING_STATE_FILE: &str = "training_state.json";
 
 fn rank_file(rank: usize) -> String {
     format!("rank_{rank}.json")
+}
+
+/// Prefix of the fused optimizer state files (`fused_optimizer_<rank>.bin`).
+const FUSED_PREFIX: &str = "fused_optimizer_";
+
+fn fused_file(rank: usize) -> String {
+    format!("{FUSED_PREFIX}{rank}.bin")
 }
 
 /// What to save besides what the accelerator tracks itself: the model, its prepared
@@ -326,6 +334,27 @@ impl<B: AcceleratorBackend> Accelerator<B> {
         let bytes =
             checkpoint::write_json(&partial.join(&name), &state).map_err(|e| e.to_string())?;
         add(&name, "loop state of one process (JSON)", Some(rank), bytes);
+        // A fused optimizer's state: every rank's shard with ZeRO, else the main process's.
+        let fused_state = {
+            let shared = self.shared.lock();
+            shared.flat.as_ref().and_then(|engine| {
+                let sharded = engine.zero_stage >= 1 && self.state.is_distributed();
+                (sharded || self.is_main_process())
+                    .then(|| engine.state_file())
+                    .flatten()
+            })
+        };
+        if let Some(state) = fused_state {
+            let name = fused_file(rank);
+            let bytes = checkpoint::write_synced(&partial.join(&name), &state.to_bytes())
+                .map_err(|e| e.to_string())?;
+            add(
+                &name,
+                "fused optimizer state of one shard (JSON header, f32 data)",
+                Some(rank),
+                bytes,
+            );
+        }
         if !self.is_main_process() {
             return Ok(files);
         }
@@ -343,19 +372,19 @@ impl<B: AcceleratorBackend> Accelerator<B> {
             synced(&path)?,
         );
 
-        let path = partial.join(OPTIMIZER_FILE);
-        checkpoint
-            .optimizer
-            .inner()
-            .to_record()
-            .save(&path)
-            .map_err(|e| format!("optimizer record: {e}"))?;
-        add(
-            OPTIMIZER_FILE,
-            "optimizer record (burnpack)",
-            None,
-            synced(&path)?,
-        );
+        if let Some(inner) = checkpoint.optimizer.inner() {
+            let path = partial.join(OPTIMIZER_FILE);
+            inner
+                .to_record()
+                .save(&path)
+                .map_err(|e| format!("optimizer record: {e}"))?;
+            add(
+                OPTIMIZER_FILE,
+                "optimizer record (burnpack)",
+                None,
+                synced(&path)?,
+            );
+        }
 
         if let Some(scheduler) = checkpoint.scheduler {
             let record = scheduler.record_at(state.updates).ok_or_else(|| {
@@ -483,10 +512,47 @@ impl<B: AcceleratorBackend> Accelerator<B> {
         }
         let model = set_param_ids(model, training.param_ids);
 
-        let record = OptimizerRecord::load(dir.join(OPTIMIZER_FILE))
-            .map_err(|e| fail(format!("{OPTIMIZER_FILE}: {e}")))?;
-        let loaded = optimizer.inner().clone().load_record(record);
-        *optimizer.inner_mut() = loaded;
+        let fused_files: Vec<&str> = manifest
+            .files
+            .iter()
+            .map(|f| f.name.as_str())
+            .filter(|name| name.starts_with(FUSED_PREFIX))
+            .collect();
+        if let Some(inner) = optimizer.inner_mut() {
+            if !fused_files.is_empty() {
+                return Err(fail(
+                    "it holds a fused optimizer's state. hint: prepare the same fused \
+                     optimizer (FusedOptimizer::...) to resume from it"
+                        .into(),
+                ));
+            }
+            let record = OptimizerRecord::load(dir.join(OPTIMIZER_FILE))
+                .map_err(|e| fail(format!("{OPTIMIZER_FILE}: {e}")))?;
+            *inner = inner.clone().load_record(record);
+        } else {
+            let has_burn_record = manifest.files.iter().any(|f| f.name == OPTIMIZER_FILE);
+            if has_burn_record {
+                return Err(fail(
+                    "it holds Burn's optimizer record, this run uses a fused optimizer. \
+                     hint: resume with the optimizer it was saved with"
+                        .into(),
+                ));
+            }
+            let mut states = Vec::new();
+            for name in fused_files {
+                let bytes =
+                    std::fs::read(dir.join(name)).map_err(|e| fail(format!("{name}: {e}")))?;
+                states.push(
+                    FusedStateFile::from_bytes(&bytes).map_err(|e| fail(format!("{name}: {e}")))?,
+                );
+            }
+            let mut shared = self.shared.lock();
+            if let Some(engine) = shared.flat.as_mut() {
+                // Rebuilt from the loaded model at the next window, with this state.
+                engine.layout = None;
+                engine.pending = (!states.is_empty()).then_some(states);
+            }
+        }
         match (scheduler, training.scheduler) {
             (Some(scheduler), true) => {
                 let record = LrSchedulerRecord::load(dir.join(SCHEDULER_FILE))

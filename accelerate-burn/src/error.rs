@@ -126,4 +126,11 @@ pub enum AccelerateError {
         /// What went wrong, and what to do.
         reason: String,
     },
+
+    /// A fused optimizer cannot be built or used as asked.
+    #[error("fused optimizer: {reason}")]
+    FusedOptimizer {
+        /// What is wrong, and what to do.
+        reason: String,
+    },
 }

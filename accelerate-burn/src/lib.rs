@@ -54,6 +54,7 @@
 //!   `split_between_processes`, `set_trigger` / `check_trigger`.
 //! - [`PreparedOptimizer`] / [`PreparedScheduler`]: one step per accumulation window.
 //! - [`selftest`]: the checks `accelerate test` runs on every process.
+//! - [`fused`]: fused AdamW / Adam / SGD over flat parameters, and ZeRO-1.
 //! - [`checkpoint`]: `save_state` / `load_state` with exact resume, atomic saves, rotation.
 //!
 //! # Feature flags
@@ -73,6 +74,7 @@ pub mod checkpoint;
 mod collectives;
 mod data;
 mod error;
+pub mod fused;
 mod grads;
 mod loop_state;
 mod optim;
@@ -86,9 +88,10 @@ pub use backend::{AcceleratorBackend, DefaultBackend, enabled_backends};
 pub use checkpoint::{Checkpoint, CheckpointInfo, Restored};
 pub use data::{BatchIter, DEFAULT_PREFETCH, DataLoader, DataLoaderBuilder, PreparedDataLoader};
 pub use error::AccelerateError;
+pub use fused::FusedOptimizer;
 pub use optim::{PreparedOptimizer, PreparedScheduler};
 pub use precision::{Autocast, Caster};
-pub use prepare::Prepare;
+pub use prepare::{OptimizerSource, Prepare};
 
 pub use accelerate_core::comm::Reduction;
 pub use accelerate_core::{AcceleratorConfig, MixedPrecision, ProcessState, ScalerConfig, Tracker};

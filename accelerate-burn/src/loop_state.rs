@@ -33,6 +33,8 @@ pub(crate) struct LoopState {
     pub train: Option<TrainLoaderLink>,
     /// Where the training loader continues after a checkpoint was loaded.
     pub resume: Option<ResumePoint>,
+    /// The flat buffers of a fused optimizer, when one was prepared.
+    pub flat: Option<crate::fused::FlatEngine>,
 }
 
 /// What a checkpoint needs of the (latest prepared) training loader.
@@ -101,6 +103,7 @@ impl SharedLoop {
             windows: 0,
             train: None,
             resume: None,
+            flat: None,
         })))
     }
 

@@ -6,24 +6,45 @@ use burn::lr_scheduler::module_lr_scheduler::{ModuleLearningRate, ModuleLrSchedu
 use burn::module::Module;
 use burn::optim::{GradientsParams, ModuleOptimizer};
 
+use std::sync::{Arc, Mutex, PoisonError};
+
+use accelerate_core::comm::ProcessGroup;
+
 use crate::error::AccelerateError;
 use crate::loop_state::SharedLoop;
 
-/// Burn's [`ModuleOptimizer`], stepping only when the latest backward pass completed an
+/// A prepared optimizer: Burn's [`ModuleOptimizer`], or a fused one over flat buffers
+/// ([`crate::fused`]); either steps only when the latest backward pass completed an
 /// accumulation window.
 pub struct PreparedOptimizer {
-    inner: ModuleOptimizer,
+    kind: Kind,
     shared: SharedLoop,
+}
+
+enum Kind {
+    Burn(ModuleOptimizer),
+    /// The flat buffers live in the shared loop state; the group gathers ZeRO shards.
+    Fused(Arc<Mutex<ProcessGroup>>),
 }
 
 impl PreparedOptimizer {
     pub(crate) fn new(inner: ModuleOptimizer, shared: SharedLoop) -> Self {
-        Self { inner, shared }
+        Self {
+            kind: Kind::Burn(inner),
+            shared,
+        }
+    }
+
+    pub(crate) fn fused(shared: SharedLoop, group: Arc<Mutex<ProcessGroup>>) -> Self {
+        Self {
+            kind: Kind::Fused(group),
+            shared,
+        }
     }
 
     /// Applies `grads` (from [`Accelerator::backward`](crate::Accelerator::backward)) with
-    /// learning rate `lr` (a number, or a prepared scheduler's step) when an update is due, and returns the updated model; on the other
-    /// micro-batches returns `model` unchanged.
+    /// learning rate `lr` (a number, or a prepared scheduler's step) when an update is due,
+    /// and returns the updated model; on the other micro-batches returns `model` unchanged.
     ///
     /// Gradients that no completed window produced (a second step for the same update, or
     /// gradients from a plain `loss.backward()`) are an error rather than a silent no-op.
@@ -33,16 +54,40 @@ impl PreparedOptimizer {
         model: M,
         grads: GradientsParams,
     ) -> Result<M, AccelerateError> {
-        let (due, rank) = {
-            let mut shared = self.shared.lock();
-            (shared.accumulation.take_update(), shared.rank)
-        };
-        if due {
-            Ok(self.inner.step(lr, model, grads))
-        } else if grads.is_empty() {
-            Ok(model)
-        } else {
-            Err(AccelerateError::UnexpectedGradients { rank })
+        let mut shared = self.shared.lock();
+        let (due, rank) = (shared.accumulation.take_update(), shared.rank);
+        if !due {
+            return if grads.is_empty() {
+                Ok(model)
+            } else {
+                Err(AccelerateError::UnexpectedGradients { rank })
+            };
+        }
+        match &mut self.kind {
+            Kind::Burn(inner) => {
+                drop(shared);
+                Ok(inner.step(lr, model, grads))
+            }
+            Kind::Fused(group) => {
+                if !grads.is_empty() {
+                    return Err(AccelerateError::UnexpectedGradients { rank });
+                }
+                let Some(engine) = shared.flat.as_mut() else {
+                    return Ok(model);
+                };
+                let optimizer = engine.optimizer.clone();
+                let sharded = engine.zero_stage >= 1;
+                let Some(layout) = engine.layout.as_mut().filter(|l| l.grads_ready) else {
+                    return Err(AccelerateError::UnexpectedGradients { rank });
+                };
+                layout.grads_ready = false;
+                layout.step(&optimizer, &lr.into(), layout.clip_factor);
+                if sharded && layout.shard.len() < layout.padded {
+                    let mut group = group.lock().unwrap_or_else(PoisonError::into_inner);
+                    layout.gather_params(&mut group)?;
+                }
+                Ok(layout.upload(model))
+            }
         }
     }
 
@@ -51,19 +96,34 @@ impl PreparedOptimizer {
         self.shared.lock().accumulation.updates()
     }
 
-    /// Burn's optimizer, for its records and settings.
-    pub fn inner(&self) -> &ModuleOptimizer {
-        &self.inner
+    /// Burn's optimizer, for its records and settings (`None` for a fused optimizer).
+    pub fn inner(&self) -> Option<&ModuleOptimizer> {
+        match &self.kind {
+            Kind::Burn(inner) => Some(inner),
+            Kind::Fused(_) => None,
+        }
     }
 
-    /// Burn's optimizer, mutably (to load a record, for instance).
-    pub fn inner_mut(&mut self) -> &mut ModuleOptimizer {
-        &mut self.inner
+    /// Burn's optimizer, mutably (to load a record, for instance; `None` for a fused one).
+    pub fn inner_mut(&mut self) -> Option<&mut ModuleOptimizer> {
+        match &mut self.kind {
+            Kind::Burn(inner) => Some(inner),
+            Kind::Fused(_) => None,
+        }
     }
 
-    /// Unwraps Burn's optimizer.
-    pub fn into_inner(self) -> ModuleOptimizer {
-        self.inner
+    /// True for a fused optimizer.
+    pub fn is_fused(&self) -> bool {
+        matches!(self.kind, Kind::Fused(_))
+    }
+
+    /// Bytes of optimizer state (moments, velocities) this process holds for a fused optimizer:
+    /// with ZeRO-1 on N processes, 1/N of the unsharded amount. `None` for Burn's optimizer,
+    /// and before the first completed window.
+    pub fn state_bytes(&self) -> Option<usize> {
+        let shared = self.shared.lock();
+        let layout = shared.flat.as_ref()?.layout.as_ref()?;
+        Some(layout.state_bytes())
     }
 }
 

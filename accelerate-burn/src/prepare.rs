@@ -7,6 +7,7 @@ use crate::accelerator::Accelerator;
 use crate::backend::AcceleratorBackend;
 use crate::data::{DataLoader, PreparedDataLoader};
 use crate::error::AccelerateError;
+use crate::fused::FusedOptimizer;
 use crate::optim::PreparedOptimizer;
 
 /// Something an accelerator can prepare: an optimizer, a data loader, or the tuples
@@ -21,11 +22,47 @@ pub trait Prepare<B: AcceleratorBackend> {
     fn prepare(self, acc: &Accelerator<B>) -> Result<Self::Prepared, AccelerateError>;
 }
 
+/// An optimizer `prepare` accepts: Burn's [`ModuleOptimizer`] (what `config.init()` returns)
+/// or a [`FusedOptimizer`].
+pub trait OptimizerSource {
+    /// Prepares it for `acc`.
+    fn prepare_for<B: AcceleratorBackend>(
+        self,
+        acc: &Accelerator<B>,
+    ) -> Result<PreparedOptimizer, AccelerateError>;
+}
+
+impl OptimizerSource for ModuleOptimizer {
+    fn prepare_for<B: AcceleratorBackend>(
+        self,
+        acc: &Accelerator<B>,
+    ) -> Result<PreparedOptimizer, AccelerateError> {
+        Ok(acc.prepare_optimizer(self))
+    }
+}
+
+impl OptimizerSource for FusedOptimizer {
+    fn prepare_for<B: AcceleratorBackend>(
+        self,
+        acc: &Accelerator<B>,
+    ) -> Result<PreparedOptimizer, AccelerateError> {
+        acc.prepare_fused_optimizer(self)
+    }
+}
+
 impl<B: AcceleratorBackend> Prepare<B> for ModuleOptimizer {
     type Prepared = PreparedOptimizer;
 
     fn prepare(self, acc: &Accelerator<B>) -> Result<Self::Prepared, AccelerateError> {
-        Ok(acc.prepare_optimizer(self))
+        self.prepare_for(acc)
+    }
+}
+
+impl<B: AcceleratorBackend> Prepare<B> for FusedOptimizer {
+    type Prepared = PreparedOptimizer;
+
+    fn prepare(self, acc: &Accelerator<B>) -> Result<Self::Prepared, AccelerateError> {
+        self.prepare_for(acc)
     }
 }
 
@@ -37,15 +74,17 @@ impl<B: AcceleratorBackend, I, O> Prepare<B> for DataLoader<I, O> {
     }
 }
 
-impl<B: AcceleratorBackend, M: Module> Prepare<B> for (M, ModuleOptimizer) {
+impl<B: AcceleratorBackend, M: Module, S: OptimizerSource> Prepare<B> for (M, S) {
     type Prepared = (M, PreparedOptimizer);
 
     fn prepare(self, acc: &Accelerator<B>) -> Result<Self::Prepared, AccelerateError> {
-        Ok((acc.prepare_model(self.0)?, acc.prepare_optimizer(self.1)))
+        Ok((acc.prepare_model(self.0)?, self.1.prepare_for(acc)?))
     }
 }
 
-impl<B: AcceleratorBackend, M: Module, I, O> Prepare<B> for (M, ModuleOptimizer, DataLoader<I, O>) {
+impl<B: AcceleratorBackend, M: Module, S: OptimizerSource, I, O> Prepare<B>
+    for (M, S, DataLoader<I, O>)
+{
     type Prepared = (M, PreparedOptimizer, PreparedDataLoader<I, O>);
 
     fn prepare(self, acc: &Accelerator<B>) -> Result<Self::Prepared, AccelerateError> {
@@ -54,8 +93,8 @@ impl<B: AcceleratorBackend, M: Module, I, O> Prepare<B> for (M, ModuleOptimizer,
     }
 }
 
-impl<B: AcceleratorBackend, M: Module, I, O, J, P> Prepare<B>
-    for (M, ModuleOptimizer, DataLoader<I, O>, DataLoader<J, P>)
+impl<B: AcceleratorBackend, M: Module, S: OptimizerSource, I, O, J, P> Prepare<B>
+    for (M, S, DataLoader<I, O>, DataLoader<J, P>)
 {
     type Prepared = (
         M,

@@ -19,6 +19,8 @@ pub const ENV_SEED: &str = "ACCELERATE_SEED";
 pub const ENV_MIXED_PRECISION: &str = "ACCELERATE_MIXED_PRECISION";
 /// Environment variable for [`AcceleratorConfig::gradient_communication`].
 pub const ENV_GRADIENT_COMMUNICATION: &str = "ACCELERATE_GRADIENT_COMMUNICATION";
+/// Environment variable for [`AcceleratorConfig::zero_stage`].
+pub const ENV_ZERO_STAGE: &str = "ACCELERATE_ZERO_STAGE";
 /// Environment variable for [`AcceleratorConfig::gradient_bucket_bytes`], in MiB.
 pub const ENV_GRADIENT_BUCKET_MB: &str = "ACCELERATE_GRADIENT_BUCKET_MB";
 
@@ -64,6 +66,9 @@ pub struct AcceleratorConfig {
     /// Precision gradients travel in between processes: `No` sends f32 (default); `Bf16` and
     /// `Fp16` halve the bytes, like DDP's compression hooks (sums still accumulate in f32).
     pub gradient_communication: MixedPrecision,
+    /// ZeRO stage of a fused optimizer: 0 keeps all optimizer state on every process
+    /// (default), 1 shards it across the processes (ZeRO-1).
+    pub zero_stage: u8,
 }
 
 impl Default for AcceleratorConfig {
@@ -74,6 +79,7 @@ impl Default for AcceleratorConfig {
             gradient_bucket_bytes: 25 << 20,
             mixed_precision: MixedPrecision::No,
             gradient_communication: MixedPrecision::No,
+            zero_stage: 0,
         }
     }
 }
@@ -91,6 +97,8 @@ pub struct ConfigOverrides {
     pub mixed_precision: Option<MixedPrecision>,
     /// See [`AcceleratorConfig::gradient_communication`].
     pub gradient_communication: Option<MixedPrecision>,
+    /// See [`AcceleratorConfig::zero_stage`].
+    pub zero_stage: Option<u8>,
 }
 
 impl ConfigOverrides {
@@ -181,12 +189,28 @@ impl ConfigOverrides {
             })?
             .unwrap_or(defaults.gradient_communication),
         };
+        let zero_stage = match self.zero_stage {
+            Some(stage @ 0..=1) => stage,
+            Some(stage) => {
+                return Err(ConfigError::Invalid {
+                    key: "zero_stage",
+                    source_name: "code".into(),
+                    value: stage.to_string(),
+                    expected: "0 or 1",
+                });
+            }
+            None => env_parse(env, ENV_ZERO_STAGE, "0 or 1", |v| {
+                v.parse::<u8>().ok().filter(|s| *s <= 1)
+            })?
+            .unwrap_or(defaults.zero_stage),
+        };
         Ok(AcceleratorConfig {
             gradient_accumulation_steps,
             seed,
             gradient_bucket_bytes,
             mixed_precision,
             gradient_communication,
+            zero_stage,
         })
     }
 }

@@ -10,7 +10,8 @@ use std::path::Path;
 
 use accelerate_burn::burn;
 use accelerate_burn::{
-    Accelerator, Checkpoint, DataLoader, DefaultBackend, MixedPrecision, ScalerConfig,
+    Accelerator, Checkpoint, DataLoader, DefaultBackend, FusedOptimizer, MixedPrecision,
+    ScalerConfig,
 };
 use accelerate_core::checkpoint::{CheckpointRotation, partial_dir, read_manifest};
 use accelerate_examples::MlpConfig;
@@ -62,6 +63,7 @@ fn train() -> anyhow::Result<()> {
         .project_dir(env("TEST_DIR"))
         .checkpoint_total_limit(2)
         .resume_with_different_world_size(env("TEST_ANY_WORLD") == "1")
+        .zero_stage(u8::from(env("TEST_OPTIM") == "zero"))
         .build()?;
     let model = MlpConfig::new(digits::PIXELS, vec![32], digits::CLASSES)
         .with_dropout(0.2)
@@ -71,7 +73,13 @@ fn train() -> anyhow::Result<()> {
         .batch_size(8)
         .shuffle(3)
         .build(InMemDataset::new(data));
-    let (model, mut optim, train) = acc.prepare((model, AdamWConfig::new().init(), train))?;
+    let (model, mut optim, train) = match env("TEST_OPTIM").as_str() {
+        "fused" | "zero" => {
+            let fused = FusedOptimizer::adamw(&AdamWConfig::new())?;
+            acc.prepare((model, fused, train))?
+        }
+        _ => acc.prepare((model, AdamWConfig::new().init(), train))?,
+    };
     let schedule = LinearLrSchedulerConfig::new(3e-3, 1e-4, 40)
         .init()
         .map_err(anyhow::Error::msg)?;
@@ -161,28 +169,21 @@ fn run_in(dir: &Path, world: usize, extra: &[(&str, &str)]) -> Vec<std::process:
 
 /// The bit-identical resume contract, for `world` processes: epochs of 30 batches (1 process)
 /// or 15 per rank (2: the last accumulation window of each epoch is short).
-fn resume_is_bit_identical(world: usize, stop: &str) {
+fn resume_is_bit_identical(world: usize, stop: &str, optimizer: &str) {
     for precision in ["none", "fp16"] {
         let tmp = tempfile::tempdir().unwrap();
-        let whole = run_in(tmp.path(), world, &[("TEST_PRECISION", precision)]);
+        let common = [("TEST_PRECISION", precision), ("TEST_OPTIM", optimizer)];
+        let whole = run_in(tmp.path(), world, &common);
         assert_ok(&whole);
 
         let dir = tmp.path().join("resumed");
-        let stopped = run_in(
-            &dir,
-            world,
-            &[("TEST_PRECISION", precision), ("TEST_STOP", stop)],
-        );
+        let stopped = run_in(&dir, world, &[common[0], common[1], ("TEST_STOP", stop)]);
         assert_ok(&stopped);
-        let resumed = run_in(
-            &dir,
-            world,
-            &[("TEST_PRECISION", precision), ("TEST_RESUME", "1")],
-        );
+        let resumed = run_in(&dir, world, &[common[0], common[1], ("TEST_RESUME", "1")]);
         assert_ok(&resumed);
 
         for rank in 0..world {
-            let context = format!("{world} processes, {precision}, rank {rank}");
+            let context = format!("{world} processes, {precision}, {optimizer}, rank {rank}");
             assert!(
                 line(&resumed[rank], "RESUMED ").starts_with(&format!("{stop} ")),
                 "{context}"
@@ -210,13 +211,16 @@ fn resume_is_bit_identical(world: usize, stop: &str) {
 #[test]
 fn a_resumed_single_process_run_ends_bit_identical() {
     // 15 updates per epoch: update 20 is in the middle of the second epoch.
-    resume_is_bit_identical(1, "20");
+    resume_is_bit_identical(1, "20", "burn");
+    resume_is_bit_identical(1, "20", "fused");
 }
 
 #[test]
 fn a_resumed_two_process_run_ends_bit_identical() {
     // 8 updates per epoch (the last of 1 batch): update 11 is in the middle of the second.
-    resume_is_bit_identical(2, "11");
+    resume_is_bit_identical(2, "11", "burn");
+    // ZeRO-1: each rank saves and restores its shard of the optimizer state.
+    resume_is_bit_identical(2, "11", "zero");
 }
 
 #[test]

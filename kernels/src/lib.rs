@@ -8,6 +8,7 @@
 //! - [`norm`]: sum of squares and global L2 norm, f32 lanes with f64 block totals.
 //! - [`scale`]: in-place scaling and the gradient-clipping coefficient.
 //! - [`amp`]: the fused unscale-and-check pass of dynamic loss scaling.
+//! - [`optim`]: fused, in-place AdamW / Adam / SGD updates (the formulas of Burn's optimizers).
 //! - [`convert`]: branch-free f32 <-> f16/bf16 conversions that vectorise.
 //! - [`reduce`]: element-wise sum, max and min for f32, f16 and bf16 (halves combined in f32).
 //! - [`schedule`]: ring, recursive-doubling and binomial-tree schedules of the collectives.
@@ -26,6 +27,7 @@
 pub mod amp;
 pub mod convert;
 pub mod norm;
+pub mod optim;
 pub mod reduce;
 pub mod scale;
 pub mod schedule;

@@ -1,0 +1,713 @@
+//! Fused optimizers over flat parameters, and ZeRO-1.
+//!
+//! With a [`FusedOptimizer`], the trainable float parameters of the model live, as the f32
+//! master copy, in one flat host buffer in module visit order (frozen parameters are left
+//! out), beside one flat gradient buffer and flat optimizer state. A completed accumulation
+//! window copies the gradients into the flat buffer once (averaging them across processes
+//! there); clipping only records a factor; the optimizer step is one fused pass of
+//! `accelerate_kernels::optim` (gradient scale = fp16 unscale x clip factor, moments and
+//! parameter in place, no allocation), and the model receives its new values in one upload per
+//! parameter tensor.
+//!
+//! ZeRO-1 (`AcceleratorBuilder::zero_stage(1)`): gradients are reduce-scattered instead of
+//! all-reduced, each rank updates its 1/N of the flat parameters with its 1/N of the optimizer
+//! state, and the updated parameters are all-gathered.
+
+use std::collections::BTreeMap;
+
+use accelerate_core::comm::{ProcessGroup, Reduction};
+use accelerate_kernels::optim::{AdamHyper, SgdHyper, SgdMomentum, adam_step, sgd_step};
+use accelerate_kernels::schedule::chunk_range;
+use burn::lr_scheduler::module_lr_scheduler::ModuleLearningRate;
+use burn::module::{Module, ModuleMapper, ModuleVisitor, Param, ParamId};
+use burn::optim::{AdamConfig, AdamWConfig, GradientsParams, SgdConfig};
+use burn::tensor::{DType, Tensor, TensorData};
+use serde::{Deserialize, Serialize};
+
+use crate::error::AccelerateError;
+
+/// Which fused update, with Burn's hyperparameters. Build it from Burn's own configs with
+/// [`adamw`](Self::adamw), [`adam`](Self::adam) or [`sgd`](Self::sgd) and give it to
+/// `acc.prepare((model, fused, ...))` in place of `config.init()`.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub enum FusedOptimizer {
+    /// Adam (L2 weight decay) or AdamW (decoupled weight decay), with optional AMSGrad.
+    Adam {
+        /// The hyperparameters.
+        hyper: AdamHyperConfig,
+        /// Keep the running maximum of the second moment.
+        amsgrad: bool,
+    },
+    /// SGD with optional L2 weight decay and momentum.
+    Sgd {
+        /// L2 penalty.
+        weight_decay: Option<f32>,
+        /// `(momentum, dampening, nesterov)`.
+        momentum: Option<(f32, f64, bool)>,
+    },
+}
+
+/// Serialisable form of [`AdamHyper`].
+#[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
+pub struct AdamHyperConfig {
+    /// First-moment decay.
+    pub beta_1: f32,
+    /// Second-moment decay.
+    pub beta_2: f32,
+    /// Denominator term.
+    pub epsilon: f32,
+    /// Weight decay (decoupled for AdamW, L2 for Adam).
+    pub weight_decay: f32,
+    /// AdamW (true) or Adam (false).
+    pub decoupled: bool,
+}
+
+fn config_error(what: &str, reason: String) -> AccelerateError {
+    AccelerateError::FusedOptimizer {
+        reason: format!("{what}: {reason}"),
+    }
+}
+
+/// Reads a Burn config's fields through its serde form (Burn's config fields are private).
+fn fields(config: &impl Serialize, what: &str) -> Result<serde_json::Value, AccelerateError> {
+    serde_json::to_value(config).map_err(|e| config_error(what, e.to_string()))
+}
+
+fn number(v: &serde_json::Value, key: &str, what: &str) -> Result<f64, AccelerateError> {
+    v.get(key)
+        .and_then(serde_json::Value::as_f64)
+        .ok_or_else(|| config_error(what, format!("no numeric field `{key}` in {v}")))
+}
+
+fn refuse_clipping(v: &serde_json::Value, key: &str, what: &str) -> Result<(), AccelerateError> {
+    if v.get(key).is_some_and(|c| !c.is_null()) {
+        return Err(config_error(
+            what,
+            "per-tensor gradient clipping is not fused. hint: clip over all parameters with \
+             acc.clip_grad_norm(&model, &mut grads, max_norm), which the fused step applies"
+                .into(),
+        ));
+    }
+    Ok(())
+}
+
+impl FusedOptimizer {
+    /// Burn's AdamW, fused (same formula and defaults).
+    pub fn adamw(config: &AdamWConfig) -> Result<Self, AccelerateError> {
+        let what = "AdamWConfig";
+        let v = fields(config, what)?;
+        refuse_clipping(&v, "grad_clipping", what)?;
+        if v.get("cautious_weight_decay")
+            .and_then(serde_json::Value::as_bool)
+            == Some(true)
+        {
+            return Err(config_error(
+                what,
+                "cautious weight decay is not fused".into(),
+            ));
+        }
+        Ok(Self::Adam {
+            hyper: AdamHyperConfig {
+                beta_1: number(&v, "beta_1", what)? as f32,
+                beta_2: number(&v, "beta_2", what)? as f32,
+                epsilon: number(&v, "epsilon", what)? as f32,
+                weight_decay: number(&v, "weight_decay", what)? as f32,
+                decoupled: true,
+            },
+            amsgrad: v.get("amsgrad").and_then(serde_json::Value::as_bool) == Some(true),
+        })
+    }
+
+    /// Burn's Adam, fused.
+    pub fn adam(config: &AdamConfig) -> Result<Self, AccelerateError> {
+        let what = "AdamConfig";
+        let v = fields(config, what)?;
+        refuse_clipping(&v, "grad_clipping", what)?;
+        let weight_decay = match v.get("weight_decay") {
+            Some(wd) if !wd.is_null() => number(wd, "penalty", what)? as f32,
+            _ => 0.0,
+        };
+        Ok(Self::Adam {
+            hyper: AdamHyperConfig {
+                beta_1: number(&v, "beta_1", what)? as f32,
+                beta_2: number(&v, "beta_2", what)? as f32,
+                epsilon: number(&v, "epsilon", what)? as f32,
+                weight_decay,
+                decoupled: false,
+            },
+            amsgrad: v.get("amsgrad").and_then(serde_json::Value::as_bool) == Some(true),
+        })
+    }
+
+    /// Burn's SGD (with its weight decay and momentum), fused.
+    pub fn sgd(config: &SgdConfig) -> Result<Self, AccelerateError> {
+        let what = "SgdConfig";
+        let v = fields(config, what)?;
+        refuse_clipping(&v, "gradient_clipping", what)?;
+        let weight_decay = match v.get("weight_decay") {
+            Some(wd) if !wd.is_null() => Some(number(wd, "penalty", what)? as f32),
+            _ => None,
+        };
+        let momentum = match v.get("momentum") {
+            Some(m) if !m.is_null() => Some((
+                number(m, "momentum", what)? as f32,
+                number(m, "dampening", what)?,
+                m.get("nesterov").and_then(serde_json::Value::as_bool) == Some(true),
+            )),
+            _ => None,
+        };
+        Ok(Self::Sgd {
+            weight_decay,
+            momentum,
+        })
+    }
+
+    /// Flat state buffers per parameter element (moments, velocity).
+    fn state_buffers(&self) -> usize {
+        match self {
+            Self::Adam { amsgrad, .. } => 2 + usize::from(*amsgrad),
+            Self::Sgd { momentum, .. } => usize::from(momentum.is_some()),
+        }
+    }
+}
+
+/// One trainable float parameter's place in the flat buffers.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub(crate) struct Segment {
+    pub id: u64,
+    /// Module path, for per-group learning rates.
+    pub path: String,
+    pub shape: Vec<usize>,
+    pub offset: usize,
+    pub len: usize,
+}
+
+/// The flat master parameters, gradients and optimizer state of one process.
+pub(crate) struct FlatEngine {
+    pub optimizer: FusedOptimizer,
+    /// 0: every process keeps all of the state; 1: ZeRO-1.
+    pub zero_stage: u8,
+    pub layout: Option<Layout>,
+    /// State loaded from a checkpoint (every saving rank's file), applied when the buffers
+    /// are next built.
+    pub pending: Option<Vec<FusedStateFile>>,
+}
+
+/// Buffers sized for one model.
+pub(crate) struct Layout {
+    pub segments: Vec<Segment>,
+    /// Trainable elements.
+    pub len: usize,
+    /// `len` rounded up to a multiple of the world size, so every shard is equal.
+    pub padded: usize,
+    /// This rank's shard of the padded range (everything without ZeRO).
+    pub shard: std::ops::Range<usize>,
+    /// Master parameters, all of them (padded).
+    pub params: Vec<f32>,
+    /// Gradients, all of them (padded), as copied from the device.
+    pub grads: Vec<f32>,
+    /// This rank's averaged gradients (the whole range without ZeRO).
+    pub shard_grads: Vec<f32>,
+    /// Optimizer state over the shard: `state_buffers()` vectors.
+    pub state: Vec<Vec<f32>>,
+    /// Updates applied to each segment (Burn counts per parameter).
+    pub times: Vec<i32>,
+    /// Which segments got a gradient in the window being applied.
+    pub has_grad: Vec<bool>,
+    /// True between a completed window's backward and its optimizer step.
+    pub grads_ready: bool,
+    /// Clip factor recorded by `clip_grad_norm` for the pending step.
+    pub clip_factor: f32,
+}
+
+/// Per-parameter view of the model: visit order, trainable float parameters only.
+struct Collect {
+    path: Vec<String>,
+    segments: Vec<Segment>,
+    values: Vec<f32>,
+}
+
+impl ModuleVisitor for Collect {
+    fn enter_module(&mut self, name: &str, _container_type: &str) {
+        self.path.push(name.to_string());
+    }
+
+    fn exit_module(&mut self, _name: &str, _container_type: &str) {
+        self.path.pop();
+    }
+
+    fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<D>>) {
+        let value = param.val();
+        if !value.is_require_grad() {
+            return;
+        }
+        let shape = value.dims().to_vec();
+        let len = shape.iter().product();
+        let offset = self.values.len();
+        self.values
+            .extend(value.into_data().convert::<f32>().iter::<f32>());
+        self.segments.push(Segment {
+            id: param.id.val(),
+            path: self.path.join("."),
+            shape,
+            offset,
+            len,
+        });
+    }
+}
+
+impl FlatEngine {
+    pub fn new(optimizer: FusedOptimizer, zero_stage: u8) -> Self {
+        Self {
+            optimizer,
+            zero_stage,
+            layout: None,
+            pending: None,
+        }
+    }
+
+    /// Builds the flat buffers from `model` (once; again after a checkpoint was loaded), and
+    /// applies optimizer state loaded from a checkpoint.
+    pub fn ensure_layout<M: Module>(
+        &mut self,
+        model: &M,
+        rank: usize,
+        world: usize,
+    ) -> Result<&mut Layout, AccelerateError> {
+        if self.layout.is_none() {
+            self.build_layout(model, rank, world);
+            if let Some(files) = self.pending.take() {
+                self.apply_state(files, rank)?;
+            }
+        }
+        self.layout
+            .as_mut()
+            .ok_or_else(|| AccelerateError::FusedOptimizer {
+                reason: "the flat buffers could not be built".into(),
+            })
+    }
+
+    fn build_layout<M: Module>(&mut self, model: &M, rank: usize, world: usize) {
+        let mut collect = Collect {
+            path: Vec::new(),
+            segments: Vec::new(),
+            values: Vec::new(),
+        };
+        model.visit(&mut collect);
+        let len = collect.values.len();
+        let sharded = self.zero_stage >= 1 && world > 1;
+        let parts = if sharded { world } else { 1 };
+        let padded = len.div_ceil(parts) * parts;
+        let shard = if sharded {
+            chunk_range(padded, world, rank)
+        } else {
+            0..padded
+        };
+        let mut params = collect.values;
+        params.resize(padded, 0.0);
+        let n = collect.segments.len();
+        self.layout = Some(Layout {
+            segments: collect.segments,
+            len,
+            padded,
+            state: vec![vec![0.0; shard.len()]; self.optimizer.state_buffers()],
+            shard_grads: vec![0.0; shard.len()],
+            shard,
+            params,
+            grads: vec![0.0; padded],
+            times: vec![0; n],
+            has_grad: vec![false; n],
+            grads_ready: false,
+            clip_factor: 1.0,
+        });
+    }
+
+    /// Names of the state buffers, in order.
+    fn buffer_names(&self) -> &'static [&'static str] {
+        match &self.optimizer {
+            FusedOptimizer::Adam { amsgrad: false, .. } => &["m", "v"],
+            FusedOptimizer::Adam { amsgrad: true, .. } => &["m", "v", "max_v"],
+            FusedOptimizer::Sgd { momentum: None, .. } => &[],
+            FusedOptimizer::Sgd { .. } => &["velocity"],
+        }
+    }
+
+    /// This rank's state as a checkpoint stores it (`None` before the first window).
+    pub fn state_file(&self) -> Option<FusedStateFile> {
+        let layout = self.layout.as_ref()?;
+        Some(FusedStateFile {
+            optimizer: self.optimizer.clone(),
+            segments: layout.segments.clone(),
+            len: layout.len,
+            shard_start: layout.shard.start,
+            times: layout.times.clone(),
+            buffers: self
+                .buffer_names()
+                .iter()
+                .zip(&layout.state)
+                .map(|(name, values)| (name.to_string(), values.clone()))
+                .collect(),
+        })
+    }
+
+    /// Fills this rank's shard of the state from the saved shards (of any world size).
+    fn apply_state(
+        &mut self,
+        files: Vec<FusedStateFile>,
+        rank: usize,
+    ) -> Result<(), AccelerateError> {
+        let names = self.buffer_names();
+        let Some(layout) = self.layout.as_mut() else {
+            return Ok(());
+        };
+        let mismatch = |detail: String| AccelerateError::ModelMismatch {
+            rank,
+            detail: format!("the checkpoint's fused optimizer state {detail}"),
+        };
+        for file in &files {
+            if file.optimizer != self.optimizer {
+                return Err(mismatch(format!(
+                    "is for {:?}, this run uses {:?}",
+                    file.optimizer, self.optimizer
+                )));
+            }
+            if file.segments != layout.segments {
+                return Err(mismatch("was saved for other parameters".into()));
+            }
+        }
+        if let Some(first) = files.first() {
+            layout.times.clone_from(&first.times);
+        }
+        for (name, target) in names.iter().zip(layout.state.iter_mut()) {
+            let mut full = vec![0.0f32; layout.padded.max(layout.len)];
+            for file in &files {
+                let values = file
+                    .buffers
+                    .get(*name)
+                    .ok_or_else(|| mismatch(format!("has no `{name}` buffer")))?;
+                let end = (file.shard_start + values.len()).min(full.len());
+                if file.shard_start < end {
+                    full[file.shard_start..end].copy_from_slice(&values[..end - file.shard_start]);
+                }
+            }
+            target.copy_from_slice(&full[layout.shard.clone()]);
+        }
+        Ok(())
+    }
+}
+
+impl FusedStateFile {
+    /// A JSON header line, then the buffers as little-endian f32.
+    pub fn to_bytes(&self) -> Vec<u8> {
+        let header = FusedStateHeader {
+            optimizer: self.optimizer.clone(),
+            segments: self.segments.clone(),
+            len: self.len,
+            shard_start: self.shard_start,
+            times: self.times.clone(),
+            buffers: self
+                .buffers
+                .iter()
+                .map(|(k, v)| (k.clone(), v.len()))
+                .collect(),
+        };
+        let mut out = serde_json::to_vec(&header).unwrap_or_default();
+        out.push(b'\n');
+        for values in self.buffers.values() {
+            for v in values {
+                out.extend_from_slice(&v.to_le_bytes());
+            }
+        }
+        out
+    }
+
+    /// Reads what [`to_bytes`](Self::to_bytes) wrote.
+    pub fn from_bytes(bytes: &[u8]) -> Result<Self, String> {
+        let split = bytes
+            .iter()
+            .position(|&b| b == b'\n')
+            .ok_or("no header line")?;
+        let header: FusedStateHeader =
+            serde_json::from_slice(&bytes[..split]).map_err(|e| e.to_string())?;
+        let mut data = bytes[split + 1..]
+            .chunks_exact(4)
+            .map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]]));
+        let mut buffers = BTreeMap::new();
+        for (name, len) in header.buffers {
+            let values: Vec<f32> = data.by_ref().take(len).collect();
+            if values.len() != len {
+                return Err(format!("buffer `{name}` is truncated"));
+            }
+            buffers.insert(name, values);
+        }
+        Ok(Self {
+            optimizer: header.optimizer,
+            segments: header.segments,
+            len: header.len,
+            shard_start: header.shard_start,
+            times: header.times,
+            buffers,
+        })
+    }
+}
+
+#[derive(Serialize, Deserialize)]
+struct FusedStateHeader {
+    optimizer: FusedOptimizer,
+    segments: Vec<Segment>,
+    len: usize,
+    shard_start: usize,
+    times: Vec<i32>,
+    buffers: Vec<(String, usize)>,
+}
+
+impl Layout {
+    /// Copies `grads` of `model` into the flat gradient buffer, checking that the model still
+    /// has the parameters the buffers were built for.
+    pub fn gather_grads<M: Module>(
+        &mut self,
+        grads: &GradientsParams,
+        model: &M,
+        rank: usize,
+    ) -> Result<(), AccelerateError> {
+        struct Gather<'a> {
+            layout: &'a mut Layout,
+            grads: &'a GradientsParams,
+            next: usize,
+            mismatch: Option<String>,
+        }
+        impl ModuleVisitor for Gather<'_> {
+            fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<D>>) {
+                if self.mismatch.is_some() || !param.val().is_require_grad() {
+                    return;
+                }
+                let Some(segment) = self.layout.segments.get(self.next) else {
+                    self.mismatch = Some(format!(
+                        "the model has more trainable parameters than the {} it was prepared \
+                         with",
+                        self.layout.segments.len()
+                    ));
+                    return;
+                };
+                if segment.id != param.id.val() {
+                    self.mismatch = Some(format!(
+                        "trainable parameter #{} ({}) is not the one the model was prepared with",
+                        self.next, segment.path
+                    ));
+                    return;
+                }
+                let range = segment.offset..segment.offset + segment.len;
+                let index = self.next;
+                self.next += 1;
+                match self.grads.get::<D>(param.id) {
+                    Some(grad) => {
+                        let data = grad.into_data().convert::<f32>();
+                        let target = &mut self.layout.grads[range];
+                        for (t, v) in target.iter_mut().zip(data.iter::<f32>()) {
+                            *t = v;
+                        }
+                        self.layout.has_grad[index] = true;
+                    }
+                    None => {
+                        self.layout.grads[range].fill(0.0);
+                        self.layout.has_grad[index] = false;
+                    }
+                }
+            }
+        }
+        let mut gather = Gather {
+            layout: self,
+            grads,
+            next: 0,
+            mismatch: None,
+        };
+        model.visit(&mut gather);
+        let (next, mismatch) = (gather.next, gather.mismatch);
+        let mismatch = mismatch.or_else(|| {
+            (next != self.segments.len()).then(|| {
+                format!(
+                    "the model has {next} trainable parameters, it was prepared with {}",
+                    self.segments.len()
+                )
+            })
+        });
+        match mismatch {
+            Some(detail) => Err(AccelerateError::ModelMismatch {
+                rank,
+                detail: format!(
+                    "{detail}; a fused optimizer keeps the parameters it was prepared with \
+                     (add parameters before prepare, or use Burn's optimizer)"
+                ),
+            }),
+            None => Ok(()),
+        }
+    }
+
+    /// Averages the gathered gradients over the processes into `shard_grads` (all-reduce, or
+    /// reduce-scatter with ZeRO), unscaling them by `inv_scale`; returns whether any value of
+    /// any rank is not finite.
+    pub fn average(
+        &mut self,
+        mut group: Option<&mut ProcessGroup>,
+        sharded: bool,
+        inv_scale: Option<f32>,
+    ) -> Result<bool, AccelerateError> {
+        match group.as_deref_mut() {
+            Some(g) if sharded => {
+                g.reduce_scatter(&self.grads, &mut self.shard_grads, Reduction::Mean)?;
+            }
+            Some(g) => {
+                g.all_reduce(&mut self.grads, Reduction::Mean)?;
+                std::mem::swap(&mut self.grads, &mut self.shard_grads);
+            }
+            None => std::mem::swap(&mut self.grads, &mut self.shard_grads),
+        }
+        let Some(inv_scale) = inv_scale else {
+            return Ok(false);
+        };
+        let mut overflow =
+            accelerate_kernels::amp::unscale_and_check(&mut self.shard_grads, inv_scale);
+        if let (Some(g), true) = (group, sharded) {
+            // Each rank saw only its shard: every rank must make the same skip decision.
+            let mut flag = [f32::from(u8::from(overflow))];
+            g.all_reduce(&mut flag, Reduction::Max)?;
+            overflow = flag[0] != 0.0;
+        }
+        Ok(overflow)
+    }
+
+    /// Sum of squares of this rank's averaged gradients.
+    pub fn shard_sum_of_squares(&self) -> f64 {
+        accelerate_kernels::sum_of_squares(&self.shard_grads)
+    }
+
+    /// Applies the fused update to this rank's shard with the learning rates of `lr`.
+    pub fn step(&mut self, optimizer: &FusedOptimizer, lr: &ModuleLearningRate, grad_scale: f32) {
+        let shard = self.shard.clone();
+        for (index, segment) in self.segments.iter().enumerate() {
+            if !self.has_grad[index] {
+                continue;
+            }
+            let start = segment.offset.max(shard.start);
+            let end = (segment.offset + segment.len).min(shard.end);
+            // Burn counts updates per parameter; every rank advances every segment's count so
+            // that a shard boundary inside a segment sees one count.
+            self.times[index] += 1;
+            if start >= end {
+                continue;
+            }
+            let rate = lr.lr_from_param(ParamId::from(segment.id), Some(&segment.path));
+            let params = &mut self.params[start..end];
+            let local = start - shard.start..end - shard.start;
+            let grads = &self.shard_grads[local.clone()];
+            match optimizer {
+                FusedOptimizer::Adam { hyper, amsgrad } => {
+                    let hyper = AdamHyper {
+                        beta_1: hyper.beta_1,
+                        beta_2: hyper.beta_2,
+                        epsilon: hyper.epsilon,
+                        weight_decay: hyper.weight_decay,
+                        decoupled: hyper.decoupled,
+                    };
+                    let (m, rest) = self.state.split_at_mut(1);
+                    let (v, rest) = rest.split_at_mut(1);
+                    let max_v = if *amsgrad {
+                        Some(&mut rest[0][local.clone()])
+                    } else {
+                        None
+                    };
+                    adam_step(
+                        params,
+                        grads,
+                        &mut m[0][local.clone()],
+                        &mut v[0][local.clone()],
+                        max_v,
+                        self.times[index],
+                        rate,
+                        grad_scale,
+                        &hyper,
+                    );
+                }
+                FusedOptimizer::Sgd {
+                    weight_decay,
+                    momentum,
+                } => {
+                    let hyper = SgdHyper {
+                        weight_decay: *weight_decay,
+                        momentum: momentum.map(|(momentum, dampening, nesterov)| SgdMomentum {
+                            momentum,
+                            dampening,
+                            nesterov,
+                        }),
+                    };
+                    let velocity = self.state.first_mut().map(|v| &mut v[local.clone()]);
+                    sgd_step(
+                        params,
+                        grads,
+                        velocity,
+                        self.times[index] == 1,
+                        rate,
+                        grad_scale,
+                        &hyper,
+                    );
+                }
+            }
+        }
+    }
+
+    /// Gives every rank every shard of the updated parameters (ZeRO).
+    pub fn gather_params(&mut self, group: &mut ProcessGroup) -> Result<(), AccelerateError> {
+        let mine = self.params[self.shard.clone()].to_vec();
+        group.all_gather(&mine, &mut self.params)?;
+        Ok(())
+    }
+
+    /// Writes the master parameters into `model` (one upload per parameter tensor).
+    pub fn upload<M: Module>(&self, model: M) -> M {
+        struct Upload<'a> {
+            layout: &'a Layout,
+            next: usize,
+        }
+        impl ModuleMapper for Upload<'_> {
+            fn map_float<const D: usize>(&mut self, param: Param<Tensor<D>>) -> Param<Tensor<D>> {
+                let (id, tensor, mapper) = param.consume();
+                let segment = match self.layout.segments.get(self.next) {
+                    Some(s) if s.id == id.val() && tensor.is_require_grad() => s,
+                    _ => return Param::from_mapped_value(id, tensor, mapper),
+                };
+                self.next += 1;
+                let values =
+                    self.layout.params[segment.offset..segment.offset + segment.len].to_vec();
+                let mut value = Tensor::<D>::from_data(
+                    TensorData::new(values, segment.shape.clone()),
+                    &tensor.device(),
+                );
+                if tensor.dtype() != DType::F32 {
+                    value = value.cast(tensor.dtype());
+                }
+                Param::from_mapped_value(id, value.require_grad(), mapper)
+            }
+        }
+        model.map(&mut Upload {
+            layout: self,
+            next: 0,
+        })
+    }
+
+    /// Bytes of optimizer state this process holds.
+    pub fn state_bytes(&self) -> usize {
+        self.state.iter().map(|s| s.capacity() * 4).sum()
+    }
+}
+
+/// The optimizer state of one rank, as a checkpoint stores it.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub(crate) struct FusedStateFile {
+    pub optimizer: FusedOptimizer,
+    pub segments: Vec<Segment>,
+    pub len: usize,
+    pub shard_start: usize,
+    pub times: Vec<i32>,
+    /// Named state buffers over this rank's shard.
+    pub buffers: BTreeMap<String, Vec<f32>>,
+}
