@@ -5,13 +5,15 @@
 //! cargo run --example mlp_synthetic
 //! ```
 //!
-//! Arguments: `--samples N` (default 60000). Prints samples per second over all processes,
+//! Arguments: `--samples N` (default 60000); `--fused` for the fused AdamW over flat
+//! parameters (with `ACCELERATE_ZERO_STAGE=1` and several processes, ZeRO-1). Prints samples
+//! per second over all processes,
 //! excluding the first 10 steps (warm-up), the final loss, and with several processes
 //! (`accelerate launch -n 2 --example mlp_synthetic`) the time per step spent averaging
 //! gradients.
 
 use accelerate_burn::burn;
-use accelerate_burn::{Accelerator, DataLoader, DefaultBackend};
+use accelerate_burn::{Accelerator, DataLoader, DefaultBackend, FusedOptimizer};
 use accelerate_examples::MlpConfig;
 use accelerate_examples::synthetic::{self, SampleBatcher, TeacherDataset};
 use anyhow::Context;
@@ -33,7 +35,12 @@ fn main() -> anyhow::Result<()> {
         .batch_size(BATCH)
         .shuffle(0)
         .build(TeacherDataset::new(samples, 0));
-    let (mut model, mut optim, train) = acc.prepare((model, AdamWConfig::new().init(), train))?;
+    let fused = std::env::args().any(|a| a == "--fused");
+    let (mut model, mut optim, train) = if fused {
+        acc.prepare((model, FusedOptimizer::adamw(&AdamWConfig::new())?, train))?
+    } else {
+        acc.prepare((model, AdamWConfig::new().init(), train))?
+    };
 
     let mut timed = None;
     let mut last_loss = f32::NAN;
@@ -63,11 +70,12 @@ fn main() -> anyhow::Result<()> {
             let processes = acc.num_processes();
             let comm = (acc.communication_time() - comm_before).as_secs_f64();
             acc.print(format!(
-                "{:.0} samples/s over {} samples on {processes} process(es) (first {WARM_UP_STEPS} steps excluded), final loss {last_loss:.4}, {} in {:?}",
+                "{:.0} samples/s over {} samples on {processes} process(es) (first {WARM_UP_STEPS} steps excluded), final loss {last_loss:.4}, {} in {:?}, {} AdamW",
                 (seen * processes) as f64 / seconds,
                 seen * processes,
                 acc.backend_name(),
                 acc.compute_dtype(),
+                if fused { "fused" } else { "Burn's" },
             ));
             if processes > 1 {
                 acc.print(format!(

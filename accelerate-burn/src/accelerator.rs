@@ -513,7 +513,7 @@ impl<B: AcceleratorBackend> Accelerator<B> {
     fn backward_flat<M: Module>(
         &self,
         shared: &mut crate::loop_state::LoopState,
-        summed: GradientsParams,
+        mut summed: GradientsParams,
         model: &M,
     ) -> Result<GradientsParams, AccelerateError> {
         let (rank, world) = (self.state.rank, self.state.world_size);
@@ -523,7 +523,7 @@ impl<B: AcceleratorBackend> Accelerator<B> {
         };
         let sharded = engine.zero_stage >= 1 && world > 1;
         let layout = engine.ensure_layout(model, rank, world)?;
-        layout.gather_grads(&summed, model, rank)?;
+        layout.gather_grads(&mut summed, model, rank)?;
         drop(summed);
         let started = std::time::Instant::now();
         let overflow = if self.state.is_distributed() {

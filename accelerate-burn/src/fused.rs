@@ -220,6 +220,19 @@ pub(crate) struct Layout {
     pub clip_factor: f32,
 }
 
+/// Copies a tensor's values into `target` as f32 (a plain copy when they already are).
+fn copy_f32(data: TensorData, target: &mut [f32]) {
+    match data.as_slice::<f32>() {
+        Ok(values) => target.copy_from_slice(values),
+        Err(_) => {
+            let data = data.convert::<f32>();
+            for (t, v) in target.iter_mut().zip(data.iter::<f32>()) {
+                *t = v;
+            }
+        }
+    }
+}
+
 /// Per-parameter view of the model: visit order, trainable float parameters only.
 struct Collect {
     path: Vec<String>,
@@ -242,10 +255,10 @@ impl ModuleVisitor for Collect {
             return;
         }
         let shape = value.dims().to_vec();
-        let len = shape.iter().product();
+        let len: usize = shape.iter().product();
         let offset = self.values.len();
-        self.values
-            .extend(value.into_data().convert::<f32>().iter::<f32>());
+        self.values.resize(offset + len, 0.0);
+        copy_f32(value.into_data(), &mut self.values[offset..]);
         self.segments.push(Segment {
             id: param.id.val(),
             path: self.path.join("."),
@@ -466,13 +479,13 @@ impl Layout {
     /// has the parameters the buffers were built for.
     pub fn gather_grads<M: Module>(
         &mut self,
-        grads: &GradientsParams,
+        grads: &mut GradientsParams,
         model: &M,
         rank: usize,
     ) -> Result<(), AccelerateError> {
         struct Gather<'a> {
             layout: &'a mut Layout,
-            grads: &'a GradientsParams,
+            grads: &'a mut GradientsParams,
             next: usize,
             mismatch: Option<String>,
         }
@@ -499,13 +512,10 @@ impl Layout {
                 let range = segment.offset..segment.offset + segment.len;
                 let index = self.next;
                 self.next += 1;
-                match self.grads.get::<D>(param.id) {
+                // Removed, not cloned: a uniquely owned tensor hands its data over uncopied.
+                match self.grads.remove::<D>(param.id) {
                     Some(grad) => {
-                        let data = grad.into_data().convert::<f32>();
-                        let target = &mut self.layout.grads[range];
-                        for (t, v) in target.iter_mut().zip(data.iter::<f32>()) {
-                            *t = v;
-                        }
+                        copy_f32(grad.into_data(), &mut self.layout.grads[range]);
                         self.layout.has_grad[index] = true;
                     }
                     None => {

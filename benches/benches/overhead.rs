@@ -6,8 +6,10 @@
 //! standard error.
 //!
 //! ```text
-//! cargo bench -p accelerate-benches --bench overhead [-- ROUNDS]
+//! cargo bench -p accelerate-benches --bench overhead [-- ROUNDS] [fused]
 //! ```
+//!
+//! With `fused`, the accelerated loop uses the fused AdamW over flat parameters.
 
 use std::time::Instant;
 
@@ -18,7 +20,8 @@ fn main() {
         .skip(1)
         .find_map(|a| a.parse().ok())
         .unwrap_or(300);
-    let mut bench = StepBench::new(128);
+    let fused = std::env::args().any(|a| a == "fused");
+    let mut bench = StepBench::with_options(128, accelerate_burn::MixedPrecision::No, fused);
     for _ in 0..10 {
         bench.plain_step();
         bench.accelerated_step();
@@ -56,7 +59,14 @@ fn main() {
         .sqrt();
     let se = sd / (diffs.len() as f64).sqrt();
     let (p, a) = (mean(&plain), mean(&accelerated));
-    println!("rounds: {rounds} (batch 128, MLP 784-1024-1024-10, AdamW)");
+    println!(
+        "rounds: {rounds} (batch 128, MLP 784-1024-1024-10, AdamW{})",
+        if fused {
+            ", accelerated loop fused"
+        } else {
+            ""
+        }
+    );
     println!("plain burn step:  {p:.3} ms");
     println!("accelerated step: {a:.3} ms");
     println!(

@@ -12,7 +12,7 @@
 
 use accelerate_burn::burn;
 use accelerate_burn::{
-    Accelerator, DefaultBackend, MixedPrecision, PreparedOptimizer, ProcessState,
+    Accelerator, DefaultBackend, FusedOptimizer, MixedPrecision, PreparedOptimizer, ProcessState,
 };
 use accelerate_examples::synthetic::{CLASSES, FEATURES};
 use accelerate_examples::{Mlp, MlpConfig};
@@ -36,6 +36,11 @@ impl StepBench {
 
     /// The same, with the accelerated loop computing in `precision`.
     pub fn with_precision(batch: usize, precision: MixedPrecision) -> Self {
+        Self::with_options(batch, precision, false)
+    }
+
+    /// The same, with the accelerated loop using the fused AdamW when `fused`.
+    pub fn with_options(batch: usize, precision: MixedPrecision, fused: bool) -> Self {
         let acc = Accelerator::<DefaultBackend>::builder()
             .process_state(ProcessState::single())
             .mixed_precision(precision)
@@ -48,9 +53,13 @@ impl StepBench {
         let y =
             Tensor::<1, Int>::random([batch], Distribution::Uniform(0.0, CLASSES as f64), &device);
         let plain = (model.clone(), AdamWConfig::new().init());
-        let accelerated = acc
-            .prepare((model, AdamWConfig::new().init()))
-            .expect("a single-process prepare cannot fail");
+        let accelerated = if fused {
+            let adamw = FusedOptimizer::adamw(&AdamWConfig::new()).expect("AdamW is fused");
+            acc.prepare((model, adamw))
+        } else {
+            acc.prepare((model, AdamWConfig::new().init()))
+        }
+        .expect("a single-process prepare cannot fail");
         Self {
             acc,
             plain: Some(plain),

@@ -135,46 +135,91 @@ fn adam_chunk(
     g: &[f32],
     m: &mut [f32],
     v: &mut [f32],
-    mut max_v: Option<&mut [f32]>,
+    max_v: Option<&mut [f32]>,
     first: bool,
     grad_scale: f32,
     c: &AdamConstants,
 ) {
-    for i in 0..p.len() {
-        let mut grad = if grad_scale == 1.0 {
-            g[i]
+    // Every flag is hoisted out of the loop into a monomorphised copy, and the loops zip
+    // slices, so each copy vectorises without bounds checks.
+    match (max_v, c.decoupled, first) {
+        (None, true, true) => adam_lanes::<true, true>(p, g, m, v, grad_scale, c),
+        (None, true, false) => adam_lanes::<true, false>(p, g, m, v, grad_scale, c),
+        (None, false, true) => adam_lanes::<false, true>(p, g, m, v, grad_scale, c),
+        (None, false, false) => adam_lanes::<false, false>(p, g, m, v, grad_scale, c),
+        (Some(max_v), _, _) => adam_amsgrad(p, g, m, v, max_v, first, grad_scale, c),
+    }
+}
+
+#[inline(always)]
+fn adam_lanes<const DECOUPLED: bool, const FIRST: bool>(
+    p: &mut [f32],
+    g: &[f32],
+    m: &mut [f32],
+    v: &mut [f32],
+    grad_scale: f32,
+    c: &AdamConstants,
+) {
+    for (((p, &g), m), v) in p.iter_mut().zip(g).zip(m.iter_mut()).zip(v.iter_mut()) {
+        let mut grad = g * grad_scale;
+        if !DECOUPLED {
+            grad += *p * c.decay;
+        }
+        let (m1, m2) = if FIRST {
+            (grad * c.factor_1, grad * grad * c.factor_2)
         } else {
-            g[i] * grad_scale
+            (
+                *m * c.beta_1 + grad * c.factor_1,
+                *v * c.beta_2 + grad * grad * c.factor_2,
+            )
         };
-        if !c.decoupled && c.decay != 0.0 {
-            grad += p[i] * c.decay;
+        *m = m1;
+        *v = m2;
+        *p = if DECOUPLED {
+            let delta = (m1 / c.correction_1) / ((m2 / c.correction_2).sqrt() + c.epsilon);
+            *p * c.decay - delta * c.lr
+        } else {
+            *p - (m1 * c.correction_1) / (m2.sqrt() + c.correction_2) * c.lr
+        };
+    }
+}
+
+/// AMSGrad: the second moment used is the running maximum (rarely used; kept simple).
+#[allow(clippy::too_many_arguments)]
+fn adam_amsgrad(
+    p: &mut [f32],
+    g: &[f32],
+    m: &mut [f32],
+    v: &mut [f32],
+    max_v: &mut [f32],
+    first: bool,
+    grad_scale: f32,
+    c: &AdamConstants,
+) {
+    let lanes = p.iter_mut().zip(g).zip(m.iter_mut()).zip(v.iter_mut()).zip(max_v.iter_mut());
+    for ((((p, &g), m), v), max_v) in lanes {
+        let mut grad = g * grad_scale;
+        if !c.decoupled {
+            grad += *p * c.decay;
         }
         let (m1, m2) = if first {
             (grad * c.factor_1, grad * grad * c.factor_2)
         } else {
             (
-                m[i] * c.beta_1 + grad * c.factor_1,
-                v[i] * c.beta_2 + grad * grad * c.factor_2,
+                *m * c.beta_1 + grad * c.factor_1,
+                *v * c.beta_2 + grad * grad * c.factor_2,
             )
         };
-        m[i] = m1;
-        v[i] = m2;
-        let v_used = match max_v.as_deref_mut() {
-            Some(max_v) => {
-                let mx = if first { m2 } else { max_v[i].max(m2) };
-                max_v[i] = mx;
-                mx
-            }
-            None => m2,
-        };
-        if c.decoupled {
-            let delta = (m1 / c.correction_1) / ((v_used / c.correction_2).sqrt() + c.epsilon);
-            let decayed = if c.decay == 1.0 { p[i] } else { p[i] * c.decay };
-            p[i] = decayed - delta * c.lr;
+        *m = m1;
+        *v = m2;
+        let used = if first { m2 } else { max_v.max(m2) };
+        *max_v = used;
+        *p = if c.decoupled {
+            let delta = (m1 / c.correction_1) / ((used / c.correction_2).sqrt() + c.epsilon);
+            *p * c.decay - delta * c.lr
         } else {
-            let delta = (m1 * c.correction_1) / (v_used.sqrt() + c.correction_2);
-            p[i] -= delta * c.lr;
-        }
+            *p - (m1 * c.correction_1) / (used.sqrt() + c.correction_2) * c.lr
+        };
     }
 }
 
