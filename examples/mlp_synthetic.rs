@@ -19,6 +19,11 @@ use accelerate_examples::synthetic::{self, SampleBatcher, TeacherDataset};
 use anyhow::Context;
 use burn::optim::AdamWConfig;
 
+/// Burn allocates and frees buffers of megabytes at every step; glibc's malloc returns them to
+/// the kernel each time (thousands of page faults per step), mimalloc keeps them.
+#[global_allocator]
+static ALLOCATOR: mimalloc::MiMalloc = mimalloc::MiMalloc;
+
 const BATCH: usize = 128;
 const WARM_UP_STEPS: usize = 10;
 

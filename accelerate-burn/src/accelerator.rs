@@ -7,7 +7,7 @@ use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
 
-use accelerate_core::comm::{GroupOptions, ProcessGroup, Reduction};
+use accelerate_core::comm::{GroupOptions, ProcessGroup};
 use accelerate_core::{
     AcceleratorConfig, ConfigOverrides, DynamicLossScaler, MetricsLogger, MixedPrecision,
     ProcessState, ScaledStep, ScalerConfig, Tracker,
@@ -648,11 +648,8 @@ impl<B: AcceleratorBackend> Accelerator<B> {
             let Some(layout) = engine.layout.as_mut().filter(|l| l.grads_ready) else {
                 return Ok(None);
             };
-            let mut sum = [layout.shard_sum_of_squares() as f32];
-            if engine.zero_stage >= 1 && self.state.is_distributed() {
-                self.group().all_reduce(&mut sum, Reduction::Sum)?;
-            }
-            let norm = sum[0].sqrt();
+            // Measured over every rank's gradients when they were averaged.
+            let norm = layout.norm();
             let factor = accelerate_kernels::clip_coefficient(norm, max_norm);
             if factor < 1.0 || factor.is_nan() {
                 layout.clip_factor = factor;

@@ -218,6 +218,10 @@ pub(crate) struct Layout {
     pub grads_ready: bool,
     /// Clip factor recorded by `clip_grad_norm` for the pending step.
     pub clip_factor: f32,
+    /// The fp16 unscale factor of the pending step (1 otherwise), applied in the update.
+    pub unscale: f32,
+    /// Global L2 norm of the pending step's unscaled gradients.
+    pub norm: f32,
 }
 
 /// Copies a tensor's values into `target` as f32 (a plain copy when they already are).
@@ -332,6 +336,8 @@ impl FlatEngine {
             has_grad: vec![false; n],
             grads_ready: false,
             clip_factor: 1.0,
+            unscale: 1.0,
+            norm: 0.0,
         });
     }
 
@@ -554,8 +560,10 @@ impl Layout {
     }
 
     /// Averages the gathered gradients over the processes into `shard_grads` (all-reduce, or
-    /// reduce-scatter with ZeRO), unscaling them by `inv_scale`; returns whether any value of
-    /// any rank is not finite.
+    /// reduce-scatter with ZeRO) and measures them in one read-only pass: the sum of squares
+    /// over every rank's values (for clipping) is non-finite exactly when some gradient is,
+    /// which is the fp16 overflow test. Unscaling by `inv_scale` is left to the update pass.
+    /// Returns whether a gradient is not finite.
     pub fn average(
         &mut self,
         mut group: Option<&mut ProcessGroup>,
@@ -572,23 +580,22 @@ impl Layout {
             }
             None => std::mem::swap(&mut self.grads, &mut self.shard_grads),
         }
-        let Some(inv_scale) = inv_scale else {
-            return Ok(false);
-        };
-        let mut overflow =
-            accelerate_kernels::amp::unscale_and_check(&mut self.shard_grads, inv_scale);
+        let mut sum_sq = accelerate_kernels::sum_of_squares(&self.shard_grads);
         if let (Some(g), true) = (group, sharded) {
-            // Each rank saw only its shard: every rank must make the same skip decision.
-            let mut flag = [f32::from(u8::from(overflow))];
-            g.all_reduce(&mut flag, Reduction::Max)?;
-            overflow = flag[0] != 0.0;
+            // Each rank measured its shard; infinities and NaN survive the sum.
+            let mut total = [sum_sq as f32];
+            g.all_reduce(&mut total, Reduction::Sum)?;
+            sum_sq = f64::from(total[0]);
         }
-        Ok(overflow)
+        let scale = inv_scale.unwrap_or(1.0);
+        self.unscale = scale;
+        self.norm = (sum_sq.sqrt() * f64::from(scale)) as f32;
+        Ok(!sum_sq.is_finite())
     }
 
-    /// Sum of squares of this rank's averaged gradients.
-    pub fn shard_sum_of_squares(&self) -> f64 {
-        accelerate_kernels::sum_of_squares(&self.shard_grads)
+    /// The global L2 norm of the averaged, unscaled gradients.
+    pub fn norm(&self) -> f32 {
+        self.norm
     }
 
     /// Applies the fused update to this rank's shard with the learning rates of `lr`.

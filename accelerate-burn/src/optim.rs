@@ -81,7 +81,9 @@ impl PreparedOptimizer {
                     return Err(AccelerateError::UnexpectedGradients { rank });
                 };
                 layout.grads_ready = false;
-                layout.step(&optimizer, &lr.into(), layout.clip_factor);
+                // fp16 unscale and clipping in one factor, applied in the update pass.
+                let grad_scale = layout.unscale * layout.clip_factor;
+                layout.step(&optimizer, &lr.into(), grad_scale);
                 if sharded && layout.shard.len() < layout.padded {
                     let mut group = group.lock().unwrap_or_else(PoisonError::into_inner);
                     layout.gather_params(&mut group)?;

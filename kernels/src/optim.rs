@@ -196,7 +196,12 @@ fn adam_amsgrad(
     grad_scale: f32,
     c: &AdamConstants,
 ) {
-    let lanes = p.iter_mut().zip(g).zip(m.iter_mut()).zip(v.iter_mut()).zip(max_v.iter_mut());
+    let lanes = p
+        .iter_mut()
+        .zip(g)
+        .zip(m.iter_mut())
+        .zip(v.iter_mut())
+        .zip(max_v.iter_mut());
     for ((((p, &g), m), v), max_v) in lanes {
         let mut grad = g * grad_scale;
         if !c.decoupled {
