@@ -286,4 +286,16 @@ fn another_world_size_is_refused_unless_asked_for() {
     // Per-process batches seen by rank 0 before (10) plus: 80 samples left of epoch 0 = 10
     // batches of 8, then 30 of epoch 1.
     assert_eq!(line(&resumed[0], "SEEN "), "50");
+
+    // ZeRO-1 shards saved by 2 processes are reassembled for 1.
+    let tmp = tempfile::tempdir().unwrap();
+    let zero = ("TEST_OPTIM", "zero");
+    assert_ok(&run_in(tmp.path(), 2, &[("TEST_STOP", "5"), zero]));
+    let resumed = run_in(
+        tmp.path(),
+        1,
+        &[("TEST_RESUME", "1"), ("TEST_ANY_WORLD", "1"), zero],
+    );
+    assert_ok(&resumed);
+    assert_eq!(line(&resumed[0], "SEEN "), "50");
 }
