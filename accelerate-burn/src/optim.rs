@@ -63,7 +63,14 @@ impl PreparedOptimizer {
                 Err(AccelerateError::UnexpectedGradients { rank })
             };
         }
+        let mixed = AccelerateError::FusedOptimizer {
+            reason: "this accelerator has both Burn's optimizer and a fused one prepared, and \
+                     backward feeds only the fused one. hint: prepare one optimizer per \
+                     accelerator"
+                .into(),
+        };
         match &mut self.kind {
+            Kind::Burn(_) if shared.flat.is_some() => Err(mixed),
             Kind::Burn(inner) => {
                 drop(shared);
                 Ok(inner.step(lr, model, grads))
@@ -73,7 +80,7 @@ impl PreparedOptimizer {
                     return Err(AccelerateError::UnexpectedGradients { rank });
                 }
                 let Some(engine) = shared.flat.as_mut() else {
-                    return Ok(model);
+                    return Err(mixed);
                 };
                 let optimizer = engine.optimizer.clone();
                 let sharded = engine.zero_stage >= 1;

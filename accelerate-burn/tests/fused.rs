@@ -248,3 +248,18 @@ fn parameters_added_after_prepare_are_an_error() {
         .to_string();
     assert!(err.contains("prepared with"), "{err}");
 }
+
+#[test]
+fn a_burn_optimizer_beside_a_fused_one_is_an_error_not_a_silent_no_op() {
+    let acc = Accelerator::<DefaultBackend>::builder()
+        .process_state(ProcessState::single())
+        .build()
+        .unwrap();
+    let fused = FusedOptimizer::sgd(&SgdConfig::new()).unwrap();
+    let (model, _fused) = acc.prepare((Net::new(&acc.device()), fused)).unwrap();
+    let mut burn = acc.prepare_optimizer(SgdConfig::new().init());
+    let batch = Rows.batch(data()[..4].to_vec(), &acc.device());
+    let grads = acc.backward(model.loss(batch), &model).unwrap();
+    let err = burn.step(0.1, model, grads).err().unwrap().to_string();
+    assert!(err.contains("one optimizer per accelerator"), "{err}");
+}
