@@ -525,16 +525,13 @@ impl<B: AcceleratorBackend> Accelerator<B> {
         let layout = engine.ensure_layout(model, rank, world)?;
         layout.gather_grads(&mut summed, model, rank)?;
         drop(summed);
-        let started = std::time::Instant::now();
         let overflow = if self.state.is_distributed() {
-            layout.average(Some(&mut self.group()), sharded, inv_scale)?
+            self.timed_communication(|| {
+                layout.average(Some(&mut self.group()), sharded, inv_scale)
+            })?
         } else {
             layout.average(None, false, inv_scale)?
         };
-        if self.state.is_distributed() {
-            let spent = u64::try_from(started.elapsed().as_nanos()).unwrap_or(u64::MAX);
-            self.communication_ns.fetch_add(spent, Ordering::Relaxed);
-        }
         layout.clip_factor = 1.0;
         layout.grads_ready = true;
         shared.step_skipped = false;
@@ -561,18 +558,26 @@ impl<B: AcceleratorBackend> Accelerator<B> {
         if !self.state.is_distributed() {
             return Ok(None);
         }
+        let result = self.timed_communication(|| {
+            crate::sync::average_gradients(
+                grads,
+                model,
+                &mut self.group(),
+                self.config.gradient_bucket_bytes,
+                self.config.gradient_communication,
+                inv_scale,
+            )
+        });
+        result.map(|overflow| inv_scale.map(|_| overflow))
+    }
+
+    /// Runs `communicate` and adds its duration to [`communication_time`](Self::communication_time).
+    fn timed_communication<R>(&self, communicate: impl FnOnce() -> R) -> R {
         let started = std::time::Instant::now();
-        let result = crate::sync::average_gradients(
-            grads,
-            model,
-            &mut self.group(),
-            self.config.gradient_bucket_bytes,
-            self.config.gradient_communication,
-            inv_scale,
-        );
+        let result = communicate();
         let spent = u64::try_from(started.elapsed().as_nanos()).unwrap_or(u64::MAX);
         self.communication_ns.fetch_add(spent, Ordering::Relaxed);
-        result.map(|overflow| inv_scale.map(|_| overflow))
+        result
     }
 
     /// Runs `forward` in the compute precision: on a view of `model` whose float parameters

@@ -303,29 +303,22 @@ impl<B: AcceleratorBackend> Accelerator<B> {
                 scaler: shared.scaler.as_ref().map(|s| s.state()),
                 loader: shared.train.as_ref().map(|link| {
                     let epoch_len = link.sampler.len_from_sample(link.start_sample);
-                    if link.batches >= epoch_len {
-                        // A finished epoch resumes at the start of the next one.
-                        LoaderState {
-                            cursor: SamplerCursor {
-                                epoch: link.cursor_epoch + 1,
-                                batches_consumed: 0,
-                            },
-                            start_sample: 0,
-                            samples_consumed: 0,
-                            sampler: link.sampler.config().clone(),
-                        }
+                    // A finished epoch resumes at the start of the next one.
+                    let (epoch, batches, start_sample) = if link.batches >= epoch_len {
+                        (link.cursor_epoch + 1, 0, 0)
                     } else {
-                        LoaderState {
-                            cursor: SamplerCursor {
-                                epoch: link.cursor_epoch,
-                                batches_consumed: link.batches,
-                            },
-                            start_sample: link.start_sample,
-                            samples_consumed: (link.start_sample
-                                + link.batches * link.sampler.global_batch_size())
-                            .min(link.sampler.config().len),
-                            sampler: link.sampler.config().clone(),
-                        }
+                        (link.cursor_epoch, link.batches, link.start_sample)
+                    };
+                    LoaderState {
+                        cursor: SamplerCursor {
+                            epoch,
+                            batches_consumed: batches,
+                        },
+                        start_sample,
+                        samples_consumed: (start_sample
+                            + batches * link.sampler.global_batch_size())
+                        .min(link.sampler.config().len),
+                        sampler: link.sampler.config().clone(),
                     }
                 }),
             }

@@ -34,7 +34,7 @@ pub enum FusedOptimizer {
     /// Adam (L2 weight decay) or AdamW (decoupled weight decay), with optional AMSGrad.
     Adam {
         /// The hyperparameters.
-        hyper: AdamHyperConfig,
+        hyper: AdamHyper,
         /// Keep the running maximum of the second moment.
         amsgrad: bool,
     },
@@ -45,21 +45,6 @@ pub enum FusedOptimizer {
         /// `(momentum, dampening, nesterov)`.
         momentum: Option<(f32, f64, bool)>,
     },
-}
-
-/// Serialisable form of [`AdamHyper`].
-#[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
-pub struct AdamHyperConfig {
-    /// First-moment decay.
-    pub beta_1: f32,
-    /// Second-moment decay.
-    pub beta_2: f32,
-    /// Denominator term.
-    pub epsilon: f32,
-    /// Weight decay (decoupled for AdamW, L2 for Adam).
-    pub weight_decay: f32,
-    /// AdamW (true) or Adam (false).
-    pub decoupled: bool,
 }
 
 fn config_error(what: &str, reason: String) -> AccelerateError {
@@ -107,7 +92,7 @@ impl FusedOptimizer {
             ));
         }
         Ok(Self::Adam {
-            hyper: AdamHyperConfig {
+            hyper: AdamHyper {
                 beta_1: number(&v, "beta_1", what)? as f32,
                 beta_2: number(&v, "beta_2", what)? as f32,
                 epsilon: number(&v, "epsilon", what)? as f32,
@@ -128,7 +113,7 @@ impl FusedOptimizer {
             _ => 0.0,
         };
         Ok(Self::Adam {
-            hyper: AdamHyperConfig {
+            hyper: AdamHyper {
                 beta_1: number(&v, "beta_1", what)? as f32,
                 beta_2: number(&v, "beta_2", what)? as f32,
                 epsilon: number(&v, "epsilon", what)? as f32,
@@ -619,13 +604,6 @@ impl Layout {
             let grads = &self.shard_grads[local.clone()];
             match optimizer {
                 FusedOptimizer::Adam { hyper, amsgrad } => {
-                    let hyper = AdamHyper {
-                        beta_1: hyper.beta_1,
-                        beta_2: hyper.beta_2,
-                        epsilon: hyper.epsilon,
-                        weight_decay: hyper.weight_decay,
-                        decoupled: hyper.decoupled,
-                    };
                     let (m, rest) = self.state.split_at_mut(1);
                     let (v, rest) = rest.split_at_mut(1);
                     let max_v = if *amsgrad {
@@ -642,7 +620,7 @@ impl Layout {
                         self.times[index],
                         rate,
                         grad_scale,
-                        &hyper,
+                        hyper,
                     );
                 }
                 FusedOptimizer::Sgd {

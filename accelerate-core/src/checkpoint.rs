@@ -145,6 +145,11 @@ pub fn partial_dir(dir: &Path) -> PathBuf {
     with_suffix(dir, PARTIAL_SUFFIX)
 }
 
+/// True for a directory a save is writing (or a crashed save left).
+fn is_partial(dir: &Path) -> bool {
+    dir.extension().is_some_and(|e| e == &PARTIAL_SUFFIX[1..])
+}
+
 /// `dir` with `suffix` appended to its last component.
 fn with_suffix(dir: &Path, suffix: &str) -> PathBuf {
     let mut name = dir.file_name().unwrap_or_default().to_os_string();
@@ -263,7 +268,7 @@ fn check_files(dir: &Path, manifest: &Manifest) -> Result<(), CheckpointError> {
 /// every file it lists present with its recorded size.
 pub fn read_manifest(dir: &Path) -> Result<Manifest, CheckpointError> {
     let path = dir.join(MANIFEST_FILE);
-    if dir.extension().is_some_and(|e| e == &PARTIAL_SUFFIX[1..]) || !path.exists() {
+    if is_partial(dir) || !path.exists() {
         return Err(CheckpointError::Incomplete {
             path: dir.to_path_buf(),
             reason: format!(
@@ -340,7 +345,7 @@ impl CheckpointRotation {
         if let Ok(entries) = std::fs::read_dir(&self.root) {
             for entry in entries.filter_map(Result::ok) {
                 let path = entry.path();
-                if path.extension().is_some_and(|e| e == &PARTIAL_SUFFIX[1..]) {
+                if is_partial(&path) {
                     std::fs::remove_dir_all(&path).map_err(io("removing", &path))?;
                     removed.push(path);
                 }

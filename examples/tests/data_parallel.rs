@@ -19,18 +19,11 @@ use burn::data::dataloader::batcher::Batcher;
 use burn::data::dataset::InMemDataset;
 use burn::optim::{AdamWConfig, SgdConfig};
 use burn::tensor::{Device, Int, Tensor, TensorData};
-use common::{SCENARIO, line, parameters, params, print_params, run};
+use common::{SCENARIO, env_number, line, parameters, params, print_params, run};
 
 /// Samples trained on: divisible by the global batch of every world size tested (8 x 1, 2, 3).
 const SAMPLES: usize = 240;
 const PER_RANK_BATCH: usize = 8;
-
-fn env_usize(key: &str) -> usize {
-    std::env::var(key)
-        .ok()
-        .and_then(|v| v.parse().ok())
-        .unwrap_or(0)
-}
 
 /// Trains the digits MLP for 2 epochs with SGD; batch `TEST_BATCH` per process.
 fn train() -> anyhow::Result<()> {
@@ -41,10 +34,10 @@ fn train() -> anyhow::Result<()> {
     };
     let acc = Accelerator::<DefaultBackend>::builder()
         .seed(7)
-        .gradient_accumulation_steps(env_usize("TEST_ACCUMULATION").max(1))
+        .gradient_accumulation_steps(env_number::<usize>("TEST_ACCUMULATION").max(1))
         .gradient_communication(wire)
         .build()?;
-    let hidden = if env_usize("TEST_ODD_MODEL") == acc.process_index() + 1 {
+    let hidden = if env_number::<usize>("TEST_ODD_MODEL") == acc.process_index() + 1 {
         33
     } else {
         32
@@ -52,7 +45,7 @@ fn train() -> anyhow::Result<()> {
     let model = MlpConfig::new(digits::PIXELS, vec![hidden], digits::CLASSES).init(&acc.device());
     let data: Vec<_> = digits::load()?.into_iter().take(SAMPLES).collect();
     let train = DataLoader::builder(DigitBatcher)
-        .batch_size(env_usize("TEST_BATCH"))
+        .batch_size(env_number::<usize>("TEST_BATCH"))
         .shuffle(3)
         .build(InMemDataset::new(data));
     let (mut model, mut optim, train) = acc.prepare((model, SgdConfig::new().init(), train))?;
@@ -76,12 +69,12 @@ fn fused() -> anyhow::Result<()> {
     let acc = Accelerator::<DefaultBackend>::builder()
         .seed(7)
         .gradient_accumulation_steps(2)
-        .zero_stage(env_usize("TEST_ZERO") as u8)
+        .zero_stage(env_number::<usize>("TEST_ZERO") as u8)
         .build()?;
     let model = MlpConfig::new(digits::PIXELS, vec![32], digits::CLASSES).init(&acc.device());
     let data: Vec<_> = digits::load()?.into_iter().take(SAMPLES).collect();
     let train = DataLoader::builder(DigitBatcher)
-        .batch_size(env_usize("TEST_BATCH"))
+        .batch_size(env_number::<usize>("TEST_BATCH"))
         .shuffle(3)
         .build(InMemDataset::new(data));
     let adamw = FusedOptimizer::adamw(&AdamWConfig::new().with_weight_decay(0.01))?;

@@ -19,17 +19,13 @@ use accelerate_examples::digits::{self, DigitBatcher};
 use burn::data::dataset::InMemDataset;
 use burn::lr_scheduler::linear::LinearLrSchedulerConfig;
 use burn::optim::AdamWConfig;
-use common::{SCENARIO, line, params, print_params, run};
+use common::{SCENARIO, env_number, line, params, print_params, run};
 use serde::{Serialize, Serializer};
 
 const SAMPLES: usize = 240;
 
 fn env(key: &str) -> String {
     std::env::var(key).unwrap_or_default()
-}
-
-fn env_u64(key: &str) -> u64 {
-    env(key).parse().unwrap_or(0)
 }
 
 /// A user object that kills its process when a checkpoint serialises it.
@@ -92,7 +88,10 @@ fn train() -> anyhow::Result<()> {
         batches_seen = restored.info.object("batches_seen")?.unwrap_or(0);
         println!("RESUMED {} {batches_seen}", restored.info.updates);
     }
-    let (stop, bomb) = (env_u64("TEST_STOP"), env_u64("TEST_BOMB"));
+    let (stop, bomb) = (
+        env_number::<u64>("TEST_STOP"),
+        env_number::<u64>("TEST_BOMB"),
+    );
     for epoch in train.epoch()..2 {
         train.set_epoch(epoch);
         for batch in train.iter() {

@@ -13,7 +13,7 @@ use rayon::prelude::*;
 const CHUNK: usize = 1 << 15;
 
 /// Adam-family settings (Burn's `AdamConfig` / `AdamWConfig` fields).
-#[derive(Debug, Clone, Copy, PartialEq)]
+#[derive(Debug, Clone, Copy, PartialEq, serde::Serialize, serde::Deserialize)]
 pub struct AdamHyper {
     /// First-moment decay.
     pub beta_1: f32,

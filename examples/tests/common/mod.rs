@@ -13,6 +13,14 @@ use burn::tensor::Tensor;
 /// The variable naming the scenario a child process runs.
 pub const SCENARIO: &str = "ACCELERATE_TEST_CHILD";
 
+/// The number in variable `key` (a scenario's setting), 0 when unset or unparsable.
+pub fn env_number<T: std::str::FromStr + Default>(key: &str) -> T {
+    std::env::var(key)
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or_default()
+}
+
 /// Every float parameter of `model`, in visit order.
 pub fn parameters<M: Module>(model: &M) -> Vec<f32> {
     struct Collect(Vec<f32>);
