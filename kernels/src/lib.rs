@@ -12,6 +12,8 @@
 //! - [`convert`]: branch-free f32 <-> f16/bf16 conversions that vectorise.
 //! - [`reduce`]: element-wise sum, max and min for f32, f16 and bf16 (halves combined in f32).
 //! - [`schedule`]: ring, recursive-doubling and binomial-tree schedules of the collectives.
+//! - `cube` (feature `cubecl`): [`amp`] and [`convert`] as cubecl kernels, for gradients that
+//!   live on a GPU.
 //!
 //! ```
 //! use accelerate_kernels::{l2_norm, clip_coefficient, scale_in_place};
@@ -26,6 +28,10 @@
 
 pub mod amp;
 pub mod convert;
+#[cfg(feature = "cubecl")]
+// Kernel launches take raw buffer handles; each unsafe block states the lengths it relies on.
+#[allow(unsafe_code)]
+pub mod cube;
 pub mod norm;
 pub mod optim;
 pub mod reduce;

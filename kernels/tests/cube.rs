@@ -1,0 +1,270 @@
+//! The device kernels against the host kernels, bit for bit, on every cubecl runtime this build
+//! links: wgpu (lavapipe on CI, a real GPU elsewhere) with `--features cubecl-wgpu`, and the
+//! CPU runtime (Burn's `cpu` backend) with `--features cubecl-cpu`.
+#![cfg(any(feature = "cubecl-wgpu", feature = "cubecl-cpu"))]
+
+use accelerate_kernels::amp;
+use accelerate_kernels::convert;
+use accelerate_kernels::cube::{self, Client, Half, Handle, NonFiniteFlag};
+use half::{bf16, f16};
+
+/// A client for each linked runtime, with its name for failure messages.
+fn clients() -> Vec<(&'static str, Client)> {
+    let mut clients = Vec::new();
+    #[cfg(feature = "cubecl-wgpu")]
+    clients.push((
+        "wgpu",
+        cubecl::Device::Wgpu(cubecl::device::WgpuDevice::default()).client(),
+    ));
+    #[cfg(feature = "cubecl-cpu")]
+    clients.push((
+        "cpu",
+        cubecl::Device::cpu()
+            .expect("the CPU runtime is linked")
+            .client(),
+    ));
+    clients
+}
+
+fn upload(client: &Client, values: &[f32]) -> Handle {
+    client.create_from_slice(bytemuck::cast_slice(values))
+}
+
+fn read_f32(client: &Client, handle: Handle, len: usize) -> Vec<f32> {
+    let bytes = client.read_one(handle).expect("read back");
+    bytemuck::pod_collect_to_vec::<u8, f32>(&bytes[..len * 4])
+}
+
+fn read_u16(client: &Client, handle: Handle, len: usize) -> Vec<u16> {
+    let bytes = client.read_one(handle).expect("read back");
+    bytemuck::pod_collect_to_vec::<u8, u16>(&bytes[..len * 2])
+}
+
+/// Gradients of a scaled loss: mixed signs and magnitudes, including values near f32's limits
+/// once unscaled, deterministic.
+fn gradients(n: usize) -> Vec<f32> {
+    let mut state = 0x9e37_79b9_u32;
+    (0..n)
+        .map(|i| {
+            state ^= state << 13;
+            state ^= state >> 17;
+            state ^= state << 5;
+            let mantissa = (state >> 9) as f32 / (1u32 << 23) as f32 - 0.5;
+            let exponent = (i % 61) as i32 - 30;
+            mantissa * 2f32.powi(exponent) * 65536.0
+        })
+        .collect()
+}
+
+fn assert_bits_eq(got: &[f32], want: &[f32], what: &str) {
+    assert_eq!(got.len(), want.len(), "{what}: length");
+    for (i, (g, w)) in got.iter().zip(want).enumerate() {
+        assert_eq!(
+            g.to_bits(),
+            w.to_bits(),
+            "{what}: element {i}: device {g:e} vs host {w:e}"
+        );
+    }
+}
+
+#[test]
+fn unscaling_equals_the_host_kernel_bit_for_bit() {
+    for (runtime, client) in clients() {
+        for n in [1, 2, 255, 4096, 100_003] {
+            for inv_scale in [1.0 / 65536.0, 1.0 / 3.0, 1.0] {
+                let values = gradients(n);
+                let handle = upload(&client, &values);
+                let found = cube::unscale_and_check(&client, handle.clone(), n, inv_scale)
+                    .expect("kernel runs");
+                let mut want = values.clone();
+                let host_found = amp::unscale_and_check(&mut want, inv_scale);
+                assert_eq!(found, host_found, "{runtime}: n {n}");
+                assert!(!found, "{runtime}: finite gradients flagged (n {n})");
+                let got = read_f32(&client, handle, n);
+                assert_bits_eq(
+                    &got,
+                    &want,
+                    &format!("{runtime} n {n} 1/{}", 1.0 / inv_scale),
+                );
+            }
+        }
+    }
+}
+
+#[test]
+fn any_infinity_or_nan_anywhere_is_flagged() {
+    for (runtime, client) in clients() {
+        for n in [1, 17, 4099] {
+            for at in [0, n / 2, n - 1] {
+                for bad in [f32::INFINITY, f32::NEG_INFINITY, f32::NAN] {
+                    let mut values = gradients(n);
+                    values[at] = bad;
+                    let handle = upload(&client, &values);
+                    let found =
+                        cube::unscale_and_check(&client, handle.clone(), n, 0.5).expect("runs");
+                    assert!(found, "{runtime}: {bad} at {at} of {n} not flagged");
+                    let mut want = values.clone();
+                    amp::unscale_and_check(&mut want, 0.5);
+                    let got = read_f32(&client, handle, n);
+                    for (i, (g, w)) in got.iter().zip(&want).enumerate() {
+                        let same = g.to_bits() == w.to_bits() || (g.is_nan() && w.is_nan());
+                        assert!(same, "{runtime}: element {i}: {g} vs {w}");
+                    }
+                }
+            }
+        }
+        // Finite before, infinite after: unscaling by more than one can overflow too.
+        let handle = upload(&client, &[1.0, f32::MAX]);
+        assert!(cube::unscale_and_check(&client, handle, 2, 2.0).expect("runs"));
+        // The largest finite values are finite.
+        let handle = upload(&client, &[f32::MAX, -f32::MAX, f32::MIN_POSITIVE]);
+        assert!(!cube::unscale_and_check(&client, handle, 3, 1.0).expect("runs"));
+    }
+}
+
+#[test]
+fn one_flag_collects_many_buffers() {
+    for (runtime, client) in clients() {
+        let flag = NonFiniteFlag::new(&client);
+        let buffers: Vec<Vec<f32>> = vec![gradients(100), vec![1.0, f32::NAN, 2.0], gradients(7)];
+        for values in &buffers {
+            cube::unscale_and_flag(&client, upload(&client, values), values.len(), 0.25, &flag);
+        }
+        assert!(
+            flag.read(&client).expect("runs"),
+            "{runtime}: NaN in the second buffer"
+        );
+
+        let flag = NonFiniteFlag::new(&client);
+        for values in [&buffers[0], &buffers[2]] {
+            cube::unscale_and_flag(&client, upload(&client, values), values.len(), 0.25, &flag);
+        }
+        assert!(
+            !flag.read(&client).expect("runs"),
+            "{runtime}: finite buffers"
+        );
+    }
+}
+
+/// Every f32 near each f16 and bf16 value and halfway point, specials, and a stride through all
+/// bit patterns (the probes of the host kernels' own tests).
+fn probes() -> Vec<f32> {
+    let near = (0..=u16::MAX).flat_map(|h| {
+        let f = f16::from_bits(h).to_f32().to_bits();
+        let b = u32::from(h) << 16;
+        [
+            f,
+            f.wrapping_add(1),
+            f.wrapping_sub(1),
+            f | 0xfff,
+            f | 0x1000,
+            b | 0x8000,
+            b | 0x7fff,
+            b | 0x8001,
+        ]
+    });
+    let stride = (0..u32::MAX / 4099).map(|i| i * 4099);
+    let specials = [
+        0x7f80_0000,
+        0xff80_0000,
+        0x7fc0_0000,
+        0x7f80_0001,
+        0xffff_ffff,
+        1,
+        0,
+    ];
+    near.chain(stride)
+        .chain(specials)
+        .map(f32::from_bits)
+        .collect()
+}
+
+#[test]
+fn narrowing_equals_the_host_conversion_bit_for_bit() {
+    let values = probes();
+    let n = values.len();
+    let mut f16_want = vec![f16::ZERO; n];
+    convert::f32_to_f16_slice(&values, &mut f16_want);
+    let mut bf16_want = vec![bf16::ZERO; n];
+    convert::f32_to_bf16_slice(&values, &mut bf16_want);
+    for (runtime, client) in clients() {
+        for (half, want) in [
+            (
+                Half::F16,
+                f16_want.iter().map(|h| h.to_bits()).collect::<Vec<_>>(),
+            ),
+            (Half::Bf16, bf16_want.iter().map(|h| h.to_bits()).collect()),
+        ] {
+            // Odd lengths leave the last word half used.
+            for len in [n, n - 1, 1] {
+                let packed =
+                    cube::narrow_to_half(&client, upload(&client, &values), len, half, 1.0);
+                let got = read_u16(&client, packed, len);
+                for (i, (g, w)) in got.iter().zip(&want[..len]).enumerate() {
+                    assert_eq!(
+                        g,
+                        w,
+                        "{runtime} {half:?}: {:e} ({:#010x}) gave {g:#06x}, host {w:#06x} (at {i})",
+                        values[i],
+                        values[i].to_bits()
+                    );
+                }
+            }
+        }
+    }
+}
+
+#[test]
+fn narrowing_with_a_scale_equals_scaling_then_narrowing() {
+    let values = gradients(10_001);
+    let factor = 1.0 / 3.0;
+    let mut scaled = values.clone();
+    accelerate_kernels::scale_in_place(&mut scaled, factor);
+    let mut want = vec![f16::ZERO; values.len()];
+    convert::f32_to_f16_slice(&scaled, &mut want);
+    for (runtime, client) in clients() {
+        let packed = cube::narrow_to_half(
+            &client,
+            upload(&client, &values),
+            values.len(),
+            Half::F16,
+            factor,
+        );
+        let got = read_u16(&client, packed, values.len());
+        let want: Vec<u16> = want.iter().map(|h| h.to_bits()).collect();
+        assert_eq!(got, want, "{runtime}");
+    }
+}
+
+#[test]
+fn widening_every_half_equals_the_host_conversion_bit_for_bit() {
+    let all: Vec<u16> = (0..=u16::MAX).collect();
+    for (runtime, client) in clients() {
+        for half in [Half::F16, Half::Bf16] {
+            // Odd length: the last word's high half is padding and must not be written out.
+            for len in [all.len(), all.len() - 1] {
+                let packed = client.create_from_slice(bytemuck::cast_slice(&all));
+                let widened = cube::widen_from_half(&client, packed, len, half);
+                let got = read_f32(&client, widened, len);
+                let want: Vec<f32> = all[..len]
+                    .iter()
+                    .map(|&bits| match half {
+                        Half::F16 => convert::f16_bits_to_f32(bits),
+                        Half::Bf16 => convert::bf16_bits_to_f32(bits),
+                    })
+                    .collect();
+                assert_bits_eq(&got, &want, &format!("{runtime} {half:?} len {len}"));
+            }
+        }
+    }
+}
+
+#[test]
+fn empty_buffers_launch_nothing() {
+    for (_, client) in clients() {
+        let handle = upload(&client, &[1.0]);
+        assert!(!cube::unscale_and_check(&client, handle.clone(), 0, f32::INFINITY).expect("runs"));
+        let _ = cube::narrow_to_half(&client, handle.clone(), 0, Half::F16, 1.0);
+        let _ = cube::widen_from_half(&client, handle, 0, Half::Bf16);
+    }
+}
