@@ -75,8 +75,9 @@ fn main() -> anyhow::Result<()> {
             let processes = acc.num_processes();
             let comm = (acc.communication_time() - comm_before).as_secs_f64();
             acc.print(format!(
-                "{:.0} samples/s over {} samples on {processes} process(es) (first {WARM_UP_STEPS} steps excluded), final loss {last_loss:.4}, {} in {:?}, {} AdamW",
+                "{:.0} samples/s ({:.2} ms/step) over {} samples on {processes} process(es) (first {WARM_UP_STEPS} steps excluded), final loss {last_loss:.4}, {} in {:?}, {} AdamW",
                 (seen * processes) as f64 / seconds,
+                1e3 * seconds / f64::from(timed_steps),
                 seen * processes,
                 acc.backend_name(),
                 acc.compute_dtype(),

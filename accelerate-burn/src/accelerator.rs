@@ -487,10 +487,15 @@ impl<B: AcceleratorBackend> Accelerator<B> {
         let host_overflow = self.average_if_distributed(&mut summed, model, inv_scale)?;
         shared.step_skipped = false;
         if let (Some(scaler), Some(inv_scale)) = (shared.scaler.as_mut(), inv_scale) {
-            // Several processes: the gradients were unscaled and checked on the host, in the
-            // averaging pass (one fused kernel over each bucket). One process: on the device.
+            // Several processes: the gradients were unscaled and checked in the averaging pass
+            // (one fused kernel over each bucket). One process: on the device, with our cubecl
+            // kernel where the backend has one, else with Burn's operations.
             let overflow = match host_overflow {
                 Some(overflow) => overflow,
+                #[cfg(feature = "device-kernels")]
+                None if B::DEVICE_KERNELS => {
+                    grads::unscale_and_check_on_device(&mut summed, inv_scale, model)
+                }
                 None => {
                     grads::scale(&mut summed, inv_scale, model);
                     grads::global_norm(&summed, model).is_some_and(|n| !n.is_finite())
@@ -566,6 +571,7 @@ impl<B: AcceleratorBackend> Accelerator<B> {
                 self.config.gradient_bucket_bytes,
                 self.config.gradient_communication,
                 inv_scale,
+                B::DEVICE_KERNELS,
             )
         });
         result.map(|overflow| inv_scale.map(|_| overflow))

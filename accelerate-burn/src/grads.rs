@@ -63,3 +63,53 @@ pub(crate) fn scale<M: Module>(grads: &mut GradientsParams, factor: f32, model: 
     }
     model.visit(&mut Scale { grads, factor });
 }
+
+/// Unscales every gradient of `model` in `grads` on the device with our cubecl kernel (one
+/// pass per tensor, in place) and says whether any value is not finite; one 4-byte read.
+#[cfg(feature = "device-kernels")]
+pub(crate) fn unscale_and_check_on_device<M: Module>(
+    grads: &mut GradientsParams,
+    inv_scale: f32,
+    model: &M,
+) -> bool {
+    use burn::module::ParamId;
+    use std::collections::HashMap;
+
+    struct Take<'a> {
+        grads: &'a mut GradientsParams,
+        ids: Vec<ParamId>,
+        flat: Vec<Tensor<1>>,
+    }
+    impl ModuleVisitor for Take<'_> {
+        fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<D>>) {
+            if let Some(grad) = self.grads.remove::<D>(param.id) {
+                let n = grad.shape().num_elements();
+                self.ids.push(param.id);
+                self.flat.push(grad.reshape([n]));
+            }
+        }
+    }
+    struct Put<'a> {
+        grads: &'a mut GradientsParams,
+        flat: HashMap<ParamId, Tensor<1>>,
+    }
+    impl ModuleVisitor for Put<'_> {
+        fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<D>>) {
+            if let Some(grad) = self.flat.remove(&param.id) {
+                self.grads
+                    .register::<D>(param.id, grad.reshape(param.lazy_shape()));
+            }
+        }
+    }
+    let mut take = Take {
+        grads,
+        ids: Vec::new(),
+        flat: Vec::new(),
+    };
+    model.visit(&mut take);
+    let (ids, flat) = (take.ids, take.flat);
+    let (flat, overflow) = crate::device_kernels::unscale_and_check(flat, inv_scale);
+    let flat = ids.into_iter().zip(flat).collect();
+    model.visit(&mut Put { grads, flat });
+    overflow
+}

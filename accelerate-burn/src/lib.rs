@@ -73,6 +73,8 @@ pub mod backend;
 pub mod checkpoint;
 mod collectives;
 mod data;
+#[cfg(feature = "device-kernels")]
+mod device_kernels;
 mod error;
 pub mod fused;
 mod grads;

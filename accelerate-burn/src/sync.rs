@@ -146,6 +146,7 @@ pub(crate) fn average_gradients<M: Module>(
     bucket_bytes: usize,
     wire: MixedPrecision,
     inv_scale: Option<f32>,
+    device_kernels: bool,
 ) -> Result<bool, AccelerateError> {
     // Take every gradient out, flattened, in visit order.
     struct Take<'a> {
@@ -182,6 +183,7 @@ pub(crate) fn average_gradients<M: Module>(
                 group,
                 wire,
                 inv_scale,
+                device_kernels,
                 &mut reduced,
             )?;
             pending_bytes = 0;
@@ -231,13 +233,80 @@ fn average(
     Ok(())
 }
 
+/// [`average`] for a bucket that stays on a cubecl device: narrowed there (after dividing by
+/// the world size for fp16, as on the host), reduced on the host in half precision, widened
+/// and unscaled there. The same numbers as the host path, bit for bit.
+#[cfg(feature = "device-kernels")]
+fn average_on_device(
+    joined: Tensor<1>,
+    group: &mut ProcessGroup,
+    wire: MixedPrecision,
+    inv_scale: Option<f32>,
+) -> Result<(Tensor<1>, bool), AccelerateError> {
+    use crate::device_kernels;
+    use accelerate_kernels::cube::Half;
+
+    let rank = group.rank();
+    let (half, scale, reduction) = match wire {
+        MixedPrecision::Fp16 => (Half::F16, 1.0 / group.world_size() as f32, Reduction::Sum),
+        _ => (Half::Bf16, 1.0, Reduction::Mean),
+    };
+    let (joined, bytes) = device_kernels::narrow_to_half(joined, half, scale, rank)?;
+    let bytes = match half {
+        Half::F16 => {
+            let mut values: Vec<f16> = bytemuck::pod_collect_to_vec(&bytes);
+            group.all_reduce(&mut values, reduction)?;
+            bytemuck::cast_slice(&values).to_vec()
+        }
+        Half::Bf16 => {
+            let mut values: Vec<bf16> = bytemuck::pod_collect_to_vec(&bytes);
+            group.all_reduce(&mut values, reduction)?;
+            bytemuck::cast_slice(&values).to_vec()
+        }
+    };
+    let joined = device_kernels::widen_from_half(joined, bytes, half);
+    match inv_scale {
+        Some(inv) => {
+            let (mut grads, overflow) = device_kernels::unscale_and_check(vec![joined], inv);
+            let joined = grads.pop().ok_or_else(|| AccelerateError::Tensor {
+                rank,
+                op: "unscaling gradients on the device",
+                detail: "the device returned no tensor".into(),
+            })?;
+            Ok((joined, overflow))
+        }
+        None => Ok((joined, false)),
+    }
+}
+
+/// Without a cubecl backend in the build there is no device path: a backend that claims
+/// device kernels anyway gets an error, not a silent host fallback.
+#[cfg(not(feature = "device-kernels"))]
+fn average_on_device(
+    _joined: Tensor<1>,
+    group: &mut ProcessGroup,
+    _wire: MixedPrecision,
+    _inv_scale: Option<f32>,
+) -> Result<(Tensor<1>, bool), AccelerateError> {
+    Err(AccelerateError::Tensor {
+        rank: group.rank(),
+        op: "averaging gradients on the device",
+        detail: "this backend claims DEVICE_KERNELS, but this build has no `wgpu`
+                 or `cuda` feature"
+            .into(),
+    })
+}
+
 /// All-reduces one bucket; with `inv_scale`, also unscales it and returns whether any value
-/// is not finite.
+/// is not finite. With `device_kernels` (a cubecl backend) and a half-precision wire, the
+/// bucket is narrowed, widened and unscaled on the device, so only half-precision bytes cross
+/// to the host and back.
 fn all_reduce_bucket(
     bucket: Vec<(ParamId, Tensor<1>, DType)>,
     group: &mut ProcessGroup,
     wire: MixedPrecision,
     inv_scale: Option<f32>,
+    device_kernels: bool,
     reduced: &mut HashMap<ParamId, Tensor<1>>,
 ) -> Result<bool, AccelerateError> {
     let Some(device) = bucket.first().map(|(_, t, _)| t.device()) else {
@@ -252,12 +321,17 @@ fn all_reduce_bucket(
         .map(|(_, t, _)| t.clone().cast(DType::F32))
         .collect();
     let joined = Tensor::cat(tensors, 0);
-    let len = joined.shape().num_elements();
-    // Already f32 (each part was cast above).
-    let mut values: Vec<f32> = joined.into_data().iter::<f32>().collect();
-    average(&mut values, group, wire)?;
-    let overflow = inv_scale.is_some_and(|inv| unscale_and_check(&mut values, inv));
-    let joined = Tensor::<1>::from_data(TensorData::new(values, [len]), &device);
+    let (joined, overflow) = if device_kernels && wire != MixedPrecision::No {
+        average_on_device(joined, group, wire, inv_scale)?
+    } else {
+        let len = joined.shape().num_elements();
+        // Already f32 (each part was cast above).
+        let mut values: Vec<f32> = joined.into_data().iter::<f32>().collect();
+        average(&mut values, group, wire)?;
+        let overflow = inv_scale.is_some_and(|inv| unscale_and_check(&mut values, inv));
+        let joined = Tensor::<1>::from_data(TensorData::new(values, [len]), &device);
+        (joined, overflow)
+    };
     let mut offset = 0;
     for ((id, _, dtype), n) in bucket.into_iter().zip(sizes) {
         let mut part = joined.clone().narrow(0, offset, n);

@@ -670,3 +670,79 @@ fn a_checkpoint_restores_in_process_and_refuses_what_it_cannot_hold() {
         .to_string();
     assert!(err.contains("project_dir"), "{err}");
 }
+
+/// fp16 loss scaling in one process (on wgpu and cuda the unscale-and-check is our cubecl
+/// kernel, elsewhere Burn's operations): gradients come back unscaled (at scale 1,024 they
+/// agree with an unscaled run to f16 precision: tolerance 2e-3 relative to the largest, where
+/// forgetting or repeating the division would be off by 1,024 times), and an infinite loss
+/// skips exactly that step, leaves the parameters alone and halves the scale.
+#[test]
+fn fp16_gradients_come_back_unscaled_and_an_overflow_skips_exactly_that_step() {
+    use accelerate_burn::{MixedPrecision, ScalerConfig};
+    let build = |scale: f32| {
+        Accelerator::<DefaultBackend>::builder()
+            .process_state(ProcessState::single())
+            .mixed_precision(MixedPrecision::Fp16)
+            .seed(5)
+            .loss_scaler(ScalerConfig {
+                init_scale: scale,
+                growth_interval: 1000,
+                ..ScalerConfig::default()
+            })
+            .build()
+            .unwrap()
+    };
+    let first_gradient = |scale: f32| {
+        let acc = build(scale);
+        let (model, _optim, train) = acc
+            .prepare((
+                Net::new(&acc.device()),
+                SgdConfig::new().init(),
+                loader(8, 8),
+            ))
+            .unwrap();
+        let batch = train.iter().next().unwrap().unwrap();
+        let loss = acc.autocast(&model, |m, c| m.loss(c.input(batch)));
+        let grads = acc.backward(loss, &model).unwrap();
+        let g = grads.get::<2>(model.hidden.weight.id).unwrap();
+        (
+            acc.compute_dtype(),
+            g.into_data().try_to_vec::<f32>().unwrap(),
+        )
+    };
+    let (dtype, unscaled) = first_gradient(1.0);
+    if dtype != DType::F16 {
+        return; // This device cannot compute in f16: there is no loss scaling to test.
+    }
+    let (_, scaled) = first_gradient(1024.0);
+    let largest = unscaled.iter().fold(0.0_f32, |m, v| m.max(v.abs()));
+    assert!(largest > 0.0);
+    assert_close(&scaled, &unscaled, 2e-3 * largest);
+
+    let acc = build(1024.0);
+    let (mut model, mut optim, train) = acc
+        .prepare((
+            Net::new(&acc.device()),
+            SgdConfig::new().init(),
+            loader(48, 8),
+        ))
+        .unwrap();
+    for (step, batch) in train.iter().enumerate() {
+        let batch = batch.unwrap();
+        let mut loss = acc.autocast(&model, |m, c| m.loss(c.input(batch)));
+        if step == 3 {
+            loss = loss.mul_scalar(f32::INFINITY);
+        }
+        let before = model.values();
+        let grads = acc.backward(loss, &model).unwrap();
+        model = optim.step(0.05, model, grads).unwrap();
+        let skipped = acc.optimizer_step_was_skipped();
+        assert_eq!(skipped, step == 3, "step {step}");
+        let after = model.values();
+        assert!(after.iter().all(|v| v.is_finite()), "step {step}");
+        assert_eq!(before == after, step == 3, "step {step}: parameters");
+        let expected_scale = if step < 3 { 1024.0 } else { 512.0 };
+        assert_eq!(acc.loss_scale(), Some(expected_scale), "step {step}");
+    }
+    assert_eq!(optim.updates(), 5);
+}

@@ -9,8 +9,8 @@ mod common;
 
 use accelerate_burn::burn;
 use accelerate_burn::{
-    Accelerator, DataLoader, DefaultBackend, FusedOptimizer, MixedPrecision, Reduction,
-    ScalerConfig,
+    AccelerateError, Accelerator, AcceleratorBackend, DataLoader, DefaultBackend, FusedOptimizer,
+    MixedPrecision, Reduction, ScalerConfig,
 };
 use accelerate_examples::MlpConfig;
 use accelerate_examples::digits::{self, DigitBatcher};
@@ -25,17 +25,39 @@ use common::{SCENARIO, env_number, line, parameters, params, print_params, run};
 const SAMPLES: usize = 240;
 const PER_RANK_BATCH: usize = 8;
 
-/// Trains the digits MLP for 2 epochs with SGD; batch `TEST_BATCH` per process.
-fn train() -> anyhow::Result<()> {
-    let wire = match std::env::var("TEST_WIRE").as_deref() {
+/// The default backend with our device kernels turned off: on wgpu and cuda, the host path
+/// that the device path must equal.
+struct HostKernels;
+
+impl AcceleratorBackend for HostKernels {
+    const NAME: &'static str = DefaultBackend::NAME;
+
+    fn device(local_rank: usize) -> Result<Device, AccelerateError> {
+        DefaultBackend::device(local_rank)
+    }
+}
+
+fn precision(name: &str) -> MixedPrecision {
+    match std::env::var(name).as_deref() {
         Ok("bf16") => MixedPrecision::Bf16,
         Ok("fp16") => MixedPrecision::Fp16,
         _ => MixedPrecision::No,
-    };
-    let acc = Accelerator::<DefaultBackend>::builder()
+    }
+}
+
+/// Trains the digits MLP for 2 epochs with SGD; batch `TEST_BATCH` per process, gradients
+/// sent in `TEST_WIRE` precision, loss scaling with `TEST_MIXED=fp16` (the forward pass stays
+/// f32, so only the scaling differs).
+fn train<B: AcceleratorBackend>() -> anyhow::Result<()> {
+    let acc = Accelerator::<B>::builder()
         .seed(7)
         .gradient_accumulation_steps(env_number::<usize>("TEST_ACCUMULATION").max(1))
-        .gradient_communication(wire)
+        .gradient_communication(precision("TEST_WIRE"))
+        .mixed_precision(precision("TEST_MIXED"))
+        .loss_scaler(ScalerConfig {
+            init_scale: 1024.0,
+            ..ScalerConfig::default()
+        })
         .build()?;
     let hidden = if env_number::<usize>("TEST_ODD_MODEL") == acc.process_index() + 1 {
         33
@@ -215,7 +237,8 @@ fn child() {
         return;
     };
     let result = match scenario.as_str() {
-        "train" => train(),
+        "train" if std::env::var_os("TEST_HOST_KERNELS").is_some() => train::<HostKernels>(),
+        "train" => train::<DefaultBackend>(),
         "fused" => fused(),
         "evaluate" => evaluate(),
         "overflow" => overflow(),
@@ -380,6 +403,40 @@ fn half_precision_gradient_communication_stays_close_to_f32() {
             "{wire}: the gradients did not travel in half precision"
         );
         assert_eq!(params(&ranks[1]), ours, "{wire}: ranks disagree");
+    }
+}
+
+/// On wgpu and cuda, half-precision gradient buckets are narrowed, widened and unscaled by our
+/// cubecl kernels on the device; the parameters after 30 updates on 2 processes must equal,
+/// bit for bit, those of the host path (the same backend with the device kernels turned off),
+/// with bf16 and fp16 on the wire and with fp16 loss scaling. (On the CPU backends both runs
+/// take the host path.)
+#[test]
+fn device_kernels_average_half_precision_gradients_exactly_like_the_host() {
+    for (wire, mixed) in [("bf16", "no"), ("fp16", "no"), ("fp16", "fp16")] {
+        let env = |host: bool| {
+            let mut env = vec![
+                ("TEST_BATCH", "8".to_string()),
+                ("TEST_WIRE", wire.to_string()),
+                ("TEST_MIXED", mixed.to_string()),
+            ];
+            if host {
+                env.push(("TEST_HOST_KERNELS", "1".to_string()));
+            }
+            env
+        };
+        let device = run("train", 2, &env(false));
+        let host = run("train", 2, &env(true));
+        assert_eq!(
+            params(&device[0]),
+            params(&host[0]),
+            "wire {wire}, mixed {mixed}"
+        );
+        assert_eq!(
+            line(&device[0], "UPDATES "),
+            "30",
+            "wire {wire}, mixed {mixed}"
+        );
     }
 }
 

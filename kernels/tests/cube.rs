@@ -9,6 +9,8 @@ use accelerate_kernels::cube::{self, Client, Half, Handle, NonFiniteFlag};
 use half::{bf16, f16};
 
 /// A client for each linked runtime, with its name for failure messages.
+// Each push is behind its own feature, which `vec![...]` cannot express.
+#[allow(clippy::vec_init_then_push)]
 fn clients() -> Vec<(&'static str, Client)> {
     let mut clients = Vec::new();
     #[cfg(feature = "cubecl-wgpu")]

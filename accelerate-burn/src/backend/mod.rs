@@ -38,6 +38,11 @@ pub trait AcceleratorBackend: 'static + Send + Sync {
     /// Short name, as printed by `accelerate env` and in errors ("flex", "cuda", ...).
     const NAME: &'static str;
 
+    /// True when the backend's tensors are cubecl buffers on which accelerate-rs runs its own
+    /// device kernels (fp16 unscale-and-check, half-precision gradient packing) instead of
+    /// Burn operations or host passes. Only the `wgpu` and `cuda` markers set it.
+    const DEVICE_KERNELS: bool = false;
+
     /// The (non-autodiff) device of the process with local rank `local_rank`.
     fn device(local_rank: usize) -> Result<Device, AccelerateError>;
 

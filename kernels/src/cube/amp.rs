@@ -35,6 +35,12 @@ impl NonFiniteFlag {
         }
     }
 
+    /// A flag over an existing buffer of at least 4 zeroed bytes (a Burn integer tensor of one
+    /// zero, say); only its first 4 bytes are written.
+    pub fn from_handle(handle: Handle) -> Self {
+        Self { handle }
+    }
+
     /// Waits for the launches that write the flag and says whether any value was not finite.
     pub fn read(self, client: &Client) -> Result<bool, ServerError> {
         let bytes = client.read_one(self.handle)?;
