@@ -75,23 +75,23 @@ pub fn adam_step(
 }
 
 /// The per-step constants of an Adam update, computed as Burn computes them.
-struct AdamConstants {
-    beta_1: f32,
-    beta_2: f32,
-    factor_1: f32,
-    factor_2: f32,
-    decoupled: bool,
+pub(crate) struct AdamConstants {
+    pub(crate) beta_1: f32,
+    pub(crate) beta_2: f32,
+    pub(crate) factor_1: f32,
+    pub(crate) factor_2: f32,
+    pub(crate) decoupled: bool,
     /// AdamW: `1 - b1^t` and `1 - b2^t`; Adam: the combined factor and `eps * sqrt(1 - b2^t)`.
-    correction_1: f32,
-    correction_2: f32,
-    epsilon: f32,
+    pub(crate) correction_1: f32,
+    pub(crate) correction_2: f32,
+    pub(crate) epsilon: f32,
     /// AdamW: `1 - lr * wd` (0 decay skips it); Adam: the L2 penalty.
-    decay: f32,
-    lr: f32,
+    pub(crate) decay: f32,
+    pub(crate) lr: f32,
 }
 
 impl AdamConstants {
-    fn new(h: &AdamHyper, time: i32, lr: f64) -> Self {
+    pub(crate) fn new(h: &AdamHyper, time: i32, lr: f64) -> Self {
         let (correction_1, correction_2, epsilon, decay) = if h.decoupled {
             let decay_rate = lr * f64::from(h.weight_decay);
             (

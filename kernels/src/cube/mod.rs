@@ -1,7 +1,8 @@
 //! The device-side kernels, as cubecl kernels over flat buffers on any cubecl runtime (CUDA,
 //! wgpu, the CPU runtime): the same operations as [`crate::amp`] and [`crate::convert`], with
 //! the same results bit for bit, so that a GPU backend checks and compresses gradients where
-//! they are instead of copying them to the host first.
+//! they are instead of copying them to the host first; and the fused optimizer updates of
+//! [`crate::optim`], so that a fused optimizer keeps its state on the GPU.
 //!
 //! A buffer is a cubecl [`Handle`] and its length in elements; the caller owns the client and
 //! the handles (Burn's `CubeTensor` has both). Launches are queued, not waited for: only the
@@ -32,9 +33,11 @@
 
 mod amp;
 mod convert;
+mod optim;
 
 pub use amp::{NonFiniteFlag, unscale_and_check, unscale_and_flag};
 pub use convert::{Half, narrow_to_half, widen_from_half};
+pub use optim::{FlatBuffers, adam_step, copy_params, sgd_step};
 
 pub use cubecl::client::Client;
 pub use cubecl::server::{Handle, ServerError};
