@@ -527,7 +527,8 @@ impl<B: AcceleratorBackend> Accelerator<B> {
             return Ok(summed);
         };
         let sharded = engine.zero_stage >= 1 && world > 1;
-        let layout = engine.ensure_layout(model, rank, world)?;
+        let device_kernels = B::DEVICE_KERNELS && cfg!(feature = "device-kernels");
+        let layout = engine.ensure_layout(model, rank, world, device_kernels)?;
         layout.gather_grads(&mut summed, model, rank)?;
         drop(summed);
         let overflow = if self.state.is_distributed() {

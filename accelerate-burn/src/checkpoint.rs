@@ -329,8 +329,8 @@ impl<B: AcceleratorBackend> Accelerator<B> {
         add(&name, "loop state of one process (JSON)", Some(rank), bytes);
         // A fused optimizer's state: every rank's shard with ZeRO, else the main process's.
         let fused_state = {
-            let shared = self.shared.lock();
-            shared.flat.as_ref().and_then(|engine| {
+            let mut shared = self.shared.lock();
+            shared.flat.as_mut().and_then(|engine| {
                 let sharded = engine.zero_stage >= 1 && self.state.is_distributed();
                 (sharded || self.is_main_process())
                     .then(|| engine.state_file())

@@ -10,6 +10,7 @@ use burn::backend::{Backend, Dispatch, backend_extension};
 use burn::tensor::{Int, Tensor};
 
 use crate::error::AccelerateError;
+use crate::fused::FusedOptimizer;
 
 /// The device kernels as Burn operations. Results that need the host (the overflow flag, the
 /// narrowed bytes) come back as `Result`s with the runtime's error as text.
@@ -35,16 +36,66 @@ pub(crate) trait GradientKernels: Backend {
     /// The f32 values of `packed` (f16 or bf16 bytes), as a tensor of `like`'s shape on its
     /// device; `like` itself is dropped.
     fn widen_from_half(like: FloatTensor<Self>, packed: Vec<u8>, bf16: bool) -> FloatTensor<Self>;
+
+    /// One fused optimizer update over flat buffers: the new parameters (a new buffer) and the
+    /// three state slots, updated in place (slots the optimizer does not use are placeholders,
+    /// returned as they came).
+    fn fused_update(
+        params: FloatTensor<Self>,
+        grads: FloatTensor<Self>,
+        first: FloatTensor<Self>,
+        second: FloatTensor<Self>,
+        third: FloatTensor<Self>,
+        plan: FusedPlan,
+    ) -> (
+        FloatTensor<Self>,
+        FloatTensor<Self>,
+        FloatTensor<Self>,
+        FloatTensor<Self>,
+    );
+}
+
+/// What one fused update does to each segment of the flat buffers.
+#[derive(Debug, Clone)]
+pub(crate) struct FusedPlan {
+    /// The update and its hyperparameters.
+    pub optimizer: FusedOptimizer,
+    /// fp16 unscale times the clipping factor.
+    pub grad_scale: f32,
+    /// Every segment of the flat buffers, in order.
+    pub segments: Vec<PlannedSegment>,
+}
+
+/// One parameter tensor's range of the flat buffers and what its update does.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct PlannedSegment {
+    /// First element.
+    pub offset: usize,
+    /// Elements.
+    pub len: usize,
+    /// `(step, learning rate)`; `None`: no gradient, the values are copied unchanged.
+    pub update: Option<(i32, f64)>,
 }
 
 mod cube {
-    use accelerate_kernels::cube::{self as kernels, Half, NonFiniteFlag};
+    use accelerate_kernels::cube::{self as kernels, FlatBuffers, Half, NonFiniteFlag};
     use burn::tensor::DType;
     use burn_cubecl::CubeBackend;
     use burn_cubecl::kernel::{cast, into_contiguous};
     use burn_cubecl::tensor::CubeTensor;
 
-    use super::GradientKernels;
+    use super::{FusedPlan, GradientKernels, PlannedSegment};
+    use crate::fused::FusedOptimizer;
+
+    /// `tensor` as contiguous f32 values that this call may overwrite.
+    fn writable_f32(tensor: CubeTensor) -> CubeTensor {
+        let tensor = contiguous_f32(tensor);
+        if tensor.can_mut() {
+            tensor
+        } else {
+            tensor.copy()
+        }
+    }
 
     /// `tensor` as contiguous f32 values.
     fn contiguous_f32(tensor: CubeTensor) -> CubeTensor {
@@ -71,11 +122,8 @@ mod cube {
             inv_scale: f32,
         ) -> (CubeTensor, CubeTensor) {
             let dtype = grad.dtype;
-            let mut values = contiguous_f32(grad);
             // A buffer another tensor still reads must not change under it.
-            if !values.can_mut() {
-                values = values.copy();
-            }
+            let values = writable_f32(grad);
             let len = values.meta.shape().num_elements();
             let device_flag = NonFiniteFlag::from_handle(flag.handle.clone());
             kernels::unscale_and_flag(
@@ -113,6 +161,82 @@ mod cube {
                 .map(|bytes| bytes[..len * 2].to_vec())
                 .map_err(|e| e.to_string());
             (values, bytes)
+        }
+
+        fn fused_update(
+            params: CubeTensor,
+            grads: CubeTensor,
+            first: CubeTensor,
+            second: CubeTensor,
+            third: CubeTensor,
+            plan: FusedPlan,
+        ) -> (CubeTensor, CubeTensor, CubeTensor, CubeTensor) {
+            let params = contiguous_f32(params);
+            let grads = contiguous_f32(grads);
+            let state = [
+                writable_f32(first),
+                writable_f32(second),
+                writable_f32(third),
+            ];
+            let client = params.client.clone();
+            let len = params.meta.shape().num_elements();
+            let out = client.empty(len * 4);
+            let buffers = FlatBuffers {
+                params: params.handle.clone(),
+                grads: grads.handle.clone(),
+                state: state[..plan.optimizer.state_buffers()]
+                    .iter()
+                    .map(|t| t.handle.clone())
+                    .collect(),
+                out: out.clone(),
+                len,
+            };
+            let sgd = plan.optimizer.sgd_hyper();
+            for &PlannedSegment {
+                offset: start,
+                len: count,
+                update,
+            } in &plan.segments
+            {
+                match (update, &plan.optimizer, &sgd) {
+                    (None, _, _) => kernels::copy_params(&client, &buffers, start, count),
+                    (Some((time, lr)), FusedOptimizer::Adam { hyper, amsgrad }, _) => {
+                        kernels::adam_step(
+                            &client,
+                            &buffers,
+                            start,
+                            count,
+                            time,
+                            lr,
+                            plan.grad_scale,
+                            hyper,
+                            *amsgrad,
+                        );
+                    }
+                    (Some((time, lr)), FusedOptimizer::Sgd { .. }, Some(hyper)) => {
+                        kernels::sgd_step(
+                            &client,
+                            &buffers,
+                            start,
+                            count,
+                            time == 1,
+                            lr,
+                            plan.grad_scale,
+                            hyper,
+                        );
+                    }
+                    (Some(_), FusedOptimizer::Sgd { .. }, None) => {}
+                }
+            }
+            let updated = CubeTensor::new_contiguous(
+                client,
+                params.device.clone(),
+                params.meta.shape().clone(),
+                out,
+                DType::F32,
+            );
+            let [first, second, third] = state;
+            (updated, first, second, third)
         }
 
         fn widen_from_half(like: CubeTensor, packed: Vec<u8>, bf16: bool) -> CubeTensor {
@@ -185,4 +309,38 @@ pub(crate) fn widen_from_half(like: Tensor<1>, packed: Vec<u8>, half: Half) -> T
         packed,
         half == Half::Bf16,
     ))
+}
+
+/// One fused update on the device: the new parameters and the updated state (as many tensors
+/// as came in).
+pub(crate) fn fused_update(
+    params: Tensor<1>,
+    grads: Tensor<1>,
+    state: Vec<Tensor<1>>,
+    plan: FusedPlan,
+) -> (Tensor<1>, Vec<Tensor<1>>) {
+    let used = state.len();
+    let device = params.device();
+    let mut slots = state.into_iter();
+    let mut slot = || {
+        slots
+            .next()
+            .unwrap_or_else(|| Tensor::<1>::zeros([1], &device))
+            .into_dispatch()
+    };
+    let (first, second, third) = (slot(), slot(), slot());
+    let (params, first, second, third) = <Dispatch as GradientKernels>::fused_update(
+        params.into_dispatch(),
+        grads.into_dispatch(),
+        first,
+        second,
+        third,
+        plan,
+    );
+    let state = [first, second, third]
+        .into_iter()
+        .take(used)
+        .map(Tensor::from_dispatch)
+        .collect();
+    (Tensor::from_dispatch(params), state)
 }

@@ -9,6 +9,11 @@
 //! parameter in place, no allocation), and the model receives its new values in one upload per
 //! parameter tensor.
 //!
+//! On wgpu and cuda (without ZeRO) the flat buffers live on the GPU instead: the gradients are
+//! concatenated there, the update is our cubecl kernel, and the model's parameters become views
+//! of the flat parameter buffer, so nothing crosses to the host but a 4-byte norm (and, with
+//! several processes, the gradients the collectives average).
+//!
 //! ZeRO-1 (`AcceleratorBuilder::zero_stage(1)`): gradients are reduce-scattered instead of
 //! all-reduced, each rank updates its 1/N of the flat parameters with its 1/N of the optimizer
 //! state, and the updated parameters are all-gathered.
@@ -147,8 +152,26 @@ impl FusedOptimizer {
         })
     }
 
+    /// The kernels' SGD settings (`None` for Adam).
+    pub(crate) fn sgd_hyper(&self) -> Option<SgdHyper> {
+        match self {
+            Self::Sgd {
+                weight_decay,
+                momentum,
+            } => Some(SgdHyper {
+                weight_decay: *weight_decay,
+                momentum: momentum.map(|(momentum, dampening, nesterov)| SgdMomentum {
+                    momentum,
+                    dampening,
+                    nesterov,
+                }),
+            }),
+            Self::Adam { .. } => None,
+        }
+    }
+
     /// Flat state buffers per parameter element (moments, velocity).
-    fn state_buffers(&self) -> usize {
+    pub(crate) fn state_buffers(&self) -> usize {
         match self {
             Self::Adam { amsgrad, .. } => 2 + usize::from(*amsgrad),
             Self::Sgd { momentum, .. } => usize::from(momentum.is_some()),
@@ -207,6 +230,19 @@ pub(crate) struct Layout {
     pub unscale: f32,
     /// Global L2 norm of the pending step's unscaled gradients.
     pub norm: f32,
+    /// The buffers on the GPU, when the update runs there (wgpu, cuda without ZeRO); the host
+    /// vectors above then stay empty, except the state, copied down for checkpoints.
+    pub device: Option<DeviceFlat>,
+}
+
+/// The flat buffers of a [`Layout`] on a cubecl device, as Burn tensors of shape `[len]`.
+pub(crate) struct DeviceFlat {
+    /// Master parameters (a new buffer after every update; the model views it).
+    pub params: Tensor<1>,
+    /// The gathered (and averaged) gradients of the pending step.
+    pub grads: Option<Tensor<1>>,
+    /// Optimizer state, as `Layout::state`.
+    pub state: Vec<Tensor<1>>,
 }
 
 /// Copies a tensor's values into `target` as f32 (a plain copy when they already are).
@@ -227,6 +263,7 @@ struct Collect {
     path: Vec<String>,
     segments: Vec<Segment>,
     values: Vec<f32>,
+    device: Option<burn::tensor::Device>,
 }
 
 impl ModuleVisitor for Collect {
@@ -246,6 +283,7 @@ impl ModuleVisitor for Collect {
         let shape = value.dims().to_vec();
         let len: usize = shape.iter().product();
         let offset = self.values.len();
+        self.device.get_or_insert_with(|| value.device());
         self.values.resize(offset + len, 0.0);
         copy_f32(value.into_data(), &mut self.values[offset..]);
         self.segments.push(Segment {
@@ -270,16 +308,25 @@ impl FlatEngine {
 
     /// Builds the flat buffers from `model` (once; again after a checkpoint was loaded), and
     /// applies optimizer state loaded from a checkpoint.
+    /// With `device_kernels` (a cubecl backend) and without ZeRO, the buffers live on the
+    /// model's device and the update is our cubecl kernel.
     pub fn ensure_layout<M: Module>(
         &mut self,
         model: &M,
         rank: usize,
         world: usize,
+        device_kernels: bool,
     ) -> Result<&mut Layout, AccelerateError> {
         if self.layout.is_none() {
-            self.build_layout(model, rank, world);
+            let device = self.build_layout(model, rank, world);
             if let Some(files) = self.pending.take() {
                 self.apply_state(files, rank)?;
+            }
+            let sharded = self.zero_stage >= 1 && world > 1;
+            if let (Some(layout), Some(device), true) =
+                (self.layout.as_mut(), device, device_kernels && !sharded)
+            {
+                layout.move_to_device(&device);
             }
         }
         self.layout
@@ -289,11 +336,18 @@ impl FlatEngine {
             })
     }
 
-    fn build_layout<M: Module>(&mut self, model: &M, rank: usize, world: usize) {
+    /// Builds the host buffers; returns the device of the trainable parameters.
+    fn build_layout<M: Module>(
+        &mut self,
+        model: &M,
+        rank: usize,
+        world: usize,
+    ) -> Option<burn::tensor::Device> {
         let mut collect = Collect {
             path: Vec::new(),
             segments: Vec::new(),
             values: Vec::new(),
+            device: None,
         };
         model.visit(&mut collect);
         let len = collect.values.len();
@@ -323,7 +377,9 @@ impl FlatEngine {
             clip_factor: 1.0,
             unscale: 1.0,
             norm: 0.0,
+            device: None,
         });
+        collect.device
     }
 
     /// Names of the state buffers, in order.
@@ -336,8 +392,11 @@ impl FlatEngine {
         }
     }
 
-    /// This rank's state as a checkpoint stores it (`None` before the first window).
-    pub fn state_file(&self) -> Option<FusedStateFile> {
+    /// This rank's state as a checkpoint stores it (`None` before the first window); state on
+    /// the device is copied down first.
+    pub fn state_file(&mut self) -> Option<FusedStateFile> {
+        let layout = self.layout.as_mut()?;
+        layout.state_to_host();
         let layout = self.layout.as_ref()?;
         Some(FusedStateFile {
             optimizer: self.optimizer.clone(),
@@ -394,7 +453,7 @@ impl FlatEngine {
                     full[file.shard_start..end].copy_from_slice(&values[..end - file.shard_start]);
                 }
             }
-            target.copy_from_slice(&full[layout.shard.clone()]);
+            *target = full[layout.shard.clone()].to_vec();
         }
         Ok(())
     }
@@ -479,6 +538,8 @@ impl Layout {
             grads: &'a mut GradientsParams,
             next: usize,
             mismatch: Option<String>,
+            /// On the device: the flat gradient of each segment, concatenated after the visit.
+            parts: Option<Vec<Tensor<1>>>,
         }
         impl ModuleVisitor for Gather<'_> {
             fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<D>>) {
@@ -503,8 +564,24 @@ impl Layout {
                 let range = segment.offset..segment.offset + segment.len;
                 let index = self.next;
                 self.next += 1;
+                let grad = self.grads.remove::<D>(param.id);
+                self.layout.has_grad[index] = grad.is_some();
+                if let Some(parts) = self.parts.as_mut() {
+                    parts.push(match grad {
+                        Some(grad) => {
+                            let grad = grad.reshape([segment.len]);
+                            if grad.dtype() == DType::F32 {
+                                grad
+                            } else {
+                                grad.cast(DType::F32)
+                            }
+                        }
+                        None => Tensor::zeros([segment.len], &param.device()),
+                    });
+                    return;
+                }
                 // Removed, not cloned: a uniquely owned tensor hands its data over uncopied.
-                match self.grads.remove::<D>(param.id) {
+                match grad {
                     Some(grad) => {
                         copy_f32(grad.into_data(), &mut self.layout.grads[range]);
                         self.layout.has_grad[index] = true;
@@ -516,14 +593,19 @@ impl Layout {
                 }
             }
         }
+        let parts = self.device.is_some().then(Vec::new);
         let mut gather = Gather {
             layout: self,
             grads,
             next: 0,
             mismatch: None,
+            parts,
         };
         model.visit(&mut gather);
-        let (next, mismatch) = (gather.next, gather.mismatch);
+        let (next, mismatch, parts) = (gather.next, gather.mismatch, gather.parts);
+        if let (Some(device), Some(parts), None) = (self.device.as_mut(), parts, &mismatch) {
+            device.grads = Some(Tensor::cat(parts, 0));
+        }
         let mismatch = mismatch.or_else(|| {
             (next != self.segments.len()).then(|| {
                 format!(
@@ -555,6 +637,9 @@ impl Layout {
         sharded: bool,
         inv_scale: Option<f32>,
     ) -> Result<bool, AccelerateError> {
+        if self.device.is_some() {
+            return self.average_on_device(group, inv_scale);
+        }
         match group.as_deref_mut() {
             Some(g) if sharded => {
                 g.reduce_scatter(&self.grads, &mut self.shard_grads, Reduction::Mean)?;
@@ -578,6 +663,80 @@ impl Layout {
         Ok(!sum_sq.is_finite())
     }
 
+    /// [`average`](Self::average) with the buffers on the device (never sharded): one process
+    /// measures the gradients there (f32 sum of squares, one 4-byte read); several average
+    /// them on the host, where the collectives run, and measure them there.
+    fn average_on_device(
+        &mut self,
+        group: Option<&mut ProcessGroup>,
+        inv_scale: Option<f32>,
+    ) -> Result<bool, AccelerateError> {
+        let Some(device) = self.device.as_mut() else {
+            return Ok(false);
+        };
+        let Some(grads) = device.grads.take() else {
+            return Err(AccelerateError::FusedOptimizer {
+                reason: "no gradients were gathered for this step".into(),
+            });
+        };
+        let (grads, sum_sq) = match group {
+            Some(group) => {
+                let place = grads.device();
+                let mut values = vec![0.0f32; self.len];
+                copy_f32(grads.into_data(), &mut values);
+                group.all_reduce(&mut values, Reduction::Mean)?;
+                let sum_sq = accelerate_kernels::sum_of_squares(&values);
+                let len = values.len();
+                let grads = Tensor::<1>::from_data(TensorData::new(values, [len]), &place);
+                (grads, sum_sq)
+            }
+            None => {
+                let sum_sq = grads.clone().square().sum().into_scalar::<f32>();
+                (grads, f64::from(sum_sq))
+            }
+        };
+        device.grads = Some(grads);
+        let scale = inv_scale.unwrap_or(1.0);
+        self.unscale = scale;
+        self.norm = (sum_sq.sqrt() * f64::from(scale)) as f32;
+        Ok(!sum_sq.is_finite())
+    }
+
+    /// Puts the master parameters and the state on `device`, where the update then runs
+    /// (once, when the buffers are built or rebuilt after a checkpoint was loaded).
+    fn move_to_device(&mut self, device: &burn::tensor::Device) {
+        // The kernels index with 32 bits; larger buffers stay on the host path.
+        if self.len == 0 || self.len != self.padded || u32::try_from(self.len).is_err() {
+            return;
+        }
+        // Plain tensors: the kernels run on the backend itself, never through autodiff.
+        let device = device.clone().without_autodiff();
+        let upload = |values: &[f32]| {
+            Tensor::<1>::from_data(TensorData::new(values.to_vec(), [values.len()]), &device)
+        };
+        let params = upload(&self.params[..self.len]);
+        let state = self.state.iter().map(|s| upload(s)).collect();
+        self.params = Vec::new();
+        self.grads = Vec::new();
+        self.shard_grads = Vec::new();
+        self.state.iter_mut().for_each(|s| *s = Vec::new());
+        self.device = Some(DeviceFlat {
+            params,
+            grads: None,
+            state,
+        });
+    }
+
+    /// Copies the optimizer state down from the device (for a checkpoint).
+    fn state_to_host(&mut self) {
+        if let Some(device) = &self.device {
+            for (host, values) in self.state.iter_mut().zip(&device.state) {
+                host.resize(self.len, 0.0);
+                copy_f32(values.clone().into_data(), host);
+            }
+        }
+    }
+
     /// The global L2 norm of the averaged, unscaled gradients.
     pub fn norm(&self) -> f32 {
         self.norm
@@ -585,6 +744,10 @@ impl Layout {
 
     /// Applies the fused update to this rank's shard with the learning rates of `lr`.
     pub fn step(&mut self, optimizer: &FusedOptimizer, lr: &ModuleLearningRate, grad_scale: f32) {
+        if self.device.is_some() {
+            self.step_on_device(optimizer, lr, grad_scale);
+            return;
+        }
         let shard = self.shard.clone();
         for (index, segment) in self.segments.iter().enumerate() {
             if !self.has_grad[index] {
@@ -623,17 +786,9 @@ impl Layout {
                         hyper,
                     );
                 }
-                FusedOptimizer::Sgd {
-                    weight_decay,
-                    momentum,
-                } => {
-                    let hyper = SgdHyper {
-                        weight_decay: *weight_decay,
-                        momentum: momentum.map(|(momentum, dampening, nesterov)| SgdMomentum {
-                            momentum,
-                            dampening,
-                            nesterov,
-                        }),
+                FusedOptimizer::Sgd { .. } => {
+                    let Some(hyper) = optimizer.sgd_hyper() else {
+                        continue;
                     };
                     let velocity = self.state.first_mut().map(|v| &mut v[local.clone()]);
                     sgd_step(
@@ -649,6 +804,54 @@ impl Layout {
             }
         }
     }
+
+    /// [`step`](Self::step) with the buffers on the device: one cubecl kernel per segment (a
+    /// copy for segments without a gradient), writing the parameters to a new buffer.
+    #[cfg(feature = "device-kernels")]
+    fn step_on_device(
+        &mut self,
+        optimizer: &FusedOptimizer,
+        lr: &ModuleLearningRate,
+        grad_scale: f32,
+    ) {
+        let segments = self
+            .segments
+            .iter()
+            .enumerate()
+            .map(|(index, segment)| {
+                let update = self.has_grad[index].then(|| {
+                    self.times[index] += 1;
+                    let rate = lr.lr_from_param(ParamId::from(segment.id), Some(&segment.path));
+                    (self.times[index], rate)
+                });
+                crate::device_kernels::PlannedSegment {
+                    offset: segment.offset,
+                    len: segment.len,
+                    update,
+                }
+            })
+            .collect();
+        let Some(device) = self.device.as_mut() else {
+            return;
+        };
+        let Some(grads) = device.grads.take() else {
+            return;
+        };
+        let plan = crate::device_kernels::FusedPlan {
+            optimizer: optimizer.clone(),
+            grad_scale,
+            segments,
+        };
+        let state = std::mem::take(&mut device.state);
+        let (params, state) =
+            crate::device_kernels::fused_update(device.params.clone(), grads, state, plan);
+        device.params = params;
+        device.state = state;
+    }
+
+    /// Without a cubecl backend in the build the buffers never move to a device.
+    #[cfg(not(feature = "device-kernels"))]
+    fn step_on_device(&mut self, _: &FusedOptimizer, _: &ModuleLearningRate, _: f32) {}
 
     /// Gives every rank every shard of the updated parameters (ZeRO).
     pub fn gather_params(&mut self, group: &mut ProcessGroup) -> Result<(), AccelerateError> {
@@ -671,12 +874,31 @@ impl Layout {
                     _ => return Param::from_mapped_value(id, tensor, mapper),
                 };
                 self.next += 1;
-                let values =
-                    self.layout.params[segment.offset..segment.offset + segment.len].to_vec();
-                let mut value = Tensor::<D>::from_data(
-                    TensorData::new(values, segment.shape.clone()),
-                    &tensor.device(),
-                );
+                let mut value = match &self.layout.device {
+                    // A view of the flat buffer (no copy), in the model's autodiff context.
+                    Some(device) => {
+                        let view = device
+                            .params
+                            .clone()
+                            .narrow(0, segment.offset, segment.len)
+                            .reshape(tensor.shape());
+                        match tensor.gradient_checkpointing_strategy() {
+                            Some(strategy) => view
+                                .autodiff()
+                                .with_gradient_checkpointing_strategy(strategy),
+                            None => view,
+                        }
+                    }
+                    None => {
+                        let values = self.layout.params
+                            [segment.offset..segment.offset + segment.len]
+                            .to_vec();
+                        Tensor::<D>::from_data(
+                            TensorData::new(values, segment.shape.clone()),
+                            &tensor.device(),
+                        )
+                    }
+                };
                 if tensor.dtype() != DType::F32 {
                     value = value.cast(tensor.dtype());
                 }
@@ -691,6 +913,13 @@ impl Layout {
 
     /// Bytes of optimizer state this process holds.
     pub fn state_bytes(&self) -> usize {
+        if let Some(device) = &self.device {
+            return device
+                .state
+                .iter()
+                .map(|s| s.shape().num_elements() * 4)
+                .sum();
+        }
         self.state.iter().map(|s| s.capacity() * 4).sum()
     }
 }

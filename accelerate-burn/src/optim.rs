@@ -126,6 +126,15 @@ impl PreparedOptimizer {
         matches!(self.kind, Kind::Fused(_))
     }
 
+    /// Where a fused optimizer keeps its flat buffers and runs its update: `Some(true)` on the
+    /// GPU (wgpu and cuda without ZeRO), `Some(false)` on the host. `None` for Burn's optimizer,
+    /// and before the first completed window.
+    pub fn state_on_device(&self) -> Option<bool> {
+        let shared = self.shared.lock();
+        let layout = shared.flat.as_ref()?.layout.as_ref()?;
+        Some(layout.device.is_some())
+    }
+
     /// Bytes of optimizer state (moments, velocities) this process holds for a fused optimizer:
     /// with ZeRO-1 on N processes, 1/N of the unsharded amount. `None` for Burn's optimizer,
     /// and before the first completed window.

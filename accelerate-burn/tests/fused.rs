@@ -132,6 +132,15 @@ fn train<S: accelerate_burn::OptimizerSource>(
             model = optim.step(sched.step(), model, grads)?;
         }
     }
+    if optim.is_fused() {
+        // On wgpu and cuda the fused buffers and update live on the GPU; on the CPU backends,
+        // on the host.
+        use accelerate_burn::AcceleratorBackend;
+        assert_eq!(
+            optim.state_on_device(),
+            Some(DefaultBackend::DEVICE_KERNELS)
+        );
+    }
     Ok((values(&model), norms))
 }
 

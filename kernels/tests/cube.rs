@@ -278,6 +278,11 @@ mod fused_updates {
 
     const STEPS: usize = 5;
 
+    /// One update of a segment on the device: buffers, start, count, step, learning rate.
+    type DeviceStep<'a> = &'a dyn Fn(&Client, &FlatBuffers, usize, usize, usize, f64);
+    /// The same on the host: parameters, gradients, state slices, step, learning rate.
+    type HostStep<'a> = &'a dyn Fn(&mut [f32], &[f32], &mut [Vec<f32>], usize, f64);
+
     fn buffers(client: &Client, params: &[f32], state: usize) -> FlatBuffers {
         let len = params.len();
         FlatBuffers {
@@ -307,12 +312,7 @@ mod fused_updates {
     /// Runs `STEPS` updates on the device and on the host from the same values, the second
     /// half of the buffer as one segment, the first half as another with its own learning
     /// rate, and compares the parameters and the state.
-    fn compare(
-        name: &str,
-        state: usize,
-        device_step: &dyn Fn(&Client, &FlatBuffers, usize, usize, usize, f64),
-        host_step: &dyn Fn(&mut [f32], &[f32], &mut [Vec<f32>], usize, f64),
-    ) {
+    fn compare(name: &str, state: usize, device_step: DeviceStep<'_>, host_step: HostStep<'_>) {
         let n = 10_001;
         let split = 4_000;
         let initial: Vec<f32> = gradients(n).iter().map(|g| g / 65536.0).collect();

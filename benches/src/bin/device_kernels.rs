@@ -1,6 +1,7 @@
 //! Throughput of our cubecl kernels on the default device of the linked runtime (CUDA with
-//! `--features cuda`, wgpu with `--features wgpu`): the fused unscale-and-check and the
-//! f32 <-> f16/bf16 packing of gradient communication, over one flat buffer.
+//! `--features cuda`, wgpu with `--features wgpu`): the fused unscale-and-check, the
+//! f32 <-> f16/bf16 packing of gradient communication and the fused AdamW update, over one flat
+//! buffer.
 //!
 //! ```text
 //! cargo run --release -p accelerate-benches --no-default-features --features cuda --bin device_kernels -- [MELEMS]
@@ -12,6 +13,7 @@
 use std::time::Instant;
 
 use accelerate_kernels::cube::{self, Client, Half};
+use accelerate_kernels::optim::AdamHyper;
 
 fn main() {
     let melems: usize = std::env::args()
@@ -48,6 +50,29 @@ fn main() {
     });
     row("widen bf16 -> f32", 6, &|| {
         let _ = cube::widen_from_half(&client, packed.clone(), len, Half::Bf16);
+    });
+    // AdamW reads parameters, gradients and both moments and writes new parameters and the
+    // moments: 28 bytes per element, like the host kernel.
+    let zeros = vec![0.0f32; len];
+    let flat = cube::FlatBuffers {
+        params: grads.clone(),
+        grads: grads.clone(),
+        state: vec![
+            client.create_from_slice(bytemuck::cast_slice(&zeros)),
+            client.create_from_slice(bytemuck::cast_slice(&zeros)),
+        ],
+        out: client.empty(len * 4),
+        len,
+    };
+    let hyper = AdamHyper {
+        beta_1: 0.9,
+        beta_2: 0.999,
+        epsilon: 1e-5,
+        weight_decay: 1e-4,
+        decoupled: true,
+    };
+    row("fused AdamW update", 28, &|| {
+        cube::adam_step(&client, &flat, 0, len, 2, 1e-3, 1.0, &hyper, false);
     });
 }
 

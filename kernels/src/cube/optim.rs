@@ -96,7 +96,7 @@ fn sgd_kernel(
             grad *= grad_scale;
         }
         if decay != 0.0f32 {
-            grad = p * decay + grad;
+            grad += p * decay;
         }
         if comptime!(has_momentum) {
             let mut new_v = grad;
