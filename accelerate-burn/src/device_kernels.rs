@@ -1,6 +1,7 @@
 //! Our cubecl kernels ([`accelerate_kernels::cube`]) on Burn's GPU tensors, through a Burn
-//! backend extension: gradients are unscaled and checked for overflow, and narrowed to half
-//! precision for the wire, on the device where they already are. Only backends whose
+//! backend extension: gradients are unscaled and checked for overflow, narrowed to half
+//! precision for the wire, and fed to the fused optimizer update, on the device where they
+//! already are. Only backends whose
 //! [`AcceleratorBackend::DEVICE_KERNELS`](crate::AcceleratorBackend::DEVICE_KERNELS) is true
 //! (wgpu, cuda) come here; the others keep the host kernels or Burn's own operations.
 
@@ -12,8 +13,8 @@ use burn::tensor::{Int, Tensor};
 use crate::error::AccelerateError;
 use crate::fused::FusedOptimizer;
 
-/// The device kernels as Burn operations. Results that need the host (the overflow flag, the
-/// narrowed bytes) come back as `Result`s with the runtime's error as text.
+/// The device kernels as Burn operations. The narrowed bytes, which are read back to the host,
+/// come as a `Result` with the runtime's error as text.
 #[backend_extension(Cube: cfg(feature = "device-kernels"))]
 pub(crate) trait GradientKernels: Backend {
     /// `grad` times `inv_scale` (in place where its buffer is not shared), and `flag` (one

@@ -576,20 +576,15 @@ impl Layout {
                                 grad.cast(DType::F32)
                             }
                         }
-                        None => Tensor::zeros([segment.len], &param.device()),
+                        // Gradients are plain tensors; so must the filler be.
+                        None => Tensor::zeros([segment.len], &param.device().without_autodiff()),
                     });
                     return;
                 }
                 // Removed, not cloned: a uniquely owned tensor hands its data over uncopied.
                 match grad {
-                    Some(grad) => {
-                        copy_f32(grad.into_data(), &mut self.layout.grads[range]);
-                        self.layout.has_grad[index] = true;
-                    }
-                    None => {
-                        self.layout.grads[range].fill(0.0);
-                        self.layout.has_grad[index] = false;
-                    }
+                    Some(grad) => copy_f32(grad.into_data(), &mut self.layout.grads[range]),
+                    None => self.layout.grads[range].fill(0.0),
                 }
             }
         }

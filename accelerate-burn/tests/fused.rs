@@ -272,3 +272,54 @@ fn a_burn_optimizer_beside_a_fused_one_is_an_error_not_a_silent_no_op() {
     let err = burn.step(0.1, model, grads).err().unwrap().to_string();
     assert!(err.contains("one optimizer per accelerator"), "{err}");
 }
+
+#[derive(Module, Debug)]
+struct WithUnused {
+    net: Net,
+    /// Never used by the loss: it gets no gradient.
+    unused: Linear,
+}
+
+/// Trains 4 updates of AdamW on `net` alone; returns `unused` before and after, and `net`.
+fn train_with_unused<S: accelerate_burn::OptimizerSource>(
+    optimizer: S,
+) -> (Vec<f32>, Vec<f32>, Vec<f32>) {
+    let acc = Accelerator::<DefaultBackend>::builder()
+        .process_state(ProcessState::single())
+        .build()
+        .unwrap();
+    let device = acc.device();
+    let model = WithUnused {
+        net: Net::new(&device),
+        unused: linear(4, 3, 9, &device),
+    };
+    let unused_before = values(&model.unused);
+    let (mut model, mut optim) = acc.prepare((model, optimizer)).unwrap();
+    for i in 0..4 {
+        let batch = Rows.batch(data()[i * 8..(i + 1) * 8].to_vec(), &device);
+        let grads = acc.backward(model.net.loss(batch), &model).unwrap();
+        model = optim.step(1e-2, model, grads).unwrap();
+    }
+    (unused_before, values(&model.unused), values(&model.net))
+}
+
+/// A parameter without a gradient (a layer the loss does not use) keeps its value exactly, as
+/// with Burn's optimizer, and the others train as with Burn's (tolerance as above).
+#[test]
+fn a_parameter_without_a_gradient_is_left_exactly_as_it_was() {
+    let (before, after, fused) =
+        train_with_unused(FusedOptimizer::adamw(&AdamWConfig::new()).unwrap());
+    assert_eq!(before, after);
+    let (_, _, burn) = train_with_unused(AdamWConfig::new().init());
+    let worst = fused
+        .iter()
+        .zip(&burn)
+        .map(|(a, b)| (a - b).abs())
+        .fold(0.0f32, f32::max);
+    assert!(worst <= 1e-5, "largest difference {worst}");
+    assert_ne!(
+        fused,
+        values(&Net::new(&Device::default())),
+        "nothing trained"
+    );
+}
