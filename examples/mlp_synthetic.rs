@@ -32,7 +32,12 @@ fn main() -> anyhow::Result<()> {
         Some(n) => n.parse().context("--samples expects a number")?,
         None => 60_000,
     };
+    run(samples, std::env::args().any(|a| a == "--fused"))
+}
 
+/// Trains one epoch of `samples` samples (with the fused AdamW when `fused`) and prints the
+/// throughput line.
+pub fn run(samples: usize, fused: bool) -> anyhow::Result<()> {
     let acc = Accelerator::<DefaultBackend>::builder().seed(0).build()?;
     let model = MlpConfig::new(synthetic::FEATURES, vec![1024, 1024], synthetic::CLASSES)
         .init(&acc.device());
@@ -40,7 +45,6 @@ fn main() -> anyhow::Result<()> {
         .batch_size(BATCH)
         .shuffle(0)
         .build(TeacherDataset::new(samples, 0));
-    let fused = std::env::args().any(|a| a == "--fused");
     let (mut model, mut optim, train) = if fused {
         acc.prepare((model, FusedOptimizer::adamw(&AdamWConfig::new())?, train))?
     } else {

@@ -10,12 +10,10 @@ here="$(cd "$(dirname "$0")" && pwd)"
 bundle="${1:-$here/bundle}"
 work="$(mktemp -d)"
 trap 'rm -rf "$work"' EXIT
-for packed in "$bundle"/*.xz; do
-  name="$(basename "$packed" .xz)"
-  xz -dc "$packed" > "$work/$name" && chmod +x "$work/$name"
-done
+xz -dc "$bundle/gpu_figures.xz" > "$work/gpu_figures" && chmod +x "$work/gpu_figures"
+bin="$work/gpu_figures"
 backend="$(cat "$bundle/BACKEND" 2>/dev/null || echo unknown)"
-export ACCELERATE_CONFIG_FILE=none
+export ACCELERATE_CONFIG_FILE=none RUST_BACKTRACE=0
 
 echo "# accelerate-rs GPU figures ($backend build, $(date -u +%Y-%m-%dT%H:%MZ))"
 command -v nvidia-smi >/dev/null && nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
@@ -29,21 +27,23 @@ first_match() {
   local status=$?
   local hit
   hit="$(printf '%s\n' "$out" | grep -E "$pattern" | tail -n 1)"
-  if [ -n "$hit" ]; then printf '%s' "$hit"; else printf 'FAILED (exit %s): %s' "$status" "$(printf '%s\n' "$out" | tail -n 1)"; fi
+  local why
+  why="$(printf '%s\n' "$out" | grep -m 1 -E '^Error|panicked' || printf '%s\n' "$out" | tail -n 1)"
+  if [ -n "$hit" ]; then printf '%s' "$hit"; else printf 'FAILED (exit %s): %s' "$status" "$why"; fi
 }
 
 echo "| run | result |"
 echo "|---|---|"
 epochs="${DIGITS_EPOCHS:-30}"
 samples="${MLP_SAMPLES:-32000}"
-echo "| digits, $epochs epochs, fp32 | $(first_match 'test accuracy' 150 "$work/digits" --epochs "$epochs") |"
+echo "| digits, $epochs epochs, fp32 | $(first_match 'test accuracy' 150 "$bin" digits "$epochs") |"
 for precision in no bf16 fp16; do
   for optimizer in "" --fused; do
-    result="$(ACCELERATE_MIXED_PRECISION=$precision first_match 'samples/s' 60 "$work/mlp_synthetic" --samples "$samples" $optimizer)"
+    result="$(ACCELERATE_MIXED_PRECISION=$precision first_match 'samples/s' 60 "$bin" mlp "$samples" $optimizer)"
     label="${optimizer:-burn-adamw}"
     echo "| mlp_synthetic, $precision, ${label#--} | $result |"
   done
 done
 echo
 echo "## device kernels"
-timeout 90 "$work/device_kernels" "${KERNEL_MELEMS:-64}" 2>&1 | grep -E '^\||^device' || echo "device_kernels FAILED"
+timeout 90 "$bin" kernels "${KERNEL_MELEMS:-64}" 2>&1 | grep -E '^\||^device|^Error' || echo "kernels FAILED"

@@ -10,6 +10,9 @@
 
 #![forbid(unsafe_code)]
 
+#[cfg(feature = "device")]
+pub mod device_kernels;
+
 use accelerate_burn::burn;
 use accelerate_burn::{
     Accelerator, DefaultBackend, FusedOptimizer, MixedPrecision, PreparedOptimizer, ProcessState,

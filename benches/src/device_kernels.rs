@@ -1,11 +1,7 @@
 //! Throughput of our cubecl kernels on the default device of the linked runtime (CUDA with
 //! `--features cuda`, wgpu with `--features wgpu`): the fused unscale-and-check, the
 //! f32 <-> f16/bf16 packing of gradient communication and the fused AdamW update, over one flat
-//! buffer.
-//!
-//! ```text
-//! cargo run --release -p accelerate-benches --no-default-features --features cuda --bin device_kernels -- [MELEMS]
-//! ```
+//! buffer. Run by `gpu_figures kernels [MELEMS]`.
 //!
 //! Prints one table row per kernel: elements, time per launch (median of 20 after 3 warm-ups)
 //! and GB/s of memory traffic (bytes read plus bytes written).
@@ -15,11 +11,8 @@ use std::time::Instant;
 use accelerate_kernels::cube::{self, Client, Half};
 use accelerate_kernels::optim::AdamHyper;
 
-fn main() {
-    let melems: usize = std::env::args()
-        .nth(1)
-        .and_then(|a| a.parse().ok())
-        .unwrap_or(64);
+/// Measures every kernel over `melems` x 2^20 elements and prints the table.
+pub fn run(melems: usize) {
     let len = melems << 20;
     let device = cubecl::Device::default();
     let client = device.client();

@@ -1,0 +1,53 @@
+//! The GPU figures of `benches/gpu/run.sh` in one binary: the digits and `mlp_synthetic`
+//! examples and the device-kernel throughput share one copy of the GPU runtime (with CUDA, its
+//! LLVM makes each binary about 26 MB compressed; three would not fit the 64 MiB a GPU machine
+//! may receive).
+//!
+//! ```text
+//! gpu_figures digits [EPOCHS]          accuracy of the digits example (default 30 epochs)
+//! gpu_figures mlp SAMPLES [--fused]    mlp_synthetic's throughput line
+//! gpu_figures kernels [MELEMS]         our cubecl kernels' GB/s (default 64 Mi elements)
+//! ```
+//!
+//! Precision comes from `ACCELERATE_MIXED_PRECISION`, as in the examples.
+
+#[allow(dead_code)]
+#[path = "../../../examples/digits.rs"]
+mod digits_example;
+#[allow(dead_code)]
+#[path = "../../../examples/mlp_synthetic.rs"]
+mod mlp_example;
+
+use accelerate_burn::{Accelerator, DefaultBackend, ProcessState};
+use anyhow::{Context, bail};
+
+fn number(arg: Option<&String>, default: usize, what: &str) -> anyhow::Result<usize> {
+    arg.map_or(Ok(default), |a| {
+        a.parse()
+            .with_context(|| format!("{what} expects a number, not {a}"))
+    })
+}
+
+fn main() -> anyhow::Result<()> {
+    let args: Vec<String> = std::env::args().skip(1).collect();
+    match args.first().map(String::as_str) {
+        Some("digits") => {
+            let epochs = number(args.get(1), 30, "digits")?;
+            digits_example::train(epochs as u64, None, None)?;
+        }
+        Some("mlp") => {
+            let samples = number(args.get(1), 60_000, "mlp")?;
+            mlp_example::run(samples, args.iter().any(|a| a == "--fused"))?;
+        }
+        Some("kernels") => {
+            let melems = number(args.get(1), 64, "kernels")?;
+            // The accelerator's probe turns a missing driver into a one-line error.
+            Accelerator::<DefaultBackend>::builder()
+                .process_state(ProcessState::single())
+                .build()?;
+            accelerate_benches::device_kernels::run(melems);
+        }
+        _ => bail!("usage: gpu_figures digits [EPOCHS] | mlp SAMPLES [--fused] | kernels [MELEMS]"),
+    }
+    Ok(())
+}
