@@ -10,7 +10,7 @@ use accelerate_burn::burn;
 use accelerate_burn::{Accelerator, DefaultBackend, ProcessState};
 use accelerate_examples::MlpConfig;
 use accelerate_examples::synthetic::{CLASSES, FEATURES};
-use accelerate_kernels::optim::{AdamHyper, adam_step};
+use accelerate_kernels::optim::adam_step;
 use burn::module::Module;
 use burn::optim::{AdamWConfig, GradientsParams};
 use burn::tensor::{Distribution, Int, Tensor};
@@ -52,13 +52,7 @@ fn optimizer(c: &mut Criterion) {
         )
     });
 
-    let hyper = AdamHyper {
-        beta_1: 0.9,
-        beta_2: 0.999,
-        epsilon: 1e-5,
-        weight_decay: 1e-4,
-        decoupled: true,
-    };
+    let hyper = accelerate_benches::BURN_ADAMW;
     let mut p = vec![0.01f32; params];
     let g = vec![0.001f32; params];
     let (mut m, mut v) = (vec![0.0f32; params], vec![0.0f32; params]);

@@ -9,7 +9,6 @@
 use std::time::Instant;
 
 use accelerate_kernels::cube::{self, Client, Half};
-use accelerate_kernels::optim::AdamHyper;
 
 /// Measures every kernel over `melems` x 2^20 elements and prints the table.
 pub fn run(melems: usize) {
@@ -57,13 +56,7 @@ pub fn run(melems: usize) {
         out: client.empty(len * 4),
         len,
     };
-    let hyper = AdamHyper {
-        beta_1: 0.9,
-        beta_2: 0.999,
-        epsilon: 1e-5,
-        weight_decay: 1e-4,
-        decoupled: true,
-    };
+    let hyper = crate::BURN_ADAMW;
     row("fused AdamW update", 28, &|| {
         cube::adam_step(&client, &flat, 0, len, 2, 1e-3, 1.0, &hyper, false);
     });

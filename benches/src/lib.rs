@@ -19,8 +19,18 @@ use accelerate_burn::{
 };
 use accelerate_examples::synthetic::{CLASSES, FEATURES};
 use accelerate_examples::{Mlp, MlpConfig};
+use accelerate_kernels::optim::AdamHyper;
 use burn::optim::{AdamWConfig, GradientsParams, ModuleOptimizer};
 use burn::tensor::{Device, Distribution, Int, Tensor};
+
+/// Burn's `AdamWConfig::new()` settings, as the fused kernels take them.
+pub const BURN_ADAMW: AdamHyper = AdamHyper {
+    beta_1: 0.9,
+    beta_2: 0.999,
+    epsilon: 1e-5,
+    weight_decay: 1e-4,
+    decoupled: true,
+};
 
 /// Two copies of the benchmark model, one per loop, and a fixed batch.
 pub struct StepBench {

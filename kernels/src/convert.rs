@@ -82,6 +82,29 @@ pub fn f32_to_bf16_bits(value: f32) -> u16 {
     (if value.is_nan() { nan } else { rounded }) as u16
 }
 
+/// The inputs that test a narrowing conversion: every f32 near each f16 and bf16 value and
+/// halfway point (where rounding decides), then a stride of `stride` through all bit patterns.
+/// For the tests of this crate's host and device conversions.
+#[doc(hidden)]
+pub fn narrowing_probes(stride: u32) -> impl Iterator<Item = f32> {
+    let near = (0..=u16::MAX).flat_map(|h| {
+        let f = f16::from_bits(h).to_f32().to_bits();
+        let b = u32::from(h) << 16;
+        [
+            f,
+            f.wrapping_add(1),
+            f.wrapping_sub(1),
+            f | 0xfff,
+            f | 0x1000,
+            b | 0x8000,
+            b | 0x7fff,
+            b | 0x8001,
+        ]
+    });
+    let strided = (0..u32::MAX / stride).map(move |i| i * stride);
+    near.chain(strided).map(f32::from_bits)
+}
+
 /// Widens `src` into `dst` (same length).
 #[inline(always)]
 pub fn f16_to_f32_slice(src: &[f16], dst: &mut [f32]) {
@@ -140,24 +163,8 @@ mod tests {
         }
     }
 
-    /// Every f32 near each f16/bf16 value and halfway point, plus a stride through all bits.
     fn probes() -> impl Iterator<Item = f32> {
-        let near = (0..=u16::MAX).flat_map(|h| {
-            let f = f16::from_bits(h).to_f32().to_bits();
-            let b = u32::from(h) << 16;
-            [
-                f,
-                f.wrapping_add(1),
-                f.wrapping_sub(1),
-                f | 0xfff,
-                f | 0x1000,
-                b | 0x8000,
-                b | 0x7fff,
-                b | 0x8001,
-            ]
-        });
-        let stride = (0..u32::MAX / 1999).map(|i| i * 1999);
-        near.chain(stride).map(f32::from_bits)
+        narrowing_probes(1999)
     }
 
     #[test]

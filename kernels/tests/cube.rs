@@ -148,24 +148,9 @@ fn one_flag_collects_many_buffers() {
     }
 }
 
-/// Every f32 near each f16 and bf16 value and halfway point, specials, and a stride through all
-/// bit patterns (the probes of the host kernels' own tests).
+/// The host conversion tests' probes (every f32 near each f16 and bf16 value and halfway
+/// point, a stride through all bit patterns) and the specials.
 fn probes() -> Vec<f32> {
-    let near = (0..=u16::MAX).flat_map(|h| {
-        let f = f16::from_bits(h).to_f32().to_bits();
-        let b = u32::from(h) << 16;
-        [
-            f,
-            f.wrapping_add(1),
-            f.wrapping_sub(1),
-            f | 0xfff,
-            f | 0x1000,
-            b | 0x8000,
-            b | 0x7fff,
-            b | 0x8001,
-        ]
-    });
-    let stride = (0..u32::MAX / 4099).map(|i| i * 4099);
     let specials = [
         0x7f80_0000,
         0xff80_0000,
@@ -175,9 +160,8 @@ fn probes() -> Vec<f32> {
         1,
         0,
     ];
-    near.chain(stride)
-        .chain(specials)
-        .map(f32::from_bits)
+    convert::narrowing_probes(4099)
+        .chain(specials.map(f32::from_bits))
         .collect()
 }
 
