@@ -240,7 +240,7 @@ const ACCELERATE_KEYS: [&str; 8] = [
     "use_cpu",
 ];
 
-/// Parses Hugging Face Accelerate's YAML: the keys of [`ACCELERATE_KEYS`] are read (nulls are
+/// Parses Hugging Face Accelerate's YAML: the keys of `ACCELERATE_KEYS` are read (nulls are
 /// absent), the others are listed as ignored.
 pub fn parse_accelerate_yaml(path: &Path, text: &str) -> Result<LoadedConfig, ConfigFileError> {
     let fail = |line: Option<usize>, message: String| ConfigFileError {

@@ -1,6 +1,6 @@
 //! Sum of squares and the global L2 norm of a flat buffer.
 //!
-//! Squares are summed in [`LANES`] f32 accumulators over blocks of [`BLOCK`] elements, and the
+//! Squares are summed in `LANES` f32 accumulators over blocks of `BLOCK` elements, and the
 //! block totals in f64. f32 lanes keep the inner loop at full SIMD width; flushing every block
 //! bounds the f32 rounding error to what a few thousand additions can accumulate, so a norm over
 //! hundreds of millions of gradients is as accurate as an f64 loop, at the speed of an f32 one.

@@ -50,7 +50,7 @@ impl DType {
     }
 }
 
-/// How two values combine. A mean is a sum followed by [`scale`].
+/// How two values combine. A mean is a sum followed by [`scale`](crate::scale).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 #[repr(u8)]
 pub enum ReduceOp {

@@ -2,10 +2,10 @@
 //!
 //! | marker | feature | device of local rank `r` | float dtypes |
 //! |---|---|---|---|
-//! | [`Cuda`] | `cuda` | `cuda(r)` | f32, f16, bf16 |
-//! | [`Wgpu`] | `wgpu` | the default adapter | f32; f16 where the adapter has it |
-//! | [`Flex`] | `flex` (default) | the CPU | f32, f16, bf16 |
-//! | [`NdArray`] | `ndarray` | the CPU | f32 |
+//! | `Cuda` | `cuda` | `cuda(r)` | f32, f16, bf16 |
+//! | `Wgpu` | `wgpu` | the default adapter | f32; f16 where the adapter has it |
+//! | `Flex` | `flex` (default) | the CPU | f32, f16, bf16 |
+//! | `NdArray` | `ndarray` | the CPU | f32 |
 //!
 //! A marker that is not compiled in does not exist: `Accelerator::<Cuda>` without the `cuda`
 //! feature is a compile error, not a run-time surprise. [`DefaultBackend`] is the best enabled

@@ -16,7 +16,7 @@ use clap::Args;
 /// `~/.config/accelerate-rs/config.toml`) by answering a few questions.
 ///
 /// Examples:
-///   accelerate config                      # asks; Enter keeps the [default]
+///   accelerate config                      # asks; Enter keeps the default shown
 ///   accelerate config --default            # one process, no mixed precision
 ///   accelerate config --from-accelerate    # converts ~/.cache/huggingface/accelerate/default_config.yaml
 #[derive(Debug, Args)]
