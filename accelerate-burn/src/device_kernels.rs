@@ -8,7 +8,7 @@
 use accelerate_kernels::cube::Half;
 use burn::backend::tensor::{FloatTensor, IntTensor};
 use burn::backend::{Backend, Dispatch, backend_extension};
-use burn::tensor::{Int, Tensor};
+use burn::tensor::{Device, Int, Tensor};
 
 use crate::error::AccelerateError;
 use crate::fused::FusedOptimizer;
@@ -258,32 +258,33 @@ mod cube {
     }
 }
 
-fn device_error(rank: usize, op: &'static str, detail: String) -> AccelerateError {
-    AccelerateError::Tensor { rank, op, detail }
-}
+/// A non-finite flag in device memory that [`unscale`](Self::unscale) sets; any number of
+/// tensors, one 4-byte read at the end.
+pub(crate) struct OverflowFlag(Tensor<1, Int>);
 
-/// Unscales `grads` on their device and says whether any value is not finite (the step must
-/// be skipped). One kernel per tensor, one read of a 4-byte flag in all.
-pub(crate) fn unscale_and_check<const D: usize>(
-    grads: Vec<Tensor<D>>,
-    inv_scale: f32,
-) -> (Vec<Tensor<D>>, bool) {
-    let Some(device) = grads.first().map(Tensor::device) else {
-        return (grads, false);
-    };
-    let mut flag = Tensor::<1, Int>::zeros([1], &device).into_dispatch();
-    let mut unscaled = Vec::with_capacity(grads.len());
-    for grad in grads {
-        let (grad, next) =
-            <Dispatch as GradientKernels>::unscale_and_flag(grad.into_dispatch(), flag, inv_scale);
-        unscaled.push(Tensor::from_dispatch(grad));
-        flag = next;
+impl OverflowFlag {
+    /// A cleared flag on `device` (a plain device: gradients carry no autodiff).
+    pub(crate) fn new(device: &Device) -> Self {
+        Self(Tensor::zeros([1], device))
     }
-    let found = Tensor::<1, Int>::from_dispatch(flag)
-        .into_data()
-        .iter::<i64>()
-        .any(|v| v != 0);
-    (unscaled, found)
+
+    /// `grad` times `inv_scale` (in place where its buffer is not shared), setting the flag if
+    /// any result is not finite. One kernel.
+    pub(crate) fn unscale<const D: usize>(&mut self, grad: Tensor<D>, inv_scale: f32) -> Tensor<D> {
+        // The clone shares the flag's buffer, which the kernel sets atomically.
+        let (grad, flag) = <Dispatch as GradientKernels>::unscale_and_flag(
+            grad.into_dispatch(),
+            self.0.clone().into_dispatch(),
+            inv_scale,
+        );
+        self.0 = Tensor::from_dispatch(flag);
+        Tensor::from_dispatch(grad)
+    }
+
+    /// Waits for the kernels and says whether any value was not finite.
+    pub(crate) fn found(self) -> bool {
+        self.0.into_data().iter::<i64>().any(|v| v != 0)
+    }
 }
 
 /// `values` times `scale`, narrowed to `half` on the device: the bytes of a `[f16]`/`[bf16]`
@@ -299,7 +300,11 @@ pub(crate) fn narrow_to_half(
         half == Half::Bf16,
         scale,
     );
-    let bytes = bytes.map_err(|e| device_error(rank, "narrowing gradients on the device", e))?;
+    let bytes = bytes.map_err(|detail| AccelerateError::Tensor {
+        rank,
+        op: "narrowing gradients on the device",
+        detail,
+    })?;
     Ok((Tensor::from_dispatch(values), bytes))
 }
 

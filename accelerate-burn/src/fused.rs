@@ -652,10 +652,16 @@ impl Layout {
             g.all_reduce(&mut total, Reduction::Sum)?;
             sum_sq = f64::from(total[0]);
         }
+        Ok(self.record_measure(sum_sq, inv_scale))
+    }
+
+    /// Records the pending step's unscale factor and the norm of its unscaled gradients from
+    /// the sum of squares of the scaled ones; true when that sum is not finite (overflow).
+    fn record_measure(&mut self, sum_sq: f64, inv_scale: Option<f32>) -> bool {
         let scale = inv_scale.unwrap_or(1.0);
         self.unscale = scale;
         self.norm = (sum_sq.sqrt() * f64::from(scale)) as f32;
-        Ok(!sum_sq.is_finite())
+        !sum_sq.is_finite()
     }
 
     /// [`average`](Self::average) with the buffers on the device (never sharded): one process
@@ -691,10 +697,7 @@ impl Layout {
             }
         };
         device.grads = Some(grads);
-        let scale = inv_scale.unwrap_or(1.0);
-        self.unscale = scale;
-        self.norm = (sum_sq.sqrt() * f64::from(scale)) as f32;
-        Ok(!sum_sq.is_finite())
+        Ok(self.record_measure(sum_sq, inv_scale))
     }
 
     /// Puts the master parameters and the state on `device`, where the update then runs

@@ -72,44 +72,29 @@ pub(crate) fn unscale_and_check_on_device<M: Module>(
     inv_scale: f32,
     model: &M,
 ) -> bool {
-    use burn::module::ParamId;
-    use std::collections::HashMap;
+    use crate::device_kernels::OverflowFlag;
 
-    struct Take<'a> {
+    struct Unscale<'a> {
         grads: &'a mut GradientsParams,
-        ids: Vec<ParamId>,
-        flat: Vec<Tensor<1>>,
+        inv_scale: f32,
+        flag: Option<OverflowFlag>,
     }
-    impl ModuleVisitor for Take<'_> {
+    impl ModuleVisitor for Unscale<'_> {
         fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<D>>) {
             if let Some(grad) = self.grads.remove::<D>(param.id) {
-                let n = grad.shape().num_elements();
-                self.ids.push(param.id);
-                self.flat.push(grad.reshape([n]));
+                let flag = self
+                    .flag
+                    .get_or_insert_with(|| OverflowFlag::new(&grad.device()));
+                let grad = flag.unscale(grad, self.inv_scale);
+                self.grads.register(param.id, grad);
             }
         }
     }
-    struct Put<'a> {
-        grads: &'a mut GradientsParams,
-        flat: HashMap<ParamId, Tensor<1>>,
-    }
-    impl ModuleVisitor for Put<'_> {
-        fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<D>>) {
-            if let Some(grad) = self.flat.remove(&param.id) {
-                self.grads
-                    .register::<D>(param.id, grad.reshape(param.lazy_shape()));
-            }
-        }
-    }
-    let mut take = Take {
+    let mut unscale = Unscale {
         grads,
-        ids: Vec::new(),
-        flat: Vec::new(),
+        inv_scale,
+        flag: None,
     };
-    model.visit(&mut take);
-    let (ids, flat) = (take.ids, take.flat);
-    let (flat, overflow) = crate::device_kernels::unscale_and_check(flat, inv_scale);
-    let flat = ids.into_iter().zip(flat).collect();
-    model.visit(&mut Put { grads, flat });
-    overflow
+    model.visit(&mut unscale);
+    unscale.flag.is_some_and(OverflowFlag::found)
 }

@@ -267,13 +267,9 @@ fn average_on_device(
     let joined = device_kernels::widen_from_half(joined, bytes, half);
     match inv_scale {
         Some(inv) => {
-            let (mut grads, overflow) = device_kernels::unscale_and_check(vec![joined], inv);
-            let joined = grads.pop().ok_or_else(|| AccelerateError::Tensor {
-                rank,
-                op: "unscaling gradients on the device",
-                detail: "the device returned no tensor".into(),
-            })?;
-            Ok((joined, overflow))
+            let mut flag = device_kernels::OverflowFlag::new(&joined.device());
+            let joined = flag.unscale(joined, inv);
+            Ok((joined, flag.found()))
         }
         None => Ok((joined, false)),
     }
@@ -291,8 +287,8 @@ fn average_on_device(
     Err(AccelerateError::Tensor {
         rank: group.rank(),
         op: "averaging gradients on the device",
-        detail: "this backend claims DEVICE_KERNELS, but this build has no `wgpu`
-                 or `cuda` feature"
+        detail: "this backend claims DEVICE_KERNELS, but this build has no `wgpu` or `cuda` \
+                 feature"
             .into(),
     })
 }
