@@ -18,7 +18,8 @@ use burn::data::dataset::{Dataset, DatasetError};
 use burn::tensor::Device;
 
 use crate::error::AccelerateError;
-use crate::loop_state::{SharedLoop, Skip, TrainLoaderLink};
+use crate::loader_link::{LoaderLinks, Skip};
+use crate::training_loop::SharedLoop;
 
 /// A data set, a batcher and how to cut the data into batches; give it to
 /// [`Accelerator::prepare`](crate::Accelerator::prepare).
@@ -154,7 +155,9 @@ pub struct PreparedDataLoader<I, O> {
     sampler: DistributedSampler,
     device: Device,
     role: LoaderRole,
-    shared: SharedLoop,
+    training: SharedLoop,
+    links: LoaderLinks,
+    rank: usize,
     /// Shared with the accelerator (training loaders), so that loading a checkpoint moves it.
     epoch: Arc<AtomicU64>,
 }
@@ -164,38 +167,22 @@ impl<I, O> PreparedDataLoader<I, O> {
         loader: DataLoader<I, O>,
         device: Device,
         role: LoaderRole,
-        shared: SharedLoop,
+        (training, links): (SharedLoop, LoaderLinks),
         (rank, world_size): (usize, usize),
     ) -> Result<Self, AccelerateError> {
         let sampler = loader.sampler(rank, world_size)?;
         let epoch = Arc::new(AtomicU64::new(0));
         if let LoaderRole::Train = role {
-            // Checkpoints follow the latest prepared training loader.
-            let link = TrainLoaderLink {
-                epoch: Arc::clone(&epoch),
-                sampler: sampler.clone(),
-                cursor_epoch: 0,
-                batches: 0,
-                start_sample: 0,
-            };
-            let mut shared = shared.lock();
-            if let Some(point) = shared.resume.as_ref() {
-                // A checkpoint was loaded before this loader was prepared.
-                link.attach(point)
-                    .map_err(|reason| AccelerateError::Checkpoint {
-                        rank,
-                        path: point.checkpoint.clone(),
-                        reason,
-                    })?;
-            }
-            shared.train = Some(link);
+            links.register_train(Arc::clone(&epoch), sampler.clone(), rank)?;
         }
         Ok(Self {
             sampler,
             loader,
             device,
             role,
-            shared,
+            training,
+            links,
+            rank,
             epoch,
         })
     }
@@ -278,32 +265,10 @@ impl<I: 'static, O: Send + 'static> PreparedDataLoader<I, O> {
     /// For a training loader: takes the resume point of a loaded checkpoint when it is for
     /// `epoch`, and records that an iteration of `epoch` starts.
     fn take_resume(&self, epoch: u64) -> Option<Skip> {
-        let LoaderRole::Train = self.role else {
-            return None;
-        };
-        let mut shared = self.shared.lock();
-        let skip = match shared.resume.take() {
-            Some(point) if point.epoch == epoch => Some(point.skip),
-            Some(point) => {
-                tracing::warn!(
-                    resumed = point.epoch,
-                    epoch,
-                    "the training loader was resumed at epoch {} but iterates epoch {epoch}:                      starting that epoch from its beginning",
-                    point.epoch
-                );
-                None
-            }
-            None => None,
-        };
-        if let Some(link) = shared.train.as_mut() {
-            link.cursor_epoch = epoch;
-            (link.batches, link.start_sample) = match skip {
-                Some(Skip::Batches(n)) => (n, 0),
-                Some(Skip::Samples(start)) => (0, start),
-                None => (0, 0),
-            };
+        match self.role {
+            LoaderRole::Train => self.links.begin_epoch(epoch),
+            LoaderRole::Eval => None,
         }
-        skip
     }
 }
 
@@ -407,26 +372,24 @@ impl<I: 'static, O: Send + 'static> Iterator for BatchIter<'_, I, O> {
     fn next(&mut self) -> Option<Self::Item> {
         let Some(batch) = self.batches.next() else {
             // The epoch is over: later gathers belong to no last batch.
-            self.prepared.shared.lock().last_batch_padding = None;
+            self.prepared.links.set_last_batch_padding(None);
             return None;
         };
         let index = self.next_batch;
         self.next_batch += 1;
-        let rank = {
-            let mut shared = self.prepared.shared.lock();
-            if let LoaderRole::Train = self.prepared.role {
-                shared.accumulation.begin_batch(BatchPosition {
-                    index,
-                    epoch_len: self.epoch_len,
-                });
-                if let Some(link) = shared.train.as_mut() {
-                    link.batches += 1;
-                }
-            }
-            // `gather_for_metrics` drops the padding of the last round of samples.
-            shared.last_batch_padding = batch.last.then_some(self.last_round_padding);
-            shared.rank
-        };
+        let prepared = self.prepared;
+        if let LoaderRole::Train = prepared.role {
+            prepared.training.lock().begin_batch(BatchPosition {
+                index,
+                epoch_len: self.epoch_len,
+            });
+            prepared.links.count_batch();
+        }
+        // `gather_for_metrics` drops the padding of the last round of samples.
+        prepared
+            .links
+            .set_last_batch_padding(batch.last.then_some(self.last_round_padding));
+        let rank = prepared.rank;
         let loader = &self.prepared.loader;
         let built = match self.prefetch.as_mut() {
             Some(prefetch) => prefetch.next(),

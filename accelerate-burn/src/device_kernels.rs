@@ -10,8 +10,9 @@ use burn::backend::tensor::{FloatTensor, IntTensor};
 use burn::backend::{Backend, Dispatch, backend_extension};
 use burn::tensor::{Device, Int, Tensor};
 
+use accelerate_kernels::optim::{AdamHyper, SgdHyper};
+
 use crate::error::AccelerateError;
-use crate::fused::FusedOptimizer;
 
 /// The device kernels as Burn operations. The narrowed bytes, which are read back to the host,
 /// come as a `Result` with the runtime's error as text.
@@ -60,11 +61,35 @@ pub(crate) trait GradientKernels: Backend {
 #[derive(Debug, Clone)]
 pub(crate) struct FusedPlan {
     /// The update and its hyperparameters.
-    pub optimizer: FusedOptimizer,
+    pub rule: UpdateRule,
     /// fp16 unscale times the clipping factor.
     pub grad_scale: f32,
     /// Every segment of the flat buffers, in order.
     pub segments: Vec<PlannedSegment>,
+}
+
+/// Which update the kernels run, with their hyperparameters.
+#[derive(Debug, Clone)]
+pub(crate) enum UpdateRule {
+    /// Adam or AdamW, with optional AMSGrad.
+    Adam {
+        /// The hyperparameters.
+        hyper: AdamHyper,
+        /// Keep the running maximum of the second moment.
+        amsgrad: bool,
+    },
+    /// SGD with optional decay and momentum.
+    Sgd(SgdHyper),
+}
+
+impl UpdateRule {
+    /// State buffers the update reads and writes.
+    pub(crate) fn state_buffers(&self) -> usize {
+        match self {
+            Self::Adam { amsgrad, .. } => 2 + usize::from(*amsgrad),
+            Self::Sgd(hyper) => usize::from(hyper.momentum.is_some()),
+        }
+    }
 }
 
 /// One parameter tensor's range of the flat buffers and what its update does.
@@ -85,8 +110,7 @@ mod cube {
     use burn_cubecl::kernel::{cast, into_contiguous};
     use burn_cubecl::tensor::CubeTensor;
 
-    use super::{FusedPlan, GradientKernels, PlannedSegment};
-    use crate::fused::FusedOptimizer;
+    use super::{FusedPlan, GradientKernels, PlannedSegment, UpdateRule};
 
     /// `tensor` as contiguous f32 values that this call may overwrite.
     fn writable_f32(tensor: CubeTensor) -> CubeTensor {
@@ -185,23 +209,22 @@ mod cube {
             let buffers = FlatBuffers {
                 params: params.handle.clone(),
                 grads: grads.handle.clone(),
-                state: state[..plan.optimizer.state_buffers()]
+                state: state[..plan.rule.state_buffers()]
                     .iter()
                     .map(|t| t.handle.clone())
                     .collect(),
                 out: out.clone(),
                 len,
             };
-            let sgd = plan.optimizer.sgd_hyper();
             for &PlannedSegment {
                 offset: start,
                 len: count,
                 update,
             } in &plan.segments
             {
-                match (update, &plan.optimizer, &sgd) {
-                    (None, _, _) => kernels::copy_params(&client, &buffers, start, count),
-                    (Some((time, lr)), FusedOptimizer::Adam { hyper, amsgrad }, _) => {
+                match (update, &plan.rule) {
+                    (None, _) => kernels::copy_params(&client, &buffers, start, count),
+                    (Some((time, lr)), UpdateRule::Adam { hyper, amsgrad }) => {
                         kernels::adam_step(
                             &client,
                             &buffers,
@@ -214,7 +237,7 @@ mod cube {
                             *amsgrad,
                         );
                     }
-                    (Some((time, lr)), FusedOptimizer::Sgd { .. }, Some(hyper)) => {
+                    (Some((time, lr)), UpdateRule::Sgd(hyper)) => {
                         kernels::sgd_step(
                             &client,
                             &buffers,
@@ -226,7 +249,6 @@ mod cube {
                             hyper,
                         );
                     }
-                    (Some(_), FusedOptimizer::Sgd { .. }, None) => {}
                 }
             }
             let updated = CubeTensor::new_contiguous(

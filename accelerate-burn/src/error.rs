@@ -52,6 +52,18 @@ pub enum AccelerateError {
         detail: String,
     },
 
+    /// The model given to `backward` is not the one its optimizer was prepared for.
+    #[error(
+        "rank {rank}: {detail}. hint: add or replace parameters before prepare, or prepare the \
+         new model with its optimizer again on a new accelerator"
+    )]
+    ModelChanged {
+        /// This process's rank.
+        rank: usize,
+        /// What differs.
+        detail: String,
+    },
+
     /// A tensor cannot be gathered or reduced as asked.
     #[error("rank {rank}: {op}: {detail}")]
     Tensor {
@@ -85,52 +97,86 @@ pub enum AccelerateError {
         source: accelerate_core::SamplerError,
     },
 
-    /// The optimizer was asked to apply gradients that no accumulation window produced.
+    /// The optimizer was asked to apply gradients that are not this update's.
     #[error(
-        "rank {rank}: optimizer step with gradients that did not come from Accelerator::backward \
-         for this update (or a second step for the same update). hint: call \
-         `acc.backward(loss, &model)` once per batch and pass its result to `optim.step`"
+        "rank {rank}: optimizer step with gradients that are not this update's (from an \
+         earlier window, another accelerator, or a second step for the same update). hint: \
+         call `acc.backward(loss, &model)` once per batch and pass its result to `optim.step`"
     )]
     UnexpectedGradients {
         /// This process's rank.
         rank: usize,
     },
 
-    /// Writing model weights failed.
-    #[error("rank {rank}: saving the model to {path}: {reason}")]
-    Save {
+    /// The accelerator was used in a way it does not support.
+    #[error("rank {rank}: {what}. hint: {hint}")]
+    Misuse {
         /// This process's rank.
         rank: usize,
-        /// The file or directory being written.
-        path: PathBuf,
-        /// What went wrong.
-        reason: String,
+        /// What was asked.
+        what: String,
+        /// What to do instead.
+        hint: &'static str,
     },
 
-    /// A checkpoint could not be saved or loaded.
-    #[error("rank {rank}: checkpoint {}: {reason}", path.display())]
-    Checkpoint {
+    /// A Burn optimizer config cannot be fused.
+    #[error("fused optimizer: {config}: {what}. hint: {hint}")]
+    NotFusable {
+        /// The config type (`AdamWConfig`, ...).
+        config: &'static str,
+        /// What cannot be fused.
+        what: String,
+        /// What to do instead.
+        hint: &'static str,
+    },
+
+    /// A checkpoint does not fit this run (another model, optimizer, world size, loader).
+    #[error("rank {rank}: checkpoint {}: {detail}. hint: {hint}", path.display())]
+    ResumeMismatch {
         /// This process's rank.
         rank: usize,
         /// The checkpoint directory.
         path: PathBuf,
-        /// What went wrong, and what to do.
-        reason: String,
+        /// What differs.
+        detail: String,
+        /// What to do.
+        hint: &'static str,
     },
 
-    /// Metrics could not be logged.
-    #[error("rank {rank}: logging metrics: {reason}")]
-    Tracking {
+    /// A checkpoint's files could not be read or written.
+    #[error("rank {rank}: checkpoint {}: {source}", path.display())]
+    CheckpointUnreadable {
         /// This process's rank.
         rank: usize,
-        /// What went wrong, and what to do.
-        reason: String,
+        /// The checkpoint directory.
+        path: PathBuf,
+        /// What the file system or the format said.
+        source: accelerate_core::CheckpointError,
     },
 
-    /// A fused optimizer cannot be built or used as asked.
-    #[error("fused optimizer: {reason}")]
-    FusedOptimizer {
-        /// What is wrong, and what to do.
-        reason: String,
+    /// Some rank failed a stage of a save or load; every rank reports it.
+    #[error("rank {rank}: checkpoint {}: {stage} failed: {failures}", path.display())]
+    CheckpointFailed {
+        /// This process's rank.
+        rank: usize,
+        /// The checkpoint directory.
+        path: PathBuf,
+        /// The stage (`writing the checkpoint`, ...).
+        stage: &'static str,
+        /// Each failed rank with its error.
+        failures: String,
+    },
+
+    /// Writing a file (model weights, metrics) failed.
+    #[error("rank {rank}: {action} ({}): {source}", path.display())]
+    Io {
+        /// This process's rank.
+        rank: usize,
+        /// What was being done.
+        action: &'static str,
+        /// The file or directory.
+        path: PathBuf,
+        /// What the system said.
+        source: std::io::Error,
     },
 }

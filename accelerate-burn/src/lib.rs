@@ -52,6 +52,8 @@
 //! - Cross-process helpers on [`Accelerator`]: `gather`, `gather_for_metrics`, `reduce`,
 //!   `pad_across_processes`, `wait_for_everyone`, `main_process_first`,
 //!   `split_between_processes`, `set_trigger` / `check_trigger`.
+//! - [`Gradients`]: what `backward` returns (not due, ready, held by a fused optimizer, or
+//!   skipped), consumed by [`PreparedOptimizer::step`].
 //! - [`PreparedOptimizer`] / [`PreparedScheduler`]: one step per accumulation window.
 //! - [`selftest`]: the checks `accelerate test` runs on every process.
 //! - [`fused`]: fused AdamW / Adam / SGD over flat parameters, and ZeRO-1.
@@ -71,19 +73,21 @@
 mod accelerator;
 pub mod backend;
 pub mod checkpoint;
-mod collectives;
 mod data;
 #[cfg(feature = "device-kernels")]
 mod device_kernels;
 mod error;
 pub mod fused;
-mod grads;
-mod loop_state;
+mod group;
+mod loader_link;
 mod optim;
+mod params;
 mod precision;
 mod prepare;
+mod reducer;
+mod replicate;
 pub mod selftest;
-mod sync;
+mod training_loop;
 
 pub use accelerator::{Accelerator, AcceleratorBuilder, MODEL_FILE};
 pub use backend::{AcceleratorBackend, DefaultBackend, enabled_backends};
@@ -94,6 +98,7 @@ pub use fused::FusedOptimizer;
 pub use optim::{PreparedOptimizer, PreparedScheduler};
 pub use precision::{Autocast, Caster};
 pub use prepare::{OptimizerSource, Prepare};
+pub use reducer::{Gradients, GradientsStatus};
 
 pub use accelerate_core::comm::Reduction;
 pub use accelerate_core::{AcceleratorConfig, MixedPrecision, ProcessState, ScalerConfig, Tracker};

@@ -4,144 +4,99 @@
 use burn::lr_scheduler::LrSchedulerRecord;
 use burn::lr_scheduler::module_lr_scheduler::{ModuleLearningRate, ModuleLrScheduler};
 use burn::module::Module;
-use burn::optim::{GradientsParams, ModuleOptimizer};
-
-use std::sync::{Arc, Mutex, PoisonError};
-
-use accelerate_core::comm::ProcessGroup;
+use burn::optim::ModuleOptimizer;
 
 use crate::error::AccelerateError;
-use crate::loop_state::SharedLoop;
+use crate::group::Comm;
+use crate::reducer::{Gradients, ModelCell, Outcome, ReducerHandle};
+use crate::training_loop::SharedLoop;
 
 /// A prepared optimizer: Burn's [`ModuleOptimizer`], or a fused one over flat buffers
-/// ([`crate::fused`]); either steps only when the latest backward pass completed an
-/// accumulation window.
+/// ([`crate::fused`]), behind the reducer built for the prepared model; it steps only with
+/// the [`Gradients`] of a completed accumulation window.
 pub struct PreparedOptimizer {
-    kind: Kind,
-    shared: SharedLoop,
-}
-
-enum Kind {
-    Burn(ModuleOptimizer),
-    /// The flat buffers live in the shared loop state; the group gathers ZeRO shards.
-    Fused(Arc<Mutex<ProcessGroup>>),
+    reducer: ReducerHandle,
+    training: SharedLoop,
+    comm: Comm,
 }
 
 impl PreparedOptimizer {
-    pub(crate) fn new(inner: ModuleOptimizer, shared: SharedLoop) -> Self {
+    pub(crate) fn new(reducer: ReducerHandle, training: SharedLoop, comm: Comm) -> Self {
         Self {
-            kind: Kind::Burn(inner),
-            shared,
-        }
-    }
-
-    pub(crate) fn fused(shared: SharedLoop, group: Arc<Mutex<ProcessGroup>>) -> Self {
-        Self {
-            kind: Kind::Fused(group),
-            shared,
+            reducer,
+            training,
+            comm,
         }
     }
 
     /// Applies `grads` (from [`Accelerator::backward`](crate::Accelerator::backward)) with
-    /// learning rate `lr` (a number, or a prepared scheduler's step) when an update is due,
-    /// and returns the updated model; on the other micro-batches returns `model` unchanged.
+    /// learning rate `lr` (a number, or a prepared scheduler's step) when they complete an
+    /// update, and returns the updated model; with gradients that are
+    /// [`NotDue`](crate::GradientsStatus::NotDue) or [`Skipped`](crate::GradientsStatus::Skipped)
+    /// returns `model` unchanged.
     ///
-    /// Gradients that no completed window produced (a second step for the same update, or
-    /// gradients from a plain `loss.backward()`) are an error rather than a silent no-op.
+    /// Gradients of an earlier window (kept past a later `backward`), of another accelerator,
+    /// or a second step for the same update are an error rather than a silent no-op.
     pub fn step<M: Module>(
         &mut self,
         lr: impl Into<ModuleLearningRate>,
         model: M,
-        grads: GradientsParams,
+        grads: Gradients,
     ) -> Result<M, AccelerateError> {
-        let mut shared = self.shared.lock();
-        let (due, rank) = (shared.accumulation.take_update(), shared.rank);
-        if !due {
-            return if grads.is_empty() {
-                Ok(model)
-            } else {
-                Err(AccelerateError::UnexpectedGradients { rank })
-            };
+        let rank = self.comm.rank();
+        let mut training = self.training.lock();
+        if grads.reducer != self.reducer.id {
+            return Err(AccelerateError::UnexpectedGradients { rank });
         }
-        let mixed = AccelerateError::FusedOptimizer {
-            reason: "this accelerator has both Burn's optimizer and a fused one prepared, and \
-                     backward feeds only the fused one. hint: prepare one optimizer per \
-                     accelerator"
-                .into(),
-        };
-        match &mut self.kind {
-            Kind::Burn(_) if shared.flat.is_some() => Err(mixed),
-            Kind::Burn(inner) => {
-                drop(shared);
-                Ok(inner.step(lr, model, grads))
-            }
-            Kind::Fused(group) => {
-                if !grads.is_empty() {
-                    return Err(AccelerateError::UnexpectedGradients { rank });
-                }
-                let Some(engine) = shared.flat.as_mut() else {
-                    return Err(mixed);
-                };
-                let optimizer = engine.optimizer.clone();
-                let sharded = engine.zero_stage >= 1;
-                let Some(layout) = engine.layout.as_mut().filter(|l| l.grads_ready) else {
-                    return Err(AccelerateError::UnexpectedGradients { rank });
-                };
-                layout.grads_ready = false;
-                // fp16 unscale and clipping in one factor, applied in the update pass.
-                let grad_scale = layout.unscale * layout.clip_factor;
-                layout.step(&optimizer, &lr.into(), grad_scale);
-                if sharded && layout.shard.len() < layout.padded {
-                    let mut group = group.lock().unwrap_or_else(PoisonError::into_inner);
-                    layout.gather_params(&mut group)?;
-                }
-                Ok(layout.upload(model))
-            }
+        if matches!(grads.outcome, Outcome::NotDue | Outcome::Skipped) {
+            return Ok(model);
         }
+        if grads.window != training.windows() || !training.take_update() {
+            return Err(AccelerateError::UnexpectedGradients { rank });
+        }
+        let mut cell = ModelCell(Some(model));
+        self.reducer
+            .lock()
+            .step(lr.into(), grads.outcome, &mut cell, &self.comm)?;
+        drop(training);
+        cell.0.ok_or(AccelerateError::UnexpectedGradients { rank })
     }
 
     /// Optimizer updates applied so far.
     pub fn updates(&self) -> u64 {
-        self.shared.lock().accumulation.updates()
+        self.training.lock().updates()
     }
 
     /// Burn's optimizer, for its records and settings (`None` for a fused optimizer).
-    pub fn inner(&self) -> Option<&ModuleOptimizer> {
-        match &self.kind {
-            Kind::Burn(inner) => Some(inner),
-            Kind::Fused(_) => None,
-        }
+    pub fn inner(&self) -> Option<ModuleOptimizer> {
+        self.reducer.lock().burn_optimizer().cloned()
     }
 
-    /// Burn's optimizer, mutably (to load a record, for instance; `None` for a fused one).
-    pub fn inner_mut(&mut self) -> Option<&mut ModuleOptimizer> {
-        match &mut self.kind {
-            Kind::Burn(inner) => Some(inner),
-            Kind::Fused(_) => None,
-        }
+    /// Runs `f` on Burn's optimizer (to load a record, for instance); `None` for a fused one.
+    pub fn with_inner_mut<R>(&mut self, f: impl FnOnce(&mut ModuleOptimizer) -> R) -> Option<R> {
+        self.reducer.lock().burn_optimizer_mut().map(f)
     }
 
     /// True for a fused optimizer.
     pub fn is_fused(&self) -> bool {
-        matches!(self.kind, Kind::Fused(_))
+        self.reducer.lock().kind() == "fused"
     }
 
     /// Where a fused optimizer keeps its flat buffers and runs its update: `Some(true)` on the
-    /// GPU (wgpu and cuda without ZeRO), `Some(false)` on the host. `None` for Burn's optimizer,
-    /// and before the first completed window.
+    /// GPU (wgpu and cuda without ZeRO), `Some(false)` on the host. `None` for Burn's optimizer.
     pub fn state_on_device(&self) -> Option<bool> {
-        let shared = self.shared.lock();
-        let layout = shared.flat.as_ref()?.layout.as_ref()?;
-        Some(layout.device.is_some())
+        self.reducer.lock().state_on_device()
     }
 
-    /// Bytes of optimizer state (moments, velocities) this process holds for a fused optimizer:
-    /// with ZeRO-1 on N processes, 1/N of the unsharded amount. `None` for Burn's optimizer,
-    /// and before the first completed window.
+    /// Bytes of optimizer state this process holds for a fused optimizer: with ZeRO-1 on N
+    /// processes, 1/N of the unsharded amount. `None` for Burn's optimizer.
     pub fn state_bytes(&self) -> Option<usize> {
-        let shared = self.shared.lock();
-        let layout = shared.flat.as_ref()?.layout.as_ref()?;
-        Some(layout.state_bytes())
+        self.reducer.lock().state_bytes()
+    }
+
+    /// The reducer, for checkpoints.
+    pub(crate) fn reducer(&self) -> &ReducerHandle {
+        &self.reducer
     }
 }
 
@@ -154,7 +109,7 @@ impl PreparedOptimizer {
 /// steps once per process per micro-batch; schedules here count updates.)
 pub struct PreparedScheduler {
     inner: ModuleLrScheduler,
-    shared: SharedLoop,
+    training: SharedLoop,
     advanced: u64,
     lr: ModuleLearningRate,
     /// The record from before the latest advance: a checkpoint taken after
@@ -163,10 +118,10 @@ pub struct PreparedScheduler {
 }
 
 impl PreparedScheduler {
-    pub(crate) fn new(inner: ModuleLrScheduler, shared: SharedLoop) -> Self {
+    pub(crate) fn new(inner: ModuleLrScheduler, training: SharedLoop) -> Self {
         Self {
             inner,
-            shared,
+            training,
             advanced: 0,
             lr: ModuleLearningRate::default(),
             before_latest: None,
@@ -175,7 +130,7 @@ impl PreparedScheduler {
 
     /// The learning rate for the next optimizer update.
     pub fn step(&mut self) -> ModuleLearningRate {
-        let wanted = self.shared.lock().accumulation.updates() + 1;
+        let wanted = self.training.lock().updates() + 1;
         while self.advanced < wanted {
             self.before_latest = Some(self.inner.to_record());
             self.lr = self.inner.step();

@@ -10,10 +10,10 @@ use crate::error::AccelerateError;
 use crate::fused::FusedOptimizer;
 use crate::optim::PreparedOptimizer;
 
-/// Something an accelerator can prepare: an optimizer, a data loader, or the tuples
-/// `(model, optim)`, `(model, optim, train_loader)` and `(model, optim, train_loader,
-/// eval_loader)`. A model alone goes through
-/// [`prepare_model`](crate::Accelerator::prepare_model).
+/// Something an accelerator can prepare: a data loader, or the tuples `(model, optim)`,
+/// `(model, optim, train_loader)` and `(model, optim, train_loader, eval_loader)` (an optimizer
+/// is prepared for its model: its gradient reducer is built from the model's parameters). A
+/// model alone goes through [`prepare_model`](crate::Accelerator::prepare_model).
 pub trait Prepare<B: AcceleratorBackend> {
     /// The prepared form.
     type Prepared;
@@ -22,47 +22,34 @@ pub trait Prepare<B: AcceleratorBackend> {
     fn prepare(self, acc: &Accelerator<B>) -> Result<Self::Prepared, AccelerateError>;
 }
 
-/// An optimizer `prepare` accepts: Burn's [`ModuleOptimizer`] (what `config.init()` returns)
-/// or a [`FusedOptimizer`].
+/// An optimizer `prepare` accepts beside its model: Burn's [`ModuleOptimizer`] (what
+/// `config.init()` returns) or a [`FusedOptimizer`].
 pub trait OptimizerSource {
-    /// Prepares it for `acc`.
-    fn prepare_for<B: AcceleratorBackend>(
+    /// Prepares it for `model` (already prepared) on `acc`.
+    fn prepare_for<B: AcceleratorBackend, M: Module>(
         self,
         acc: &Accelerator<B>,
+        model: &M,
     ) -> Result<PreparedOptimizer, AccelerateError>;
 }
 
 impl OptimizerSource for ModuleOptimizer {
-    fn prepare_for<B: AcceleratorBackend>(
+    fn prepare_for<B: AcceleratorBackend, M: Module>(
         self,
         acc: &Accelerator<B>,
+        model: &M,
     ) -> Result<PreparedOptimizer, AccelerateError> {
-        Ok(acc.prepare_optimizer(self))
+        acc.prepare_optimizer(model, self)
     }
 }
 
 impl OptimizerSource for FusedOptimizer {
-    fn prepare_for<B: AcceleratorBackend>(
+    fn prepare_for<B: AcceleratorBackend, M: Module>(
         self,
         acc: &Accelerator<B>,
+        model: &M,
     ) -> Result<PreparedOptimizer, AccelerateError> {
-        acc.prepare_fused_optimizer(self)
-    }
-}
-
-impl<B: AcceleratorBackend> Prepare<B> for ModuleOptimizer {
-    type Prepared = PreparedOptimizer;
-
-    fn prepare(self, acc: &Accelerator<B>) -> Result<Self::Prepared, AccelerateError> {
-        self.prepare_for(acc)
-    }
-}
-
-impl<B: AcceleratorBackend> Prepare<B> for FusedOptimizer {
-    type Prepared = PreparedOptimizer;
-
-    fn prepare(self, acc: &Accelerator<B>) -> Result<Self::Prepared, AccelerateError> {
-        self.prepare_for(acc)
+        acc.prepare_fused_optimizer(model, self)
     }
 }
 
@@ -78,7 +65,9 @@ impl<B: AcceleratorBackend, M: Module, S: OptimizerSource> Prepare<B> for (M, S)
     type Prepared = (M, PreparedOptimizer);
 
     fn prepare(self, acc: &Accelerator<B>) -> Result<Self::Prepared, AccelerateError> {
-        Ok((acc.prepare_model(self.0)?, self.1.prepare_for(acc)?))
+        let model = acc.prepare_model(self.0)?;
+        let optim = self.1.prepare_for(acc, &model)?;
+        Ok((model, optim))
     }
 }
 

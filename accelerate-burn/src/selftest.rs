@@ -53,7 +53,7 @@ fn collectives<B: AcceleratorBackend>(
     // several chunks of every algorithm.
     let len = 1 << 20;
     let mut buf: Vec<f32> = (0..len).map(|i| ((i % 1000) * (rank + 1)) as f32).collect();
-    acc.group().all_reduce(&mut buf, Reduction::Sum)?;
+    acc.comm().lock().all_reduce(&mut buf, Reduction::Sum)?;
     let factor = world * (world + 1) / 2;
     if let Some(i) = (0..len).find(|&i| buf[i] != ((i % 1000) * factor) as f32) {
         return Ok(Err(format!(
@@ -63,7 +63,7 @@ fn collectives<B: AcceleratorBackend>(
         )));
     }
     let mut root = vec![rank as f32; 1000];
-    acc.group().broadcast(&mut root, world - 1)?;
+    acc.comm().lock().broadcast(&mut root, world - 1)?;
     if root.iter().any(|&v| v != (world - 1) as f32) {
         return Ok(Err(format!(
             "broadcast from rank {}: got {:?}",
@@ -92,7 +92,7 @@ fn collectives<B: AcceleratorBackend>(
     }
     Ok(Ok(format!(
         "{len} floats summed exactly over {world} processes ({} transport)",
-        acc.group().transport()
+        acc.comm().lock().transport()
     )))
 }
 
@@ -109,7 +109,7 @@ fn sampler<B: AcceleratorBackend>(
     let fingerprint = order
         .iter()
         .fold(0u64, |h, &i| h.wrapping_mul(31).wrapping_add(i as u64));
-    let fingerprints: Vec<u64> = acc.group().all_gather_object(&fingerprint)?;
+    let fingerprints: Vec<u64> = acc.comm().lock().all_gather_object(&fingerprint)?;
     if let Some(r) = fingerprints.iter().position(|&f| f != fingerprint) {
         return Ok(Err(format!(
             "rank {r} drew another epoch order than rank {rank}"
@@ -123,7 +123,7 @@ fn sampler<B: AcceleratorBackend>(
             b.indices.into_iter().take(real)
         })
         .collect();
-    let shares: Vec<Vec<usize>> = acc.group().all_gather_object(&mine)?;
+    let shares: Vec<Vec<usize>> = acc.comm().lock().all_gather_object(&mine)?;
     let mut all: Vec<usize> = shares.iter().flatten().copied().collect();
     all.sort_unstable();
     if all != (0..config.len).collect::<Vec<_>>() {
@@ -177,10 +177,12 @@ fn training<B: AcceleratorBackend>(
         let grads = acc.backward(loss, &model)?;
         model = optim.step(0.1, model, grads)?;
     }
-    let mine = crate::sync::flatten(&model);
-    let all: Vec<Vec<u32>> = acc
-        .group()
-        .all_gather_object(&mine.iter().map(|v| v.to_bits()).collect::<Vec<u32>>())?;
+    let mine: Vec<u32> = crate::params::values(&model)
+        .into_iter()
+        .flat_map(crate::params::to_host_f32)
+        .map(f32::to_bits)
+        .collect();
+    let all: Vec<Vec<u32>> = acc.comm().lock().all_gather_object(&mine)?;
     if let Some(r) = all.iter().position(|p| p != &all[0]) {
         return Ok(Err(format!(
             "after {} steps rank {r} holds other parameters than rank 0",

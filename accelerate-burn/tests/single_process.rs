@@ -249,6 +249,8 @@ fn global_clipping_matches_a_hand_computed_norm() {
         .unwrap();
     assert!((after - 1.0).abs() < 1e-5, "norm after clipping {after}");
     let w: Vec<f32> = grads
+        .to_params()
+        .unwrap()
         .get::<2>(linear.weight.id)
         .unwrap()
         .into_data()
@@ -326,20 +328,25 @@ fn the_scheduler_advances_once_per_update() {
 }
 
 #[test]
-fn gradients_from_a_plain_backward_are_refused_not_ignored() {
+fn gradients_of_an_earlier_window_are_refused_not_applied() {
     let acc = accelerator(1);
     let device = acc.device();
     let (model, mut optim) = acc
         .prepare((Net::new(&device), SgdConfig::new().init()))
         .unwrap();
     let batch = Rows.batch(items(4), &device);
-    let grads = GradientsParams::from_grads(model.loss(batch).backward(), &model);
-    let err = optim.step(0.1, model, grads).unwrap_err();
+    let stale = acc.backward(model.loss(batch.clone()), &model).unwrap();
+    let current = acc.backward(model.loss(batch), &model).unwrap();
+    let err = optim.step(0.1, model.clone(), stale).unwrap_err();
     assert!(matches!(
         err,
         AccelerateError::UnexpectedGradients { rank: 0 }
     ));
     assert!(err.to_string().contains("acc.backward"), "{err}");
+    assert_eq!(optim.updates(), 0, "nothing was applied");
+    // The current window's gradients still step.
+    optim.step(0.1, model, current).unwrap();
+    assert_eq!(optim.updates(), 1);
 }
 
 #[test]
@@ -563,7 +570,11 @@ fn autocast_computes_in_half_precision_and_returns_f32() {
                 .sum()
         });
         let grads = acc.backward(loss, &model).unwrap();
-        let g = grads.get::<2>(model.hidden.weight.id).unwrap();
+        let g = grads
+            .to_params()
+            .unwrap()
+            .get::<2>(model.hidden.weight.id)
+            .unwrap();
         assert_eq!(g.dtype(), DType::F32);
     }
 }
@@ -583,7 +594,13 @@ fn ndarray_asked_for_bf16_trains_in_f32() {
     let loss = acc.autocast(&model, |m, c| m.loss((c.input(x), y)));
     assert_eq!(loss.dtype(), DType::F32);
     let grads = acc.backward(loss, &model).unwrap();
-    assert!(grads.get::<2>(model.hidden.weight.id).is_some());
+    assert!(
+        grads
+            .to_params()
+            .unwrap()
+            .get::<2>(model.hidden.weight.id)
+            .is_some()
+    );
 }
 
 /// Trains on the first `micro_batches` batches of the loader's current epoch.
@@ -704,7 +721,11 @@ fn fp16_gradients_come_back_unscaled_and_an_overflow_skips_exactly_that_step() {
         let batch = train.iter().next().unwrap().unwrap();
         let loss = acc.autocast(&model, |m, c| m.loss(c.input(batch)));
         let grads = acc.backward(loss, &model).unwrap();
-        let g = grads.get::<2>(model.hidden.weight.id).unwrap();
+        let g = grads
+            .to_params()
+            .unwrap()
+            .get::<2>(model.hidden.weight.id)
+            .unwrap();
         (
             acc.compute_dtype(),
             g.into_data().try_to_vec::<f32>().unwrap(),

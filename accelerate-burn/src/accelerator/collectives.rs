@@ -10,7 +10,7 @@ use accelerate_kernels::schedule::chunk_range;
 use burn::tensor::kind::Basic;
 use burn::tensor::{Tensor, TensorData};
 
-use crate::accelerator::Accelerator;
+use super::Accelerator;
 use crate::backend::AcceleratorBackend;
 use crate::error::AccelerateError;
 
@@ -37,7 +37,7 @@ impl<B: AcceleratorBackend> Accelerator<B> {
         let dims = tensor.dims();
         let data = tensor.into_data();
         let dtype = data.dtype();
-        let mut group = self.group();
+        let mut group = self.comm.lock();
         let shapes: Vec<Vec<usize>> = group.all_gather_object(&dims.to_vec())?;
         if let Some((r, shape)) = shapes
             .iter()
@@ -79,7 +79,7 @@ impl<B: AcceleratorBackend> Accelerator<B> {
         tensor: Tensor<D, K>,
     ) -> Result<Tensor<D, K>, AccelerateError> {
         let gathered = self.gather(tensor)?;
-        let padding = self.shared.lock().last_batch_padding.unwrap_or(0);
+        let padding = self.links.last_batch_padding();
         let rows = gathered.dims().first().copied().unwrap_or(0);
         if padding == 0 || D == 0 {
             return Ok(gathered);
@@ -99,7 +99,7 @@ impl<B: AcceleratorBackend> Accelerator<B> {
         }
         let (device, dims, dtype) = (tensor.device(), tensor.dims(), tensor.dtype());
         let mut values: Vec<f32> = tensor.into_data().convert::<f32>().iter::<f32>().collect();
-        self.group().all_reduce(&mut values, reduction)?;
+        self.comm.lock().all_reduce(&mut values, reduction)?;
         Ok(Tensor::<D>::from_data(TensorData::new(values, dims), &device).cast(dtype))
     }
 
@@ -121,7 +121,7 @@ impl<B: AcceleratorBackend> Accelerator<B> {
             return Ok(tensor);
         }
         let dims = tensor.dims();
-        let sizes: Vec<usize> = self.group().all_gather_object(&dims[dim])?;
+        let sizes: Vec<usize> = self.comm.lock().all_gather_object(&dims[dim])?;
         let largest = sizes.into_iter().max().unwrap_or(dims[dim]);
         if largest == dims[dim] {
             return Ok(tensor);
@@ -134,7 +134,7 @@ impl<B: AcceleratorBackend> Accelerator<B> {
 
     /// Returns once every process has called it.
     pub fn wait_for_everyone(&self) -> Result<(), AccelerateError> {
-        Ok(self.group().barrier()?)
+        Ok(self.comm.lock().barrier()?)
     }
 
     /// Runs `f` on the main process first, then on the others (for example to download or
@@ -167,7 +167,7 @@ impl<B: AcceleratorBackend> Accelerator<B> {
     pub fn check_trigger(&self) -> Result<bool, AccelerateError> {
         let mine = self.trigger.swap(false, Ordering::Relaxed);
         let mut flag = [f32::from(u8::from(mine))];
-        self.group().all_reduce(&mut flag, Reduction::Max)?;
+        self.comm.lock().all_reduce(&mut flag, Reduction::Max)?;
         Ok(flag[0] > 0.0)
     }
 }

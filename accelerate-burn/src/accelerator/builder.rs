@@ -1,0 +1,234 @@
+//! [`AcceleratorBuilder`]: settings made in code, resolved against `ACCELERATE_*` variables and
+//! the config file, then the process group, the device and the precision.
+
+use std::marker::PhantomData;
+use std::path::PathBuf;
+use std::sync::Mutex;
+use std::sync::atomic::AtomicBool;
+
+use accelerate_core::comm::{GroupOptions, ProcessGroup};
+use accelerate_core::{
+    ConfigOverrides, DynamicLossScaler, MixedPrecision, ProcessState, ScalerConfig, Tracker,
+};
+use burn::tensor::DType;
+
+use super::{Accelerator, CheckpointSettings, Metrics};
+use crate::backend::AcceleratorBackend;
+use crate::error::AccelerateError;
+use crate::group::Comm;
+use crate::loader_link::LoaderLinks;
+use crate::training_loop::{SharedLoop, TrainingLoop};
+
+/// Builds an [`Accelerator`]; values set here win over `ACCELERATE_*` variables and the
+/// config file.
+pub struct AcceleratorBuilder<B: AcceleratorBackend> {
+    overrides: ConfigOverrides,
+    state: Option<ProcessState>,
+    group_options: Option<GroupOptions>,
+    strict_precision: bool,
+    scaler: ScalerConfig,
+    checkpoints: CheckpointSettings,
+    checkpoint_limit_zero: bool,
+    trackers: Vec<Tracker>,
+    _backend: PhantomData<B>,
+}
+
+impl<B: AcceleratorBackend> Default for AcceleratorBuilder<B> {
+    fn default() -> Self {
+        Self {
+            overrides: ConfigOverrides::default(),
+            state: None,
+            group_options: None,
+            strict_precision: false,
+            scaler: ScalerConfig::default(),
+            checkpoints: CheckpointSettings::default(),
+            checkpoint_limit_zero: false,
+            trackers: Vec::new(),
+            _backend: PhantomData,
+        }
+    }
+}
+
+impl<B: AcceleratorBackend> AcceleratorBuilder<B> {
+    /// Sums the gradients of `steps` micro-batches before each optimizer update.
+    pub fn gradient_accumulation_steps(mut self, steps: usize) -> Self {
+        self.overrides.gradient_accumulation_steps = Some(steps);
+        self
+    }
+
+    /// Seeds the device's random generator (parameter initialisation, dropout) at build time.
+    pub fn seed(mut self, seed: u64) -> Self {
+        self.overrides.seed = Some(seed);
+        self
+    }
+
+    /// Computes in bf16 or fp16 (master weights, gradients and optimizer state stay f32);
+    /// wins over `ACCELERATE_MIXED_PRECISION`.
+    pub fn mixed_precision(mut self, precision: MixedPrecision) -> Self {
+        self.overrides.mixed_precision = Some(precision);
+        self
+    }
+
+    /// Sends gradients between processes in bf16 or fp16 (half the bytes; sums still
+    /// accumulate in f32), with Burn's optimizers and fused ones alike; wins over
+    /// `ACCELERATE_GRADIENT_COMMUNICATION`. Off by default.
+    pub fn gradient_communication(mut self, precision: MixedPrecision) -> Self {
+        self.overrides.gradient_communication = Some(precision);
+        self
+    }
+
+    /// ZeRO stage of a fused optimizer: 1 shards the optimizer state across the processes
+    /// (each updates its 1/N of the parameters); 0 (default) keeps all of it everywhere. Wins
+    /// over `ACCELERATE_ZERO_STAGE`.
+    pub fn zero_stage(mut self, stage: u8) -> Self {
+        self.overrides.zero_stage = Some(stage);
+        self
+    }
+
+    /// Fails to build when the device cannot compute in the requested precision, instead of
+    /// warning once and training in f32.
+    pub fn strict_mixed_precision(mut self, strict: bool) -> Self {
+        self.strict_precision = strict;
+        self
+    }
+
+    /// Settings of the fp16 dynamic loss scaler (PyTorch's defaults otherwise).
+    pub fn loss_scaler(mut self, config: ScalerConfig) -> Self {
+        self.scaler = config;
+        self
+    }
+
+    /// The project directory: automatically named checkpoints go to its `checkpoints/`
+    /// ([`save_checkpoint`](Accelerator::save_checkpoint),
+    /// [`load_latest_checkpoint`](Accelerator::load_latest_checkpoint)).
+    pub fn project_dir(mut self, dir: impl Into<PathBuf>) -> Self {
+        self.checkpoints.project_dir = Some(dir.into());
+        self
+    }
+
+    /// Keeps at most `limit` automatically named checkpoints, removing the oldest (at least 1:
+    /// `build` refuses 0).
+    pub fn checkpoint_total_limit(mut self, limit: usize) -> Self {
+        self.checkpoint_limit_zero = limit == 0;
+        self.checkpoints.total_limit = Some(limit);
+        self
+    }
+
+    /// Allows loading a checkpoint saved by another number of processes: the training loader
+    /// then continues the saved epoch's order from the global position the saved run reached
+    /// (batch composition differs from an uninterrupted run, the samples do not).
+    pub fn resume_with_different_world_size(mut self, allow: bool) -> Self {
+        self.checkpoints.resume_any_world_size = allow;
+        self
+    }
+
+    /// Where [`log`](Accelerator::log) writes metrics: a CSV file and/or TensorBoard event
+    /// files in `<project_dir>/logs` (needs [`project_dir`](Self::project_dir)).
+    pub fn log_with(mut self, trackers: &[Tracker]) -> Self {
+        self.trackers = trackers.to_vec();
+        self
+    }
+
+    /// Uses `state` instead of reading the launcher environment.
+    pub fn process_state(mut self, state: ProcessState) -> Self {
+        self.state = Some(state);
+        self
+    }
+
+    /// Uses `options` for the process group (timeouts, transport) instead of reading
+    /// `ACCELERATE_*` variables.
+    pub fn process_group_options(mut self, options: GroupOptions) -> Self {
+        self.group_options = Some(options);
+        self
+    }
+
+    /// Reads what was not set in code from the environment, validates it, and selects the
+    /// device of this process's local rank.
+    pub fn build(self) -> Result<Accelerator<B>, AccelerateError> {
+        let state = match self.state {
+            Some(state) => state,
+            None => ProcessState::from_env()?,
+        };
+        let rank = state.rank;
+        if !self.trackers.is_empty() && self.checkpoints.project_dir.is_none() {
+            return Err(AccelerateError::Misuse {
+                rank,
+                what: "log_with needs a directory for the logs".into(),
+                hint: "also call .project_dir(path); metrics go to <path>/logs",
+            });
+        }
+        if self.checkpoint_limit_zero {
+            return Err(AccelerateError::Misuse {
+                rank,
+                what: "checkpoint_total_limit(0) would keep no checkpoint".into(),
+                hint: "keep at least 1, or leave the limit unset to keep them all",
+            });
+        }
+        let config = self.overrides.resolve()?;
+        let group = if state.is_distributed() {
+            let options = match self.group_options {
+                Some(options) => options,
+                None => GroupOptions::from_env()?,
+            };
+            ProcessGroup::new(&state, &options)?
+        } else {
+            ProcessGroup::single()
+        };
+        let device = B::device(state.local_rank)?.autodiff();
+        if let Some(seed) = config.seed {
+            device.seed(seed);
+        }
+        let wanted = match config.mixed_precision {
+            MixedPrecision::No => DType::F32,
+            MixedPrecision::Bf16 => DType::BF16,
+            MixedPrecision::Fp16 => DType::F16,
+        };
+        let compute_dtype = if B::float_dtypes(&device).contains(&wanted) {
+            wanted
+        } else if self.strict_precision {
+            return Err(AccelerateError::PrecisionUnsupported {
+                backend: B::NAME,
+                dtype: format!("{wanted:?}"),
+            });
+        } else {
+            if state.is_main_process() {
+                tracing::warn!(
+                    backend = B::NAME,
+                    "the {} backend cannot compute in {wanted:?} on this device; training in \
+                     f32 (ask for strict mixed precision to make this an error)",
+                    B::NAME
+                );
+            }
+            DType::F32
+        };
+        let scaler = if compute_dtype == DType::F16 {
+            Some(DynamicLossScaler::new(self.scaler)?)
+        } else {
+            None
+        };
+        tracing::debug!(backend = B::NAME, %state, ?config, "accelerator ready");
+        let training = SharedLoop::new(TrainingLoop::new(
+            config.gradient_accumulation_steps,
+            scaler,
+            config.seed,
+            rank,
+        ));
+        Ok(Accelerator {
+            training,
+            links: LoaderLinks::default(),
+            compute_dtype,
+            comm: Comm::new(group),
+            reducer: Mutex::new(None),
+            trigger: AtomicBool::new(false),
+            checkpoints: self.checkpoints,
+            metrics: Metrics {
+                trackers: self.trackers,
+                logger: Mutex::new(None),
+            },
+            state,
+            config,
+            device,
+            _backend: PhantomData,
+        })
+    }
+}

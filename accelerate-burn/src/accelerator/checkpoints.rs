@@ -1,0 +1,129 @@
+//! Saving and resuming: the accelerator's side of [`crate::checkpoint`], and automatically
+//! named, rotated checkpoints under the project directory.
+
+use std::path::{Path, PathBuf};
+
+use accelerate_core::checkpoint::CheckpointRotation;
+use burn::module::Module;
+
+use super::Accelerator;
+use crate::backend::AcceleratorBackend;
+use crate::checkpoint::{self, Checkpoint, CheckpointInfo, Context, Restored};
+use crate::error::AccelerateError;
+use crate::optim::{PreparedOptimizer, PreparedScheduler};
+
+impl<B: AcceleratorBackend> Accelerator<B> {
+    fn checkpoint_context(&self) -> Context<'_> {
+        Context {
+            state: &self.state,
+            comm: &self.comm,
+            training: &self.training,
+            links: &self.links,
+            device: &self.device,
+            seed: self.config.seed,
+            resume_any_world_size: self.checkpoints.resume_any_world_size,
+        }
+    }
+
+    /// Saves the whole training state into `dir` (every process must call it, at the same
+    /// point: after an optimizer update). Returns `dir`.
+    ///
+    /// The model, scheduler and user objects come from the main process (data parallelism
+    /// keeps them identical), the optimizer state as its reducer keeps it (every shard with
+    /// ZeRO); each process adds its own loop state. Nothing appears at `dir` until every
+    /// process has written its part; an existing checkpoint at `dir` is replaced only then.
+    /// Saving in the middle of an accumulation window is an error (its partial gradient sum is
+    /// not saved).
+    pub fn save_state<M: Module>(
+        &self,
+        dir: impl AsRef<Path>,
+        checkpoint: &Checkpoint<'_, M>,
+    ) -> Result<PathBuf, AccelerateError> {
+        checkpoint::save::save_state(&self.checkpoint_context(), dir.as_ref(), checkpoint)
+    }
+
+    /// Restores the state saved by [`save_state`](Self::save_state) in `dir` (every process
+    /// must call it): returns `model` with the saved parameters, loads `optimizer` and
+    /// `scheduler`, and moves the counters, the loss scaler, the random stream and the
+    /// training loader to where the saved run stood. The training loader's next iteration of
+    /// the saved epoch continues with the batch after the last one the saved run consumed.
+    ///
+    /// A checkpoint saved by another number of processes is an error unless the accelerator
+    /// was built with [`resume_with_different_world_size`](crate::AcceleratorBuilder::resume_with_different_world_size).
+    pub fn load_state<M: Module>(
+        &self,
+        dir: impl AsRef<Path>,
+        model: M,
+        optimizer: &mut PreparedOptimizer,
+        scheduler: Option<&mut PreparedScheduler>,
+    ) -> Result<Restored<M>, AccelerateError> {
+        checkpoint::load::load_state(
+            &self.checkpoint_context(),
+            dir.as_ref(),
+            model,
+            optimizer,
+            scheduler,
+        )
+    }
+
+    /// The project's automatically named checkpoints (needs
+    /// [`project_dir`](crate::AcceleratorBuilder::project_dir)).
+    fn rotation(&self) -> Result<CheckpointRotation, AccelerateError> {
+        match &self.checkpoints.project_dir {
+            Some(dir) => Ok(CheckpointRotation::new(dir, self.checkpoints.total_limit)),
+            None => Err(AccelerateError::Misuse {
+                rank: self.state.rank,
+                what: "no project directory for automatically named checkpoints".into(),
+                hint: "build the accelerator with .project_dir(path), or call save_state with \
+                       a directory",
+            }),
+        }
+    }
+
+    /// Saves into `<project_dir>/checkpoints/checkpoint_<updates>` and then removes the oldest
+    /// checkpoints beyond the total limit. Returns the new checkpoint's directory.
+    pub fn save_checkpoint<M: Module>(
+        &self,
+        checkpoint: &Checkpoint<'_, M>,
+    ) -> Result<PathBuf, AccelerateError> {
+        let rotation = self.rotation()?;
+        let updates = self.updates();
+        let dir = self.save_state(rotation.path_for(updates), checkpoint)?;
+        if self.is_main_process() {
+            rotation
+                .rotate()
+                .map_err(|source| AccelerateError::CheckpointUnreadable {
+                    rank: self.state.rank,
+                    path: rotation.root.clone(),
+                    source,
+                })?;
+        }
+        Ok(dir)
+    }
+
+    /// Loads the newest complete checkpoint of the project, if there is one; otherwise returns
+    /// `model` untouched with [`CheckpointInfo::path`] `None` (a fresh start). Incomplete
+    /// directories that crashed saves left are never considered.
+    pub fn load_latest_checkpoint<M: Module>(
+        &self,
+        model: M,
+        optimizer: &mut PreparedOptimizer,
+        scheduler: Option<&mut PreparedScheduler>,
+    ) -> Result<Restored<M>, AccelerateError> {
+        let rotation = self.rotation()?;
+        // The main process decides, so that every process loads the same one.
+        let latest = rotation.latest();
+        let latest: Option<PathBuf> = if self.state.is_distributed() {
+            self.comm.lock().broadcast_object(Some(&latest), 0)?
+        } else {
+            latest
+        };
+        match latest {
+            Some(dir) => self.load_state(dir, model, optimizer, scheduler),
+            None => Ok(Restored {
+                model,
+                info: CheckpointInfo::fresh(self.state.rank),
+            }),
+        }
+    }
+}

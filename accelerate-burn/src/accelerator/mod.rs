@@ -1,0 +1,404 @@
+//! [`Accelerator`]: the facade a training loop talks to. Its methods are grouped by concern in
+//! the files beside this one: [`builder`] (settings), `step` (backward, clipping, the loop's
+//! counters), `collectives` (what a script calls across processes), `checkpoints` (save and
+//! resume); preparing and model saving are here.
+
+mod builder;
+mod checkpoints;
+mod collectives;
+mod step;
+
+use std::fmt::Display;
+use std::marker::PhantomData;
+use std::path::{Path, PathBuf};
+use std::sync::atomic::AtomicBool;
+use std::sync::{Mutex, PoisonError};
+
+use accelerate_core::{AcceleratorConfig, MetricsLogger, ProcessState, Tracker};
+use burn::lr_scheduler::module_lr_scheduler::ModuleLrScheduler;
+use burn::module::Module;
+use burn::optim::ModuleOptimizer;
+use burn::store::{ModuleSnapshot, SafetensorsStore};
+use burn::tensor::{DType, Device};
+
+pub use builder::AcceleratorBuilder;
+
+use crate::backend::AcceleratorBackend;
+use crate::data::{DataLoader, LoaderRole, PreparedDataLoader};
+use crate::error::AccelerateError;
+use crate::fused::{FlatOptions, FlatReducer, FusedOptimizer};
+use crate::group::Comm;
+use crate::loader_link::LoaderLinks;
+use crate::optim::{PreparedOptimizer, PreparedScheduler};
+use crate::params::{self, ParamLayout};
+use crate::reducer::bucketed::BucketedReducer;
+use crate::reducer::{GradientReducer, ReducerHandle};
+use crate::training_loop::SharedLoop;
+
+/// File name of the weights written by [`Accelerator::save_model`].
+pub const MODEL_FILE: &str = crate::checkpoint::MODEL_FILE;
+
+/// Runs one plain Burn training loop on the backend kind `B`, in this process's place in the
+/// job: device placement, gradient accumulation and global gradient clipping.
+///
+/// ```
+/// use accelerate_burn::{Accelerator, DefaultBackend};
+///
+/// let acc = Accelerator::<DefaultBackend>::from_env()?;
+/// assert!(acc.is_main_process());
+/// assert_eq!(acc.num_processes(), 1);
+/// # Ok::<(), accelerate_burn::AccelerateError>(())
+/// ```
+pub struct Accelerator<B: AcceleratorBackend> {
+    state: ProcessState,
+    config: AcceleratorConfig,
+    device: Device,
+    compute_dtype: DType,
+    /// Accumulation, loss scaling, random stream: shared with what was prepared.
+    training: SharedLoop,
+    /// The prepared loaders' positions, for checkpoints and `gather_for_metrics`.
+    links: LoaderLinks,
+    /// The process group, shared with the reducer and prepared optimizer.
+    comm: Comm,
+    /// The reducer `backward` feeds.
+    reducer: Mutex<Option<ReducerSlot>>,
+    trigger: AtomicBool,
+    checkpoints: CheckpointSettings,
+    metrics: Metrics,
+    _backend: PhantomData<B>,
+}
+
+/// The reducer of the prepared model, or one made by `backward` for a model prepared without
+/// an optimizer (its gradients go to the user's own optimizer).
+struct ReducerSlot {
+    handle: ReducerHandle,
+    prepared: bool,
+}
+
+/// Where automatically named checkpoints go and what may be resumed.
+#[derive(Default, Clone)]
+struct CheckpointSettings {
+    project_dir: Option<PathBuf>,
+    /// Automatically named checkpoints kept.
+    total_limit: Option<usize>,
+    /// Whether a checkpoint of another world size may be loaded.
+    resume_any_world_size: bool,
+}
+
+/// Trackers of [`log`](Accelerator::log), opened at the first call (main process).
+struct Metrics {
+    trackers: Vec<Tracker>,
+    logger: Mutex<Option<MetricsLogger>>,
+}
+
+impl<B: AcceleratorBackend> Accelerator<B> {
+    /// An accelerator configured from the launcher environment, `ACCELERATE_*` variables and
+    /// the config file (`accelerate config`), in that order; with none of them, rank 0 of 1
+    /// with default settings.
+    pub fn from_env() -> Result<Self, AccelerateError> {
+        Self::builder().build()
+    }
+
+    /// A builder, for settings made in code.
+    pub fn builder() -> AcceleratorBuilder<B> {
+        AcceleratorBuilder::default()
+    }
+
+    /// The autodiff device this process trains on: build the model and batches here.
+    pub fn device(&self) -> Device {
+        self.device.clone()
+    }
+
+    /// Name of the backend kind (`"flex"`, `"cuda"`, ...).
+    pub fn backend_name(&self) -> &'static str {
+        B::NAME
+    }
+
+    /// The floating-point dtypes this process's device computes in.
+    pub fn float_dtypes(&self) -> Vec<DType> {
+        B::float_dtypes(&self.device)
+    }
+
+    /// This process's place in the job.
+    pub fn state(&self) -> &ProcessState {
+        &self.state
+    }
+
+    /// The resolved configuration.
+    pub fn config(&self) -> &AcceleratorConfig {
+        &self.config
+    }
+
+    /// Global rank of this process.
+    pub fn process_index(&self) -> usize {
+        self.state.rank
+    }
+
+    /// Rank of this process on its node.
+    pub fn local_process_index(&self) -> usize {
+        self.state.local_rank
+    }
+
+    /// Number of processes in the job.
+    pub fn num_processes(&self) -> usize {
+        self.state.world_size
+    }
+
+    /// True on global rank 0: the process that logs, prints and saves.
+    pub fn is_main_process(&self) -> bool {
+        self.state.is_main_process()
+    }
+
+    /// True on the first process of each node.
+    pub fn is_local_main_process(&self) -> bool {
+        self.state.is_local_main_process()
+    }
+
+    /// Prints `message` on the main process only.
+    pub fn print(&self, message: impl Display) {
+        if self.is_main_process() {
+            println!("{message}");
+        }
+    }
+
+    /// Seeds the device's random generator (parameter initialisation, dropout). Data order has
+    /// its own seed, given to [`DataLoader`]'s builder.
+    pub fn set_seed(&self, seed: u64) {
+        self.device.seed(seed);
+    }
+
+    /// Prepares a model with its optimizer, and data loaders, in one call: `(model, optim)`,
+    /// `(model, optim, train)` or `(model, optim, train, eval)`; or a data loader alone.
+    pub fn prepare<T: crate::Prepare<B>>(&self, items: T) -> Result<T::Prepared, AccelerateError> {
+        items.prepare(self)
+    }
+
+    /// Places `model` on this process's device with its own autodiff graph. With several
+    /// processes, first checks that every process built the same model (float parameter
+    /// shapes, in visit order; a mismatch is an error on every rank), then gives every process
+    /// rank 0's parameter values and ids, so all start identical.
+    pub fn prepare_model<M: Module>(&self, model: M) -> Result<M, AccelerateError> {
+        let model = model.fork(&self.device);
+        if !self.state.is_distributed() {
+            return Ok(model);
+        }
+        crate::replicate::from_rank0(model, &self.comm)
+    }
+
+    /// Wraps Burn's optimizer for the prepared `model`: gradients are averaged in buckets and
+    /// the optimizer steps once per accumulation window. (ZeRO needs a fused optimizer; with
+    /// Burn's, `zero_stage` is ignored with a warning.)
+    pub fn prepare_optimizer<M: Module>(
+        &self,
+        model: &M,
+        optim: ModuleOptimizer,
+    ) -> Result<PreparedOptimizer, AccelerateError> {
+        if self.config.zero_stage > 0 && self.is_main_process() {
+            tracing::warn!(
+                zero_stage = self.config.zero_stage,
+                "zero_stage needs a fused optimizer (FusedOptimizer::adamw(...)); Burn's \
+                 optimizer keeps all of its state on every process"
+            );
+        }
+        let layout = self.layout_of(model)?;
+        let reducer = BucketedReducer::new(
+            layout,
+            Some(optim),
+            self.config.gradient_bucket_bytes,
+            self.config.gradient_communication,
+            self.device_kernels(),
+        );
+        self.install(Box::new(reducer))
+    }
+
+    /// Prepares a fused optimizer for the prepared `model`: its trainable parameters, their
+    /// gradients and the optimizer state become flat f32 buffers, updated by one fused pass per
+    /// step (see [`crate::fused`]); with `zero_stage(1)` and several processes the state is
+    /// sharded.
+    pub fn prepare_fused_optimizer<M: Module>(
+        &self,
+        model: &M,
+        optimizer: FusedOptimizer,
+    ) -> Result<PreparedOptimizer, AccelerateError> {
+        let layout = self.layout_of(model)?;
+        let options = FlatOptions {
+            zero_stage: self.config.zero_stage,
+            rank: self.state.rank,
+            world: self.state.world_size,
+            device_kernels: self.device_kernels(),
+            wire: self.config.gradient_communication,
+        };
+        let reducer = FlatReducer::new(layout, params::values(model), optimizer, options)?;
+        self.install(Box::new(reducer))
+    }
+
+    /// The process group (for the self-test's checks).
+    pub(crate) fn comm(&self) -> &Comm {
+        &self.comm
+    }
+
+    /// True when this backend runs our cubecl kernels on its tensors.
+    fn device_kernels(&self) -> bool {
+        B::DEVICE_KERNELS && cfg!(feature = "device-kernels")
+    }
+
+    /// The layout of a model about to be prepared, refusing parameters whose gradients cannot
+    /// be moved.
+    fn layout_of<M: Module>(
+        &self,
+        model: &M,
+    ) -> Result<std::sync::Arc<ParamLayout>, AccelerateError> {
+        let layout = ParamLayout::of(model);
+        if let Some(entry) = layout.unsupported_rank() {
+            return Err(AccelerateError::Misuse {
+                rank: self.state.rank,
+                what: format!(
+                    "parameter {} has {} dimensions; gradients of 1 to {} dimensions are supported",
+                    entry.path,
+                    entry.shape.len(),
+                    params::MAX_RANK
+                ),
+                hint: "reshape the parameter inside the module's forward",
+            });
+        }
+        Ok(std::sync::Arc::new(layout))
+    }
+
+    /// Makes `reducer` the one `backward` feeds (one prepared optimizer per accelerator).
+    fn install(
+        &self,
+        reducer: Box<dyn GradientReducer>,
+    ) -> Result<PreparedOptimizer, AccelerateError> {
+        let mut slot = self.reducer.lock().unwrap_or_else(PoisonError::into_inner);
+        if slot.as_ref().is_some_and(|s| s.prepared) {
+            return Err(AccelerateError::Misuse {
+                rank: self.state.rank,
+                what: "an optimizer was already prepared on this accelerator, and backward feeds \
+                       only one"
+                    .into(),
+                hint: "prepare one optimizer per accelerator",
+            });
+        }
+        let handle = ReducerHandle::new(reducer);
+        *slot = Some(ReducerSlot {
+            handle: handle.clone(),
+            prepared: true,
+        });
+        Ok(PreparedOptimizer::new(
+            handle,
+            self.training.clone(),
+            self.comm.clone(),
+        ))
+    }
+
+    /// Wraps a Burn learning-rate scheduler so that it advances once per optimizer update, not
+    /// once per micro-batch.
+    pub fn prepare_scheduler(&self, scheduler: impl Into<ModuleLrScheduler>) -> PreparedScheduler {
+        PreparedScheduler::new(scheduler.into(), self.training.clone())
+    }
+
+    /// Prepares a training loader: batches arrive on [`device`](Self::device), this process
+    /// gets its share of every round, and batch positions drive the accumulation windows.
+    pub fn prepare_data_loader<I, O>(
+        &self,
+        loader: DataLoader<I, O>,
+    ) -> Result<PreparedDataLoader<I, O>, AccelerateError> {
+        self.prepare_loader(loader, LoaderRole::Train)
+    }
+
+    /// Prepares an evaluation loader: batches arrive on the device and leave accumulation
+    /// windows alone.
+    pub fn prepare_eval_data_loader<I, O>(
+        &self,
+        loader: DataLoader<I, O>,
+    ) -> Result<PreparedDataLoader<I, O>, AccelerateError> {
+        self.prepare_loader(loader, LoaderRole::Eval)
+    }
+
+    fn prepare_loader<I, O>(
+        &self,
+        loader: DataLoader<I, O>,
+        role: LoaderRole,
+    ) -> Result<PreparedDataLoader<I, O>, AccelerateError> {
+        PreparedDataLoader::new(
+            loader,
+            self.device(),
+            role,
+            (self.training.clone(), self.links.clone()),
+            (self.state.rank, self.state.world_size),
+        )
+    }
+
+    /// Records `metrics` (name, value) at `step` in the trackers chosen with
+    /// [`log_with`](AcceleratorBuilder::log_with), on the main process only (others return at
+    /// once). Files are flushed at every call, so `tensorboard --logdir <project>/logs` shows
+    /// the run as it trains.
+    pub fn log(&self, metrics: &[(&str, f64)], step: u64) -> Result<(), AccelerateError> {
+        if !self.is_main_process() || self.metrics.trackers.is_empty() {
+            return Ok(());
+        }
+        let mut logger = self
+            .metrics
+            .logger
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner);
+        let dir = self
+            .checkpoints
+            .project_dir
+            .clone()
+            .unwrap_or_default()
+            .join("logs");
+        let failed = |e: accelerate_core::TrackingError| AccelerateError::Io {
+            rank: self.state.rank,
+            action: "logging metrics",
+            path: e.path,
+            source: e.source,
+        };
+        if logger.is_none() {
+            *logger = Some(MetricsLogger::create(&dir, &self.metrics.trackers).map_err(failed)?);
+        }
+        match logger.as_mut() {
+            Some(logger) => logger.log(metrics, step).map_err(failed),
+            None => Ok(()),
+        }
+    }
+
+    /// The user's model as prepared. Prepared models are the user's own module type with no
+    /// wrapper, so this returns `model` itself; it exists so that Accelerate code ports line
+    /// by line, and so that a future wrapper cannot break callers.
+    pub fn unwrap_model<M: Module>(&self, model: M) -> M {
+        model
+    }
+
+    /// Writes `model`'s parameters to `dir/model.safetensors` on the main process (other
+    /// processes write nothing) and returns the file's path. The file is written to a
+    /// temporary name and renamed, so a crash never leaves a truncated one; a plain Burn
+    /// program loads it with `burn::store::SafetensorsStore` and `load_from`.
+    pub fn save_model<M: Module>(
+        &self,
+        model: &M,
+        dir: impl AsRef<Path>,
+    ) -> Result<PathBuf, AccelerateError> {
+        let dir = dir.as_ref();
+        let path = dir.join(MODEL_FILE);
+        if !self.is_main_process() {
+            return Ok(path);
+        }
+        std::fs::create_dir_all(dir).map_err(|source| AccelerateError::Io {
+            rank: self.state.rank,
+            action: "creating the model directory",
+            path: dir.to_path_buf(),
+            source,
+        })?;
+        let mut store = SafetensorsStore::from_file(&path).overwrite(true);
+        model
+            .save_into(&mut store)
+            .map_err(|e| AccelerateError::Io {
+                rank: self.state.rank,
+                action: "saving the model",
+                path: path.clone(),
+                source: std::io::Error::other(e.to_string()),
+            })?;
+        Ok(path)
+    }
+}

@@ -1,0 +1,189 @@
+//! Loading: the manifest and the main process's files say what was saved; the model is loaded
+//! and given the saved parameter ids; then each component restores its own part (reducer,
+//! scheduler, loop counters, training loader). Every rank's outcome is agreed.
+
+use std::path::Path;
+
+use accelerate_core::CheckpointError;
+use accelerate_core::checkpoint::{self, RankState};
+use burn::lr_scheduler::LrSchedulerRecord;
+use burn::module::Module;
+use burn::store::{ModuleSnapshot, SafetensorsStore};
+
+use super::{
+    CheckpointInfo, Context, MODEL_FILE, Restored, SCHEDULER_FILE, TRAINING_STATE_FILE,
+    TrainingState, rank_file,
+};
+use crate::error::AccelerateError;
+use crate::optim::{PreparedOptimizer, PreparedScheduler};
+use crate::params::{self, ParamLayout, Replacement};
+use crate::reducer::LoadSource;
+use crate::training_loop::LoopSnapshot;
+
+/// Restores the state saved in `dir` (see [`crate::Accelerator::load_state`]).
+pub(crate) fn load_state<M: Module>(
+    ctx: &Context<'_>,
+    dir: &Path,
+    model: M,
+    optimizer: &mut PreparedOptimizer,
+    scheduler: Option<&mut PreparedScheduler>,
+) -> Result<Restored<M>, AccelerateError> {
+    let loaded = load_own_part(ctx, dir, model, optimizer, scheduler);
+    let outcome = loaded.as_ref().map(drop).map_err(ToString::to_string);
+    let agreed = ctx.agree(dir, "loading the checkpoint", outcome);
+    let restored = loaded?;
+    agreed?;
+    Ok(restored)
+}
+
+fn load_own_part<M: Module>(
+    ctx: &Context<'_>,
+    dir: &Path,
+    model: M,
+    optimizer: &mut PreparedOptimizer,
+    scheduler: Option<&mut PreparedScheduler>,
+) -> Result<Restored<M>, AccelerateError> {
+    let rank = ctx.state.rank;
+    let mismatch = |detail: String, hint: &'static str| AccelerateError::ResumeMismatch {
+        rank,
+        path: dir.to_path_buf(),
+        detail,
+        hint,
+    };
+    let unreadable = |source: CheckpointError| AccelerateError::CheckpointUnreadable {
+        rank,
+        path: dir.to_path_buf(),
+        source,
+    };
+    let manifest = checkpoint::read_manifest(dir).map_err(unreadable)?;
+    let same_world = manifest.world_size == ctx.state.world_size;
+    if !same_world && !ctx.resume_any_world_size {
+        return Err(mismatch(
+            format!(
+                "it was saved by {} processes and this job has {}",
+                manifest.world_size, ctx.state.world_size
+            ),
+            "launch as many processes as saved it, or build the accelerator with \
+             .resume_with_different_world_size(true) to continue the saved epoch's order from \
+             its global position",
+        ));
+    }
+    let training: TrainingState =
+        checkpoint::read_json(&dir.join(TRAINING_STATE_FILE)).map_err(unreadable)?;
+    let own = rank_file(if same_world { rank } else { 0 });
+    let saved: RankState = checkpoint::read_json(&dir.join(&own)).map_err(unreadable)?;
+
+    let mut model = model;
+    let mut store = SafetensorsStore::from_file(dir.join(MODEL_FILE));
+    let hint = "build the model the checkpoint was saved from";
+    let applied = model.load_from(&mut store).map_err(|e| {
+        // Burn's message is a multi-line table; its first line says what went wrong.
+        let e = e.to_string();
+        let first = e
+            .lines()
+            .next()
+            .unwrap_or_default()
+            .trim_end_matches([':', ' ']);
+        mismatch(
+            format!("{MODEL_FILE} does not fit this model ({first})"),
+            hint,
+        )
+    })?;
+    if !applied.errors.is_empty() || !applied.missing.is_empty() {
+        let missing: Vec<&str> = applied.missing.iter().map(|(p, _)| p.as_str()).collect();
+        return Err(mismatch(
+            format!(
+                "{MODEL_FILE} does not fit this model (missing: [{}], errors: {:?})",
+                missing.join(", "),
+                applied.errors
+            ),
+            hint,
+        ));
+    }
+    let layout = ParamLayout::of(&model);
+    if layout.entries.len() != training.param_ids.len() {
+        return Err(mismatch(
+            format!(
+                "the model has {} float parameters, the checkpoint {}",
+                layout.entries.len(),
+                training.param_ids.len()
+            ),
+            hint,
+        ));
+    }
+    let model = params::replace(
+        model,
+        Replacement {
+            values: Vec::new(),
+            ids: training.param_ids.clone(),
+        },
+    );
+    let layout = layout.with_ids(&training.param_ids);
+
+    {
+        let mut reducer = optimizer.reducer().lock();
+        if let Some(saved_kind) = training.optimizer.as_deref()
+            && saved_kind != reducer.kind()
+        {
+            return Err(mismatch(
+                format!(
+                    "it holds the state of a {saved_kind} optimizer and this run prepared a {} \
+                     one",
+                    reducer.kind()
+                ),
+                "prepare the optimizer the checkpoint was saved with (FusedOptimizer::... for \
+                 `fused`, config.init() for `burn`)",
+            ));
+        }
+        reducer
+            .load(LoadSource {
+                dir,
+                files: &manifest.files,
+                values: params::values(&model),
+                layout,
+            })
+            .map_err(|detail| {
+                mismatch(
+                    detail,
+                    "resume with the optimizer the checkpoint was saved with",
+                )
+            })?;
+    }
+    match (scheduler, training.scheduler) {
+        (Some(scheduler), true) => {
+            let record = LrSchedulerRecord::load(dir.join(SCHEDULER_FILE)).map_err(|e| {
+                mismatch(
+                    format!("{SCHEDULER_FILE}: {e}"),
+                    "resume with the scheduler the checkpoint was saved with",
+                )
+            })?;
+            scheduler.restore(record, saved.updates);
+        }
+        (Some(_), false) => {
+            return Err(mismatch(
+                "a scheduler was given but the checkpoint has none".into(),
+                "pass None, or save with Checkpoint::scheduler",
+            ));
+        }
+        (None, _) => {}
+    }
+
+    ctx.training.lock().restore(
+        LoopSnapshot {
+            updates: saved.updates,
+            windows: saved.windows,
+            scaler: saved.scaler,
+        },
+        ctx.device,
+    );
+    if let Some(loader) = saved.loader {
+        ctx.links
+            .restore(loader, same_world, dir.to_path_buf(), rank)?;
+    }
+    tracing::info!(rank, path = %dir.display(), updates = saved.updates, "checkpoint loaded");
+    let mut info = CheckpointInfo::fresh(rank);
+    info.path = Some(dir.to_path_buf());
+    info.updates = saved.updates;
+    info.objects = training.objects;
+    Ok(Restored { model, info })
+}

@@ -1,0 +1,191 @@
+//! Checkpoints of a whole training run: what `save_state` / `load_state` take and return, and
+//! the directory protocol they follow (in [`save`] and [`load`]); each component writes and
+//! reads its own part.
+//!
+//! A checkpoint directory holds the model (`model.safetensors`), the optimizer's state as its
+//! reducer writes it (Burn's record `optimizer.bpk`, or one `fused_optimizer_<r>.bin` per
+//! shard), the scheduler record (`scheduler.bpk`), `training_state.json` (parameter ids,
+//! optimizer kind, user objects) from the main process, one `rank_<r>.json` per process (loop
+//! counters, fp16 scaler, where the training loader stands), and `manifest.json`, written last.
+//! Every rank writes into `<dir>.partial`; the directory is renamed into place only after all
+//! of them finished, so a crash mid-save never leaves something that loads (see
+//! [`accelerate_core::checkpoint`]).
+//!
+//! Exact resume: the training loader continues the saved epoch with the batches the saved run
+//! would have had next, counters and the loss scale continue, the optimizer's state is keyed
+//! to the same parameter ids, and with a seed the device's random stream is reseeded at every
+//! window boundary from `(seed, rank, windows)`, so dropout after a resume draws what it would
+//! have drawn without one.
+
+pub(crate) mod load;
+pub(crate) mod save;
+
+use std::collections::BTreeMap;
+use std::path::PathBuf;
+
+use accelerate_core::ProcessState;
+use burn::module::Module;
+use burn::tensor::Device;
+use serde::de::DeserializeOwned;
+use serde::{Deserialize, Serialize};
+
+use crate::error::AccelerateError;
+use crate::group::Comm;
+use crate::loader_link::LoaderLinks;
+use crate::optim::{PreparedOptimizer, PreparedScheduler};
+use crate::training_loop::SharedLoop;
+
+pub use crate::reducer::bucketed::OPTIMIZER_FILE;
+
+/// The model's weights in a checkpoint (and what `save_model` writes).
+pub const MODEL_FILE: &str = "model.safetensors";
+/// The learning-rate scheduler's record in a checkpoint.
+pub const SCHEDULER_FILE: &str = "scheduler.bpk";
+/// Parameter ids, optimizer kind and user objects, from the main process.
+pub const TRAINING_STATE_FILE: &str = "training_state.json";
+
+fn rank_file(rank: usize) -> String {
+    format!("rank_{rank}.json")
+}
+
+/// What to save besides what the accelerator tracks itself: the model, its prepared
+/// optimizer, optionally the prepared scheduler, and named user objects (any `serde` value).
+///
+/// ```text
+/// acc.save_state(dir, &Checkpoint::new(&model, &optim).scheduler(&sched).object("best", &best))?;
+/// ```
+pub struct Checkpoint<'a, M> {
+    model: &'a M,
+    optimizer: &'a PreparedOptimizer,
+    scheduler: Option<&'a PreparedScheduler>,
+    /// Serialised when the save writes them (so a value is taken as it is at that point).
+    objects: Vec<(String, ObjectWriter<'a>)>,
+}
+
+type ObjectWriter<'a> = Box<dyn Fn() -> Result<serde_json::Value, serde_json::Error> + 'a>;
+
+impl<'a, M: Module> Checkpoint<'a, M> {
+    /// A checkpoint of `model` and `optimizer`.
+    pub fn new(model: &'a M, optimizer: &'a PreparedOptimizer) -> Self {
+        Self {
+            model,
+            optimizer,
+            scheduler: None,
+            objects: Vec::new(),
+        }
+    }
+
+    /// Also saves the learning-rate scheduler.
+    pub fn scheduler(mut self, scheduler: &'a PreparedScheduler) -> Self {
+        self.scheduler = Some(scheduler);
+        self
+    }
+
+    /// Also saves `value` under `name` (read it back with [`CheckpointInfo::object`]). The main
+    /// process's value is saved.
+    pub fn object<T: Serialize>(mut self, name: &str, value: &'a T) -> Self {
+        let writer: ObjectWriter<'a> = Box::new(move || serde_json::to_value(value));
+        self.objects.push((name.to_string(), writer));
+        self
+    }
+}
+
+/// What [`Accelerator::load_state`](crate::Accelerator::load_state) restored: the model, and
+/// what else the checkpoint held.
+#[derive(Debug)]
+pub struct Restored<M> {
+    /// The model with the checkpoint's parameters.
+    pub model: M,
+    /// Where the checkpoint came from, its update count and user objects.
+    pub info: CheckpointInfo,
+}
+
+/// A loaded checkpoint's place in the run and its user objects.
+#[derive(Debug, Clone)]
+pub struct CheckpointInfo {
+    /// The checkpoint loaded (`None` when there was none to load: a fresh start).
+    pub path: Option<PathBuf>,
+    /// Optimizer updates applied before the checkpoint.
+    pub updates: u64,
+    rank: usize,
+    objects: BTreeMap<String, serde_json::Value>,
+}
+
+impl CheckpointInfo {
+    /// The record of a fresh start (no checkpoint loaded).
+    pub(crate) fn fresh(rank: usize) -> Self {
+        Self {
+            path: None,
+            updates: 0,
+            rank,
+            objects: BTreeMap::new(),
+        }
+    }
+
+    /// The user object saved under `name`, or `None` if the checkpoint has none by that name.
+    pub fn object<T: DeserializeOwned>(&self, name: &str) -> Result<Option<T>, AccelerateError> {
+        let Some(value) = self.objects.get(name) else {
+            return Ok(None);
+        };
+        serde_json::from_value(value.clone())
+            .map(Some)
+            .map_err(|e| AccelerateError::ResumeMismatch {
+                rank: self.rank,
+                path: self.path.clone().unwrap_or_default(),
+                detail: format!("object {name:?} does not decode as the type asked for: {e}"),
+                hint: "read it as the type it was saved as",
+            })
+    }
+}
+
+/// The main process's part of `training_state.json`.
+#[derive(Serialize, Deserialize)]
+struct TrainingState {
+    /// Ids of the model's float parameters, in visit order (the optimizer record is keyed
+    /// by them).
+    param_ids: Vec<u64>,
+    /// The reducer kind that wrote the optimizer state (`burn`, `fused`).
+    #[serde(default)]
+    optimizer: Option<String>,
+    /// True when a scheduler record was saved.
+    scheduler: bool,
+    /// User objects.
+    objects: BTreeMap<String, serde_json::Value>,
+}
+
+/// What the directory protocol needs of the accelerator.
+pub(crate) struct Context<'a> {
+    pub state: &'a ProcessState,
+    pub comm: &'a Comm,
+    pub training: &'a SharedLoop,
+    pub links: &'a LoaderLinks,
+    pub device: &'a Device,
+    pub seed: Option<u64>,
+    /// Whether a checkpoint of another world size may be loaded.
+    pub resume_any_world_size: bool,
+}
+
+impl Context<'_> {
+    /// Every rank's outcome of `stage`, on every rank: the first failures (naming their ranks)
+    /// become this rank's error too.
+    fn agree(
+        &self,
+        path: &std::path::Path,
+        stage: &'static str,
+        mine: Result<(), String>,
+    ) -> Result<(), AccelerateError> {
+        match self.comm.agree(mine)? {
+            Ok(()) => Ok(()),
+            Err(failed) => Err(AccelerateError::CheckpointFailed {
+                rank: self.state.rank,
+                path: path.to_path_buf(),
+                stage,
+                failures: failed
+                    .into_iter()
+                    .map(|(r, e)| format!("rank {r}: {e}"))
+                    .collect::<Vec<_>>()
+                    .join("; "),
+            }),
+        }
+    }
+}

@@ -1,0 +1,188 @@
+//! Saving: every rank writes its part into `<dir>.partial`, the file lists are gathered, every
+//! rank's outcome is agreed, and only then the main process writes the manifest and renames
+//! the directory into place.
+
+use std::collections::BTreeMap;
+use std::path::{Path, PathBuf};
+
+use accelerate_core::checkpoint::{self, Manifest, ManifestFile, RankState};
+use burn::module::Module;
+use burn::store::{ModuleSnapshot, SafetensorsStore};
+
+use super::{
+    Checkpoint, Context, MODEL_FILE, SCHEDULER_FILE, TRAINING_STATE_FILE, TrainingState, rank_file,
+};
+use crate::error::AccelerateError;
+use crate::params::ParamLayout;
+use crate::reducer::SaveRole;
+
+/// Saves the whole training state into `dir` (see [`crate::Accelerator::save_state`]).
+pub(crate) fn save_state<M: Module>(
+    ctx: &Context<'_>,
+    dir: &Path,
+    checkpoint: &Checkpoint<'_, M>,
+) -> Result<PathBuf, AccelerateError> {
+    let rank = ctx.state.rank;
+    let (pending, steps) = {
+        let training = ctx.training.lock();
+        (training.pending(), training.accumulation_steps())
+    };
+    if pending > 0 {
+        return Err(AccelerateError::Misuse {
+            rank,
+            what: format!(
+                "saving checkpoint {} in the middle of an accumulation window ({pending} of \
+                 {steps} micro-batches summed, which a checkpoint does not hold)",
+                dir.display()
+            ),
+            hint: "save after an optimizer update, when acc.sync_gradients() is true",
+        });
+    }
+    let partial = checkpoint::partial_dir(dir);
+    let begun = match ctx.state.is_main_process() {
+        true => checkpoint::begin_save(dir)
+            .map(drop)
+            .map_err(|e| e.to_string()),
+        false => Ok(()),
+    };
+    ctx.agree(dir, "starting the save", begun)?;
+
+    let written = write_own_files(ctx, &partial, checkpoint);
+    let files = match &written {
+        Ok(files) => files.clone(),
+        Err(_) => Vec::new(),
+    };
+    let all_files: Vec<Vec<ManifestFile>> = if ctx.comm.is_distributed() {
+        ctx.comm.lock().all_gather_object(&files)?
+    } else {
+        vec![files]
+    };
+    let outcome = ctx.agree(dir, "writing the checkpoint", written.map(drop));
+    if outcome.is_err() && ctx.state.is_main_process() {
+        // Leave nothing half-written behind; the previous checkpoint stays the latest.
+        let _ = std::fs::remove_dir_all(&partial);
+    }
+    outcome?;
+
+    let committed = match ctx.state.is_main_process() {
+        true => {
+            let manifest = Manifest {
+                format_version: checkpoint::FORMAT_VERSION,
+                library_version: env!("CARGO_PKG_VERSION").to_string(),
+                world_size: ctx.state.world_size,
+                updates: ctx.training.lock().updates(),
+                files: all_files.into_iter().flatten().collect(),
+            };
+            checkpoint::commit(dir, &partial, &manifest).map_err(|e| e.to_string())
+        }
+        false => Ok(()),
+    };
+    ctx.agree(dir, "committing the checkpoint", committed)?;
+    Ok(dir.to_path_buf())
+}
+
+/// Writes this rank's files into `partial` and describes them for the manifest.
+fn write_own_files<M: Module>(
+    ctx: &Context<'_>,
+    partial: &Path,
+    checkpoint: &Checkpoint<'_, M>,
+) -> Result<Vec<ManifestFile>, String> {
+    let rank = ctx.state.rank;
+    let main = ctx.state.is_main_process();
+    let mut files = Vec::new();
+    let mut add = |name: &str, contents: &str, rank: Option<usize>, bytes: u64| {
+        files.push(ManifestFile {
+            name: name.to_string(),
+            contents: contents.to_string(),
+            rank,
+            bytes,
+        });
+    };
+    let snapshot = ctx.training.lock().snapshot();
+    let updates = snapshot.updates;
+    let state = RankState {
+        rank,
+        world_size: ctx.state.world_size,
+        updates: snapshot.updates,
+        windows: snapshot.windows,
+        seed: ctx.seed,
+        scaler: snapshot.scaler,
+        loader: ctx.links.saved_state(),
+    };
+    let name = rank_file(rank);
+    let bytes = checkpoint::write_json(&partial.join(&name), &state).map_err(|e| e.to_string())?;
+    add(&name, "loop state of one process (JSON)", Some(rank), bytes);
+
+    let role = SaveRole {
+        rank,
+        main,
+        distributed: ctx.comm.is_distributed(),
+    };
+    let kind = {
+        let mut reducer = checkpoint.optimizer.reducer().lock();
+        for file in reducer.save(partial, role)? {
+            add(&file.name, file.contents, file.rank, file.bytes);
+        }
+        reducer.kind()
+    };
+    if !main {
+        return Ok(files);
+    }
+
+    let path = partial.join(MODEL_FILE);
+    let mut store = SafetensorsStore::from_file(&path).overwrite(true);
+    checkpoint
+        .model
+        .save_into(&mut store)
+        .map_err(|e| format!("model weights: {e}"))?;
+    add(
+        MODEL_FILE,
+        "model weights (safetensors)",
+        None,
+        synced(&path)?,
+    );
+
+    if let Some(scheduler) = checkpoint.scheduler {
+        let record = scheduler.record_at(updates).ok_or_else(|| {
+            "the scheduler was stepped more than once past the latest update; hint: call \
+             sched.step() once per optimizer update"
+                .to_string()
+        })?;
+        let path = partial.join(SCHEDULER_FILE);
+        record
+            .save(&path)
+            .map_err(|e| format!("scheduler record: {e}"))?;
+        add(
+            SCHEDULER_FILE,
+            "learning-rate scheduler record (burnpack)",
+            None,
+            synced(&path)?,
+        );
+    }
+
+    let mut objects = BTreeMap::new();
+    for (name, write) in &checkpoint.objects {
+        let value = write().map_err(|e| format!("object {name:?} does not serialise: {e}"))?;
+        objects.insert(name.clone(), value);
+    }
+    let training = TrainingState {
+        param_ids: ParamLayout::of(checkpoint.model).ids(),
+        optimizer: Some(kind.to_string()),
+        scheduler: checkpoint.scheduler.is_some(),
+        objects,
+    };
+    let path = partial.join(TRAINING_STATE_FILE);
+    let bytes = checkpoint::write_json(&path, &training).map_err(|e| e.to_string())?;
+    add(
+        TRAINING_STATE_FILE,
+        "parameter ids, optimizer kind and user objects (JSON)",
+        None,
+        bytes,
+    );
+    Ok(files)
+}
+
+/// Syncs a file Burn wrote and returns its size.
+fn synced(path: &Path) -> Result<u64, String> {
+    checkpoint::sync_file(path).map_err(|e| e.to_string())
+}

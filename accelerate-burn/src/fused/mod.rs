@@ -1,0 +1,28 @@
+//! Fused optimizers over flat parameters, and ZeRO-1.
+//!
+//! With a [`FusedOptimizer`], the trainable float parameters of the model live, as the f32
+//! master copy, in one flat buffer in module visit order (frozen parameters are left out),
+//! beside one flat gradient buffer and flat optimizer state, all built at prepare. A completed
+//! accumulation window copies the gradients into the flat buffer once (averaging them across
+//! processes there, in f32 or the half-precision wire); clipping only records a factor; the
+//! optimizer step is one fused pass of `accelerate_kernels::optim` (gradient scale = fp16
+//! unscale x clip factor, moments and parameter in place, no allocation), and the model
+//! receives its new values in one upload per parameter tensor.
+//!
+//! On wgpu and cuda (without ZeRO) the flat buffers live on the GPU instead: the gradients are
+//! concatenated there, the update is our cubecl kernel, and the model's parameters become views
+//! of the flat parameter buffer, so nothing crosses to the host but a 4-byte norm (and, with
+//! several processes, the gradients the collectives average).
+//!
+//! ZeRO-1 (`AcceleratorBuilder::zero_stage(1)`): gradients are reduce-scattered instead of
+//! all-reduced, each rank updates its 1/N of the flat parameters with its 1/N of the optimizer
+//! state, and the updated parameters are all-gathered.
+
+mod config;
+mod device;
+mod host;
+mod reducer;
+mod state_file;
+
+pub use config::FusedOptimizer;
+pub(crate) use reducer::{FlatOptions, FlatReducer};

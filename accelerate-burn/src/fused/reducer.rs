@@ -1,0 +1,392 @@
+//! [`FlatReducer`]: the reducer of fused optimizers. It builds the flat buffers at prepare,
+//! gathers each completed window's gradients into them, averages and measures them (norm and
+//! overflow in one read-only pass), and runs the fused update on the host or the device.
+
+use std::ops::Range;
+use std::path::Path;
+use std::sync::Arc;
+
+use accelerate_core::MixedPrecision;
+use accelerate_core::checkpoint;
+use accelerate_kernels::schedule::chunk_range;
+use burn::lr_scheduler::module_lr_scheduler::ModuleLearningRate;
+use burn::module::ParamId;
+use burn::tensor::Tensor;
+
+use super::config::FusedOptimizer;
+use super::device::DeviceFlat;
+use super::host::HostFlat;
+use super::state_file::{FusedStateFile, Segment};
+use crate::error::AccelerateError;
+use crate::group::Comm;
+use crate::params::{ParamLayout, ParamList};
+use crate::reducer::wire::Wire;
+use crate::reducer::{
+    GradientReducer, LoadSource, ModelUpdate, Outcome, Reduced, SaveRole, SavedFile,
+};
+
+/// Prefix of the fused optimizer state files (`fused_optimizer_<rank>.bin`).
+const FUSED_PREFIX: &str = "fused_optimizer_";
+
+/// Where the flat buffers live.
+pub(crate) enum Buffers {
+    Host(HostFlat),
+    Device(DeviceFlat),
+}
+
+/// What the flat buffers are cut into: segments (trainable parameters in visit order), the
+/// padded length and this rank's shard.
+pub(crate) struct FlatPlan {
+    /// One per trainable parameter.
+    pub segments: Vec<Segment>,
+    /// The layout entry of each segment.
+    pub entries: Vec<usize>,
+    /// Trainable elements.
+    pub len: usize,
+    /// `len` rounded up to a multiple of the world size, so every shard is equal.
+    pub padded: usize,
+    /// This rank's shard of the padded range (everything without ZeRO).
+    pub shard: Range<usize>,
+    /// Updates applied to each segment (Burn counts per parameter).
+    pub times: Vec<i32>,
+    /// Which segments got a gradient in the window being applied.
+    pub has_grad: Vec<bool>,
+}
+
+impl FlatPlan {
+    fn new(layout: &ParamLayout, sharded: bool, rank: usize, world: usize) -> Self {
+        let mut segments = Vec::new();
+        let mut entries = Vec::new();
+        let mut len = 0;
+        for (index, entry) in layout.entries.iter().enumerate() {
+            if !entry.trainable {
+                continue;
+            }
+            segments.push(Segment {
+                id: entry.id.val(),
+                path: entry.path.clone(),
+                shape: entry.shape.clone(),
+                offset: len,
+                len: entry.numel,
+            });
+            entries.push(index);
+            len += entry.numel;
+        }
+        let parts = if sharded { world } else { 1 };
+        let padded = len.div_ceil(parts) * parts;
+        let shard = if sharded {
+            chunk_range(padded, world, rank)
+        } else {
+            0..padded
+        };
+        let n = segments.len();
+        Self {
+            segments,
+            entries,
+            len,
+            padded,
+            shard,
+            times: vec![0; n],
+            has_grad: vec![false; n],
+        }
+    }
+
+    /// The learning rate of segment `index` under `lr`.
+    pub fn rate(&self, index: usize, lr: &ModuleLearningRate) -> f64 {
+        let segment = &self.segments[index];
+        lr.lr_from_param(ParamId::from(segment.id), Some(&segment.path))
+    }
+}
+
+/// The pending step's measure: set by `reduce`, consumed by `step`.
+#[derive(Clone, Copy)]
+struct Pending {
+    /// The fp16 unscale factor (1 otherwise), applied in the update pass.
+    unscale: f32,
+}
+
+/// Fused optimizer state over flat buffers; ZeRO-1 when `sharded`.
+pub(crate) struct FlatReducer {
+    layout: Arc<ParamLayout>,
+    optimizer: FusedOptimizer,
+    sharded: bool,
+    plan: FlatPlan,
+    buffers: Buffers,
+    wire: Wire,
+    pending: Option<Pending>,
+    /// Build options, kept to rebuild the buffers after a checkpoint is loaded.
+    options: FlatOptions,
+}
+
+/// How a [`FlatReducer`] is built.
+#[derive(Clone)]
+pub(crate) struct FlatOptions {
+    pub zero_stage: u8,
+    pub rank: usize,
+    pub world: usize,
+    /// A cubecl backend: without ZeRO the buffers live on the device.
+    pub device_kernels: bool,
+    /// The precision gradients travel in.
+    pub wire: MixedPrecision,
+}
+
+impl FlatReducer {
+    /// Flat buffers for the trainable parameters of `layout`, starting from `values` (the
+    /// model's parameters, visit order).
+    pub fn new(
+        layout: Arc<ParamLayout>,
+        values: Vec<Tensor<1>>,
+        optimizer: FusedOptimizer,
+        options: FlatOptions,
+    ) -> Result<Self, AccelerateError> {
+        let sharded = options.zero_stage >= 1 && options.world > 1;
+        let plan = FlatPlan::new(&layout, sharded, options.rank, options.world);
+        let buffers = Self::buffers(&plan, values, &optimizer, sharded, &options)?;
+        Ok(Self {
+            layout,
+            optimizer,
+            sharded,
+            plan,
+            buffers,
+            wire: Wire::new(options.wire),
+            pending: None,
+            options,
+        })
+    }
+
+    fn buffers(
+        plan: &FlatPlan,
+        values: Vec<Tensor<1>>,
+        optimizer: &FusedOptimizer,
+        sharded: bool,
+        options: &FlatOptions,
+    ) -> Result<Buffers, AccelerateError> {
+        let trainable: Vec<Tensor<1>> = plan
+            .entries
+            .iter()
+            .filter_map(|&i| values.get(i).cloned())
+            .collect();
+        if trainable.len() != plan.entries.len() {
+            return Err(AccelerateError::ModelMismatch {
+                rank: options.rank,
+                detail: format!(
+                    "the model has {} float parameters, its layout {}",
+                    values.len(),
+                    plan.entries.len()
+                ),
+            });
+        }
+        // The kernels index with 32 bits; larger buffers stay on the host path.
+        let fits = plan.len > 0 && u32::try_from(plan.len).is_ok();
+        Ok(if options.device_kernels && !sharded && fits {
+            Buffers::Device(DeviceFlat::new(trainable, optimizer.state_buffers()))
+        } else {
+            Buffers::Host(HostFlat::new(plan, trainable, optimizer.state_buffers()))
+        })
+    }
+
+    /// This rank's state as a checkpoint stores it; state on the device is copied down.
+    fn state_file(&self) -> FusedStateFile {
+        let buffers = match &self.buffers {
+            Buffers::Host(host) => host.state.clone(),
+            Buffers::Device(device) => device.state_to_host(),
+        };
+        FusedStateFile {
+            optimizer: self.optimizer.clone(),
+            segments: self.plan.segments.clone(),
+            len: self.plan.len,
+            shard_start: self.plan.shard.start,
+            times: self.plan.times.clone(),
+            buffers: self
+                .optimizer
+                .buffer_names()
+                .iter()
+                .zip(buffers)
+                .map(|(name, values)| (name.to_string(), values))
+                .collect(),
+        }
+    }
+
+    /// Fills this rank's shard of the state from the saved shards (of any world size).
+    fn apply_state(&mut self, files: Vec<FusedStateFile>) -> Result<(), String> {
+        for file in &files {
+            if file.optimizer != self.optimizer {
+                return Err(format!(
+                    "the checkpoint's fused optimizer state is for {:?}, this run uses {:?}",
+                    file.optimizer, self.optimizer
+                ));
+            }
+            if file.segments != self.plan.segments {
+                return Err(
+                    "the checkpoint's fused optimizer state was saved for other parameters".into(),
+                );
+            }
+        }
+        if let Some(first) = files.first() {
+            self.plan.times.clone_from(&first.times);
+        }
+        let mut state = Vec::new();
+        for name in self.optimizer.buffer_names() {
+            let mut full = vec![0.0f32; self.plan.padded.max(self.plan.len)];
+            for file in &files {
+                let values = file.buffers.get(*name).ok_or_else(|| {
+                    format!("the checkpoint's fused optimizer state has no `{name}` buffer")
+                })?;
+                let end = (file.shard_start + values.len()).min(full.len());
+                if file.shard_start < end {
+                    full[file.shard_start..end].copy_from_slice(&values[..end - file.shard_start]);
+                }
+            }
+            state.push(full[self.plan.shard.clone()].to_vec());
+        }
+        match &mut self.buffers {
+            Buffers::Host(host) => host.state = state,
+            Buffers::Device(device) => device.set_state(state),
+        }
+        Ok(())
+    }
+}
+
+impl GradientReducer for FlatReducer {
+    fn kind(&self) -> &'static str {
+        "fused"
+    }
+
+    fn layout(&self) -> &Arc<ParamLayout> {
+        &self.layout
+    }
+
+    fn reduce(
+        &mut self,
+        mut grads: ParamList,
+        comm: &Comm,
+        inv_scale: Option<f32>,
+    ) -> Result<Reduced, AccelerateError> {
+        for (index, &entry) in self.plan.entries.iter().enumerate() {
+            self.plan.has_grad[index] = grads[entry].is_some();
+        }
+        let taken = self.plan.entries.iter().map(|&e| grads[e].take());
+        let sum_sq = match &mut self.buffers {
+            Buffers::Host(host) => {
+                host.gather(&self.plan, taken);
+                host.average(&mut self.wire, comm, self.sharded)?
+            }
+            Buffers::Device(device) => {
+                device.gather(&self.plan, taken);
+                device.average(&mut self.wire, comm)?
+            }
+        };
+        let unscale = inv_scale.unwrap_or(1.0);
+        self.pending = Some(Pending { unscale });
+        let norm = (sum_sq.sqrt() * f64::from(unscale)) as f32;
+        Ok(Reduced {
+            outcome: Outcome::Held {
+                norm,
+                clip_factor: 1.0,
+            },
+            // The sum of squares over every rank's values is non-finite exactly when some
+            // gradient is: the fp16 overflow test.
+            overflow: !sum_sq.is_finite(),
+        })
+    }
+
+    fn discard(&mut self) {
+        self.pending = None;
+    }
+
+    fn step(
+        &mut self,
+        lr: ModuleLearningRate,
+        outcome: Outcome,
+        model: &mut dyn ModelUpdate,
+        comm: &Comm,
+    ) -> Result<(), AccelerateError> {
+        let (Outcome::Held { clip_factor, .. }, Some(pending)) = (outcome, self.pending.take())
+        else {
+            return Err(AccelerateError::UnexpectedGradients { rank: comm.rank() });
+        };
+        // fp16 unscale and clipping in one factor, applied in the update pass.
+        let grad_scale = pending.unscale * clip_factor;
+        let values = match &mut self.buffers {
+            Buffers::Host(host) => {
+                host.step(&mut self.plan, &self.optimizer, &lr, grad_scale);
+                if self.sharded && self.plan.shard.len() < self.plan.padded {
+                    comm.timed(|group| host.gather_params(&self.plan, group))?;
+                }
+                host.values(&self.plan)
+            }
+            Buffers::Device(device) => {
+                device.step(&mut self.plan, &self.optimizer, &lr, grad_scale);
+                device.values(&self.plan)
+            }
+        };
+        let mut list: ParamList = vec![None; self.layout.entries.len()];
+        for (&entry, value) in self.plan.entries.iter().zip(values) {
+            list[entry] = Some(value);
+        }
+        model.replace(list);
+        Ok(())
+    }
+
+    fn save(&mut self, dir: &Path, role: SaveRole) -> Result<Vec<SavedFile>, String> {
+        // Every rank's shard with ZeRO, else the main process's (all hold the same state).
+        if !(self.sharded && role.distributed) && !role.main {
+            return Ok(Vec::new());
+        }
+        let name = format!("{FUSED_PREFIX}{}.bin", role.rank);
+        let bytes = checkpoint::write_synced(&dir.join(&name), &self.state_file().to_bytes())
+            .map_err(|e| e.to_string())?;
+        Ok(vec![SavedFile {
+            name,
+            contents: "fused optimizer state of one shard (JSON header, f32 data)",
+            rank: Some(role.rank),
+            bytes,
+        }])
+    }
+
+    fn load(&mut self, source: LoadSource<'_>) -> Result<(), String> {
+        let mut files = Vec::new();
+        for file in source.files {
+            if !file.name.starts_with(FUSED_PREFIX) {
+                continue;
+            }
+            let bytes = std::fs::read(source.dir.join(&file.name))
+                .map_err(|e| format!("{}: {e}", file.name))?;
+            files.push(
+                FusedStateFile::from_bytes(&bytes).map_err(|e| format!("{}: {e}", file.name))?,
+            );
+        }
+        // The buffers start again from the loaded model, under its (saved) parameter ids.
+        self.layout = Arc::new(source.layout);
+        self.plan = FlatPlan::new(
+            &self.layout,
+            self.sharded,
+            self.options.rank,
+            self.options.world,
+        );
+        self.buffers = Self::buffers(
+            &self.plan,
+            source.values,
+            &self.optimizer,
+            self.sharded,
+            &self.options,
+        )
+        .map_err(|e| e.to_string())?;
+        self.pending = None;
+        if files.is_empty() {
+            return Ok(());
+        }
+        self.apply_state(files)
+    }
+
+    fn state_on_device(&self) -> Option<bool> {
+        Some(matches!(self.buffers, Buffers::Device(_)))
+    }
+
+    fn state_bytes(&self) -> Option<usize> {
+        Some(match &self.buffers {
+            Buffers::Host(host) => host.state_bytes(),
+            Buffers::Device(device) => device.state_bytes(),
+        })
+    }
+}

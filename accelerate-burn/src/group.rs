@@ -1,0 +1,86 @@
+//! The process group as the accelerator and what it prepared share it: locked, timed, and the
+//! one collective that makes every rank agree on every rank's outcome.
+
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
+use std::time::{Duration, Instant};
+
+use accelerate_core::comm::ProcessGroup;
+
+use crate::error::AccelerateError;
+
+/// The process group of one accelerator, shared with its reducer and prepared optimizer.
+#[derive(Clone)]
+pub(crate) struct Comm {
+    group: Arc<Mutex<ProcessGroup>>,
+    /// Nanoseconds spent averaging gradients.
+    spent_ns: Arc<AtomicU64>,
+    rank: usize,
+    world_size: usize,
+}
+
+impl Comm {
+    pub fn new(group: ProcessGroup) -> Self {
+        let (rank, world_size) = (group.rank(), group.world_size());
+        Self {
+            group: Arc::new(Mutex::new(group)),
+            spent_ns: Arc::new(AtomicU64::new(0)),
+            rank,
+            world_size,
+        }
+    }
+
+    /// The group, locked (a panic elsewhere cannot leave it half-updated: a failed
+    /// collective poisons the group itself).
+    pub fn lock(&self) -> MutexGuard<'_, ProcessGroup> {
+        self.group.lock().unwrap_or_else(PoisonError::into_inner)
+    }
+
+    /// This process's rank.
+    pub fn rank(&self) -> usize {
+        self.rank
+    }
+
+    /// True with more than one process.
+    pub fn is_distributed(&self) -> bool {
+        self.world_size > 1
+    }
+
+    /// Runs `communicate` on the locked group and adds its duration to
+    /// [`communication_time`](Self::communication_time).
+    pub fn timed<R>(&self, communicate: impl FnOnce(&mut ProcessGroup) -> R) -> R {
+        let started = Instant::now();
+        let result = communicate(&mut self.lock());
+        let spent = u64::try_from(started.elapsed().as_nanos()).unwrap_or(u64::MAX);
+        self.spent_ns.fetch_add(spent, Ordering::Relaxed);
+        result
+    }
+
+    /// Time spent in [`timed`](Self::timed) so far.
+    pub fn communication_time(&self) -> Duration {
+        Duration::from_nanos(self.spent_ns.load(Ordering::Relaxed))
+    }
+
+    /// Every rank's outcome, on every rank: `Ok` when all succeeded, else every failure with
+    /// its rank, so that no process carries on alone and waits for peers that gave up.
+    pub fn agree(
+        &self,
+        mine: Result<(), String>,
+    ) -> Result<Result<(), Vec<(usize, String)>>, AccelerateError> {
+        let all = if self.is_distributed() {
+            self.lock().all_gather_object(&mine)?
+        } else {
+            vec![mine]
+        };
+        let failed: Vec<(usize, String)> = all
+            .into_iter()
+            .enumerate()
+            .filter_map(|(r, outcome)| outcome.err().map(|e| (r, e)))
+            .collect();
+        Ok(if failed.is_empty() {
+            Ok(())
+        } else {
+            Err(failed)
+        })
+    }
+}

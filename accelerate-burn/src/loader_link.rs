@@ -1,0 +1,214 @@
+//! What the accelerator knows of its prepared loaders: where the training loader stands (for
+//! checkpoints), where it continues after a checkpoint was loaded (the loader may be prepared
+//! before or after the load), and how much of the latest batch is padding (for
+//! `gather_for_metrics`). The training loader's part of a checkpoint is saved and restored
+//! here.
+
+use std::path::PathBuf;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
+
+use accelerate_core::checkpoint::LoaderState;
+use accelerate_core::{DistributedSampler, SamplerConfig, SamplerCursor};
+
+use crate::error::AccelerateError;
+
+/// Shared between an accelerator and its prepared loaders.
+#[derive(Clone, Default)]
+pub(crate) struct LoaderLinks(Arc<Mutex<Links>>);
+
+#[derive(Default)]
+struct Links {
+    /// The latest prepared training loader.
+    train: Option<TrainCursor>,
+    /// Where the training loader continues after a checkpoint was loaded (until it takes it).
+    resume: Option<ResumePoint>,
+    /// Set while the latest batch handed out is its loader's last of the epoch: how many
+    /// samples of that round, over all processes, are padding.
+    last_batch_padding: Option<usize>,
+}
+
+/// Where the training loader stands.
+struct TrainCursor {
+    /// The loader's epoch, shared so that loading a checkpoint can set it.
+    epoch: Arc<AtomicU64>,
+    /// This rank's sampler.
+    sampler: DistributedSampler,
+    /// The epoch being iterated (or last iterated).
+    cursor_epoch: u64,
+    /// Batches of that epoch handed to the loop.
+    batches: usize,
+    /// Samples of the epoch order, over all ranks, consumed before this epoch's iteration
+    /// started (non-zero only when resumed with another world size).
+    start_sample: usize,
+}
+
+/// Where a resumed training loader continues.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(crate) struct ResumePoint {
+    /// The checkpoint it came from, for errors.
+    pub checkpoint: PathBuf,
+    /// How the saved loader cut its data.
+    pub sampler: SamplerConfig,
+    /// The epoch to continue.
+    pub epoch: u64,
+    /// What to skip of it.
+    pub skip: Skip,
+}
+
+/// The part of a resumed epoch that was already consumed.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Skip {
+    /// This rank's first batches (same world size: exactly the batches it would have had).
+    Batches(usize),
+    /// The first samples of the epoch order over all ranks (another world size).
+    Samples(usize),
+}
+
+impl TrainCursor {
+    /// Moves this loader to the epoch of `point`, if it cuts its data as the saved one did.
+    fn attach(&self, point: &ResumePoint, rank: usize) -> Result<(), AccelerateError> {
+        if self.sampler.config() != &point.sampler {
+            return Err(AccelerateError::ResumeMismatch {
+                rank,
+                path: point.checkpoint.clone(),
+                detail: format!(
+                    "the training loader differs from the saved one (saved {:?}, now {:?})",
+                    point.sampler,
+                    self.sampler.config()
+                ),
+                hint: "resume with the same data set, batch size and shuffling",
+            });
+        }
+        self.epoch.store(point.epoch, Ordering::Relaxed);
+        Ok(())
+    }
+}
+
+impl LoaderLinks {
+    fn lock(&self) -> MutexGuard<'_, Links> {
+        self.0.lock().unwrap_or_else(PoisonError::into_inner)
+    }
+
+    /// Registers a newly prepared training loader (checkpoints follow the latest one); a
+    /// checkpoint loaded before moves it at once.
+    pub fn register_train(
+        &self,
+        epoch: Arc<AtomicU64>,
+        sampler: DistributedSampler,
+        rank: usize,
+    ) -> Result<(), AccelerateError> {
+        let cursor = TrainCursor {
+            epoch,
+            sampler,
+            cursor_epoch: 0,
+            batches: 0,
+            start_sample: 0,
+        };
+        let mut links = self.lock();
+        if let Some(point) = links.resume.as_ref() {
+            cursor.attach(point, rank)?;
+        }
+        links.train = Some(cursor);
+        Ok(())
+    }
+
+    /// The training loader begins iterating `epoch`: takes the resume point when it is for
+    /// that epoch, and says what to skip.
+    pub fn begin_epoch(&self, epoch: u64) -> Option<Skip> {
+        let mut links = self.lock();
+        let skip = match links.resume.take() {
+            Some(point) if point.epoch == epoch => Some(point.skip),
+            Some(point) => {
+                tracing::warn!(
+                    resumed = point.epoch,
+                    epoch,
+                    "the training loader was resumed at epoch {} but iterates epoch {epoch}: \
+                     starting that epoch from its beginning",
+                    point.epoch
+                );
+                None
+            }
+            None => None,
+        };
+        if let Some(cursor) = links.train.as_mut() {
+            cursor.cursor_epoch = epoch;
+            (cursor.batches, cursor.start_sample) = match skip {
+                Some(Skip::Batches(n)) => (n, 0),
+                Some(Skip::Samples(start)) => (0, start),
+                None => (0, 0),
+            };
+        }
+        skip
+    }
+
+    /// The training loader handed out one more batch.
+    pub fn count_batch(&self) {
+        if let Some(cursor) = self.lock().train.as_mut() {
+            cursor.batches += 1;
+        }
+    }
+
+    /// Records the padding of the batch just handed out (`None`: not a last batch).
+    pub fn set_last_batch_padding(&self, padding: Option<usize>) {
+        self.lock().last_batch_padding = padding;
+    }
+
+    /// Samples of the latest batch round that are padding.
+    pub fn last_batch_padding(&self) -> usize {
+        self.lock().last_batch_padding.unwrap_or(0)
+    }
+
+    /// The training loader's part of a checkpoint (`None` without one).
+    pub fn saved_state(&self) -> Option<LoaderState> {
+        let links = self.lock();
+        let cursor = links.train.as_ref()?;
+        let sampler = &cursor.sampler;
+        let epoch_len = sampler.len_from_sample(cursor.start_sample);
+        // A finished epoch resumes at the start of the next one.
+        let (epoch, batches, start_sample) = if cursor.batches >= epoch_len {
+            (cursor.cursor_epoch + 1, 0, 0)
+        } else {
+            (cursor.cursor_epoch, cursor.batches, cursor.start_sample)
+        };
+        Some(LoaderState {
+            cursor: SamplerCursor {
+                epoch,
+                batches_consumed: batches,
+            },
+            start_sample,
+            samples_consumed: (start_sample + batches * sampler.global_batch_size())
+                .min(sampler.config().len),
+            sampler: sampler.config().clone(),
+        })
+    }
+
+    /// Continues from a checkpoint's `saved` loader state: the training loader (prepared now
+    /// or later) moves to its epoch and skips what was consumed. `same_world` says whether the
+    /// checkpoint was saved by as many processes as this job has.
+    pub fn restore(
+        &self,
+        saved: LoaderState,
+        same_world: bool,
+        checkpoint: PathBuf,
+        rank: usize,
+    ) -> Result<(), AccelerateError> {
+        let skip = if same_world && saved.start_sample == 0 {
+            Skip::Batches(saved.cursor.batches_consumed)
+        } else {
+            Skip::Samples(saved.samples_consumed)
+        };
+        let point = ResumePoint {
+            checkpoint,
+            sampler: saved.sampler,
+            epoch: saved.cursor.epoch,
+            skip,
+        };
+        let mut links = self.lock();
+        if let Some(cursor) = links.train.as_ref() {
+            cursor.attach(&point, rank)?;
+        }
+        links.resume = Some(point);
+        Ok(())
+    }
+}

@@ -1,0 +1,303 @@
+//! The model's float parameters in module visit order: the one place that walks a module.
+//!
+//! [`ParamLayout`] is built once at prepare (ids, paths, shapes, ranks, trainable flags); it is
+//! what every rank, reducer and checkpoint agrees on. Parameters are matched across processes
+//! by this order, never by `ParamId` (Burn draws ids at random per process).
+//!
+//! Gradients move between Burn's [`GradientsParams`] and our visit-order lists without walking
+//! the module again: the layout knows each parameter's id and tensor rank, and a rank is
+//! dispatched to Burn's const-generic `remove::<D>` / `register::<D>` by [`with_rank!`].
+
+use burn::module::{Module, ModuleMapper, ModuleVisitor, Param, ParamId};
+use burn::optim::GradientsParams;
+use burn::tensor::{DType, Tensor, TensorData};
+
+/// Gradients (or values) in layout order, flattened to one dimension; `None` where a
+/// parameter has none.
+pub(crate) type ParamList = Vec<Option<Tensor<1>>>;
+
+/// Largest tensor rank a parameter may have (Burn's modules use at most 5).
+pub(crate) const MAX_RANK: usize = 8;
+
+/// One float parameter of the model.
+#[derive(Debug, Clone, PartialEq)]
+pub(crate) struct ParamEntry {
+    /// Burn's id (the same on every rank after prepare).
+    pub id: ParamId,
+    /// Module path, e.g. `layers.0.weight` (per-group learning rates, messages).
+    pub path: String,
+    /// Dimensions.
+    pub shape: Vec<usize>,
+    /// Elements.
+    pub numel: usize,
+    /// False for frozen parameters (no gradient is ever taken for them).
+    pub trainable: bool,
+}
+
+/// The model's float parameters in visit order.
+#[derive(Debug, Clone, PartialEq)]
+pub(crate) struct ParamLayout {
+    /// Every float parameter, in visit order.
+    pub entries: Vec<ParamEntry>,
+}
+
+/// Calls `$body` with `const $d: usize` set to `$rank` (1 to [`MAX_RANK`]); `$otherwise` for
+/// any other rank.
+macro_rules! with_rank {
+    ($rank:expr, $d:ident => $body:expr, _ => $otherwise:expr) => {
+        match $rank {
+            1 => {
+                const $d: usize = 1;
+                $body
+            }
+            2 => {
+                const $d: usize = 2;
+                $body
+            }
+            3 => {
+                const $d: usize = 3;
+                $body
+            }
+            4 => {
+                const $d: usize = 4;
+                $body
+            }
+            5 => {
+                const $d: usize = 5;
+                $body
+            }
+            6 => {
+                const $d: usize = 6;
+                $body
+            }
+            7 => {
+                const $d: usize = 7;
+                $body
+            }
+            8 => {
+                const $d: usize = 8;
+                $body
+            }
+            _ => $otherwise,
+        }
+    };
+}
+
+impl ParamLayout {
+    /// The layout of `model`.
+    pub fn of<M: Module>(model: &M) -> Self {
+        struct Collect {
+            path: Vec<String>,
+            entries: Vec<ParamEntry>,
+        }
+        impl ModuleVisitor for Collect {
+            fn enter_module(&mut self, name: &str, _container_type: &str) {
+                self.path.push(name.to_string());
+            }
+            fn exit_module(&mut self, _name: &str, _container_type: &str) {
+                self.path.pop();
+            }
+            fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<D>>) {
+                let shape = param.lazy_shape().as_slice().to_vec();
+                self.entries.push(ParamEntry {
+                    id: param.id,
+                    path: self.path.join("."),
+                    numel: shape.iter().product(),
+                    shape,
+                    trainable: param.val().is_require_grad(),
+                });
+            }
+        }
+        let mut collect = Collect {
+            path: Vec::new(),
+            entries: Vec::new(),
+        };
+        model.visit(&mut collect);
+        Self {
+            entries: collect.entries,
+        }
+    }
+
+    /// Parameter ids in visit order.
+    pub fn ids(&self) -> Vec<u64> {
+        self.entries.iter().map(|e| e.id.val()).collect()
+    }
+
+    /// Parameter shapes in visit order.
+    pub fn shapes(&self) -> Vec<Vec<usize>> {
+        self.entries.iter().map(|e| e.shape.clone()).collect()
+    }
+
+    /// Elements over all parameters.
+    pub fn numel(&self) -> usize {
+        self.entries.iter().map(|e| e.numel).sum()
+    }
+
+    /// The same layout with `ids` (visit order) in place of its own.
+    pub fn with_ids(mut self, ids: &[u64]) -> Self {
+        for (entry, id) in self.entries.iter_mut().zip(ids) {
+            entry.id = ParamId::from(*id);
+        }
+        self
+    }
+
+    /// Takes this layout's gradients out of `grads`, flattened, in visit order. Gradients left
+    /// over belong to parameters the layout does not know: the model is not the one prepared,
+    /// which the error describes.
+    pub fn take_grads(&self, mut grads: GradientsParams) -> Result<ParamList, String> {
+        let list = self
+            .entries
+            .iter()
+            .map(|entry| {
+                let id = entry.id;
+                let numel = entry.numel;
+                with_rank!(entry.shape.len(), D => grads.remove::<D>(id).map(|g| g.reshape([numel])), _ => None)
+            })
+            .collect();
+        if !grads.is_empty() {
+            return Err(format!(
+                "{} gradients belong to parameters that are not among the {} the model was \
+                 prepared with",
+                grads.len(),
+                self.entries.len()
+            ));
+        }
+        Ok(list)
+    }
+
+    /// Burn's gradient set from a visit-order list (each reshaped to its parameter's shape).
+    pub fn to_grads(&self, list: ParamList) -> GradientsParams {
+        let mut grads = GradientsParams::new();
+        for (entry, grad) in self.entries.iter().zip(list) {
+            let Some(grad) = grad else { continue };
+            let id = entry.id;
+            with_rank!(entry.shape.len(), D => {
+                let dims: [usize; D] = std::array::from_fn(|i| entry.shape[i]);
+                grads.register::<D>(id, grad.reshape(dims));
+            }, _ => ());
+        }
+        grads
+    }
+
+    /// The first parameter whose rank this crate cannot move gradients for, if any.
+    pub fn unsupported_rank(&self) -> Option<&ParamEntry> {
+        self.entries
+            .iter()
+            .find(|e| e.shape.is_empty() || e.shape.len() > MAX_RANK)
+    }
+
+    /// What differs between this layout's shapes and `other`'s (rank 0's), if anything.
+    pub fn describe_difference(mine: &[Vec<usize>], rank0: &[Vec<usize>]) -> Option<String> {
+        if mine.len() != rank0.len() {
+            return Some(format!(
+                "this process's model has {} float parameters, rank 0's has {}",
+                mine.len(),
+                rank0.len()
+            ));
+        }
+        mine.iter().zip(rank0).position(|(a, b)| a != b).map(|i| {
+            format!(
+                "parameter #{i} has shape {:?} here and {:?} on rank 0",
+                mine[i], rank0[i]
+            )
+        })
+    }
+}
+
+/// Every float parameter's value, flattened, in visit order (plain tensors, no autodiff).
+pub(crate) fn values<M: Module>(model: &M) -> Vec<Tensor<1>> {
+    struct Values(Vec<Tensor<1>>);
+    impl ModuleVisitor for Values {
+        fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<D>>) {
+            let value = param.val().inner();
+            let n = value.shape().num_elements();
+            self.0.push(value.reshape([n]));
+        }
+    }
+    let mut collect = Values(Vec::new());
+    model.visit(&mut collect);
+    collect.0
+}
+
+/// Copies `data` into `target` as f32 (a plain copy when it already is f32). `target` must
+/// have exactly as many elements.
+pub(crate) fn copy_f32(data: TensorData, target: &mut [f32]) {
+    match data.as_slice::<f32>() {
+        Ok(values) => target.copy_from_slice(values),
+        Err(_) => {
+            let data = data.convert::<f32>();
+            for (t, v) in target.iter_mut().zip(data.iter::<f32>()) {
+                *t = v;
+            }
+        }
+    }
+}
+
+/// A tensor's values as f32 on the host.
+pub(crate) fn to_host_f32(tensor: Tensor<1>) -> Vec<f32> {
+    let mut out = vec![0.0; tensor.shape().num_elements()];
+    copy_f32(tensor.into_data(), &mut out);
+    out
+}
+
+/// New values (and ids) for a model's float parameters, in visit order.
+pub(crate) struct Replacement {
+    /// New flat values per parameter; `None` keeps a parameter's value.
+    pub values: ParamList,
+    /// New ids per parameter (visit order); empty keeps the ids.
+    pub ids: Vec<u64>,
+}
+
+/// `model` with `replacement` applied. A value keeps its parameter's dtype, autodiff tracking
+/// and gradient-checkpointing strategy; values that are plain tensors on the model's backend
+/// (views of a flat device buffer) join the model's autodiff graph here.
+pub(crate) fn replace<M: Module>(model: M, replacement: Replacement) -> M {
+    struct Replace {
+        values: std::vec::IntoIter<Option<Tensor<1>>>,
+        ids: std::vec::IntoIter<u64>,
+    }
+    impl ModuleMapper for Replace {
+        fn map_float<const D: usize>(&mut self, param: Param<Tensor<D>>) -> Param<Tensor<D>> {
+            let (id, tensor, mapper) = param.consume();
+            let id = self.ids.next().map_or(id, ParamId::from);
+            let Some(Some(value)) = self.values.next() else {
+                return Param::from_mapped_value(id, tensor, mapper);
+            };
+            let mut value: Tensor<D> = value.reshape(tensor.shape());
+            if tensor.is_autodiff() {
+                value = match tensor.gradient_checkpointing_strategy() {
+                    Some(strategy) => value
+                        .autodiff()
+                        .with_gradient_checkpointing_strategy(strategy),
+                    None => value.autodiff(),
+                };
+            }
+            if value.dtype() != tensor.dtype() {
+                value = value.cast(tensor.dtype());
+            }
+            if tensor.is_require_grad() {
+                value = value.require_grad();
+            }
+            Param::from_mapped_value(id, value, mapper)
+        }
+    }
+    model.map(&mut Replace {
+        values: replacement.values.into_iter(),
+        ids: replacement.ids.into_iter(),
+    })
+}
+
+/// A flat f32 host buffer as a plain tensor of shape `[len]` on `device`.
+pub(crate) fn upload(values: Vec<f32>, device: &burn::tensor::Device) -> Tensor<1> {
+    let len = values.len();
+    Tensor::<1>::from_data(TensorData::new(values, [len]), device)
+}
+
+/// Converts a gradient to f32 when it is not already.
+pub(crate) fn as_f32(tensor: Tensor<1>) -> Tensor<1> {
+    if tensor.dtype() == DType::F32 {
+        tensor
+    } else {
+        tensor.cast(DType::F32)
+    }
+}

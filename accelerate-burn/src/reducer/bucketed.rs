@@ -1,0 +1,267 @@
+//! The reducer of Burn's optimizers: gradients stay Burn tensors; with several processes they
+//! are averaged in buckets of at most `bucket_bytes`, in module visit order (each bucket one
+//! concatenated buffer, one all-reduce), in f32 or a half-precision wire. On a cubecl backend
+//! with a half-precision wire a bucket is narrowed and widened on the device, so only half
+//! precision crosses to the host. The update is Burn's optimizer's own `step`; its record is
+//! the checkpoint state.
+
+use std::ops::Range;
+use std::path::Path;
+use std::sync::Arc;
+
+use accelerate_core::MixedPrecision;
+use accelerate_core::checkpoint;
+use burn::lr_scheduler::module_lr_scheduler::ModuleLearningRate;
+use burn::optim::{ModuleOptimizer, OptimizerRecord};
+use burn::tensor::{DType, Tensor};
+
+use super::wire::Wire;
+use super::{
+    GradientReducer, LoadSource, ModelUpdate, Outcome, Reduced, SaveRole, SavedFile, global_norm,
+};
+use crate::error::AccelerateError;
+use crate::group::Comm;
+use crate::params::{self, ParamLayout, ParamList, copy_f32};
+
+/// The optimizer's record in a checkpoint.
+pub const OPTIMIZER_FILE: &str = "optimizer.bpk";
+
+/// Burn's optimizer behind the reducer seam.
+pub(crate) struct BucketedReducer {
+    layout: Arc<ParamLayout>,
+    /// `None` for gradients averaged for the user's own optimizer (no prepared one).
+    optimizer: Option<ModuleOptimizer>,
+    /// Ranges of layout entries reduced together.
+    buckets: Vec<Range<usize>>,
+    wire: Wire,
+    /// Narrow and widen half-precision buckets on the device (cubecl backends).
+    device_kernels: bool,
+    /// The host copy of one bucket, kept between steps.
+    host: Vec<f32>,
+}
+
+impl BucketedReducer {
+    pub fn new(
+        layout: Arc<ParamLayout>,
+        optimizer: Option<ModuleOptimizer>,
+        bucket_bytes: usize,
+        wire: MixedPrecision,
+        device_kernels: bool,
+    ) -> Self {
+        let buckets = buckets(&layout, bucket_bytes);
+        Self {
+            layout,
+            optimizer,
+            buckets,
+            wire: Wire::new(wire),
+            device_kernels,
+            host: Vec::new(),
+        }
+    }
+
+    /// Averages the gradients of `range` (one bucket) over the ranks; with `inv_scale`, also
+    /// unscales them and says whether any is not finite.
+    fn reduce_bucket(
+        &mut self,
+        grads: &mut ParamList,
+        range: Range<usize>,
+        comm: &Comm,
+        inv_scale: Option<f32>,
+    ) -> Result<bool, AccelerateError> {
+        let present: Vec<usize> = range.filter(|&i| grads[i].is_some()).collect();
+        let Some(device) = present
+            .first()
+            .and_then(|&i| grads[i].as_ref())
+            .map(Tensor::device)
+        else {
+            return Ok(false);
+        };
+        let mut dtypes = Vec::with_capacity(present.len());
+        let mut parts = Vec::with_capacity(present.len());
+        for &i in &present {
+            if let Some(grad) = grads[i].take() {
+                dtypes.push(grad.dtype());
+                parts.push(params::as_f32(grad));
+            }
+        }
+        let joined = Tensor::cat(parts, 0);
+        let len = joined.shape().num_elements();
+        let (joined, overflow) = if self.device_kernels && self.wire.precision != MixedPrecision::No
+        {
+            self.reduce_on_device(joined, comm, inv_scale)?
+        } else {
+            self.host.resize(len, 0.0);
+            copy_f32(joined.into_data(), &mut self.host);
+            comm.timed(|group| self.wire.all_reduce_mean(&mut self.host, group))?;
+            let overflow = inv_scale
+                .is_some_and(|inv| accelerate_kernels::amp::unscale_and_check(&mut self.host, inv));
+            (params::upload(self.host.clone(), &device), overflow)
+        };
+        let mut offset = 0;
+        for (&i, dtype) in present.iter().zip(dtypes) {
+            let n = self.layout.entries[i].numel;
+            let mut part = joined.clone().narrow(0, offset, n);
+            if dtype != DType::F32 {
+                part = part.cast(dtype);
+            }
+            grads[i] = Some(part);
+            offset += n;
+        }
+        Ok(overflow)
+    }
+
+    #[cfg(feature = "device-kernels")]
+    fn reduce_on_device(
+        &self,
+        joined: Tensor<1>,
+        comm: &Comm,
+        inv_scale: Option<f32>,
+    ) -> Result<(Tensor<1>, bool), AccelerateError> {
+        comm.timed(|group| {
+            super::wire::average_on_device(joined, group, self.wire.precision, inv_scale)
+        })
+    }
+
+    /// Never called: `device_kernels` is only set in builds with a cubecl backend.
+    #[cfg(not(feature = "device-kernels"))]
+    fn reduce_on_device(
+        &self,
+        _joined: Tensor<1>,
+        comm: &Comm,
+        _inv_scale: Option<f32>,
+    ) -> Result<(Tensor<1>, bool), AccelerateError> {
+        Err(AccelerateError::Tensor {
+            rank: comm.rank(),
+            op: "averaging gradients on the device",
+            detail: "this build has no `wgpu` or `cuda` feature".into(),
+        })
+    }
+}
+
+/// Consecutive trainable entries of `layout` grouped into buckets of at least `bucket_bytes`
+/// (f32), the last one possibly smaller.
+fn buckets(layout: &ParamLayout, bucket_bytes: usize) -> Vec<Range<usize>> {
+    let mut buckets = Vec::new();
+    let (mut start, mut bytes) = (0, 0);
+    for (i, entry) in layout.entries.iter().enumerate() {
+        if entry.trainable {
+            bytes += entry.numel * 4;
+        }
+        if bytes >= bucket_bytes {
+            buckets.push(start..i + 1);
+            (start, bytes) = (i + 1, 0);
+        }
+    }
+    if start < layout.entries.len() {
+        buckets.push(start..layout.entries.len());
+    }
+    buckets
+}
+
+/// Unscales `grads` on the device and says whether any value is not finite: our cubecl kernel
+/// where the backend has one (one pass per tensor, one 4-byte read), else Burn's operations.
+fn unscale_on_device(grads: &mut ParamList, inv_scale: f32, device_kernels: bool) -> bool {
+    #[cfg(feature = "device-kernels")]
+    if device_kernels {
+        let mut flag: Option<crate::device_kernels::OverflowFlag> = None;
+        for grad in grads.iter_mut() {
+            if let Some(g) = grad.take() {
+                let f = flag
+                    .get_or_insert_with(|| crate::device_kernels::OverflowFlag::new(&g.device()));
+                *grad = Some(f.unscale(g, inv_scale));
+            }
+        }
+        return flag.is_some_and(crate::device_kernels::OverflowFlag::found);
+    }
+    let _ = device_kernels;
+    for grad in grads.iter_mut().flatten() {
+        *grad = grad.clone().mul_scalar(inv_scale);
+    }
+    global_norm(grads).is_some_and(|n| !n.is_finite())
+}
+
+impl GradientReducer for BucketedReducer {
+    fn kind(&self) -> &'static str {
+        "burn"
+    }
+
+    fn layout(&self) -> &Arc<ParamLayout> {
+        &self.layout
+    }
+
+    fn reduce(
+        &mut self,
+        mut grads: ParamList,
+        comm: &Comm,
+        inv_scale: Option<f32>,
+    ) -> Result<Reduced, AccelerateError> {
+        let overflow = if comm.is_distributed() {
+            let mut overflow = false;
+            for range in self.buckets.clone() {
+                overflow |= self.reduce_bucket(&mut grads, range, comm, inv_scale)?;
+            }
+            overflow
+        } else {
+            inv_scale.is_some_and(|inv| unscale_on_device(&mut grads, inv, self.device_kernels))
+        };
+        Ok(Reduced {
+            outcome: Outcome::Ready {
+                grads,
+                layout: Arc::clone(&self.layout),
+            },
+            overflow,
+        })
+    }
+
+    fn step(
+        &mut self,
+        lr: ModuleLearningRate,
+        outcome: Outcome,
+        model: &mut dyn ModelUpdate,
+        comm: &Comm,
+    ) -> Result<(), AccelerateError> {
+        let (Outcome::Ready { grads, layout }, Some(optimizer)) =
+            (outcome, self.optimizer.as_mut())
+        else {
+            return Err(AccelerateError::UnexpectedGradients { rank: comm.rank() });
+        };
+        model.burn_step(optimizer, lr, layout.to_grads(grads));
+        Ok(())
+    }
+
+    fn save(&mut self, dir: &Path, role: SaveRole) -> Result<Vec<SavedFile>, String> {
+        let Some(optimizer) = self.optimizer.as_ref().filter(|_| role.main) else {
+            return Ok(Vec::new());
+        };
+        let path = dir.join(OPTIMIZER_FILE);
+        optimizer
+            .to_record()
+            .save(&path)
+            .map_err(|e| format!("optimizer record: {e}"))?;
+        let bytes = checkpoint::sync_file(&path).map_err(|e| e.to_string())?;
+        Ok(vec![SavedFile {
+            name: OPTIMIZER_FILE.into(),
+            contents: "optimizer record (burnpack)",
+            rank: None,
+            bytes,
+        }])
+    }
+
+    fn load(&mut self, source: LoadSource<'_>) -> Result<(), String> {
+        self.layout = Arc::new(source.layout);
+        if let Some(optimizer) = self.optimizer.as_mut() {
+            let record = OptimizerRecord::load(source.dir.join(OPTIMIZER_FILE))
+                .map_err(|e| format!("{OPTIMIZER_FILE}: {e}"))?;
+            *optimizer = optimizer.clone().load_record(record);
+        }
+        Ok(())
+    }
+
+    fn burn_optimizer(&self) -> Option<&ModuleOptimizer> {
+        self.optimizer.as_ref()
+    }
+
+    fn burn_optimizer_mut(&mut self) -> Option<&mut ModuleOptimizer> {
+        self.optimizer.as_mut()
+    }
+}

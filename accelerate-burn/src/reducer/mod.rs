@@ -1,0 +1,302 @@
+//! The seam between `backward` and the optimizer: one [`GradientReducer`] per prepared model.
+//!
+//! A reducer is built at prepare time from the model's [`ParamLayout`] and the optimizer. It
+//! owns its buffers, averages a completed window's gradients across the processes (and
+//! unscales them for fp16), applies the update, and saves and loads its own state. The
+//! accelerator, the prepared optimizer and checkpoints only call this trait, so a new engine
+//! (NCCL on the device, MPI) is a new implementation, nothing more.
+//!
+//! Two implementations today:
+//! - [`bucketed::BucketedReducer`]: Burn's optimizers; gradients averaged in buckets in visit
+//!   order, optionally in half precision on the wire, narrowed on the device where it can.
+//! - [`crate::fused::FlatReducer`]: fused optimizers over flat buffers, with ZeRO-1.
+
+pub(crate) mod bucketed;
+pub(crate) mod wire;
+
+use std::path::Path;
+use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
+
+use accelerate_core::checkpoint::ManifestFile;
+use burn::lr_scheduler::module_lr_scheduler::ModuleLearningRate;
+use burn::module::Module;
+use burn::optim::{GradientsParams, ModuleOptimizer};
+use burn::tensor::Tensor;
+
+use crate::error::AccelerateError;
+use crate::group::Comm;
+use crate::params::{self, ParamLayout, ParamList, Replacement};
+
+/// What [`Accelerator::backward`](crate::Accelerator::backward) returns: the gradients of a
+/// completed accumulation window, averaged over the processes, or why there are none. Give it
+/// to [`clip_grad_norm`](crate::Accelerator::clip_grad_norm) and then to the prepared
+/// optimizer's [`step`](crate::PreparedOptimizer::step), which consumes it.
+#[derive(Debug)]
+pub struct Gradients {
+    pub(crate) outcome: Outcome,
+    /// The accumulation window it completed (windows counted from 1; 0 when it completed none).
+    pub(crate) window: u64,
+    /// The reducer that produced it.
+    pub(crate) reducer: u64,
+}
+
+/// What a [`Gradients`] value holds.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum GradientsStatus {
+    /// The micro-batch completed no accumulation window: the optimizer does not step.
+    NotDue,
+    /// Averaged gradients as Burn tensors (Burn's optimizer steps with them).
+    Ready,
+    /// Averaged gradients held in the fused optimizer's flat buffer.
+    Held,
+    /// The window's gradients overflowed (fp16): the step is skipped on every process.
+    Skipped,
+}
+
+/// The payload of [`Gradients`].
+#[derive(Debug)]
+pub(crate) enum Outcome {
+    NotDue,
+    Skipped,
+    /// Averaged, unscaled gradients in layout order, with their layout.
+    Ready {
+        grads: ParamList,
+        layout: Arc<ParamLayout>,
+    },
+    /// Held by the reducer; the global L2 norm measured while averaging (before clipping) and
+    /// the clipping factor the step will apply.
+    Held {
+        norm: f32,
+        clip_factor: f32,
+    },
+}
+
+impl Gradients {
+    pub(crate) fn new(outcome: Outcome, window: u64, reducer: u64) -> Self {
+        Self {
+            outcome,
+            window,
+            reducer,
+        }
+    }
+
+    /// What this value holds.
+    pub fn status(&self) -> GradientsStatus {
+        match self.outcome {
+            Outcome::NotDue => GradientsStatus::NotDue,
+            Outcome::Skipped => GradientsStatus::Skipped,
+            Outcome::Ready { .. } => GradientsStatus::Ready,
+            Outcome::Held { .. } => GradientsStatus::Held,
+        }
+    }
+
+    /// True when the optimizer steps with these gradients ([`Ready`](GradientsStatus::Ready)
+    /// or [`Held`](GradientsStatus::Held)).
+    pub fn is_due(&self) -> bool {
+        matches!(self.outcome, Outcome::Ready { .. } | Outcome::Held { .. })
+    }
+
+    /// The averaged gradients as Burn's [`GradientsParams`] (a cheap copy that shares the
+    /// tensors), when they are [`Ready`](GradientsStatus::Ready): to inspect them or to step
+    /// an optimizer of your own.
+    pub fn to_params(&self) -> Option<GradientsParams> {
+        match &self.outcome {
+            Outcome::Ready { grads, layout } => Some(layout.to_grads(grads.clone())),
+            _ => None,
+        }
+    }
+
+    /// Clips so that the global L2 norm over every parameter is at most `max_norm`; returns
+    /// the norm before clipping (`None` when there are no gradients to clip). Ready gradients
+    /// are scaled on the device; held ones record the factor the fused update applies.
+    pub(crate) fn clip(&mut self, max_norm: f32) -> Option<f32> {
+        match &mut self.outcome {
+            Outcome::NotDue | Outcome::Skipped => None,
+            Outcome::Ready { grads, .. } => {
+                let norm = global_norm(grads)?;
+                let factor = accelerate_kernels::clip_coefficient(norm, max_norm);
+                // A NaN factor is applied too, so a poisoned step stays visible.
+                if factor < 1.0 || factor.is_nan() {
+                    for grad in grads.iter_mut().flatten() {
+                        *grad = grad.clone().mul_scalar(factor);
+                    }
+                }
+                Some(norm)
+            }
+            Outcome::Held { norm, clip_factor } => {
+                // The norm as clipped so far, so that a second call sees what tensors would.
+                let current = *norm * *clip_factor;
+                let factor = accelerate_kernels::clip_coefficient(current, max_norm);
+                if factor < 1.0 || factor.is_nan() {
+                    *clip_factor *= factor;
+                }
+                Some(current)
+            }
+        }
+    }
+}
+
+/// The L2 norm over every gradient of `grads`, computed on the device; `None` when empty.
+pub(crate) fn global_norm(grads: &ParamList) -> Option<f32> {
+    let total = grads
+        .iter()
+        .flatten()
+        .map(|g| g.clone().square().sum())
+        .reduce(|a, b| a + b)?;
+    Some(total.sqrt().into_scalar::<f32>())
+}
+
+/// What a reducer made of a completed window.
+pub(crate) struct Reduced {
+    /// [`Outcome::Ready`] or [`Outcome::Held`].
+    pub outcome: Outcome,
+    /// True when a gradient of any rank is not finite (fp16 overflow: the step is skipped).
+    pub overflow: bool,
+}
+
+/// Who writes a reducer's files in a checkpoint.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct SaveRole {
+    pub rank: usize,
+    pub main: bool,
+    pub distributed: bool,
+}
+
+/// One file a reducer wrote into a checkpoint.
+pub(crate) struct SavedFile {
+    pub name: String,
+    pub contents: &'static str,
+    pub rank: Option<usize>,
+    pub bytes: u64,
+}
+
+/// What a reducer gets back from a checkpoint.
+pub(crate) struct LoadSource<'a> {
+    pub dir: &'a Path,
+    /// Every file of the checkpoint.
+    pub files: &'a [ManifestFile],
+    /// The loaded model's parameters (visit order, flattened) and its layout.
+    pub values: Vec<Tensor<1>>,
+    pub layout: ParamLayout,
+}
+
+/// What a reducer may do to the model in its step. Implemented once for every module type
+/// by [`ModelCell`], so that reducers stay object-safe.
+pub(crate) trait ModelUpdate {
+    /// Burn's optimizer steps the model with `grads`.
+    fn burn_step(
+        &mut self,
+        optim: &mut ModuleOptimizer,
+        lr: ModuleLearningRate,
+        grads: GradientsParams,
+    );
+    /// The parameters take new values (visit order; `None` keeps one).
+    fn replace(&mut self, values: ParamList);
+}
+
+/// A model moving through a reducer's step.
+pub(crate) struct ModelCell<M>(pub Option<M>);
+
+impl<M: Module> ModelUpdate for ModelCell<M> {
+    fn burn_step(
+        &mut self,
+        optim: &mut ModuleOptimizer,
+        lr: ModuleLearningRate,
+        grads: GradientsParams,
+    ) {
+        self.0 = self.0.take().map(|model| optim.step(lr, model, grads));
+    }
+
+    fn replace(&mut self, values: ParamList) {
+        self.0 = self.0.take().map(|model| {
+            params::replace(
+                model,
+                Replacement {
+                    values,
+                    ids: Vec::new(),
+                },
+            )
+        });
+    }
+}
+
+/// One gradient reducer: averaging, update and state of one prepared model and optimizer.
+pub(crate) trait GradientReducer: Send {
+    /// The kind, recorded in checkpoints: a checkpoint loads only into a reducer of its kind.
+    fn kind(&self) -> &'static str;
+
+    /// The parameters it was built for.
+    fn layout(&self) -> &Arc<ParamLayout>;
+
+    /// Averages a completed window's summed gradients (layout order) over the processes of
+    /// `comm` and, given `inv_scale` (fp16), unscales them and says whether any is not finite.
+    fn reduce(
+        &mut self,
+        grads: ParamList,
+        comm: &Comm,
+        inv_scale: Option<f32>,
+    ) -> Result<Reduced, AccelerateError>;
+
+    /// Forgets what `reduce` held (the step was skipped).
+    fn discard(&mut self) {}
+
+    /// Applies the update for `outcome` (what `reduce` returned, possibly clipped) to `model`.
+    fn step(
+        &mut self,
+        lr: ModuleLearningRate,
+        outcome: Outcome,
+        model: &mut dyn ModelUpdate,
+        comm: &Comm,
+    ) -> Result<(), AccelerateError>;
+
+    /// Writes this rank's part of the optimizer state into `dir`.
+    fn save(&mut self, dir: &Path, role: SaveRole) -> Result<Vec<SavedFile>, String>;
+
+    /// Continues from a checkpoint: optimizer state, and the loaded model's parameters.
+    fn load(&mut self, source: LoadSource<'_>) -> Result<(), String>;
+
+    /// Where the optimizer state lives: `Some(true)` on the GPU. `None` when the reducer does
+    /// not hold the state itself.
+    fn state_on_device(&self) -> Option<bool> {
+        None
+    }
+
+    /// Bytes of optimizer state this process holds (`None` when not known).
+    fn state_bytes(&self) -> Option<usize> {
+        None
+    }
+
+    /// Burn's optimizer, when the reducer steps with one.
+    fn burn_optimizer(&self) -> Option<&ModuleOptimizer> {
+        None
+    }
+
+    /// Burn's optimizer, mutably.
+    fn burn_optimizer_mut(&mut self) -> Option<&mut ModuleOptimizer> {
+        None
+    }
+}
+
+/// A reducer shared by the accelerator (backward) and the prepared optimizer (step).
+#[derive(Clone)]
+pub(crate) struct ReducerHandle {
+    /// Distinguishes reducers, so gradients cannot reach another one's step.
+    pub id: u64,
+    inner: Arc<Mutex<Box<dyn GradientReducer>>>,
+}
+
+impl ReducerHandle {
+    pub fn new(reducer: Box<dyn GradientReducer>) -> Self {
+        static NEXT: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(1);
+        Self {
+            id: NEXT.fetch_add(1, std::sync::atomic::Ordering::Relaxed),
+            inner: Arc::new(Mutex::new(reducer)),
+        }
+    }
+
+    /// Locks the reducer. A panic inside one cannot leave it half-updated in a way a later
+    /// step would not report (buffers are checked), so a poisoned lock is still used.
+    pub fn lock(&self) -> MutexGuard<'_, Box<dyn GradientReducer>> {
+        self.inner.lock().unwrap_or_else(PoisonError::into_inner)
+    }
+}

@@ -1,0 +1,62 @@
+//! Every process starts from rank 0's model: each rank checks that it built the same model
+//! (float parameter shapes, in visit order), then takes rank 0's parameter values and ids, so
+//! that optimizer records and checkpoints line up too.
+
+use burn::module::Module;
+
+use crate::error::AccelerateError;
+use crate::group::Comm;
+use crate::params::{self, ParamLayout, Replacement};
+
+/// `model` with rank 0's parameter values and ids. A model that differs from rank 0's is an
+/// error on every rank (each names what differs, or which ranks did).
+pub(crate) fn from_rank0<M: Module>(model: M, comm: &Comm) -> Result<M, AccelerateError> {
+    let rank = comm.rank();
+    let layout = ParamLayout::of(&model);
+    let shapes = layout.shapes();
+    let mut group = comm.lock();
+    let rank0_shapes: Vec<Vec<usize>> = group.broadcast_object(Some(&shapes), 0)?;
+    let difference = ParamLayout::describe_difference(&shapes, &rank0_shapes);
+    let mut differs = vec![0.0_f32; group.world_size()];
+    group.all_gather(&[f32::from(u8::from(difference.is_some()))], &mut differs)?;
+    let bad: Vec<String> = differs
+        .iter()
+        .enumerate()
+        .filter(|(_, d)| **d != 0.0)
+        .map(|(r, _)| r.to_string())
+        .collect();
+    if !bad.is_empty() {
+        let detail = difference.unwrap_or_else(|| {
+            format!(
+                "ranks {} built a different model than rank 0",
+                bad.join(", ")
+            )
+        });
+        return Err(AccelerateError::ModelMismatch { rank, detail });
+    }
+
+    let ids: Vec<u64> = group.broadcast_object(Some(&layout.ids()), 0)?;
+    let mut flat = if rank == 0 {
+        params::values(&model)
+            .into_iter()
+            .flat_map(params::to_host_f32)
+            .collect()
+    } else {
+        vec![0.0; layout.numel()]
+    };
+    group.broadcast(&mut flat, 0)?;
+    drop(group);
+
+    let device = model.devices().into_iter().next().unwrap_or_default();
+    let mut offset = 0;
+    let values = layout
+        .entries
+        .iter()
+        .map(|entry| {
+            let part = flat[offset..offset + entry.numel].to_vec();
+            offset += entry.numel;
+            Some(params::upload(part, &device))
+        })
+        .collect();
+    Ok(params::replace(model, Replacement { values, ids }))
+}
