@@ -8,21 +8,22 @@
 use serde::{Deserialize, Serialize};
 
 use crate::config_file::{self, ConfigFile};
+use crate::env_vars::{self, parse_env as env_parse};
 use crate::error::ConfigError;
 use crate::state::{EnvSource, ProcessEnv};
 
 /// Environment variable for [`AcceleratorConfig::gradient_accumulation_steps`].
-pub const ENV_GRADIENT_ACCUMULATION_STEPS: &str = "ACCELERATE_GRADIENT_ACCUMULATION_STEPS";
+pub const ENV_GRADIENT_ACCUMULATION_STEPS: &str = env_vars::GRADIENT_ACCUMULATION_STEPS;
 /// Environment variable for [`AcceleratorConfig::seed`].
-pub const ENV_SEED: &str = "ACCELERATE_SEED";
+pub const ENV_SEED: &str = env_vars::SEED;
 /// Environment variable for [`AcceleratorConfig::mixed_precision`].
-pub const ENV_MIXED_PRECISION: &str = "ACCELERATE_MIXED_PRECISION";
+pub const ENV_MIXED_PRECISION: &str = env_vars::MIXED_PRECISION;
 /// Environment variable for [`AcceleratorConfig::gradient_communication`].
-pub const ENV_GRADIENT_COMMUNICATION: &str = "ACCELERATE_GRADIENT_COMMUNICATION";
+pub const ENV_GRADIENT_COMMUNICATION: &str = env_vars::GRADIENT_COMMUNICATION;
 /// Environment variable for [`AcceleratorConfig::zero_stage`].
-pub const ENV_ZERO_STAGE: &str = "ACCELERATE_ZERO_STAGE";
+pub const ENV_ZERO_STAGE: &str = env_vars::ZERO_STAGE;
 /// Environment variable for [`AcceleratorConfig::gradient_bucket_bytes`], in MiB.
-pub const ENV_GRADIENT_BUCKET_MB: &str = "ACCELERATE_GRADIENT_BUCKET_MB";
+pub const ENV_GRADIENT_BUCKET_MB: &str = env_vars::GRADIENT_BUCKET_MB;
 
 /// Which precision the forward and backward passes compute in; master weights, gradients
 /// and optimizer state stay f32 in every mode.
@@ -36,6 +37,23 @@ pub enum MixedPrecision {
     Bf16,
     /// float16 compute with dynamic loss scaling.
     Fp16,
+}
+
+impl MixedPrecision {
+    /// The spelling the config file and `ACCELERATE_MIXED_PRECISION` use.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Self::No => "no",
+            Self::Bf16 => "bf16",
+            Self::Fp16 => "fp16",
+        }
+    }
+}
+
+impl std::fmt::Display for MixedPrecision {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.as_str())
+    }
 }
 
 impl std::str::FromStr for MixedPrecision {
@@ -213,24 +231,6 @@ impl ConfigOverrides {
             zero_stage,
         })
     }
-}
-
-fn env_parse<T>(
-    env: &(impl EnvSource + ?Sized),
-    key: &'static str,
-    expected: &'static str,
-    parse: impl Fn(&str) -> Option<T>,
-) -> Result<Option<T>, ConfigError> {
-    env.var(key)
-        .map(|v| {
-            parse(v.trim()).ok_or(ConfigError::Invalid {
-                key,
-                source_name: "env".into(),
-                value: v,
-                expected,
-            })
-        })
-        .transpose()
 }
 
 #[cfg(test)]

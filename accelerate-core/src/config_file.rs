@@ -20,7 +20,7 @@ use crate::config::MixedPrecision;
 use crate::state::EnvSource;
 
 /// Variable naming the config file to read (`none`: read no file).
-pub const ENV_CONFIG_FILE: &str = "ACCELERATE_CONFIG_FILE";
+pub const ENV_CONFIG_FILE: &str = crate::env_vars::CONFIG_FILE;
 
 /// The settings a config file can hold; every key is optional.
 #[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]

@@ -283,7 +283,7 @@ impl LaunchConfig {
             // terminal's Ctrl-C reaches the launcher, which forwards it.
             .process_group(0);
         if let Some(token) = token {
-            cmd.env("ACCELERATE_JOB_TOKEN", token);
+            cmd.env(crate::env_vars::JOB_TOKEN, token);
         }
         let mut child = cmd.spawn().map_err(|source| LaunchError::Spawn {
             rank,
@@ -324,7 +324,7 @@ impl LaunchConfig {
         let token = if self.num_machines == 1 {
             Some(fresh_token())
         } else {
-            std::env::var("ACCELERATE_JOB_TOKEN").ok()
+            std::env::var(crate::env_vars::JOB_TOKEN).ok()
         };
         let mut workers = Vec::with_capacity(self.num_processes);
         for local_rank in 0..self.num_processes {

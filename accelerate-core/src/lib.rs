@@ -24,6 +24,8 @@
 //! - [`state`]: the launcher environment, parsed and validated.
 //! - [`config`]: [`AcceleratorConfig`] and its sources.
 //! - [`config_file`]: the config file (`accelerate config`), and Accelerate's YAML import.
+//! - [`env_vars`]: every `ACCELERATE_*` variable, named once.
+//! - [`launch_settings`]: what `accelerate launch` runs with (flag > env > file > default).
 //! - [`accumulation`]: gradient accumulation windows.
 //! - [`sampler`]: the per-epoch data order.
 //! - [`scaler`]: the dynamic loss scaler of fp16 training (state machine, no tensors).
@@ -39,9 +41,11 @@ pub mod comm;
 pub mod config;
 pub mod config_file;
 pub mod distributed_sampler;
+pub mod env_vars;
 pub mod error;
 #[cfg(unix)]
 pub mod launch;
+pub mod launch_settings;
 pub mod sampler;
 pub mod scaler;
 pub mod state;
@@ -56,6 +60,7 @@ pub use distributed_sampler::{
     DistributedSampler, RankBatch, SamplerConfig, SamplerCursor, SamplerError,
 };
 pub use error::{CommError, ConfigError, StateError};
+pub use launch_settings::{DeviceSelection, LaunchFlags, LaunchSettings};
 pub use scaler::{DynamicLossScaler, ScaledStep, ScalerConfig, ScalerState};
 pub use state::{EnvSource, Launcher, ProcessEnv, ProcessState};
 pub use tracking::{MetricsLogger, Tracker, TrackingError};

@@ -31,7 +31,7 @@ const FUSED_PREFIX: &str = "fused_optimizer_";
 /// Where the flat buffers live.
 pub(crate) enum Buffers {
     Host(HostFlat),
-    Device(DeviceFlat),
+    Device(Box<DeviceFlat>),
 }
 
 /// What the flat buffers are cut into: segments (trainable parameters in visit order), the
@@ -179,7 +179,10 @@ impl FlatReducer {
         // The kernels index with 32 bits; larger buffers stay on the host path.
         let fits = plan.len > 0 && u32::try_from(plan.len).is_ok();
         Ok(if options.device_kernels && !sharded && fits {
-            Buffers::Device(DeviceFlat::new(trainable, optimizer.state_buffers()))
+            Buffers::Device(Box::new(DeviceFlat::new(
+                trainable,
+                optimizer.state_buffers(),
+            )))
         } else {
             Buffers::Host(HostFlat::new(plan, trainable, optimizer.state_buffers()))
         })
@@ -330,7 +333,7 @@ impl GradientReducer for FlatReducer {
 
     fn save(&mut self, dir: &Path, role: SaveRole) -> Result<Vec<SavedFile>, String> {
         // Every rank's shard with ZeRO, else the main process's (all hold the same state).
-        if !(self.sharded && role.distributed) && !role.main {
+        if !(role.main || self.sharded && role.distributed) {
             return Ok(Vec::new());
         }
         let name = format!("{FUSED_PREFIX}{}.bin", role.rank);

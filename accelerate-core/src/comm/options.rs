@@ -6,6 +6,7 @@ use std::time::Duration;
 
 use super::collective::AllReduceAlgorithm;
 use super::transport::shm::DEFAULT_SLOT_BYTES;
+use crate::env_vars;
 use crate::error::ConfigError;
 use crate::state::{EnvSource, ProcessEnv};
 
@@ -111,31 +112,31 @@ impl GroupOptions {
                 })
                 .transpose()
         };
-        if let Some(t) = seconds("ACCELERATE_TIMEOUT")? {
+        if let Some(t) = seconds(env_vars::TIMEOUT)? {
             options.timeout = t;
         }
-        if let Some(t) = seconds("ACCELERATE_RENDEZVOUS_TIMEOUT")? {
+        if let Some(t) = seconds(env_vars::RENDEZVOUS_TIMEOUT)? {
             options.rendezvous_timeout = t;
         }
-        if let Some(v) = env.var("ACCELERATE_TRANSPORT") {
+        if let Some(v) = env.var(env_vars::TRANSPORT) {
             options.transport = v
                 .parse()
-                .map_err(|_| invalid("ACCELERATE_TRANSPORT", v, "auto, shm or tcp"))?;
+                .map_err(|_| invalid(env_vars::TRANSPORT, v, "auto, shm or tcp"))?;
         }
-        if let Some(v) = env.var("ACCELERATE_ALL_REDUCE_ALGORITHM") {
+        if let Some(v) = env.var(env_vars::ALL_REDUCE_ALGORITHM) {
             options.algorithm = v.parse().map_err(|_| {
                 invalid(
-                    "ACCELERATE_ALL_REDUCE_ALGORITHM",
+                    env_vars::ALL_REDUCE_ALGORITHM,
                     v,
                     "auto, ring or recursive_doubling",
                 )
             })?;
         }
-        options.token = env.var("ACCELERATE_JOB_TOKEN");
-        if let Some(b) = bytes("ACCELERATE_SHM_SLOT_BYTES")? {
+        options.token = env.var(env_vars::JOB_TOKEN);
+        if let Some(b) = bytes(env_vars::SHM_SLOT_BYTES)? {
             options.shm_slot_bytes = b;
         }
-        if let Some(b) = bytes("ACCELERATE_RING_SEGMENT_BYTES")? {
+        if let Some(b) = bytes(env_vars::RING_SEGMENT_BYTES)? {
             options.segment_bytes = b;
         }
         Ok(options)

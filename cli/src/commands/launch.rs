@@ -5,9 +5,11 @@ use std::process::{Command, ExitCode, Stdio};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Duration;
 
-use accelerate_core::config_file::{self, ENV_CONFIG_FILE, LoadedConfig};
+use accelerate_core::config_file::{self, LoadedConfig};
+use accelerate_core::env_vars;
 use accelerate_core::launch::{LaunchConfig, launch};
-use accelerate_core::state::{EnvSource, ProcessEnv};
+use accelerate_core::state::ProcessEnv;
+use accelerate_core::{LaunchFlags, MixedPrecision};
 use anyhow::{Context, bail};
 use clap::Args;
 
@@ -46,9 +48,10 @@ pub struct LaunchArgs {
     #[arg(long)]
     main_process_port: Option<u16>,
 
-    /// Mixed precision for the workers (passed as ACCELERATE_MIXED_PRECISION).
-    #[arg(long, value_parser = ["no", "fp16", "bf16"])]
-    mixed_precision: Option<String>,
+    /// Mixed precision for the workers: no, fp16 or bf16 (passed as
+    /// ACCELERATE_MIXED_PRECISION).
+    #[arg(long, value_parser = parse_precision)]
+    mixed_precision: Option<MixedPrecision>,
 
     /// Hide every GPU from the workers (CUDA_VISIBLE_DEVICES="").
     #[arg(long, conflicts_with = "gpu_ids")]
@@ -119,55 +122,26 @@ pub fn run(args: LaunchArgs) -> anyhow::Result<ExitCode> {
     if let Some(note) = loaded.as_ref().and_then(LoadedConfig::ignored_note) {
         eprintln!("note: {note}");
     }
-    let file = loaded.as_ref().map(|l| l.file.clone()).unwrap_or_default();
-    let from_env = |key: &str| -> anyhow::Result<Option<usize>> {
-        ProcessEnv
-            .var(key)
-            .map(|v| {
-                v.trim()
-                    .parse::<usize>()
-                    .with_context(|| format!("{key} = {v:?}: expected a non-negative integer"))
-            })
-            .transpose()
+    let flags = LaunchFlags {
+        num_processes: args.num_processes,
+        num_machines: args.num_machines,
+        machine_rank: args.machine_rank,
+        main_process_ip: args.main_process_ip,
+        main_process_port: args.main_process_port,
+        mixed_precision: args.mixed_precision,
+        cpu: args.cpu,
+        gpu_ids: args.gpu_ids,
+        max_restarts: args.max_restarts,
     };
-    let num_machines = args
-        .num_machines
-        .or(from_env("ACCELERATE_NUM_MACHINES")?)
-        .or(file.num_machines)
-        .unwrap_or(1);
+    let settings = flags.resolve(&ProcessEnv, loaded.as_ref().map(|l| &l.file))?;
     // The workers read the same file, below their environment.
     let mut env = vec![(
-        ENV_CONFIG_FILE.to_string(),
+        env_vars::CONFIG_FILE.to_string(),
         loaded
             .as_ref()
             .map_or("none".to_string(), |l| l.path.display().to_string()),
     )];
-    if let Some(mp) = args.mixed_precision {
-        env.push(("ACCELERATE_MIXED_PRECISION".to_string(), mp));
-    }
-    let gpu_ids = args
-        .gpu_ids
-        .or(ProcessEnv.var("ACCELERATE_GPU_IDS"))
-        .or(file.gpu_ids);
-    let use_cpu = match ProcessEnv.var("ACCELERATE_USE_CPU") {
-        Some(v) => matches!(v.trim(), "1" | "true" | "yes"),
-        None => file.use_cpu == Some(true),
-    };
-    let cpu = args.cpu || (gpu_ids.is_none() && use_cpu);
-    if cpu {
-        env.push(("CUDA_VISIBLE_DEVICES".to_string(), String::new()));
-        env.push(("ACCELERATE_USE_CPU".to_string(), "1".to_string()));
-    } else if let Some(ids) = gpu_ids {
-        env.push(("CUDA_VISIBLE_DEVICES".to_string(), ids));
-    }
-    let port = match args.main_process_port {
-        Some(port) => Some(port),
-        None => from_env("ACCELERATE_MAIN_PROCESS_PORT")?
-            .map(|p| u16::try_from(p).context("ACCELERATE_MAIN_PROCESS_PORT: not a port"))
-            .transpose()?,
-    }
-    .or(file.main_process_port)
-    .unwrap_or(if num_machines == 1 { 0 } else { 29500 });
+    env.extend(settings.worker_env());
     if !(args.grace_period.is_finite() && args.grace_period >= 0.0) {
         bail!(
             "--grace-period {} is not a number of seconds",
@@ -177,28 +151,12 @@ pub fn run(args: LaunchArgs) -> anyhow::Result<ExitCode> {
     let config = LaunchConfig {
         program,
         args: program_args,
-        num_processes: args
-            .num_processes
-            .or(from_env("ACCELERATE_NUM_PROCESSES")?)
-            .or(file.num_processes)
-            .unwrap_or(1),
-        num_machines,
-        machine_rank: args
-            .machine_rank
-            .or(from_env("ACCELERATE_MACHINE_RANK")?)
-            .or(file.machine_rank)
-            .unwrap_or(0),
-        main_process_ip: args
-            .main_process_ip
-            .or(ProcessEnv.var("ACCELERATE_MAIN_PROCESS_IP"))
-            .or(file.main_process_ip)
-            .unwrap_or_else(|| "127.0.0.1".into()),
-        main_process_port: port,
-        max_restarts: args
-            .max_restarts
-            .or(from_env("ACCELERATE_MAX_RESTARTS")?)
-            .or(file.max_restarts)
-            .unwrap_or(0),
+        num_processes: settings.num_processes,
+        num_machines: settings.num_machines,
+        machine_rank: settings.machine_rank,
+        main_process_ip: settings.main_process_ip,
+        main_process_port: settings.main_process_port,
+        max_restarts: settings.max_restarts,
         log_dir: args.log_dir,
         env,
         grace: Duration::from_secs_f64(args.grace_period),
@@ -247,4 +205,11 @@ fn build(kind: &str, name: &str, args: &LaunchArgs) -> anyhow::Result<PathBuf> {
         })
         .find_map(|m| m["executable"].as_str().map(PathBuf::from))
         .with_context(|| format!("cargo built no executable for the {kind} `{name}`"))
+}
+
+/// Reads `--mixed-precision`.
+fn parse_precision(value: &str) -> Result<MixedPrecision, String> {
+    value
+        .parse()
+        .map_err(|()| format!("{value:?}: expected no, fp16 or bf16"))
 }

@@ -1,0 +1,101 @@
+//! Every `ACCELERATE_*` variable, named once: `accelerate launch` writes them for its workers,
+//! the workers and the launcher read them, and `accelerate env` lists them.
+
+use crate::error::ConfigError;
+use crate::state::EnvSource;
+
+/// Worker processes per machine (launcher).
+pub const NUM_PROCESSES: &str = "ACCELERATE_NUM_PROCESSES";
+/// Machines in the job (launcher).
+pub const NUM_MACHINES: &str = "ACCELERATE_NUM_MACHINES";
+/// This machine's index (launcher).
+pub const MACHINE_RANK: &str = "ACCELERATE_MACHINE_RANK";
+/// Address of rank 0's machine (launcher).
+pub const MAIN_PROCESS_IP: &str = "ACCELERATE_MAIN_PROCESS_IP";
+/// Rank 0's rendezvous port (launcher).
+pub const MAIN_PROCESS_PORT: &str = "ACCELERATE_MAIN_PROCESS_PORT";
+/// GPUs the workers may use (launcher).
+pub const GPU_IDS: &str = "ACCELERATE_GPU_IDS";
+/// Train on the CPU even where a GPU is present: `true`/`false`, `1`/`0`, `yes`/`no`.
+pub const USE_CPU: &str = "ACCELERATE_USE_CPU";
+/// Restarts of the workers after a failure (launcher).
+pub const MAX_RESTARTS: &str = "ACCELERATE_MAX_RESTARTS";
+/// The config file the launcher used, for its workers (`none`: no file).
+pub const CONFIG_FILE: &str = "ACCELERATE_CONFIG_FILE";
+/// The job's secret, shared by the processes of one job.
+pub const JOB_TOKEN: &str = "ACCELERATE_JOB_TOKEN";
+/// Micro-batches per optimizer update (workers).
+pub const GRADIENT_ACCUMULATION_STEPS: &str = "ACCELERATE_GRADIENT_ACCUMULATION_STEPS";
+/// Seed of the device's random streams (workers).
+pub const SEED: &str = "ACCELERATE_SEED";
+/// Compute precision: `no`, `fp16` or `bf16` (workers).
+pub const MIXED_PRECISION: &str = "ACCELERATE_MIXED_PRECISION";
+/// Precision gradients travel in between processes (workers).
+pub const GRADIENT_COMMUNICATION: &str = "ACCELERATE_GRADIENT_COMMUNICATION";
+/// ZeRO stage of a fused optimizer (workers).
+pub const ZERO_STAGE: &str = "ACCELERATE_ZERO_STAGE";
+/// Gradient bucket size in MiB (workers).
+pub const GRADIENT_BUCKET_MB: &str = "ACCELERATE_GRADIENT_BUCKET_MB";
+/// Collective timeout in seconds.
+pub const TIMEOUT: &str = "ACCELERATE_TIMEOUT";
+/// Rendezvous timeout in seconds.
+pub const RENDEZVOUS_TIMEOUT: &str = "ACCELERATE_RENDEZVOUS_TIMEOUT";
+/// Transport between processes: `auto`, `shm` or `tcp`.
+pub const TRANSPORT: &str = "ACCELERATE_TRANSPORT";
+/// All-reduce algorithm: `auto`, `ring` or `recursive_doubling`.
+pub const ALL_REDUCE_ALGORITHM: &str = "ACCELERATE_ALL_REDUCE_ALGORITHM";
+/// Bytes of one shared-memory slot.
+pub const SHM_SLOT_BYTES: &str = "ACCELERATE_SHM_SLOT_BYTES";
+/// Bytes of one ring segment.
+pub const RING_SEGMENT_BYTES: &str = "ACCELERATE_RING_SEGMENT_BYTES";
+
+/// The variables whose values are secrets (shown redacted).
+pub const SECRETS: [&str; 1] = [JOB_TOKEN];
+
+/// Reads a boolean setting: `true`/`false`, `1`/`0`, `yes`/`no` (any case). Anything else is
+/// `None`, for the caller to report.
+pub fn parse_bool(value: &str) -> Option<bool> {
+    match value.trim().to_ascii_lowercase().as_str() {
+        "1" | "true" | "yes" => Some(true),
+        "0" | "false" | "no" => Some(false),
+        _ => None,
+    }
+}
+
+/// The value of `key` in `env` parsed by `parse`; an error naming the variable when it does
+/// not parse.
+pub(crate) fn parse_env<T>(
+    env: &(impl EnvSource + ?Sized),
+    key: &'static str,
+    expected: &'static str,
+    parse: impl Fn(&str) -> Option<T>,
+) -> Result<Option<T>, ConfigError> {
+    env.var(key)
+        .map(|v| {
+            parse(v.trim()).ok_or(ConfigError::Invalid {
+                key,
+                source_name: "env".into(),
+                value: v,
+                expected,
+            })
+        })
+        .transpose()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn booleans_are_read_strictly() {
+        for yes in ["1", "true", "TRUE", " yes "] {
+            assert_eq!(parse_bool(yes), Some(true), "{yes}");
+        }
+        for no in ["0", "false", "No"] {
+            assert_eq!(parse_bool(no), Some(false), "{no}");
+        }
+        for unknown in ["on", "off", "y", "2", ""] {
+            assert_eq!(parse_bool(unknown), None, "{unknown}");
+        }
+    }
+}
