@@ -3,7 +3,6 @@
 //! every rank with the same parameters. Each check reports what it found, not just pass/fail.
 
 use accelerate_core::comm::Reduction;
-use accelerate_core::{DistributedSampler, SamplerConfig};
 use burn::data::dataloader::batcher::Batcher;
 use burn::data::dataset::InMemDataset;
 use burn::nn::{Linear, LinearConfig};
@@ -96,48 +95,79 @@ fn collectives<B: AcceleratorBackend>(
     )))
 }
 
+/// Hands a batch's data-set items (their own indices) back as they are.
+#[derive(Clone)]
+struct Indices;
+
+impl Batcher<usize, Vec<usize>> for Indices {
+    fn batch(&self, items: Vec<usize>, _device: &Device) -> Vec<usize> {
+        items
+    }
+}
+
+/// What the prepared loaders really hand out: each rank iterates epoch 3 of a shuffled loader
+/// over 1,000 items that are their own indices, the ranks' batches are gathered, and round by
+/// round (rank 0's batch, rank 1's, ...) they must visit every item exactly once, then only
+/// repeat items (the padding that evens out the last round).
 fn sampler<B: AcceleratorBackend>(
     acc: &Accelerator<B>,
 ) -> Result<Result<String, String>, AccelerateError> {
-    let (rank, world) = (acc.process_index(), acc.num_processes());
-    let config = SamplerConfig::new(1000, 7, 42);
-    let Ok(mut sampler) = DistributedSampler::new(config.clone(), rank, world) else {
-        return Ok(Err("the sampler refused the test configuration".into()));
-    };
-    sampler.set_epoch(3);
-    let order = accelerate_core::sampler::epoch_order(config.len, true, config.seed, 3);
-    let fingerprint = order
-        .iter()
-        .fold(0u64, |h, &i| h.wrapping_mul(31).wrapping_add(i as u64));
-    let fingerprints: Vec<u64> = acc.comm().lock().all_gather_object(&fingerprint)?;
-    if let Some(r) = fingerprints.iter().position(|&f| f != fingerprint) {
+    const LEN: usize = 1000;
+    let loader = DataLoader::builder(Indices)
+        .batch_size(7)
+        .shuffle(42)
+        .build(InMemDataset::new((0..LEN).collect::<Vec<usize>>()));
+    let prepared = acc.prepare_eval_data_loader(loader)?;
+    prepared.set_epoch(3);
+    let mine: Vec<Vec<usize>> = prepared.iter().collect::<Result<_, _>>()?;
+    let all: Vec<Vec<Vec<usize>>> = acc.comm().lock().all_gather_object(&mine)?;
+    if let Some(r) = all.iter().position(|batches| batches.len() != mine.len()) {
         return Ok(Err(format!(
-            "rank {r} drew another epoch order than rank {rank}"
+            "rank {r} got {} batches, this rank {}",
+            all[r].len(),
+            mine.len()
         )));
     }
-    let mine: Vec<usize> = sampler
-        .batches()
-        .into_iter()
-        .flat_map(|b| {
-            let real = b.indices.len() - b.padding;
-            b.indices.into_iter().take(real)
+    let visited: Vec<usize> = (0..mine.len())
+        .flat_map(|round| {
+            all.iter()
+                .flat_map(move |batches| batches[round].iter().copied())
         })
         .collect();
-    let shares: Vec<Vec<usize>> = acc.comm().lock().all_gather_object(&mine)?;
-    let mut all: Vec<usize> = shares.iter().flatten().copied().collect();
-    all.sort_unstable();
-    if all != (0..config.len).collect::<Vec<_>>() {
+    let mut seen = vec![false; LEN];
+    for (position, &item) in visited.iter().enumerate() {
+        match seen.get(item) {
+            None => return Ok(Err(format!("item {item} is not in the data set"))),
+            Some(true) if position < LEN => {
+                return Ok(Err(format!(
+                    "item {item} comes twice among the epoch's first {LEN} samples: the ranks \
+                     disagree on the epoch order or their shares overlap"
+                )));
+            }
+            Some(false) if position >= LEN => {
+                return Ok(Err(format!(
+                    "item {item} first comes in the padding of the last round"
+                )));
+            }
+            _ => seen[item] = true,
+        }
+    }
+    if visited.len() < LEN {
         return Ok(Err(format!(
-            "the ranks' shares hold {} samples, not each of the {} once",
-            all.len(),
-            config.len
+            "the ranks' batches hold {} samples, not all {LEN}",
+            visited.len()
         )));
     }
+    let fingerprint = visited
+        .iter()
+        .fold(0u64, |h, &i| h.wrapping_mul(31).wrapping_add(i as u64));
     Ok(Ok(format!(
-        "{} samples in {} batches on this rank, all {} covered once",
+        "{} samples in {} batches on this rank; the {} ranks' batches visit all {LEN} once \
+         (order {fingerprint:016x}), then {} of padding",
+        mine.iter().map(Vec::len).sum::<usize>(),
         mine.len(),
-        sampler.len(),
-        config.len
+        all.len(),
+        visited.len() - LEN
     )))
 }
 

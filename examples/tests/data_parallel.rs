@@ -19,7 +19,7 @@ use burn::data::dataloader::batcher::Batcher;
 use burn::data::dataset::InMemDataset;
 use burn::optim::{AdamWConfig, SgdConfig};
 use burn::tensor::{Device, Int, Tensor, TensorData};
-use common::{SCENARIO, env_number, line, parameters, params, print_params, run};
+use common::{SCENARIO, env_number, line, param_bits, parameters, params, print_params, run};
 
 /// Samples trained on: divisible by the global batch of every world size tested (8 x 1, 2, 3).
 const SAMPLES: usize = 240;
@@ -86,12 +86,14 @@ fn train<B: AcceleratorBackend>() -> anyhow::Result<()> {
 }
 
 /// Trains the digits MLP for 2 epochs with a fused AdamW (ZeRO stage `TEST_ZERO`), gradient
-/// accumulation 2 and clipping at 1.0; batch `TEST_BATCH` per process.
+/// accumulation 2 and clipping at 1.0; batch `TEST_BATCH` per process, gradients sent in
+/// `TEST_WIRE` precision.
 fn fused() -> anyhow::Result<()> {
     let acc = Accelerator::<DefaultBackend>::builder()
         .seed(7)
         .gradient_accumulation_steps(2)
         .zero_stage(env_number::<usize>("TEST_ZERO") as u8)
+        .gradient_communication(precision("TEST_WIRE"))
         .build()?;
     let model = MlpConfig::new(digits::PIXELS, vec![32], digits::CLASSES).init(&acc.device());
     let data: Vec<_> = digits::load()?.into_iter().take(SAMPLES).collect();
@@ -293,7 +295,11 @@ fn two_and_three_processes_learn_what_one_learns_from_the_same_global_batches() 
                 );
             }
             // Every rank holds the same parameters, bit for bit.
-            assert!(ranks.windows(2).all(|w| params(&w[0]) == params(&w[1])));
+            assert!(
+                ranks
+                    .windows(2)
+                    .all(|w| param_bits(&w[0]) == param_bits(&w[1]))
+            );
         }
     }
 }
@@ -402,7 +408,71 @@ fn half_precision_gradient_communication_stays_close_to_f32() {
             worst > 0.0,
             "{wire}: the gradients did not travel in half precision"
         );
-        assert_eq!(params(&ranks[1]), ours, "{wire}: ranks disagree");
+        assert_eq!(
+            param_bits(&ranks[1]),
+            param_bits(&ranks[0]),
+            "{wire}: ranks disagree"
+        );
+    }
+}
+
+/// The fused optimizer's flat gradients travel in bf16 or fp16 too, all-reduced (ZeRO 0) or
+/// reduce-scattered (ZeRO 1): parameters stay within 1e-3 of the single-process f32 run (the
+/// same bound as with Burn's optimizer above; Adam normalises each step, so a gradient off by
+/// 0.4 % moves a parameter by at most that share of the learning rate), differ from it (the
+/// halves really travelled), and agree bit for bit across ranks.
+#[test]
+fn half_precision_gradient_communication_works_with_the_fused_optimizer() {
+    let single = run(
+        "fused",
+        1,
+        &[
+            ("TEST_BATCH", (2 * PER_RANK_BATCH).to_string()),
+            ("TEST_ZERO", "0".into()),
+        ],
+    );
+    assert!(
+        single[0].status.success(),
+        "{}",
+        String::from_utf8_lossy(&single[0].stderr)
+    );
+    let reference = params(&single[0]);
+    for (wire, zero) in [("bf16", "0"), ("fp16", "0"), ("bf16", "1")] {
+        let ranks = run(
+            "fused",
+            2,
+            &[
+                ("TEST_BATCH", PER_RANK_BATCH.to_string()),
+                ("TEST_ZERO", zero.into()),
+                ("TEST_WIRE", wire.into()),
+            ],
+        );
+        for (rank, output) in ranks.iter().enumerate() {
+            assert!(
+                output.status.success(),
+                "{wire}, zero {zero}, rank {rank}: {}",
+                String::from_utf8_lossy(&output.stderr)
+            );
+        }
+        let worst = params(&ranks[0])
+            .iter()
+            .zip(&reference)
+            .map(|(a, b)| (a - b).abs())
+            .fold(0.0_f32, f32::max);
+        eprintln!("fused, {wire} wire, ZeRO {zero}: largest difference {worst:e}");
+        assert!(
+            worst <= 1e-3,
+            "{wire}, zero {zero}: largest difference {worst}"
+        );
+        assert!(
+            worst > 0.0,
+            "{wire}, zero {zero}: the gradients did not travel in half precision"
+        );
+        assert_eq!(
+            param_bits(&ranks[1]),
+            param_bits(&ranks[0]),
+            "{wire}, zero {zero}: ranks disagree"
+        );
     }
 }
 
@@ -410,7 +480,9 @@ fn half_precision_gradient_communication_stays_close_to_f32() {
 /// cubecl kernels on the device; the parameters after 30 updates on 2 processes must equal,
 /// bit for bit, those of the host path (the same backend with the device kernels turned off),
 /// with bf16 and fp16 on the wire and with fp16 loss scaling. (On the CPU backends both runs
-/// take the host path.)
+/// take the host path, so the test exists only in builds with a GPU backend: CI runs it on
+/// wgpu over lavapipe.)
+#[cfg(any(feature = "wgpu", feature = "cuda"))]
 #[test]
 fn device_kernels_average_half_precision_gradients_exactly_like_the_host() {
     for (wire, mixed) in [("bf16", "no"), ("fp16", "no"), ("fp16", "fp16")] {
@@ -428,8 +500,8 @@ fn device_kernels_average_half_precision_gradients_exactly_like_the_host() {
         let device = run("train", 2, &env(false));
         let host = run("train", 2, &env(true));
         assert_eq!(
-            params(&device[0]),
-            params(&host[0]),
+            param_bits(&device[0]),
+            param_bits(&host[0]),
             "wire {wire}, mixed {mixed}"
         );
         assert_eq!(
@@ -443,8 +515,8 @@ fn device_kernels_average_half_precision_gradients_exactly_like_the_host() {
 /// ZeRO-1 on 2 and 3 processes against the unsharded fused AdamW on 1 process with the same
 /// global batches (accumulation 2, clipping): the same parameters up to summation order
 /// (tolerance 1e-6: averages are summed in another order, and Adam's division by sqrt(v)
-/// amplifies last-bit differences; observed at most 4.8e-8 on 2 and 9.3e-8 on 3 processes), the same parameters bit for bit on
-/// every rank, and 1/N of the optimizer state per rank.
+/// amplifies last-bit differences; observed at most 4.8e-8 on 2 and 9.3e-8 on 3 processes),
+/// the same parameters bit for bit on every rank, and 1/N of the optimizer state per rank.
 #[test]
 fn zero_1_on_two_and_three_processes_equals_one_unsharded_process() {
     for world in [2usize, 3] {
@@ -486,7 +558,7 @@ fn zero_1_on_two_and_three_processes_equals_one_unsharded_process() {
                 .fold(0.0_f32, f32::max);
             eprintln!("ZeRO-1, {world} processes, rank {rank}: largest difference {worst:e}");
             assert!(
-                worst <= 2e-5,
+                worst <= 1e-6,
                 "world {world}, rank {rank}: largest difference {worst}"
             );
             let bytes: usize = line(output, "STATE_BYTES ").parse().unwrap();
@@ -495,6 +567,10 @@ fn zero_1_on_two_and_three_processes_equals_one_unsharded_process() {
             assert_eq!(bytes, 2 * 4 * padded / world, "world {world}, rank {rank}");
             assert!((bytes * world) as f64 <= unsharded as f64 * 1.001);
         }
-        assert!(ranks.windows(2).all(|w| params(&w[0]) == params(&w[1])));
+        assert!(
+            ranks
+                .windows(2)
+                .all(|w| param_bits(&w[0]) == param_bits(&w[1]))
+        );
     }
 }

@@ -19,7 +19,7 @@ use accelerate_examples::digits::{self, DigitBatcher};
 use burn::data::dataset::InMemDataset;
 use burn::lr_scheduler::linear::LinearLrSchedulerConfig;
 use burn::optim::AdamWConfig;
-use common::{SCENARIO, env_number, line, params, print_params, run};
+use common::{SCENARIO, env_number, line, param_bits, print_params, run};
 use serde::{Serialize, Serializer};
 
 const SAMPLES: usize = 240;
@@ -195,7 +195,7 @@ fn resume_is_bit_identical(world: usize, stop: &str, optimizer: &str) {
                 );
             }
             assert!(
-                params(&resumed[rank]) == params(&whole[rank]),
+                param_bits(&resumed[rank]) == param_bits(&whole[rank]),
                 "parameters differ: {context}"
             );
         }

@@ -94,9 +94,16 @@ pub fn line(output: &Output, prefix: &str) -> String {
         .to_string()
 }
 
+/// The parameters a worker printed, as values (for comparisons within a tolerance).
 pub fn params(output: &Output) -> Vec<f32> {
+    param_bits(output).into_iter().map(f32::from_bits).collect()
+}
+
+/// The parameters a worker printed, as bit patterns (for "bit for bit" comparisons, which
+/// `==` on floats would blur: 0.0 equals -0.0 and NaN equals nothing).
+pub fn param_bits(output: &Output) -> Vec<u32> {
     line(output, "PARAMS ")
         .split(',')
-        .map(|h| f32::from_bits(u32::from_str_radix(h, 16).unwrap()))
+        .map(|h| u32::from_str_radix(h, 16).unwrap())
         .collect()
 }

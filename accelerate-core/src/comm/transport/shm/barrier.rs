@@ -1,0 +1,184 @@
+//! Waiting for the other ranks: the barrier every collective goes through (spin, then sleep
+//! on a futex in the segment), the published call descriptors it compares, and the liveness
+//! checks that turn a dead or aborted peer into an error within milliseconds.
+
+use std::sync::atomic::Ordering;
+use std::time::{Duration, Instant};
+
+use super::{LIVENESS_INTERVAL, NAP, Region, ShmEngine};
+use crate::comm::call::CallDesc;
+use crate::error::CommError;
+
+impl ShmEngine {
+    pub(super) fn next_buffer(&mut self) -> usize {
+        self.segments += 1;
+        (self.segments % 2) as usize
+    }
+
+    pub(super) fn publish(&self, call: &CallDesc) {
+        for (i, word) in call.pack().iter().enumerate() {
+            self.region
+                .call_word(self.rank, call.seq as usize, i)
+                .store(*word, Ordering::Relaxed);
+        }
+    }
+
+    /// Arrives at the next barrier and waits for every rank; with `check`, then compares the
+    /// call every rank published for `call.seq`.
+    pub(super) fn barrier_wait(&mut self, call: &CallDesc, check: bool) -> Result<(), CommError> {
+        self.arrivals += 1;
+        let target = self.arrivals;
+        // SeqCst on this store and on the sleepers load below, against the sleeper's SeqCst
+        // increment and re-check: either it sees this arrival, or this rank sees it sleeping.
+        self.region
+            .arrived(self.rank)
+            .store(target, Ordering::SeqCst);
+        if self.region.sleepers().load(Ordering::SeqCst) > 0 {
+            self.region.doorbell().fetch_add(1, Ordering::SeqCst);
+            wake_all(self.region.doorbell());
+        }
+        let all_arrived = |region: &Region| {
+            (0..self.world_size).all(|r| region.arrived(r).load(Ordering::Acquire) >= target)
+        };
+        let started = Instant::now();
+        let deadline = started + self.timeout;
+        let mut next_liveness = started + LIVENESS_INTERVAL;
+        let mut spins: u32 = 0;
+        while !all_arrived(&self.region) {
+            spins = spins.saturating_add(1);
+            if spins < self.spin_limit {
+                std::hint::spin_loop();
+                if !spins.is_multiple_of(64) {
+                    continue;
+                }
+            } else {
+                let sleepers = self.region.sleepers();
+                sleepers.fetch_add(1, Ordering::SeqCst);
+                let bell = self.region.doorbell().load(Ordering::SeqCst);
+                if !all_arrived(&self.region) {
+                    sleep_on(self.region.doorbell(), bell, NAP);
+                }
+                sleepers.fetch_sub(1, Ordering::SeqCst);
+            }
+            self.check_peers(call, target, started, deadline, &mut next_liveness)?;
+        }
+        if check {
+            self.check_calls(call)?;
+        }
+        Ok(())
+    }
+
+    pub(super) fn check_peers(
+        &self,
+        call: &CallDesc,
+        target: u64,
+        started: Instant,
+        deadline: Instant,
+        next_liveness: &mut Instant,
+    ) -> Result<(), CommError> {
+        for peer in (0..self.world_size).filter(|&p| p != self.rank) {
+            if let Some(reason) = self.region.abort_reason(peer) {
+                return Err(CommError::PeerFailed {
+                    call: call.to_string(),
+                    rank: self.rank,
+                    peer,
+                    reason,
+                });
+            }
+        }
+        let now = Instant::now();
+        let missing = || -> Vec<usize> {
+            (0..self.world_size)
+                .filter(|&r| self.region.arrived(r).load(Ordering::Acquire) < target)
+                .collect()
+        };
+        if now >= *next_liveness {
+            *next_liveness = now + LIVENESS_INTERVAL;
+            for peer in missing() {
+                let pid = self.region.pid(peer).load(Ordering::Acquire);
+                if pid != 0 && !process_alive(pid) {
+                    return Err(CommError::PeerLost {
+                        call: call.to_string(),
+                        rank: self.rank,
+                        peer,
+                        detail: format!("process {pid} exited"),
+                    });
+                }
+            }
+        }
+        if now >= deadline {
+            return Err(CommError::Timeout {
+                call: call.to_string(),
+                rank: self.rank,
+                world_size: self.world_size,
+                missing: missing(),
+                elapsed_s: started.elapsed().as_secs_f64(),
+            });
+        }
+        Ok(())
+    }
+
+    pub(super) fn check_calls(&self, call: &CallDesc) -> Result<(), CommError> {
+        for peer in (0..self.world_size).filter(|&p| p != self.rank) {
+            let words: [u64; 4] = std::array::from_fn(|i| {
+                self.region
+                    .call_word(peer, call.seq as usize, i)
+                    .load(Ordering::Relaxed)
+            });
+            let theirs = CallDesc::unpack(words);
+            if theirs != Some(*call) {
+                return Err(CommError::Mismatch {
+                    rank: self.rank,
+                    ours: call.to_string(),
+                    peer,
+                    theirs: theirs.map_or_else(|| "an unknown call".to_string(), |c| c.to_string()),
+                });
+            }
+        }
+        Ok(())
+    }
+
+    /// Publishes `call` and passes its first barrier, checking every rank's call.
+    pub(super) fn begin(&mut self, call: &CallDesc) -> Result<(), CommError> {
+        self.publish(call);
+        self.barrier_wait(call, true)
+    }
+}
+
+/// Sleeps until `word` no longer holds `seen`, a wake-up, or `nap` passes.
+#[cfg(target_os = "linux")]
+fn sleep_on(word: &std::sync::atomic::AtomicU32, seen: u32, nap: Duration) {
+    use linux_futex::{AsFutex, Shared};
+    let futex: &linux_futex::Futex<Shared> = word.as_futex();
+    let _ = futex.wait_for(seen, nap);
+}
+
+/// Wakes every rank sleeping on `word`.
+#[cfg(target_os = "linux")]
+fn wake_all(word: &std::sync::atomic::AtomicU32) {
+    use linux_futex::{AsFutex, Shared};
+    let futex: &linux_futex::Futex<Shared> = word.as_futex();
+    futex.wake(i32::MAX);
+}
+
+#[cfg(not(target_os = "linux"))]
+fn sleep_on(_word: &std::sync::atomic::AtomicU32, _seen: u32, _nap: Duration) {
+    std::thread::sleep(Duration::from_micros(50));
+}
+
+#[cfg(not(target_os = "linux"))]
+fn wake_all(_word: &std::sync::atomic::AtomicU32) {}
+
+/// True while process `pid` exists and is not a zombie.
+fn process_alive(pid: u64) -> bool {
+    match std::fs::read_to_string(format!("/proc/{pid}/stat")) {
+        Ok(stat) => {
+            // The state letter follows the command name, which is in parentheses.
+            let state = stat
+                .rsplit_once(')')
+                .and_then(|(_, rest)| rest.trim_start().chars().next());
+            !matches!(state, Some('Z' | 'X'))
+        }
+        Err(_) => false,
+    }
+}
