@@ -1,5 +1,5 @@
 //! Checkpoints of a whole training run: what `save_state` / `load_state` take and return, and
-//! the directory protocol they follow (in [`save`] and [`load`]); each component writes and
+//! the directory protocol they follow (in `save` and `load`); each component writes and
 //! reads its own part.
 //!
 //! A checkpoint directory holds the model (`model.safetensors`), the optimizer's state as its
