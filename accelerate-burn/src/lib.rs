@@ -83,13 +83,13 @@ mod loader_link;
 mod optim;
 mod params;
 mod precision;
-mod prepare;
 mod reducer;
 mod replicate;
 pub mod selftest;
 mod training_loop;
 
 pub use accelerator::{Accelerator, AcceleratorBuilder, MODEL_FILE};
+pub use accelerator::{OptimizerSource, Prepare};
 pub use backend::{AcceleratorBackend, DefaultBackend, enabled_backends};
 pub use checkpoint::{Checkpoint, CheckpointInfo, Restored};
 pub use data::{BatchIter, DEFAULT_PREFETCH, DataLoader, DataLoaderBuilder, PreparedDataLoader};
@@ -97,7 +97,6 @@ pub use error::AccelerateError;
 pub use fused::FusedOptimizer;
 pub use optim::{PreparedOptimizer, PreparedScheduler};
 pub use precision::{Autocast, Caster};
-pub use prepare::{OptimizerSource, Prepare};
 pub use reducer::{Gradients, GradientsStatus};
 
 pub use accelerate_core::comm::Reduction;

@@ -715,14 +715,13 @@ fn fp16_gradients_come_back_unscaled_and_an_overflow_skips_exactly_that_step() {
             .build()
             .unwrap()
     };
+    // One model for both runs: drawn once, so that tests running in parallel (which reseed the
+    // shared device generator) cannot give the two runs different weights.
+    let initial = Net::new(&build(1.0).device());
     let first_gradient = |scale: f32| {
         let acc = build(scale);
         let (model, _optim, train) = acc
-            .prepare((
-                Net::new(&acc.device()),
-                SgdConfig::new().init(),
-                loader(8, 8),
-            ))
+            .prepare((initial.clone(), SgdConfig::new().init(), loader(8, 8)))
             .unwrap();
         let batch = train.iter().next().unwrap().unwrap();
         let loss = acc.autocast(&model, |m, c| m.loss(c.input(batch)));

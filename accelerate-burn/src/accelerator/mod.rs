@@ -1,11 +1,12 @@
 //! [`Accelerator`]: the facade a training loop talks to. Its methods are grouped by concern in
 //! the files beside this one: [`builder`] (settings), `step` (backward, clipping, the loop's
 //! counters), `collectives` (what a script calls across processes), `checkpoints` (save and
-//! resume); preparing and model saving are here.
+//! resume), `prepare` (what `prepare` accepts); preparing and model saving are here.
 
 mod builder;
 mod checkpoints;
 mod collectives;
+mod prepare;
 mod step;
 
 use std::fmt::Display;
@@ -22,17 +23,17 @@ use burn::store::{ModuleSnapshot, SafetensorsStore};
 use burn::tensor::{DType, Device};
 
 pub use builder::AcceleratorBuilder;
+pub use prepare::{OptimizerSource, Prepare};
 
 use crate::backend::AcceleratorBackend;
 use crate::data::{DataLoader, LoaderRole, PreparedDataLoader};
 use crate::error::AccelerateError;
-use crate::fused::{FlatOptions, FlatReducer, FusedOptimizer};
+use crate::fused::FusedOptimizer;
 use crate::group::Comm;
 use crate::loader_link::LoaderLinks;
 use crate::optim::{PreparedOptimizer, PreparedScheduler};
 use crate::params::{self, ParamLayout};
-use crate::reducer::bucketed::BucketedReducer;
-use crate::reducer::{GradientReducer, ReducerHandle};
+use crate::reducer::{self, GradientReducer, OptimizerChoice, ReducerHandle, ReducerSpec};
 use crate::training_loop::SharedLoop;
 
 /// File name of the weights written by [`Accelerator::save_model`].
@@ -169,7 +170,7 @@ impl<B: AcceleratorBackend> Accelerator<B> {
 
     /// Prepares a model with its optimizer, and data loaders, in one call: `(model, optim)`,
     /// `(model, optim, train)` or `(model, optim, train, eval)`; or a data loader alone.
-    pub fn prepare<T: crate::Prepare<B>>(&self, items: T) -> Result<T::Prepared, AccelerateError> {
+    pub fn prepare<T: Prepare<B>>(&self, items: T) -> Result<T::Prepared, AccelerateError> {
         items.prepare(self)
     }
 
@@ -200,15 +201,8 @@ impl<B: AcceleratorBackend> Accelerator<B> {
                  optimizer keeps all of its state on every process"
             );
         }
-        let layout = self.layout_of(model)?;
-        let reducer = BucketedReducer::new(
-            layout,
-            Some(optim),
-            self.config.gradient_bucket_bytes,
-            self.config.gradient_communication,
-            self.device_kernels(),
-        );
-        self.install(Box::new(reducer))
+        let reducer = reducer::build(self.reducer_spec(model)?, OptimizerChoice::Burn(optim))?;
+        self.install(reducer)
     }
 
     /// Prepares a fused optimizer for the prepared `model`: its trainable parameters, their
@@ -220,16 +214,8 @@ impl<B: AcceleratorBackend> Accelerator<B> {
         model: &M,
         optimizer: FusedOptimizer,
     ) -> Result<PreparedOptimizer, AccelerateError> {
-        let layout = self.layout_of(model)?;
-        let options = FlatOptions {
-            zero_stage: self.config.zero_stage,
-            rank: self.state.rank,
-            world: self.state.world_size,
-            device_kernels: self.device_kernels(),
-            wire: self.config.gradient_communication,
-        };
-        let reducer = FlatReducer::new(layout, params::values(model), optimizer, options)?;
-        self.install(Box::new(reducer))
+        let reducer = reducer::build(self.reducer_spec(model)?, OptimizerChoice::Fused(optimizer))?;
+        self.install(reducer)
     }
 
     /// The process group (for the self-test's checks).
@@ -237,23 +223,15 @@ impl<B: AcceleratorBackend> Accelerator<B> {
         &self.comm
     }
 
-    /// True when this backend runs our cubecl kernels on its tensors.
-    fn device_kernels(&self) -> bool {
-        B::DEVICE_KERNELS && cfg!(feature = "device-kernels")
-    }
-
-    /// The layout of a model about to be prepared, refusing parameters whose gradients cannot
-    /// be moved.
-    fn layout_of<M: Module>(
-        &self,
-        model: &M,
-    ) -> Result<std::sync::Arc<ParamLayout>, AccelerateError> {
+    /// What a reducer for `model` is built from: its parameters, and this process's settings.
+    fn reducer_spec<M: Module>(&self, model: &M) -> Result<ReducerSpec, AccelerateError> {
         let layout = ParamLayout::of(model);
         if let Some(entry) = layout.unsupported_rank() {
             return Err(AccelerateError::Misuse {
                 rank: self.state.rank,
                 what: format!(
-                    "parameter {} has {} dimensions; gradients of 1 to {} dimensions are supported",
+                    "parameter {} has {} dimensions; gradients of 1 to {} dimensions are \
+                     supported",
                     entry.path,
                     entry.shape.len(),
                     params::MAX_RANK
@@ -261,7 +239,14 @@ impl<B: AcceleratorBackend> Accelerator<B> {
                 hint: "reshape the parameter inside the module's forward",
             });
         }
-        Ok(std::sync::Arc::new(layout))
+        Ok(ReducerSpec {
+            layout: std::sync::Arc::new(layout),
+            values: params::values(model),
+            config: self.config.clone(),
+            rank: self.state.rank,
+            world: self.state.world_size,
+            device_kernels: B::DEVICE_KERNELS && cfg!(feature = "device-kernels"),
+        })
     }
 
     /// Makes `reducer` the one `backward` feeds (one prepared optimizer per accelerator).

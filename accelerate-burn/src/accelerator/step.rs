@@ -11,8 +11,7 @@ use super::{Accelerator, ReducerSlot};
 use crate::backend::AcceleratorBackend;
 use crate::error::AccelerateError;
 use crate::precision::{Autocast, Caster, low_precision_view};
-use crate::reducer::bucketed::BucketedReducer;
-use crate::reducer::{Gradients, Outcome, ReducerHandle};
+use crate::reducer::{self, Gradients, OptimizerChoice, Outcome, ReducerHandle};
 
 impl<B: AcceleratorBackend> Accelerator<B> {
     /// Runs the backward pass of `loss` and returns what the optimizer steps with.
@@ -74,14 +73,8 @@ impl<B: AcceleratorBackend> Accelerator<B> {
         if let Some(slot) = slot.as_ref() {
             return Ok(slot.handle.clone());
         }
-        let reducer = BucketedReducer::new(
-            self.layout_of(model)?,
-            None,
-            self.config.gradient_bucket_bytes,
-            self.config.gradient_communication,
-            self.device_kernels(),
-        );
-        let handle = ReducerHandle::new(Box::new(reducer));
+        let reducer = reducer::build(self.reducer_spec(model)?, OptimizerChoice::None)?;
+        let handle = ReducerHandle::new(reducer);
         *slot = Some(ReducerSlot {
             handle: handle.clone(),
             prepared: false,

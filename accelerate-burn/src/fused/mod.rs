@@ -17,12 +17,10 @@
 //! ZeRO-1 (`AcceleratorBuilder::zero_stage(1)`): gradients are reduce-scattered instead of
 //! all-reduced, each rank updates its 1/N of the flat parameters with its 1/N of the optimizer
 //! state, and the updated parameters are all-gathered.
+//!
+//! This module holds the optimizer's description; the buffers and the update are the flat
+//! gradient reducer's (`reducer::flat`), built by `prepare`.
 
 mod config;
-mod device;
-mod host;
-mod reducer;
-mod state_file;
 
 pub use config::FusedOptimizer;
-pub(crate) use reducer::{FlatOptions, FlatReducer};

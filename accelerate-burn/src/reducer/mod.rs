@@ -9,14 +9,16 @@
 //! Two implementations today:
 //! - [`bucketed::BucketedReducer`]: Burn's optimizers; gradients averaged in buckets in visit
 //!   order, optionally in half precision on the wire, narrowed on the device where it can.
-//! - [`crate::fused::FlatReducer`]: fused optimizers over flat buffers, with ZeRO-1.
+//! - [`flat::FlatReducer`]: fused optimizers over flat buffers, with ZeRO-1.
 
 pub(crate) mod bucketed;
+pub(crate) mod flat;
 pub(crate) mod wire;
 
 use std::path::Path;
 use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
 
+use accelerate_core::AcceleratorConfig;
 use accelerate_core::checkpoint::ManifestFile;
 use burn::lr_scheduler::module_lr_scheduler::ModuleLearningRate;
 use burn::module::Module;
@@ -24,8 +26,11 @@ use burn::optim::{GradientsParams, ModuleOptimizer};
 use burn::tensor::Tensor;
 
 use crate::error::AccelerateError;
+use crate::fused::FusedOptimizer;
 use crate::group::Comm;
 use crate::params::{self, ParamLayout, ParamList, Replacement};
+use bucketed::BucketedReducer;
+use flat::{FlatOptions, FlatReducer};
 
 /// What [`Accelerator::backward`](crate::Accelerator::backward) returns: the gradients of a
 /// completed accumulation window, averaged over the processes, or why there are none. Give it
@@ -275,6 +280,69 @@ pub(crate) trait GradientReducer: Send {
     fn burn_optimizer_mut(&mut self) -> Option<&mut ModuleOptimizer> {
         None
     }
+}
+
+/// The optimizer a reducer is built for.
+pub(crate) enum OptimizerChoice {
+    /// Burn's optimizer (what `config.init()` returns).
+    Burn(ModuleOptimizer),
+    /// A fused optimizer over flat buffers.
+    Fused(FusedOptimizer),
+    /// None: gradients are averaged for an optimizer the user steps.
+    None,
+}
+
+/// What a reducer is built from, besides the optimizer.
+pub(crate) struct ReducerSpec {
+    /// The prepared model's parameters.
+    pub layout: Arc<ParamLayout>,
+    /// Their values (visit order, flattened), for reducers that keep a master copy.
+    pub values: Vec<Tensor<1>>,
+    /// The accelerator's settings (bucket size, wire precision, ZeRO stage).
+    pub config: AcceleratorConfig,
+    pub rank: usize,
+    pub world: usize,
+    /// The backend runs our cubecl kernels on its tensors.
+    pub device_kernels: bool,
+}
+
+/// The reducer for `optimizer` on the model of `spec`: the one place that chooses an engine.
+pub(crate) fn build(
+    spec: ReducerSpec,
+    optimizer: OptimizerChoice,
+) -> Result<Box<dyn GradientReducer>, AccelerateError> {
+    let config = &spec.config;
+    Ok(match optimizer {
+        OptimizerChoice::Fused(optimizer) => {
+            let options = FlatOptions {
+                zero_stage: config.zero_stage,
+                rank: spec.rank,
+                world: spec.world,
+                device_kernels: spec.device_kernels,
+                wire: config.gradient_communication,
+            };
+            Box::new(FlatReducer::new(
+                spec.layout,
+                spec.values,
+                optimizer,
+                options,
+            )?)
+        }
+        OptimizerChoice::Burn(optimizer) => Box::new(BucketedReducer::new(
+            spec.layout,
+            Some(optimizer),
+            config.gradient_bucket_bytes,
+            config.gradient_communication,
+            spec.device_kernels,
+        )),
+        OptimizerChoice::None => Box::new(BucketedReducer::new(
+            spec.layout,
+            None,
+            config.gradient_bucket_bytes,
+            config.gradient_communication,
+            spec.device_kernels,
+        )),
+    })
 }
 
 /// A reducer shared by the accelerator (backward) and the prepared optimizer (step).

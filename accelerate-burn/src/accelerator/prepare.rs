@@ -3,7 +3,7 @@
 use burn::module::Module;
 use burn::optim::ModuleOptimizer;
 
-use crate::accelerator::Accelerator;
+use super::Accelerator;
 use crate::backend::AcceleratorBackend;
 use crate::data::{DataLoader, PreparedDataLoader};
 use crate::error::AccelerateError;

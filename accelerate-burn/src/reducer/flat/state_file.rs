@@ -6,7 +6,7 @@ use std::collections::BTreeMap;
 
 use serde::{Deserialize, Serialize};
 
-use super::config::FusedOptimizer;
+use crate::fused::FusedOptimizer;
 
 /// One trainable float parameter's place in the flat buffers.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]

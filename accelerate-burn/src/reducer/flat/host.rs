@@ -8,9 +8,9 @@ use accelerate_kernels::optim::{adam_step, sgd_step};
 use burn::lr_scheduler::module_lr_scheduler::ModuleLearningRate;
 use burn::tensor::{Device, Tensor};
 
-use super::config::FusedOptimizer;
-use super::reducer::FlatPlan;
+use super::FlatPlan;
 use crate::error::AccelerateError;
+use crate::fused::FusedOptimizer;
 use crate::group::Comm;
 use crate::params::{self, copy_f32};
 use crate::reducer::wire::Wire;

@@ -6,9 +6,9 @@
 use burn::lr_scheduler::module_lr_scheduler::ModuleLearningRate;
 use burn::tensor::Tensor;
 
-use super::config::FusedOptimizer;
-use super::reducer::FlatPlan;
+use super::FlatPlan;
 use crate::error::AccelerateError;
+use crate::fused::FusedOptimizer;
 use crate::group::Comm;
 use crate::params::{self, copy_f32};
 use crate::reducer::wire::Wire;

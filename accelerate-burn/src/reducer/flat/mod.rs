@@ -1,6 +1,8 @@
 //! [`FlatReducer`]: the reducer of fused optimizers. It builds the flat buffers at prepare,
 //! gathers each completed window's gradients into them, averages and measures them (norm and
-//! overflow in one read-only pass), and runs the fused update on the host or the device.
+//! overflow in one read-only pass), and runs the fused update on the host (`host`) or the
+//! device (`device`); `state_file` is its part of a checkpoint. (What the buffers are is
+//! described in [`crate::fused`].)
 
 use std::ops::Range;
 use std::path::Path;
@@ -13,11 +15,16 @@ use burn::lr_scheduler::module_lr_scheduler::ModuleLearningRate;
 use burn::module::ParamId;
 use burn::tensor::Tensor;
 
-use super::config::FusedOptimizer;
-use super::device::DeviceFlat;
-use super::host::HostFlat;
-use super::state_file::{FusedStateFile, Segment};
+mod device;
+mod host;
+mod state_file;
+
+use device::DeviceFlat;
+use host::HostFlat;
+use state_file::{FusedStateFile, Segment};
+
 use crate::error::AccelerateError;
+use crate::fused::FusedOptimizer;
 use crate::group::Comm;
 use crate::params::{ParamLayout, ParamList};
 use crate::reducer::wire::Wire;
