@@ -290,7 +290,7 @@ pub fn parse_accelerate_yaml(path: &Path, text: &str) -> Result<LoadedConfig, Co
         kept.insert(key, value);
     }
     ignored.sort();
-    let file: ConfigFile =
+    let mut file: ConfigFile =
         serde_yaml::from_value(serde_yaml::Value::Mapping(kept)).map_err(|e| {
             let message = e.to_string();
             let line = ACCELERATE_KEYS
@@ -299,6 +299,22 @@ pub fn parse_accelerate_yaml(path: &Path, text: &str) -> Result<LoadedConfig, Co
                 .and_then(|k| line_of_key(text, k));
             fail(line, message)
         })?;
+    // Accelerate's `num_processes` counts every machine's processes; ours is per machine.
+    if let (Some(total), Some(machines)) = (file.num_processes, file.num_machines)
+        && machines > 1
+        && total > 0
+    {
+        if total % machines != 0 {
+            return Err(fail(
+                line_of_key(text, "num_processes"),
+                format!(
+                    "num_processes = {total} is Accelerate's total over num_machines = \
+                     {machines} machines and does not divide evenly among them"
+                ),
+            ));
+        }
+        file.num_processes = Some(total / machines);
+    }
     let loaded = LoadedConfig {
         path: path.to_path_buf(),
         format: ConfigFormat::AccelerateYaml,
@@ -354,6 +370,25 @@ tpu_use_cluster: false
 tpu_use_sudo: false
 use_cpu: false
 ";
+
+    #[test]
+    fn accelerate_yaml_num_processes_is_the_total_over_machines() {
+        let two_machines = HF_YAML
+            .replace("num_machines: 1", "num_machines: 2")
+            .replace("num_processes: 2", "num_processes: 8");
+        let loaded = parse_accelerate_yaml(Path::new("c.yaml"), &two_machines).unwrap();
+        assert_eq!(loaded.file.num_processes, Some(4), "8 in all on 2 machines");
+        let uneven = two_machines.replace("num_processes: 8", "num_processes: 7");
+        let err = parse_accelerate_yaml(Path::new("c.yaml"), &uneven)
+            .unwrap_err()
+            .to_string();
+        assert!(
+            err.starts_with("config file c.yaml:11: num_processes = 7 is Accelerate's total"),
+            "{err}"
+        );
+        let one = parse_accelerate_yaml(Path::new("c.yaml"), HF_YAML).unwrap();
+        assert_eq!(one.file.num_processes, Some(2));
+    }
 
     #[test]
     fn accelerate_yaml_keeps_the_keys_that_mean_the_same_and_names_the_rest() {

@@ -381,12 +381,25 @@ impl<E: EnvSource + ?Sized> Reader<'_, E> {
         let local_world_size = self.first_usize(&["MPI_LOCALNRANKS", "PMI_LOCAL_SIZE"])?;
         let (local_rank, local_world_size) = match (local_rank, local_world_size) {
             (Some(lr), Some(lws)) => (lr, lws),
-            (None, None) => (rank, world_size),
+            // One process: it is alone on its node whatever the launcher says.
+            (None, None) if world_size == 1 => (0, 1),
+            // Without them the processes' placement on nodes (and so each one's device) would
+            // be a guess: refuse rather than put every rank on one node.
+            (None, None) => {
+                return Err(StateError::Missing {
+                    var: "MPI_LOCALRANKID/MPI_LOCALNRANKS",
+                    launcher,
+                    why: "the PMI launcher said nothing about which processes share a node. \
+                          hint: launch with MPICH's mpiexec (Hydra sets MPI_LOCALRANKID and \
+                          MPI_LOCALNRANKS), or set PMI_LOCAL_RANK and PMI_LOCAL_SIZE for each \
+                          process",
+                });
+            }
             _ => {
                 return Err(StateError::Missing {
                     var: "MPI_LOCALRANKID/MPI_LOCALNRANKS",
                     launcher,
-                    why: "only one of the local rank and local size is set; set both or neither",
+                    why: "only one of the local rank and local size is set; set both",
                 });
             }
         };
@@ -655,9 +668,15 @@ mod tests {
         ])
         .unwrap();
         assert_eq!((cray.local_rank, cray.local_world_size), (1, 2));
-        let err = parse(&[("PMI_RANK", "4"), ("PMI_SIZE", "4"), ("MASTER_ADDR", "h")])
-            .unwrap_err()
-            .to_string();
+        let err = parse(&[
+            ("PMI_RANK", "4"),
+            ("PMI_SIZE", "4"),
+            ("PMI_LOCAL_RANK", "0"),
+            ("PMI_LOCAL_SIZE", "1"),
+            ("MASTER_ADDR", "h"),
+        ])
+        .unwrap_err()
+        .to_string();
         assert!(err.starts_with("PMI_RANK"), "{err}");
         let err = parse(&[
             ("PMI_RANK", "0"),
@@ -667,6 +686,18 @@ mod tests {
         .unwrap_err()
         .to_string();
         assert!(err.contains("MPI_LOCALNRANKS"), "{err}");
+        // No local information on several processes: an error with the fix, not a guess that
+        // every rank shares one node.
+        let err = parse(&[("PMI_RANK", "1"), ("PMI_SIZE", "2"), ("MASTER_ADDR", "h")])
+            .unwrap_err()
+            .to_string();
+        assert!(
+            err.starts_with("MPI_LOCALRANKID/MPI_LOCALNRANKS is not set"),
+            "{err}"
+        );
+        assert!(err.contains("hint: launch with MPICH's mpiexec"), "{err}");
+        let alone = parse(&[("PMI_RANK", "0"), ("PMI_SIZE", "1")]).unwrap();
+        assert_eq!((alone.local_rank, alone.local_world_size), (0, 1));
     }
 
     #[test]
