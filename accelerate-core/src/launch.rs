@@ -6,16 +6,18 @@
 //! (`ACCELERATE_JOB_TOKEN`, fresh and random for a single machine). Every line a worker prints
 //! is relayed with a `[rank N]` prefix, whole lines at a time, so lines never interleave. When
 //! a worker fails, the others are stopped (SIGTERM to each worker's process group, SIGKILL
-//! after a grace period) and the launch fails naming the rank and how it ended; an interrupt
-//! (Ctrl-C) is forwarded as SIGINT, with the same SIGKILL after the grace period. Each worker runs in its own process group, so the
-//! processes it started are stopped with it.
+//! after a grace period) and the launch fails naming the rank and how it ended. A signal that
+//! stops the launcher (SIGINT from Ctrl-C, SIGTERM from `timeout`, systemd, Slurm or
+//! Kubernetes, SIGHUP from a closed terminal) is forwarded to the workers as the same signal,
+//! with the same SIGKILL after the grace period, and the launch ends with 128 + that signal.
+//! Each worker runs in its own process group, so the processes it started are stopped with it.
 
 use std::fs::File;
 use std::io::{BufRead, BufReader, Read, Write};
 use std::net::TcpListener;
 use std::path::PathBuf;
 use std::process::{Child, Command, ExitStatus, Stdio};
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, PoisonError};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
@@ -115,9 +117,13 @@ pub enum LaunchError {
         /// The exit code to pass on (128 + signal for a signal).
         code: i32,
     },
-    /// The launcher was interrupted; the workers were stopped.
-    #[error("interrupted; the workers were stopped")]
-    Interrupted,
+    /// The launcher received a signal that stops it; the workers got the same signal and
+    /// were stopped.
+    #[error("interrupted by {}; the workers were stopped", signal_name(*signal))]
+    Interrupted {
+        /// The signal's number.
+        signal: i32,
+    },
 }
 
 impl LaunchError {
@@ -125,10 +131,24 @@ impl LaunchError {
     pub fn exit_code(&self) -> i32 {
         match self {
             LaunchError::WorkerFailed { code, .. } => *code,
-            LaunchError::Interrupted => 130,
+            LaunchError::Interrupted { signal } => 128 + signal,
             _ => 1,
         }
     }
+}
+
+/// The signal `interrupted` holds, if one arrived.
+fn received(interrupted: &AtomicUsize) -> Option<i32> {
+    match interrupted.load(Ordering::SeqCst) {
+        0 => None,
+        signal => Some(i32::try_from(signal).unwrap_or(15)),
+    }
+}
+
+/// A signal's name (`SIGTERM`), or its number when it has none.
+fn signal_name(signal: i32) -> String {
+    nix::sys::signal::Signal::try_from(signal)
+        .map_or_else(|_| format!("signal {signal}"), |s| s.as_str().to_string())
 }
 
 /// Describes how a process ended, and the exit code to pass on.
@@ -316,8 +336,8 @@ impl LaunchConfig {
     }
 
     /// Starts the workers once and supervises them until all succeed, one fails, or
-    /// `interrupted` is raised.
-    fn run_once(&self, interrupted: &AtomicBool) -> Result<(), LaunchError> {
+    /// `interrupted` holds a signal number (0: none).
+    fn run_once(&self, interrupted: &AtomicUsize) -> Result<(), LaunchError> {
         let port = self.rendezvous_port()?;
         // One machine: a fresh token. Several: each machine's launcher must present the same
         // one, so it comes from the environment (or is derived from the address by the ranks).
@@ -338,8 +358,8 @@ impl LaunchConfig {
         }
         let mut running: Vec<bool> = vec![true; workers.len()];
         let outcome = loop {
-            if interrupted.load(Ordering::Relaxed) {
-                break Err(LaunchError::Interrupted);
+            if let Some(signal) = received(interrupted) {
+                break Err(LaunchError::Interrupted { signal });
             }
             let mut failure = None;
             for (i, worker) in workers.iter_mut().enumerate() {
@@ -367,9 +387,10 @@ impl LaunchConfig {
             }
             std::thread::sleep(Duration::from_millis(20));
         };
-        // An interrupt is passed on as such (Ctrl-C); a failure stops the others politely.
+        // A signal to the launcher is passed on as itself; a failure stops the others politely.
         let signal = match &outcome {
-            Err(LaunchError::Interrupted) => nix::sys::signal::Signal::SIGINT,
+            Err(LaunchError::Interrupted { signal }) => nix::sys::signal::Signal::try_from(*signal)
+                .unwrap_or(nix::sys::signal::Signal::SIGTERM),
             _ => nix::sys::signal::Signal::SIGTERM,
         };
         self.stop(&mut workers, signal);
@@ -407,13 +428,16 @@ impl LaunchConfig {
 
 /// Runs the job: starts the workers, supervises them, and restarts the whole group up to
 /// `max_restarts` times after a failure.
-pub fn launch(config: &LaunchConfig, interrupted: &AtomicBool) -> Result<(), LaunchError> {
+///
+/// `interrupted` is set by the caller's signal handlers to the number of a signal that should
+/// stop the job (0 while none has arrived).
+pub fn launch(config: &LaunchConfig, interrupted: &AtomicUsize) -> Result<(), LaunchError> {
     config.validate()?;
     let mut attempt = 0;
     loop {
         match config.run_once(interrupted) {
             Err(LaunchError::WorkerFailed { rank, how, .. })
-                if attempt < config.max_restarts && !interrupted.load(Ordering::Relaxed) =>
+                if attempt < config.max_restarts && received(interrupted).is_none() =>
             {
                 attempt += 1;
                 eprintln!(

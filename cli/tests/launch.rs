@@ -151,8 +151,9 @@ fn nothing_to_launch_is_a_user_error() {
     assert!(text(&out.stderr).contains("nothing to launch"));
 }
 
-#[test]
-fn ctrl_c_stops_the_workers() {
+/// Starts `accelerate launch -n 2` over workers that print their pid and sleep; returns the
+/// launcher and the workers' pids once both have started.
+fn sleeping_job() -> (std::process::Child, Vec<u32>) {
     let mut launcher = Command::new(env!("CARGO_BIN_EXE_accelerate"))
         .args([
             "launch",
@@ -183,16 +184,60 @@ fn ctrl_c_stops_the_workers() {
             pids.push(pid.parse::<u32>().unwrap());
         }
     }
-    let started = Instant::now();
-    let status = Command::new("kill")
-        .args(["-INT", &launcher.id().to_string()])
-        .status()
+    (launcher, pids)
+}
+
+/// Ctrl-C (SIGINT), SIGTERM (`timeout`, systemd, Slurm's scancel, Kubernetes) and SIGHUP (a
+/// closed terminal) each stop every worker within the grace period, and the launcher exits
+/// with 128 + the signal, naming it.
+#[test]
+fn a_stopping_signal_stops_the_workers() {
+    for (signal, number) in [("INT", 2), ("TERM", 15), ("HUP", 1)] {
+        let (mut launcher, pids) = sleeping_job();
+        let started = Instant::now();
+        let status = Command::new("kill")
+            .args([&format!("-{signal}"), &launcher.id().to_string()])
+            .status()
+            .unwrap();
+        assert!(status.success());
+        let status = launcher.wait().unwrap();
+        let mut stderr = String::new();
+        use std::io::Read;
+        launcher
+            .stderr
+            .take()
+            .unwrap()
+            .read_to_string(&mut stderr)
+            .unwrap();
+        assert_eq!(status.code(), Some(128 + number), "SIG{signal}: {stderr}");
+        assert!(
+            stderr.contains(&format!("interrupted by SIG{signal}")),
+            "SIG{signal}: {stderr}"
+        );
+        assert!(started.elapsed() < Duration::from_secs(10));
+        for pid in pids {
+            assert!(
+                !alive(pid),
+                "SIG{signal}: worker {pid} outlived the launcher"
+            );
+        }
+    }
+}
+
+/// `timeout 2 accelerate launch ...` (SIGTERM when time is up) leaves no worker behind.
+#[test]
+fn a_launch_under_timeout_leaves_no_worker_behind() {
+    let out = Command::new("timeout")
+        .args(["2", env!("CARGO_BIN_EXE_accelerate"), "launch", "-n", "2"])
+        .args(["--grace-period", "2", "--", "sh", "-c"])
+        .arg(r#"echo "PID $$"; exec sleep 60"#)
+        .output()
         .unwrap();
-    assert!(status.success());
-    let status = launcher.wait().unwrap();
-    assert_eq!(status.code(), Some(130));
-    assert!(started.elapsed() < Duration::from_secs(10));
-    for pid in pids {
+    // timeout's own status when it had to stop the command.
+    assert_eq!(out.status.code(), Some(124), "{}", text(&out.stderr));
+    let stdout = text(&out.stdout);
+    for rank in 0..2 {
+        let pid = printed_pid(&stdout, rank);
         assert!(!alive(pid), "worker {pid} outlived the launcher");
     }
 }

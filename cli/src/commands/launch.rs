@@ -2,7 +2,7 @@
 
 use std::path::PathBuf;
 use std::process::{Command, ExitCode, Stdio};
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::AtomicUsize;
 use std::time::Duration;
 
 use accelerate_core::config_file::{self, LoadedConfig};
@@ -12,6 +12,7 @@ use accelerate_core::state::ProcessEnv;
 use accelerate_core::{LaunchFlags, MixedPrecision};
 use anyhow::{Context, bail};
 use clap::Args;
+use signal_hook::consts::signal::{SIGHUP, SIGINT, SIGTERM};
 
 /// Start worker processes with the process contract set (RANK, WORLD_SIZE, LOCAL_RANK,
 /// MASTER_ADDR, MASTER_PORT, a job token, ...), prefix their output with their rank, and stop
@@ -103,7 +104,8 @@ pub struct LaunchArgs {
     command: Vec<String>,
 }
 
-static INTERRUPTED: AtomicBool = AtomicBool::new(false);
+/// The signal that stops the job (0: none yet), set by the handlers.
+static INTERRUPTED: AtomicUsize = AtomicUsize::new(0);
 
 /// Runs the launch; the exit code is the first failing worker's.
 pub fn run(args: LaunchArgs) -> anyhow::Result<ExitCode> {
@@ -161,8 +163,12 @@ pub fn run(args: LaunchArgs) -> anyhow::Result<ExitCode> {
         env,
         grace: Duration::from_secs_f64(args.grace_period),
     };
-    ctrlc::set_handler(|| INTERRUPTED.store(true, Ordering::Relaxed))
-        .context("installing the Ctrl-C handler")?;
+    // Ctrl-C, and what `timeout`, systemd, Slurm's scancel, Kubernetes (SIGTERM) and a closed
+    // terminal (SIGHUP) send: each stops the workers with the same signal.
+    for signal in [SIGINT, SIGTERM, SIGHUP] {
+        signal_hook::flag::register_usize(signal, &INTERRUPTED, signal as usize)
+            .context("installing the signal handlers")?;
+    }
     match launch(&config, &INTERRUPTED) {
         Ok(()) => Ok(ExitCode::SUCCESS),
         Err(e) => {

@@ -2,7 +2,7 @@
 //! whether the job works here (collectives, data order, training steps).
 
 use std::process::ExitCode;
-use std::sync::atomic::AtomicBool;
+use std::sync::atomic::AtomicUsize;
 
 use accelerate_burn::selftest::run_checks;
 use accelerate_burn::{Accelerator, DefaultBackend};
@@ -41,7 +41,7 @@ pub fn run(args: TestArgs) -> anyhow::Result<ExitCode> {
         ..LaunchConfig::default()
     };
     println!("accelerate test: checking {num_processes} process(es) on this machine");
-    match launch(&config, &AtomicBool::new(false)) {
+    match launch(&config, &AtomicUsize::new(0)) {
         Ok(()) => {
             println!("accelerate test: PASS");
             Ok(ExitCode::SUCCESS)
