@@ -185,23 +185,6 @@ impl ParamLayout {
             .iter()
             .find(|e| e.shape.is_empty() || e.shape.len() > MAX_RANK)
     }
-
-    /// What differs between this layout's shapes and `other`'s (rank 0's), if anything.
-    pub fn describe_difference(mine: &[Vec<usize>], rank0: &[Vec<usize>]) -> Option<String> {
-        if mine.len() != rank0.len() {
-            return Some(format!(
-                "this process's model has {} float parameters, rank 0's has {}",
-                mine.len(),
-                rank0.len()
-            ));
-        }
-        mine.iter().zip(rank0).position(|(a, b)| a != b).map(|i| {
-            format!(
-                "parameter #{i} has shape {:?} here and {:?} on rank 0",
-                mine[i], rank0[i]
-            )
-        })
-    }
 }
 
 /// Every float parameter's value, flattened, in visit order (plain tensors, no autodiff).

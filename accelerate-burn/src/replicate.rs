@@ -16,7 +16,7 @@ pub(crate) fn from_rank0<M: Module>(model: M, comm: &Comm) -> Result<M, Accelera
     let shapes = layout.shapes();
     let mut group = comm.lock();
     let rank0_shapes: Vec<Vec<usize>> = group.broadcast_object(Some(&shapes), 0)?;
-    let difference = ParamLayout::describe_difference(&shapes, &rank0_shapes);
+    let difference = describe_difference(&shapes, &rank0_shapes);
     let mut differs = vec![0.0_f32; group.world_size()];
     group.all_gather(&[f32::from(u8::from(difference.is_some()))], &mut differs)?;
     let bad: Vec<String> = differs
@@ -59,4 +59,21 @@ pub(crate) fn from_rank0<M: Module>(model: M, comm: &Comm) -> Result<M, Accelera
         })
         .collect();
     Ok(params::replace(model, Replacement { values, ids }))
+}
+
+/// What differs between this rank's parameter shapes and rank 0's, if anything.
+fn describe_difference(mine: &[Vec<usize>], rank0: &[Vec<usize>]) -> Option<String> {
+    if mine.len() != rank0.len() {
+        return Some(format!(
+            "this process's model has {} float parameters, rank 0's has {}",
+            mine.len(),
+            rank0.len()
+        ));
+    }
+    mine.iter().zip(rank0).position(|(a, b)| a != b).map(|i| {
+        format!(
+            "parameter #{i} has shape {:?} here and {:?} on rank 0",
+            mine[i], rank0[i]
+        )
+    })
 }

@@ -49,9 +49,6 @@ pub const SHM_SLOT_BYTES: &str = "ACCELERATE_SHM_SLOT_BYTES";
 /// Bytes of one ring segment.
 pub const RING_SEGMENT_BYTES: &str = "ACCELERATE_RING_SEGMENT_BYTES";
 
-/// The variables whose values are secrets (shown redacted).
-pub const SECRETS: [&str; 1] = [JOB_TOKEN];
-
 /// Reads a boolean setting: `true`/`false`, `1`/`0`, `yes`/`no` (any case). Anything else is
 /// `None`, for the caller to report.
 pub fn parse_bool(value: &str) -> Option<bool> {

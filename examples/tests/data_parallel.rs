@@ -19,7 +19,10 @@ use burn::data::dataloader::batcher::Batcher;
 use burn::data::dataset::InMemDataset;
 use burn::optim::{AdamWConfig, SgdConfig};
 use burn::tensor::{Device, Int, Tensor, TensorData};
-use common::{SCENARIO, env_number, line, param_bits, parameters, params, print_params, run};
+use common::{
+    SCENARIO, env_number, largest_difference, line, param_bits, parameters, params, print_params,
+    run,
+};
 
 /// Samples trained on: divisible by the global batch of every world size tested (8 x 1, 2, 3).
 const SAMPLES: usize = 240;
@@ -282,13 +285,7 @@ fn two_and_three_processes_learn_what_one_learns_from_the_same_global_batches() 
             );
             for (rank, output) in ranks.iter().enumerate() {
                 assert_eq!(line(output, "UPDATES "), updates, "rank {rank}");
-                let ours = params(output);
-                assert_eq!(ours.len(), reference.len());
-                let worst = ours
-                    .iter()
-                    .zip(&reference)
-                    .map(|(a, b)| (a - b).abs())
-                    .fold(0.0_f32, f32::max);
+                let worst = largest_difference(&params(output), &reference);
                 assert!(
                     worst <= 1e-6,
                     "world {world}, accumulation {accumulation}, rank {rank}: largest difference {worst}"
@@ -397,12 +394,7 @@ fn half_precision_gradient_communication_stays_close_to_f32() {
             2,
             &[("TEST_BATCH", "8".into()), ("TEST_WIRE", wire.into())],
         );
-        let ours = params(&ranks[0]);
-        let worst = ours
-            .iter()
-            .zip(&reference)
-            .map(|(a, b)| (a - b).abs())
-            .fold(0.0_f32, f32::max);
+        let worst = largest_difference(&params(&ranks[0]), &reference);
         assert!(worst <= 1e-3, "{wire}: largest difference {worst}");
         assert!(
             worst > 0.0,
@@ -454,11 +446,7 @@ fn half_precision_gradient_communication_works_with_the_fused_optimizer() {
                 String::from_utf8_lossy(&output.stderr)
             );
         }
-        let worst = params(&ranks[0])
-            .iter()
-            .zip(&reference)
-            .map(|(a, b)| (a - b).abs())
-            .fold(0.0_f32, f32::max);
+        let worst = largest_difference(&params(&ranks[0]), &reference);
         eprintln!("fused, {wire} wire, ZeRO {zero}: largest difference {worst:e}");
         assert!(
             worst <= 1e-3,
@@ -550,12 +538,7 @@ fn zero_1_on_two_and_three_processes_equals_one_unsharded_process() {
                 String::from_utf8_lossy(&output.stderr)
             );
             assert_eq!(line(output, "UPDATES "), line(&single[0], "UPDATES "));
-            let ours = params(output);
-            let worst = ours
-                .iter()
-                .zip(&reference)
-                .map(|(a, b)| (a - b).abs())
-                .fold(0.0_f32, f32::max);
+            let worst = largest_difference(&params(output), &reference);
             eprintln!("ZeRO-1, {world} processes, rank {rank}: largest difference {worst:e}");
             assert!(
                 worst <= 1e-6,

@@ -21,7 +21,7 @@ use super::{
 };
 use crate::error::AccelerateError;
 use crate::group::Comm;
-use crate::params::{self, ParamLayout, ParamList, copy_f32};
+use crate::params::{self, ParamLayout, ParamList};
 
 /// The optimizer's record in a checkpoint.
 pub const OPTIMIZER_FILE: &str = "optimizer.bpk";
@@ -36,8 +36,6 @@ pub(crate) struct BucketedReducer {
     wire: Wire,
     /// Narrow and widen half-precision buckets on the device (cubecl backends).
     device_kernels: bool,
-    /// The host copy of one bucket, kept between steps.
-    host: Vec<f32>,
 }
 
 impl BucketedReducer {
@@ -55,7 +53,6 @@ impl BucketedReducer {
             buckets,
             wire: Wire::new(wire),
             device_kernels,
-            host: Vec::new(),
         }
     }
 
@@ -85,17 +82,16 @@ impl BucketedReducer {
             }
         }
         let joined = Tensor::cat(parts, 0);
-        let len = joined.shape().num_elements();
         let (joined, overflow) = if self.device_kernels && self.wire.precision != MixedPrecision::No
         {
             self.reduce_on_device(joined, comm, inv_scale)?
         } else {
-            self.host.resize(len, 0.0);
-            copy_f32(joined.into_data(), &mut self.host);
-            comm.timed(|group| self.wire.all_reduce_mean(&mut self.host, group))?;
+            // One host copy, which then becomes the averaged tensor's buffer.
+            let mut values = params::to_host_f32(joined);
+            comm.timed(|group| self.wire.all_reduce_mean(&mut values, group))?;
             let overflow = inv_scale
-                .is_some_and(|inv| accelerate_kernels::amp::unscale_and_check(&mut self.host, inv));
-            (params::upload(self.host.clone(), &device), overflow)
+                .is_some_and(|inv| accelerate_kernels::amp::unscale_and_check(&mut values, inv));
+            (params::upload(values, &device), overflow)
         };
         let mut offset = 0;
         for (&i, dtype) in present.iter().zip(dtypes) {

@@ -312,7 +312,7 @@ pub(crate) fn build(
     optimizer: OptimizerChoice,
 ) -> Result<Box<dyn GradientReducer>, AccelerateError> {
     let config = &spec.config;
-    Ok(match optimizer {
+    let burn_optimizer = match optimizer {
         OptimizerChoice::Fused(optimizer) => {
             let options = FlatOptions {
                 zero_stage: config.zero_stage,
@@ -321,28 +321,19 @@ pub(crate) fn build(
                 device_kernels: spec.device_kernels,
                 wire: config.gradient_communication,
             };
-            Box::new(FlatReducer::new(
-                spec.layout,
-                spec.values,
-                optimizer,
-                options,
-            )?)
+            let reducer = FlatReducer::new(spec.layout, spec.values, optimizer, options)?;
+            return Ok(Box::new(reducer));
         }
-        OptimizerChoice::Burn(optimizer) => Box::new(BucketedReducer::new(
-            spec.layout,
-            Some(optimizer),
-            config.gradient_bucket_bytes,
-            config.gradient_communication,
-            spec.device_kernels,
-        )),
-        OptimizerChoice::None => Box::new(BucketedReducer::new(
-            spec.layout,
-            None,
-            config.gradient_bucket_bytes,
-            config.gradient_communication,
-            spec.device_kernels,
-        )),
-    })
+        OptimizerChoice::Burn(optimizer) => Some(optimizer),
+        OptimizerChoice::None => None,
+    };
+    Ok(Box::new(BucketedReducer::new(
+        spec.layout,
+        burn_optimizer,
+        config.gradient_bucket_bytes,
+        config.gradient_communication,
+        spec.device_kernels,
+    )))
 }
 
 /// A reducer shared by the accelerator (backward) and the prepared optimizer (step).

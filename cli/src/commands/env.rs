@@ -152,9 +152,7 @@ fn report(vars: &[(String, String)]) -> String {
         let _ = writeln!(out, "  (none)");
     }
     for (key, value) in accelerate {
-        let shown = if accelerate_core::env_vars::SECRETS.contains(&key.as_str())
-            || key.contains("TOKEN")
-        {
+        let shown = if key.contains("TOKEN") {
             "<redacted>"
         } else {
             value

@@ -94,6 +94,15 @@ pub fn line(output: &Output, prefix: &str) -> String {
         .to_string()
 }
 
+/// The largest absolute difference between two parameter lists of the same length.
+pub fn largest_difference(ours: &[f32], reference: &[f32]) -> f32 {
+    assert_eq!(ours.len(), reference.len(), "parameter counts differ");
+    ours.iter()
+        .zip(reference)
+        .map(|(a, b)| (a - b).abs())
+        .fold(0.0_f32, f32::max)
+}
+
 /// The parameters a worker printed, as values (for comparisons within a tolerance).
 pub fn params(output: &Output) -> Vec<f32> {
     param_bits(output).into_iter().map(f32::from_bits).collect()

@@ -10,7 +10,7 @@ use super::FlatPlan;
 use crate::error::AccelerateError;
 use crate::fused::FusedOptimizer;
 use crate::group::Comm;
-use crate::params::{self, copy_f32};
+use crate::params;
 use crate::reducer::wire::Wire;
 
 /// Flat buffers as Burn tensors of shape `[len]` on the model's device (plain tensors: the
@@ -22,8 +22,6 @@ pub(crate) struct DeviceFlat {
     grads: Option<Tensor<1>>,
     /// Optimizer state.
     state: Vec<Tensor<1>>,
-    /// The host copy of the gradients averaged across processes, kept between steps.
-    host: Vec<f32>,
 }
 
 impl DeviceFlat {
@@ -39,7 +37,6 @@ impl DeviceFlat {
             params,
             grads: None,
             state,
-            host: Vec::new(),
         }
     }
 
@@ -73,11 +70,11 @@ impl DeviceFlat {
             return Ok(f64::from(sum_sq));
         }
         let device = grads.device();
-        self.host.resize(grads.shape().num_elements(), 0.0);
-        copy_f32(grads.into_data(), &mut self.host);
-        comm.timed(|group| wire.all_reduce_mean(&mut self.host, group))?;
-        let sum_sq = accelerate_kernels::sum_of_squares(&self.host);
-        self.grads = Some(params::upload(self.host.clone(), &device));
+        // One host copy, which then becomes the averaged tensor's buffer.
+        let mut values = params::to_host_f32(grads);
+        comm.timed(|group| wire.all_reduce_mean(&mut values, group))?;
+        let sum_sq = accelerate_kernels::sum_of_squares(&values);
+        self.grads = Some(params::upload(values, &device));
         Ok(sum_sq)
     }
 
