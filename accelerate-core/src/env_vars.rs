@@ -40,6 +40,10 @@ pub const GRADIENT_BUCKET_MB: &str = "ACCELERATE_GRADIENT_BUCKET_MB";
 pub const TIMEOUT: &str = "ACCELERATE_TIMEOUT";
 /// Rendezvous timeout in seconds.
 pub const RENDEZVOUS_TIMEOUT: &str = "ACCELERATE_RENDEZVOUS_TIMEOUT";
+/// Seconds a TCP peer may show no sign of life before it is reported lost.
+pub const HEARTBEAT_TIMEOUT: &str = "ACCELERATE_HEARTBEAT_TIMEOUT";
+/// Pid of the `accelerate launch` that started this worker (the worker ends with it).
+pub const LAUNCHER_PID: &str = "ACCELERATE_LAUNCHER_PID";
 /// Transport between processes: `auto`, `shm` or `tcp`.
 pub const TRANSPORT: &str = "ACCELERATE_TRANSPORT";
 /// All-reduce algorithm: `auto`, `ring` or `recursive_doubling`.

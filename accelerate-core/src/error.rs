@@ -111,19 +111,21 @@ pub enum CommError {
         reason: String,
     },
 
-    /// Ranks called different collectives, or the same one with different sizes.
+    /// Ranks called different collectives, or the same one with different sizes, or run with
+    /// settings that must agree (compared when the group forms).
     #[error(
-        "collective mismatch on rank {rank}: this rank called {ours}, rank {peer} called {theirs}. \
-         hint: every rank must make the same calls, with the same sizes, in the same order"
+        "mismatch on rank {rank}: this rank {ours}, rank {peer} {theirs}. hint: every rank must \
+         make the same collective calls, with the same sizes, in the same order, and run with the \
+         same ACCELERATE_* settings"
     )]
     Mismatch {
         /// This rank.
         rank: usize,
-        /// This rank's call.
+        /// This rank's side ("called all_reduce #3 (...)", "runs with ...").
         ours: String,
         /// The other rank.
         peer: usize,
-        /// The other rank's call.
+        /// The other rank's side.
         theirs: String,
     },
 

@@ -22,7 +22,6 @@ use std::sync::{Arc, Mutex, PoisonError};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
-use crate::sampler::SplitMix64;
 use crate::state::DEFAULT_MASTER_PORT;
 
 /// What to start, and how.
@@ -164,16 +163,42 @@ pub fn describe_exit(status: ExitStatus) -> (String, i32) {
     (format!("was killed by signal {signal}{name}"), 128 + signal)
 }
 
-/// A fresh random job token.
-fn fresh_token() -> String {
-    let time = std::time::SystemTime::now()
-        .duration_since(std::time::UNIX_EPOCH)
-        .map_or(0, |d| d.as_nanos() as u64);
-    static CALLS: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
-    let call = CALLS.fetch_add(1, Ordering::Relaxed);
-    let mut rng =
-        SplitMix64::new(time ^ (u64::from(std::process::id()) << 32) ^ call.rotate_left(17));
-    format!("{:016x}{:016x}", rng.next_u64(), rng.next_u64())
+/// A fresh job token: 128 bits from the operating system's generator.
+fn fresh_token() -> Result<String, LaunchError> {
+    let bytes: [u8; 16] = crate::comm::auth::random_bytes()
+        .map_err(|e| LaunchError::Config(format!("cannot draw a job token: {e}")))?;
+    Ok(crate::comm::secret::hex(&bytes))
+}
+
+/// Ties this process to the `accelerate launch` that started it (when one did): the kernel
+/// sends SIGKILL to this process when the launcher dies, even by SIGKILL, so no worker outlives
+/// its job holding a device. Called once at start-up ([`ProcessState::from_env`]); a no-op
+/// for processes other launchers started.
+///
+/// [`ProcessState::from_env`]: crate::ProcessState::from_env
+pub fn follow_launcher() {
+    static ONCE: std::sync::Once = std::sync::Once::new();
+    ONCE.call_once(|| {
+        let Some(launcher) = std::env::var(crate::env_vars::LAUNCHER_PID)
+            .ok()
+            .and_then(|v| v.trim().parse::<i32>().ok())
+        else {
+            return;
+        };
+        if let Err(e) = nix::sys::prctl::set_pdeathsig(nix::sys::signal::Signal::SIGKILL) {
+            tracing::warn!("cannot tie this worker to its launcher: {e}");
+            return;
+        }
+        // The launcher may have died before the request above: then nobody will signal us,
+        // and our parent is no longer the launcher.
+        if nix::unistd::getppid().as_raw() != launcher {
+            tracing::error!(
+                launcher,
+                "the accelerate launcher that started this worker is gone; exiting"
+            );
+            std::process::exit(1);
+        }
+    });
 }
 
 /// Relays one stream of one worker, line by line, with its rank prefix.
@@ -226,6 +251,16 @@ fn signal_group(pid: u32, signal: nix::sys::signal::Signal) {
 }
 
 impl LaunchConfig {
+    /// The job token set for the workers or in the launcher's environment, if any.
+    fn given_token(&self) -> Option<String> {
+        self.env
+            .iter()
+            .find(|(k, _)| k == crate::env_vars::JOB_TOKEN)
+            .map(|(_, v)| v.clone())
+            .or_else(|| std::env::var(crate::env_vars::JOB_TOKEN).ok())
+            .filter(|t| !t.is_empty())
+    }
+
     fn validate(&self) -> Result<(), LaunchError> {
         if self.num_processes == 0 {
             return Err(LaunchError::Config(
@@ -244,6 +279,15 @@ impl LaunchConfig {
                  machine must be given rank 0's port"
                     .into(),
             ));
+        }
+        if self.num_machines > 1 && self.given_token().is_none() {
+            return Err(LaunchError::Config(format!(
+                "a job on {} machines needs the same secret on every machine, and {var} is not \
+                 set. hint: `export {var}=$(openssl rand -hex 16)` and copy that value to every \
+                 machine",
+                self.num_machines,
+                var = crate::env_vars::JOB_TOKEN
+            )));
         }
         Ok(())
     }
@@ -275,12 +319,7 @@ impl LaunchConfig {
         Ok(self.main_process_port)
     }
 
-    fn spawn(
-        &self,
-        local_rank: usize,
-        port: u16,
-        token: Option<&str>,
-    ) -> Result<Worker, LaunchError> {
+    fn spawn(&self, local_rank: usize, port: u16, token: &str) -> Result<Worker, LaunchError> {
         use std::os::unix::process::CommandExt;
         let rank = self.machine_rank * self.num_processes + local_rank;
         let mut cmd = Command::new(&self.program);
@@ -302,9 +341,10 @@ impl LaunchConfig {
             // Its own process group: what the worker starts is stopped with it, and a
             // terminal's Ctrl-C reaches the launcher, which forwards it.
             .process_group(0);
-        if let Some(token) = token {
-            cmd.env(crate::env_vars::JOB_TOKEN, token);
-        }
+        cmd.env(crate::env_vars::JOB_TOKEN, token).env(
+            crate::env_vars::LAUNCHER_PID,
+            std::process::id().to_string(),
+        );
         let mut child = cmd.spawn().map_err(|source| LaunchError::Spawn {
             rank,
             program: self.program.display().to_string(),
@@ -340,15 +380,14 @@ impl LaunchConfig {
     fn run_once(&self, interrupted: &AtomicUsize) -> Result<(), LaunchError> {
         let port = self.rendezvous_port()?;
         // One machine: a fresh token. Several: each machine's launcher must present the same
-        // one, so it comes from the environment (or is derived from the address by the ranks).
-        let token = if self.num_machines == 1 {
-            Some(fresh_token())
-        } else {
-            std::env::var(crate::env_vars::JOB_TOKEN).ok()
+        // one, so it comes from the environment (checked in `validate`).
+        let token = match self.given_token() {
+            Some(token) if self.num_machines > 1 => token,
+            _ => fresh_token()?,
         };
         let mut workers = Vec::with_capacity(self.num_processes);
         for local_rank in 0..self.num_processes {
-            match self.spawn(local_rank, port, token.as_deref()) {
+            match self.spawn(local_rank, port, &token) {
                 Ok(worker) => workers.push(worker),
                 Err(e) => {
                     self.stop(&mut workers, nix::sys::signal::Signal::SIGTERM);
@@ -470,8 +509,8 @@ mod tests {
 
     #[test]
     fn tokens_are_fresh() {
-        assert_ne!(fresh_token(), fresh_token());
-        assert_eq!(fresh_token().len(), 32);
+        assert_ne!(fresh_token().unwrap(), fresh_token().unwrap());
+        assert_eq!(fresh_token().unwrap().len(), 32);
     }
 
     #[test]
@@ -498,6 +537,15 @@ mod tests {
                 .to_string()
                 .contains("one machine only")
         );
+        if std::env::var(crate::env_vars::JOB_TOKEN).is_err() {
+            let bad = LaunchConfig {
+                num_machines: 2,
+                main_process_port: 29500,
+                ..LaunchConfig::default()
+            };
+            let err = bad.validate().unwrap_err().to_string();
+            assert!(err.contains("openssl rand -hex 16"), "{err}");
+        }
         let bad = LaunchConfig {
             num_processes: 0,
             ..LaunchConfig::default()

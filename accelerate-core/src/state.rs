@@ -124,8 +124,11 @@ impl ProcessState {
         }
     }
 
-    /// Reads the state from the process environment.
+    /// Reads the state from the process environment. A worker of `accelerate launch` also
+    /// ties itself to the launcher here, so that it ends when the launcher does
+    /// ([`follow_launcher`](crate::launch::follow_launcher)).
     pub fn from_env() -> Result<Self, StateError> {
+        crate::launch::follow_launcher();
         Self::from_source(&ProcessEnv)
     }
 

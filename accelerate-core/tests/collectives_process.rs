@@ -22,6 +22,10 @@ fn child() {
     let Ok(scenario) = std::env::var(SCENARIO) else {
         return;
     };
+    tracing_subscriber::fmt()
+        .with_writer(std::io::stderr)
+        .with_ansi(false)
+        .init();
     let state = ProcessState::from_env().unwrap();
     let options = GroupOptions::from_env().unwrap();
     let result = (|| -> Result<(), accelerate_core::CommError> {
@@ -58,6 +62,25 @@ fn child() {
                 let mut buf = vec![1.0_f32; 1 << 20];
                 loop {
                     group.all_reduce(&mut buf, Reduction::Mean)?;
+                }
+            }
+            "train" => {
+                // What a training loop does: many same-sized all-reduces, checked.
+                for _ in 0..20 {
+                    let mut grads = common::input::<f32>(group.rank(), 1000);
+                    group.all_reduce(&mut grads, Reduction::Sum)?;
+                    assert_eq!(
+                        grads,
+                        common::reduced::<f32>(group.world_size(), 1000, Reduction::Sum)
+                    );
+                }
+                println!("TRAINED");
+            }
+            "stall" => {
+                // Rank 0 waits in a collective while the last rank "computes" for a long time.
+                println!("READY");
+                if group.rank() == group.world_size() - 1 {
+                    std::thread::sleep(Duration::from_secs(120));
                 }
             }
             other => panic!("unknown scenario {other}"),
@@ -141,7 +164,7 @@ fn start(
 
 impl Job {
     fn segment(&self) -> std::path::PathBuf {
-        segment_path(&self.token, &format!("127.0.0.1:{}", self.port))
+        segment_path(self.token.as_bytes(), &format!("127.0.0.1:{}", self.port))
     }
 
     /// Waits for every rank (at most `limit`), returning (exit code, stdout, stderr) per rank.
@@ -259,14 +282,14 @@ fn a_wrong_job_token_is_refused() {
     let ours = job.finish(Duration::from_secs(30));
     assert_eq!(theirs[0].0, 3);
     assert!(
-        theirs[0].2.contains("job token mismatch"),
+        theirs[0].2.contains("did not accept this rank's job token"),
         "{}",
         theirs[0].2
     );
     assert_eq!(ours[0].0, 3);
     assert!(ours[0].2.contains("ranks 1 never arrived"), "{}", ours[0].2);
     assert!(
-        ours[0].2.contains("job token mismatch for rank 1"),
+        ours[0].2.contains("1 connections failed to authenticate"),
         "{}",
         ours[0].2
     );
@@ -379,4 +402,395 @@ fn ranks_started_by_slurm_form_a_group_without_our_launcher() {
     }
     .finish(Duration::from_secs(120));
     assert_all_ok(&results, "shm");
+}
+
+/// A client of rank 0's rendezvous port that misbehaves in one way.
+fn attack(port: u16, how: &'static str, token: String) -> std::thread::JoinHandle<()> {
+    use accelerate_core::comm::auth::{self, Claim, Purpose};
+    use std::io::{Read, Write};
+    std::thread::spawn(move || {
+        let connect = || loop {
+            if let Ok(s) = std::net::TcpStream::connect(("127.0.0.1", port)) {
+                break s;
+            }
+            std::thread::sleep(Duration::from_millis(20));
+        };
+        let mut s = connect();
+        let deadline = Instant::now() + Duration::from_secs(20);
+        let claim = Claim {
+            purpose: Purpose::Rendezvous,
+            rank: 1,
+            world_size: 2,
+        };
+        match how {
+            "garbage" => {
+                let _ = s.write_all(&[0xA5; 200]);
+            }
+            "slow-drip" => {
+                // One byte every 200 ms for 20 s: a whole rendezvous' worth of stalling.
+                for _ in 0..100 {
+                    if s.write_all(b"{").is_err() {
+                        break;
+                    }
+                    std::thread::sleep(Duration::from_millis(200));
+                }
+            }
+            "oversized" => {
+                // 8 MiB without a line end or a valid frame.
+                let _ = s.write_all(&vec![b'7'; 8 << 20]);
+            }
+            "wrong-token" => {
+                let _ = auth::join(&mut s, b"a guess", claim, deadline);
+            }
+            "replay" => {
+                // A legitimate answer, recorded, then replayed on a new connection.
+                let mut challenge = [0u8; auth::CHALLENGE_BYTES];
+                s.read_exact(&mut challenge).unwrap();
+                let answer = auth::answer(token.as_bytes(), &challenge, claim, &[7; 32]);
+                drop(s);
+                let mut again = connect();
+                let mut fresh = [0u8; auth::CHALLENGE_BYTES];
+                again.read_exact(&mut fresh).unwrap();
+                let _ = again.write_all(&answer);
+                let mut proof = [0u8; auth::PROOF_BYTES];
+                assert!(
+                    again.read_exact(&mut proof).is_err(),
+                    "rank 0 answered a replayed handshake"
+                );
+                return;
+            }
+            other => panic!("unknown attack {other}"),
+        }
+        // Hold the connection open, as a stalled client would.
+        std::thread::sleep(Duration::from_secs(5));
+    })
+}
+
+#[test]
+fn hostile_clients_delay_nobody_and_the_job_still_forms_and_trains() {
+    for transport in ["tcp", "shm"] {
+        let timeout = [("ACCELERATE_RENDEZVOUS_TIMEOUT", "60")];
+        let mut job = start("train", transport, 2, &[0], &timeout);
+        let attackers: Vec<_> = ["slow-drip", "garbage", "oversized", "wrong-token", "replay"]
+            .into_iter()
+            .map(|how| attack(job.port, how, job.token.clone()))
+            .collect();
+        std::thread::sleep(Duration::from_millis(500));
+        let started = Instant::now();
+        job.children.push(spawn_rank(
+            "train",
+            transport,
+            (1, 2),
+            (job.port, &job.token),
+            &timeout,
+        ));
+        let results = job.finish(Duration::from_secs(60));
+        // The slow-drip client holds its connection for 20 s; the job does not wait for it.
+        let took = started.elapsed();
+        assert!(took < Duration::from_secs(15), "{transport}: {took:?}");
+        for (rank, (code, stdout, stderr)) in results.iter().enumerate() {
+            assert_eq!(*code, 0, "{transport} rank {rank}: {stdout}\n{stderr}");
+            assert!(
+                stdout.contains("TRAINED"),
+                "{transport} rank {rank}: {stdout}"
+            );
+            assert!(
+                stdout.contains(&format!("FORMED {transport}")),
+                "{transport} rank {rank}: {stdout}"
+            );
+        }
+        for attacker in attackers {
+            attacker.join().unwrap();
+        }
+    }
+}
+
+#[test]
+fn ranks_with_different_settings_fail_on_every_rank_naming_both() {
+    for (var, theirs) in [
+        ("ACCELERATE_SHM_SLOT_BYTES", "131072"),
+        ("ACCELERATE_RING_SEGMENT_BYTES", "8192"),
+    ] {
+        let mut job = start("all", "auto", 2, &[0], &[]);
+        job.children.push(spawn_rank(
+            "all",
+            "auto",
+            (1, 2),
+            (job.port, &job.token),
+            &[(var, theirs)],
+        ));
+        let results = job.finish(Duration::from_secs(60));
+        for (rank, (code, _, stderr)) in results.iter().enumerate() {
+            assert_eq!(*code, 3, "rank {rank}: {stderr}");
+            assert!(stderr.contains("mismatch on rank"), "rank {rank}: {stderr}");
+            assert!(stderr.contains("=65536"), "rank {rank}: {stderr}");
+            assert!(
+                stderr.contains(&format!("{var}={theirs}")),
+                "rank {rank}: {stderr}"
+            );
+        }
+    }
+}
+
+/// Starts ranks of a job without `ACCELERATE_JOB_TOKEN`, as torchrun or a user by hand would.
+fn spawn_tokenless(port: u16, rank: usize, local_world: usize, uid: Option<u32>) -> Child {
+    use std::os::unix::process::CommandExt;
+    let mut cmd = Command::new(std::env::current_exe().unwrap());
+    cmd.args(["child", "--exact", "--nocapture", "--test-threads=1"])
+        .env(SCENARIO, "train")
+        .env_remove("ACCELERATE_JOB_TOKEN")
+        .env("RANK", rank.to_string())
+        .env("WORLD_SIZE", "2")
+        .env("LOCAL_RANK", (rank % local_world).to_string())
+        .env("LOCAL_WORLD_SIZE", local_world.to_string())
+        .env("MASTER_ADDR", "127.0.0.1")
+        .env("MASTER_PORT", port.to_string())
+        .env("ACCELERATE_RENDEZVOUS_TIMEOUT", "8")
+        .env("ACCELERATE_SHM_SLOT_BYTES", "65536")
+        .env("ACCELERATE_RING_SEGMENT_BYTES", "65536")
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped());
+    if let Some(uid) = uid {
+        // Another local account: a private runtime directory of its own.
+        cmd.uid(uid).gid(uid).env_remove("XDG_RUNTIME_DIR");
+    }
+    cmd.spawn().unwrap()
+}
+
+#[test]
+fn a_job_without_a_token_shares_a_private_secret_that_another_user_cannot_read() {
+    let port = free_port();
+    let mut children = vec![spawn_tokenless(port, 0, 2, None)];
+    // Running as root, a second account (nobody) copies the job's variables and tries first.
+    let intruder = nix::unistd::geteuid().is_root().then(|| Job {
+        children: vec![spawn_tokenless(port, 1, 2, Some(65534))],
+        token: String::new(),
+        port,
+    });
+    std::thread::sleep(Duration::from_millis(300));
+    children.push(spawn_tokenless(port, 1, 2, None));
+    let results = Job {
+        children,
+        token: String::new(),
+        port,
+    }
+    .finish(Duration::from_secs(60));
+    for (rank, (code, stdout, stderr)) in results.iter().enumerate() {
+        assert_eq!(*code, 0, "rank {rank}: {stdout}\n{stderr}");
+        assert!(stdout.contains("TRAINED"), "rank {rank}: {stdout}");
+    }
+    if let Some(intruder) = intruder {
+        let (code, stdout, stderr) = intruder.finish(Duration::from_secs(30)).remove(0);
+        assert_eq!(code, 3, "the other user joined: {stdout}\n{stderr}");
+        assert!(!stdout.contains("FORMED"), "{stdout}");
+        let _ = std::fs::remove_dir(std::env::temp_dir().join("accelerate-rs-65534"));
+    }
+}
+
+#[test]
+fn a_job_spanning_hosts_without_a_token_refuses_to_start() {
+    let port = free_port();
+    let started = Instant::now();
+    let results = Job {
+        children: vec![spawn_tokenless(port, 0, 1, None)],
+        token: String::new(),
+        port,
+    }
+    .finish(Duration::from_secs(30));
+    let (code, _, stderr) = &results[0];
+    assert_eq!(*code, 3, "{stderr}");
+    assert!(stderr.contains("spans hosts"), "{stderr}");
+    assert!(stderr.contains("openssl rand -hex 16"), "{stderr}");
+    assert!(
+        started.elapsed() < Duration::from_secs(5),
+        "it waited instead"
+    );
+}
+
+/// `sh -c script` in new `namespaces` (`unshare` flags), or `None` when this is not root.
+fn in_namespaces(namespaces: &[&str], script: &str, envs: &[(&str, String)]) -> Option<Child> {
+    if !nix::unistd::geteuid().is_root() {
+        eprintln!("skipped: needs root for namespaces");
+        return None;
+    }
+    let mut cmd = Command::new("unshare");
+    cmd.args(namespaces)
+        .args(["sh", "-c", script])
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped());
+    for (k, v) in envs {
+        cmd.env(k, v);
+    }
+    Some(cmd.spawn().unwrap())
+}
+
+/// Rank 0 with its own /dev/shm of `size` (a private mount namespace: nothing to clean up,
+/// the mount ends with the process), rank 1 on the host's.
+fn job_with_private_shm(size: &str) -> Option<Vec<(i32, String, String)>> {
+    let port = free_port();
+    let token = format!("tmpfs-{}-{port}", std::process::id());
+    let exe = std::env::current_exe().unwrap().display().to_string();
+    let script = format!(
+        "mount -t tmpfs -o size={size} tmpfs /dev/shm && exec \"$EXE\" child --exact --nocapture \
+         --test-threads=1"
+    );
+    let envs = [
+        ("EXE", exe),
+        (SCENARIO, "train".to_string()),
+        ("RANK", "0".into()),
+        ("WORLD_SIZE", "2".into()),
+        ("LOCAL_RANK", "0".into()),
+        ("LOCAL_WORLD_SIZE", "2".into()),
+        ("MASTER_ADDR", "127.0.0.1".into()),
+        ("MASTER_PORT", port.to_string()),
+        ("ACCELERATE_JOB_TOKEN", token.clone()),
+        ("ACCELERATE_SHM_SLOT_BYTES", (4 << 20).to_string()),
+        ("ACCELERATE_RING_SEGMENT_BYTES", "65536".into()),
+        ("ACCELERATE_RENDEZVOUS_TIMEOUT", "30".into()),
+    ];
+    let rank0 = in_namespaces(&["--mount", "--propagation", "private"], &script, &envs)?;
+    let rank1 = spawn_rank(
+        "train",
+        "auto",
+        (1, 2),
+        (port, &token),
+        &[("ACCELERATE_SHM_SLOT_BYTES", "4194304")],
+    );
+    Some(
+        Job {
+            children: vec![rank0, rank1],
+            token,
+            port,
+        }
+        .finish(Duration::from_secs(60)),
+    )
+}
+
+#[test]
+fn a_full_dev_shm_falls_back_to_tcp_with_one_warning() {
+    // 1 MiB cannot hold two ranks' 4 MiB slots: space is reserved up front, so this is ENOSPC
+    // at creation, not a SIGBUS in the first large collective.
+    let Some(results) = job_with_private_shm("1m") else {
+        return;
+    };
+    for (rank, (code, stdout, stderr)) in results.iter().enumerate() {
+        assert_eq!(*code, 0, "rank {rank}: {stdout}\n{stderr}");
+        assert!(stdout.contains("FORMED tcp"), "rank {rank}: {stdout}");
+        assert!(stdout.contains("TRAINED"), "rank {rank}: {stdout}");
+    }
+    let rank0 = format!("{}{}", results[0].1, results[0].2);
+    assert_eq!(
+        rank0.matches("shared memory unavailable").count(),
+        1,
+        "{rank0}"
+    );
+    assert!(rank0.contains("No space left on device"), "{rank0}");
+}
+
+#[test]
+fn ranks_that_do_not_share_dev_shm_fall_back_to_tcp() {
+    // Same host name and boot id, separate /dev/shm (as containers can be): the probe sees it.
+    let Some(results) = job_with_private_shm("64m") else {
+        return;
+    };
+    for (rank, (code, stdout, stderr)) in results.iter().enumerate() {
+        assert_eq!(*code, 0, "rank {rank}: {stdout}\n{stderr}");
+        assert!(stdout.contains("FORMED tcp"), "rank {rank}: {stdout}");
+    }
+    let rank0 = format!("{}{}", results[0].1, results[0].2);
+    assert!(rank0.contains("rank 1 cannot use it"), "{rank0}");
+}
+
+/// Runs a 2-rank TCP job inside a private network namespace, cuts its loopback link once both
+/// ranks are past forming (every packet dropped: a host gone without a FIN), and reports how
+/// long rank 0 took to give up, and what it said. Runs inside the namespace.
+#[test]
+fn cut_link_conductor() {
+    if std::env::var("ACCELERATE_TEST_CONDUCTOR").is_err() {
+        return;
+    }
+    let mut job = start(
+        "stall",
+        "tcp",
+        2,
+        &[0, 1],
+        &[
+            ("ACCELERATE_HEARTBEAT_TIMEOUT", "6"),
+            ("ACCELERATE_TIMEOUT", "300"),
+        ],
+    );
+    for child in &mut job.children {
+        let stdout = child.stdout.take().unwrap();
+        let mut lines = BufReader::new(stdout).lines();
+        assert!(lines.any(|l| l.map(|l| l == "READY").unwrap_or(false)));
+    }
+    std::thread::sleep(Duration::from_millis(500));
+    // Every packet to 127.0.0.1 now goes to a blackhole route, silently, both ways: what a
+    // cut cable looks like to both ends. (A qdisc that drops would look like local congestion,
+    // which TCP retries forever.)
+    let cut = Command::new("sh")
+        .args([
+            "-c",
+            "ip rule del pref 0 lookup local && ip rule add pref 100 lookup local && \
+             ip rule add pref 10 to 127.0.0.1 blackhole",
+        ])
+        .status()
+        .unwrap();
+    assert!(cut.success());
+    let started = Instant::now();
+    let mut rank0 = job.children.remove(0);
+    let status = loop {
+        if let Some(status) = rank0.try_wait().unwrap() {
+            break status;
+        }
+        assert!(
+            started.elapsed() < Duration::from_secs(60),
+            "rank 0 never gave up"
+        );
+        std::thread::sleep(Duration::from_millis(50));
+    };
+    let mut stderr = String::new();
+    use std::io::Read;
+    rank0
+        .stderr
+        .take()
+        .unwrap()
+        .read_to_string(&mut stderr)
+        .unwrap();
+    println!("GAVE_UP_AFTER {:.1}", started.elapsed().as_secs_f64());
+    println!("EXIT {}", status.code().unwrap_or(-1));
+    println!("STDERR {}", stderr.replace('\n', " "));
+}
+
+#[test]
+fn a_host_that_vanishes_is_reported_within_the_heartbeat_timeout() {
+    let exe = std::env::current_exe().unwrap().display().to_string();
+    let Some(conductor) = in_namespaces(
+        &["--net"],
+        "ip link set lo up && exec \"$EXE\" cut_link_conductor --exact --nocapture \
+         --test-threads=1",
+        &[("EXE", exe), ("ACCELERATE_TEST_CONDUCTOR", "1".into())],
+    ) else {
+        return;
+    };
+    let out = conductor.wait_with_output().unwrap();
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        out.status.success(),
+        "{stdout}\n{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let took: f64 = stdout
+        .lines()
+        .find_map(|l| l.split("GAVE_UP_AFTER ").nth(1))
+        .and_then(|v| v.trim().parse().ok())
+        .unwrap_or_else(|| panic!("{stdout}"));
+    // ACCELERATE_HEARTBEAT_TIMEOUT=6, the collective timeout 300: reported by the heartbeat.
+    assert!(took < 15.0, "rank 0 took {took} s: {stdout}");
+    assert!(stdout.contains("EXIT 3"), "{stdout}");
+    assert!(stdout.contains("rank 1 is gone"), "{stdout}");
+    assert!(
+        stdout.contains("no sign of life from its host 127.0.0.1:"),
+        "{stdout}"
+    );
 }

@@ -241,3 +241,57 @@ fn a_launch_under_timeout_leaves_no_worker_behind() {
         assert!(!alive(pid), "worker {pid} outlived the launcher");
     }
 }
+
+/// One of our workers: reading its process state ties it to its launcher; then it prints its
+/// pid and sleeps. Does nothing unless started by `workers_end_when_the_launcher_is_killed`.
+#[test]
+fn sleeping_worker() {
+    if std::env::var("ACCELERATE_TEST_SLEEPER").is_err() {
+        return;
+    }
+    accelerate_core::ProcessState::from_env().unwrap();
+    println!("PID {}", std::process::id());
+    std::thread::sleep(Duration::from_secs(60));
+}
+
+/// SIGKILL of the launcher (no chance to forward anything): the kernel ends its workers.
+#[test]
+fn workers_end_when_the_launcher_is_killed() {
+    let mut launcher = Command::new(env!("CARGO_BIN_EXE_accelerate"))
+        .args(["launch", "-n", "2", "--"])
+        .arg(std::env::current_exe().unwrap())
+        .args([
+            "sleeping_worker",
+            "--exact",
+            "--nocapture",
+            "--test-threads=1",
+        ])
+        .env("ACCELERATE_TEST_SLEEPER", "1")
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::null())
+        .spawn()
+        .unwrap();
+    let mut stdout = std::io::BufReader::new(launcher.stdout.take().unwrap());
+    let mut pids = Vec::new();
+    let mut line = String::new();
+    while pids.len() < 2 {
+        line.clear();
+        use std::io::BufRead;
+        assert!(
+            stdout.read_line(&mut line).unwrap() > 0,
+            "the workers never started"
+        );
+        if let Some((_, pid)) = line.trim().split_once("PID ") {
+            pids.push(pid.parse::<u32>().unwrap());
+        }
+    }
+    launcher.kill().unwrap();
+    launcher.wait().unwrap();
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while pids.iter().any(|&pid| alive(pid)) && Instant::now() < deadline {
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    for pid in pids {
+        assert!(!alive(pid), "worker {pid} outlived its SIGKILLed launcher");
+    }
+}

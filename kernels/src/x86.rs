@@ -1,6 +1,7 @@
 //! AVX2 + F16C versions of the half-precision reductions and conversions: the only unsafe code
-//! of this crate. Each is entered only through a `try_` wrapper, after [`has_avx2_f16c`] confirmed the CPU supports it, and
-//! each computes exactly what its portable twin in `reduce`/`convert` computes (the tests
+//! of this crate. Each is entered only through a `try_` wrapper, after [`has_avx2_f16c`]
+//! confirmed the CPU supports it; the helpers carry `#[target_feature]`, so the compiler
+//! itself refuses a call from code not compiled for AVX2 and F16C. Each computes exactly what its portable twin in `reduce`/`convert` computes (the tests
 //! compare them bit for bit on odd lengths).
 //!
 //! One loop step handles 8 elements: widen both operands to f32 (`vcvtph2ps` for f16, a zero
@@ -30,59 +31,54 @@ fn has_avx2_f16c() -> bool {
     }
 }
 
-#[inline(always)]
+#[inline]
+#[target_feature(enable = "avx2,f16c")]
 fn combine(op: ReduceOp, a: __m256, b: __m256) -> __m256 {
-    // SAFETY: only reached from functions compiled with AVX enabled, which callers enter only
-    // on CPUs that have it.
-    unsafe {
-        // `vmaxps`/`vminps` return the second operand when either is NaN; where `b` is NaN take
-        // `a` instead, which gives f32::max/min's rule: a NaN loses to a number.
-        let b_is_nan = _mm256_cmp_ps::<_CMP_UNORD_Q>(b, b);
-        match op {
-            ReduceOp::Sum => _mm256_add_ps(a, b),
-            ReduceOp::Max => _mm256_blendv_ps(_mm256_max_ps(a, b), a, b_is_nan),
-            ReduceOp::Min => _mm256_blendv_ps(_mm256_min_ps(a, b), a, b_is_nan),
-        }
+    // `vmaxps`/`vminps` return the second operand when either is NaN; where `b` is NaN take
+    // `a` instead, which gives f32::max/min's rule: a NaN loses to a number.
+    let b_is_nan = _mm256_cmp_ps::<_CMP_UNORD_Q>(b, b);
+    match op {
+        ReduceOp::Sum => _mm256_add_ps(a, b),
+        ReduceOp::Max => _mm256_blendv_ps(_mm256_max_ps(a, b), a, b_is_nan),
+        ReduceOp::Min => _mm256_blendv_ps(_mm256_min_ps(a, b), a, b_is_nan),
     }
 }
 
-#[inline(always)]
+#[inline]
+#[target_feature(enable = "avx2,f16c")]
 fn f16_widen(v: __m128i) -> __m256 {
-    // SAFETY: only reached from functions compiled with F16C enabled (see `combine`).
-    unsafe { _mm256_cvtph_ps(v) }
+    _mm256_cvtph_ps(v)
 }
 
-#[inline(always)]
+#[inline]
+#[target_feature(enable = "avx2,f16c")]
 fn f16_narrow(v: __m256) -> __m128i {
-    // SAFETY: only reached from functions compiled with F16C enabled (see `combine`).
-    unsafe { _mm256_cvtps_ph::<_MM_FROUND_TO_NEAREST_INT>(v) }
+    _mm256_cvtps_ph::<_MM_FROUND_TO_NEAREST_INT>(v)
 }
 
-#[inline(always)]
+#[inline]
+#[target_feature(enable = "avx2,f16c")]
 fn bf16_widen(v: __m128i) -> __m256 {
-    // SAFETY: only reached from functions compiled with AVX2 enabled (see `combine`).
-    unsafe { _mm256_castsi256_ps(_mm256_slli_epi32::<16>(_mm256_cvtepu16_epi32(v))) }
+    _mm256_castsi256_ps(_mm256_slli_epi32::<16>(_mm256_cvtepu16_epi32(v)))
 }
 
-#[inline(always)]
+#[inline]
+#[target_feature(enable = "avx2,f16c")]
 fn bf16_narrow(v: __m256) -> __m128i {
-    // SAFETY: only reached from functions compiled with AVX2 enabled (see `combine`).
-    unsafe {
-        let bits = _mm256_castps_si256(v);
-        // Round to nearest even: add 0x7fff plus the lowest kept bit, then drop 16 bits.
-        let odd = _mm256_and_si256(_mm256_srli_epi32::<16>(bits), _mm256_set1_epi32(1));
-        let rounded = _mm256_srli_epi32::<16>(_mm256_add_epi32(
-            bits,
-            _mm256_add_epi32(odd, _mm256_set1_epi32(0x7fff)),
-        ));
-        // NaN: keep the top half, quieted.
-        let nan = _mm256_or_si256(_mm256_srli_epi32::<16>(bits), _mm256_set1_epi32(0x40));
-        let is_nan = _mm256_castps_si256(_mm256_cmp_ps::<_CMP_UNORD_Q>(v, v));
-        let out = _mm256_blendv_epi8(rounded, nan, is_nan);
-        // Pack the eight 32-bit lanes (each < 65536) into 16-bit lanes, in order.
-        let packed = _mm256_packus_epi32(out, out);
-        _mm256_castsi256_si128(_mm256_permute4x64_epi64::<0b1000>(packed))
-    }
+    let bits = _mm256_castps_si256(v);
+    // Round to nearest even: add 0x7fff plus the lowest kept bit, then drop 16 bits.
+    let odd = _mm256_and_si256(_mm256_srli_epi32::<16>(bits), _mm256_set1_epi32(1));
+    let rounded = _mm256_srli_epi32::<16>(_mm256_add_epi32(
+        bits,
+        _mm256_add_epi32(odd, _mm256_set1_epi32(0x7fff)),
+    ));
+    // NaN: keep the top half, quieted.
+    let nan = _mm256_or_si256(_mm256_srli_epi32::<16>(bits), _mm256_set1_epi32(0x40));
+    let is_nan = _mm256_castps_si256(_mm256_cmp_ps::<_CMP_UNORD_Q>(v, v));
+    let out = _mm256_blendv_epi8(rounded, nan, is_nan);
+    // Pack the eight 32-bit lanes (each < 65536) into 16-bit lanes, in order.
+    let packed = _mm256_packus_epi32(out, out);
+    _mm256_castsi256_si128(_mm256_permute4x64_epi64::<0b1000>(packed))
 }
 
 /// `f(acc[i..i+8], other[i..i+8])` stored into `acc` for every full group of 8 elements;

@@ -114,6 +114,10 @@ impl CallDesc {
 
     /// The inverse of [`pack`](Self::pack); `None` for words that no call packs to.
     pub(crate) fn unpack(words: [u64; 4]) -> Option<Self> {
+        // Bits 24..32 are unused: set, they are not a call this code packed.
+        if (words[0] >> 24) as u8 != 0 {
+            return None;
+        }
         let op = OpKind::from_code(words[0] as u8)?;
         let dtype = match (words[0] >> 8) as u8 {
             0xFF => None,

@@ -1,7 +1,6 @@
 //! [`ProcessGroup`]: the typed, checked collectives API over whichever transport the group
 //! formed with.
 
-use std::hash::{DefaultHasher, Hash, Hasher};
 use std::time::{Duration, Instant};
 
 use accelerate_kernels::schedule::chunk_range;
@@ -14,13 +13,17 @@ use super::collective::MessageEngine;
 use super::engine::Engine;
 use super::link::Link;
 use super::options::{GroupOptions, TransportChoice};
-use super::rendezvous::RendezvousConfig;
+use super::rendezvous::{GroupSettings, RendezvousConfig};
+use super::secret::JobSecret;
 use super::shared_buffer::SharedBuffer;
 use super::transport::local::LocalLink;
-use super::transport::shm::{ShmEngine, create_segment, segment_path};
+use super::transport::shm::{SegmentHooks, ShmEngine, segment_path};
 use super::transport::tcp::TcpLink;
 use crate::error::CommError;
 use crate::state::ProcessState;
+
+/// Largest value [`ProcessGroup::broadcast_object`] and the object gathers carry, in bytes.
+pub const MAX_OBJECT_BYTES: usize = 256 << 20;
 
 /// How [`ProcessGroup::all_reduce`] and [`ProcessGroup::reduce_scatter`] combine values.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -114,41 +117,57 @@ impl ProcessGroup {
                 reason: "MASTER_ADDR is not set".into(),
             })?;
         let addr = format!("{host}:{}", state.master_port);
-        let token = options
-            .token
-            .clone()
-            .unwrap_or_else(|| format!("derived:{addr}:{world_size}"));
-        let path = segment_path(&token, &addr);
+        let secret = JobSecret::resolve(
+            options.token.as_deref(),
+            &host,
+            state.master_port,
+            state.local_world_size,
+            world_size,
+        )
+        .map_err(|e| CommError::Rendezvous {
+            addr: addr.clone(),
+            rank,
+            world_size,
+            reason: e.to_string(),
+        })?;
         let rendezvous = RendezvousConfig {
             addr: addr.clone(),
             rank,
             world_size,
-            token: token.clone(),
+            secret,
             timeout: options.rendezvous_timeout,
             allow_shared_memory: options.transport != TransportChoice::Tcp,
             require_shared_memory: options.transport == TransportChoice::Shm,
+            settings: GroupSettings {
+                shm_slot_bytes: options.shm_slot_bytes as u64,
+                segment_bytes: options.segment_bytes as u64,
+            },
         };
         let started = Instant::now();
-        let joined =
-            rendezvous.join(|| create_segment(&path, world_size, options.shm_slot_bytes, rank))?;
+        let hooks = SegmentHooks {
+            addr: addr.clone(),
+            world_size,
+            slot_bytes: options.shm_slot_bytes,
+            rank,
+        };
+        let joined = rendezvous.join(&hooks)?;
         let engine: Box<dyn Engine> = if joined.shared_memory {
             Box::new(ShmEngine::open(
-                &path,
+                &segment_path(&joined.token, &addr),
                 rank,
                 world_size,
                 options.shm_slot_bytes,
                 options.rendezvous_timeout,
             )?)
         } else {
-            let mut hasher = DefaultHasher::new();
-            token.hash(&mut hasher);
             let deadline = started + options.rendezvous_timeout;
             let link = TcpLink::connect(
                 rank,
                 &joined.peers,
                 &joined.listener,
-                hasher.finish(),
+                &joined.token,
                 deadline,
+                options.heartbeat_timeout,
             )?;
             message_engine(link, options)
         };
@@ -461,7 +480,8 @@ impl ProcessGroup {
         };
         let mut len = (bytes.len() as u64).to_le_bytes();
         self.broadcast_bytes(&mut len, root, None, 8)?;
-        bytes.resize(u64::from_le_bytes(len) as usize, 0);
+        let len = self.object_len(OpKind::Broadcast, root, u64::from_le_bytes(len))?;
+        bytes.resize(len, 0);
         let n = bytes.len();
         self.broadcast_bytes(&mut bytes, root, None, n)?;
         serde_json::from_slice(&bytes).map_err(|e| {
@@ -470,6 +490,23 @@ impl ProcessGroup {
                 format!("the value from rank {root} does not decode: {e}"),
             )
         })
+    }
+
+    /// Checks the length of a serialized object announced by `from`: objects are small
+    /// values, and a length no honest rank sends is an error, not an allocation.
+    fn object_len(&self, op: OpKind, from: usize, len: u64) -> Result<usize, CommError> {
+        usize::try_from(len)
+            .ok()
+            .filter(|&len| len <= MAX_OBJECT_BYTES)
+            .ok_or_else(|| {
+                self.usage(
+                    op,
+                    format!(
+                        "rank {from} announced a value of {len} bytes; objects are limited to \
+                         {MAX_OBJECT_BYTES} bytes (use the typed collectives for tensors)"
+                    ),
+                )
+            })
     }
 
     /// Every rank's value, in rank order, on `root` (`None` elsewhere). Meant for small
@@ -505,11 +542,21 @@ impl ProcessGroup {
         self.all_gather_bytes(&(bytes.len() as u64).to_le_bytes(), &mut lens, None, 8)?;
         let lens: Vec<usize> = lens
             .chunks_exact(8)
-            .map(|c| u64::from_le_bytes(c.try_into().unwrap_or_default()) as usize)
-            .collect();
+            .enumerate()
+            .map(|(r, c)| {
+                let len = u64::from_le_bytes(c.try_into().unwrap_or_default());
+                self.object_len(OpKind::AllGather, r, len)
+            })
+            .collect::<Result<_, _>>()?;
         let longest = lens.iter().copied().max().unwrap_or(0);
         bytes.resize(longest, 0);
-        let mut all = vec![0u8; longest * n];
+        let total = longest.checked_mul(n).ok_or_else(|| {
+            self.usage(
+                OpKind::AllGather,
+                format!("{n} values of {longest} bytes overflow"),
+            )
+        })?;
+        let mut all = vec![0u8; total];
         self.all_gather_bytes(&bytes, &mut all, None, longest)?;
         lens.iter()
             .enumerate()

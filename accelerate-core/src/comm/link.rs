@@ -25,6 +25,15 @@ pub trait Link: Send {
     fn name(&self) -> &'static str;
     /// Queues a message for `peer`.
     fn send(&mut self, peer: usize, header: &Header, payload: &[u8]) -> Result<(), LinkError>;
-    /// The next message from `peer`, waiting until `deadline`.
-    fn recv(&mut self, peer: usize, deadline: Instant) -> Result<(Header, Vec<u8>), LinkError>;
+    /// The header of the next message from `peer`, waiting until `deadline`.
+    fn recv_header(&mut self, peer: usize, deadline: Instant) -> Result<Header, LinkError>;
+    /// The payload of the message whose header [`recv_header`](Self::recv_header) just
+    /// returned for `peer`: exactly `len` bytes, which the caller checked against the header
+    /// and against what the call expects, so no length from the wire is trusted unchecked.
+    fn recv_payload(
+        &mut self,
+        peer: usize,
+        len: usize,
+        deadline: Instant,
+    ) -> Result<Vec<u8>, LinkError>;
 }

@@ -1,7 +1,9 @@
 //! Collectives between the processes of a job: rendezvous, transports, algorithms, and the
 //! [`ProcessGroup`] API on top.
 //!
-//! - [`rendezvous`]: rank 0's TCP store; job token, world size and rank checks.
+//! - [`rendezvous`]: rank 0's TCP store; world size, settings and rank checks.
+//! - [`auth`], [`secret`]: the job secret and the challenge-response every connection opens
+//!   with.
 //! - [`transport`]: `local` (threads), `tcp` (hosts), `shm` (one host, direct collectives).
 //! - [`collective`]: ring, recursive-doubling, tree and dissemination algorithms over the
 //!   message transports.
@@ -35,6 +37,7 @@
 //! is noticed within milliseconds (connection closed, or its process gone), and the error names
 //! the call, this rank and the missing or failed ranks.
 
+pub mod auth;
 pub mod call;
 pub mod collective;
 pub mod engine;
@@ -42,6 +45,7 @@ mod group;
 pub mod link;
 mod options;
 pub mod rendezvous;
+pub mod secret;
 mod shared_buffer;
 pub mod transport;
 

@@ -41,13 +41,19 @@ pub struct GroupOptions {
     pub timeout: Duration,
     /// Longest wait for the group to form (`ACCELERATE_RENDEZVOUS_TIMEOUT`, seconds; default 300).
     pub rendezvous_timeout: Duration,
+    /// How long a TCP peer may show no sign of life (its host vanished, the link was cut)
+    /// before it is reported lost (`ACCELERATE_HEARTBEAT_TIMEOUT`, seconds; default 30). The
+    /// kernel's keepalive probes answer for a peer that is merely busy, so a long step never
+    /// trips it.
+    pub heartbeat_timeout: Duration,
     /// Transport (`ACCELERATE_TRANSPORT`: auto, shm, tcp; default auto).
     pub transport: TransportChoice,
     /// All-reduce algorithm of the message transports (`ACCELERATE_ALL_REDUCE_ALGORITHM`:
     /// auto, ring, recursive_doubling; default auto).
     pub algorithm: AllReduceAlgorithm,
-    /// Job token every rank must present (`ACCELERATE_JOB_TOKEN`; default: derived from the
-    /// rendezvous address and world size, which is enough on one host).
+    /// Job secret every rank must prove it knows (`ACCELERATE_JOB_TOKEN`; default: drawn by
+    /// rank 0 and shared through a private file on one host, required for jobs spanning
+    /// hosts; see [`secret`](crate::comm::secret)).
     pub token: Option<String>,
     /// Bytes of each shared-memory slot (`ACCELERATE_SHM_SLOT_BYTES`; default 4 MiB).
     pub shm_slot_bytes: usize,
@@ -61,6 +67,7 @@ impl Default for GroupOptions {
         Self {
             timeout: Duration::from_secs(300),
             rendezvous_timeout: Duration::from_secs(300),
+            heartbeat_timeout: Duration::from_secs(30),
             transport: TransportChoice::Auto,
             algorithm: AllReduceAlgorithm::Auto,
             token: None,
@@ -117,6 +124,9 @@ impl GroupOptions {
         }
         if let Some(t) = seconds(env_vars::RENDEZVOUS_TIMEOUT)? {
             options.rendezvous_timeout = t;
+        }
+        if let Some(t) = seconds(env_vars::HEARTBEAT_TIMEOUT)? {
+            options.heartbeat_timeout = t;
         }
         if let Some(v) = env.var(env_vars::TRANSPORT) {
             options.transport = v

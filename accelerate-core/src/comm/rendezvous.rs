@@ -1,41 +1,126 @@
 //! Forming a group: rank 0 serves a small TCP store at `MASTER_ADDR:MASTER_PORT`, every other
-//! rank connects (retrying until the rendezvous timeout) and says who it is; rank 0 checks the
-//! job token, the world size and that no rank appears twice, then answers everyone with the
-//! table of peers and the transport they will use.
+//! rank connects (retrying until the rendezvous timeout), proves it knows the job secret
+//! ([`super::auth`]) and says who it is; rank 0 checks the world size, the settings every
+//! rank must share and that no rank appears twice, probes shared memory when every rank is on
+//! its host, then answers everyone with the table of peers and the transport they will use.
 //!
-//! Messages are one JSON line each way. A rank that presents the wrong token, a wrong world
-//! size or a duplicate rank is refused with a message saying so, and rank 0 remembers the
-//! refusal: if the group then times out, the error lists the missing ranks, the address that
-//! was tried, and what was refused.
+//! Rank 0 cannot be stalled: every connection is served on its own thread under one deadline
+//! (authentication and hello together), lines are bounded, and a connection that fails any of
+//! that is closed and logged at debug level while the others proceed. Authenticated ranks that
+//! are misconfigured (a wrong world size, a duplicate rank) are refused with a message; ranks
+//! whose settings differ make the whole group fail with [`CommError::Mismatch`] on every rank.
+//! If the group times out, the error lists the missing ranks, the address, and what was
+//! refused.
 
-use std::io::{BufRead, BufReader, ErrorKind, Write};
+use std::io::{ErrorKind, Read, Write};
 use std::net::{IpAddr, SocketAddr, TcpListener, TcpStream, ToSocketAddrs};
+use std::sync::Arc;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::mpsc::{self, Sender};
 use std::time::{Duration, Instant};
 
 use serde::{Deserialize, Serialize};
 
+use super::auth::{self, AuthError, Claim, Purpose};
+use super::secret::JobSecret;
 use crate::error::CommError;
 
-/// What one rank tells rank 0.
-#[derive(Debug, Clone, Serialize, Deserialize)]
-struct Hello {
-    token: String,
-    rank: usize,
-    world_size: usize,
-    host: String,
-    listen: SocketAddr,
+/// Longest line of the rendezvous protocol a rank accepts from a client (a hello is ~200 B).
+pub const MAX_HELLO_BYTES: usize = 16 << 10;
+/// Longest answer a rank accepts from rank 0 (the peer table: about 150 B per rank).
+const MAX_REPLY_BYTES: usize = 64 << 20;
+/// How long one connection may take to authenticate and say hello.
+const HELLO_DEADLINE: Duration = Duration::from_secs(10);
+/// Connections rank 0 serves at once; more are closed at once (a flood delays nobody).
+const MAX_PENDING: usize = 64;
+
+/// The settings every rank of a group must share; compared at the rendezvous.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub struct GroupSettings {
+    /// `ACCELERATE_SHM_SLOT_BYTES`.
+    pub shm_slot_bytes: u64,
+    /// `ACCELERATE_RING_SEGMENT_BYTES`.
+    pub segment_bytes: u64,
 }
 
-/// Rank 0's answer.
-#[derive(Debug, Clone, Serialize, Deserialize)]
-enum Reply {
+impl GroupSettings {
+    /// The first setting that differs, as (ours, theirs).
+    fn difference(&self, theirs: &Self) -> Option<(String, String)> {
+        let pair = |name: &str, a: u64, b: u64| {
+            (
+                format!("runs with {name}={a}"),
+                format!("runs with {name}={b}"),
+            )
+        };
+        if self.shm_slot_bytes != theirs.shm_slot_bytes {
+            return Some(pair(
+                crate::env_vars::SHM_SLOT_BYTES,
+                self.shm_slot_bytes,
+                theirs.shm_slot_bytes,
+            ));
+        }
+        if self.segment_bytes != theirs.segment_bytes {
+            return Some(pair(
+                crate::env_vars::RING_SEGMENT_BYTES,
+                self.segment_bytes,
+                theirs.segment_bytes,
+            ));
+        }
+        None
+    }
+}
+
+/// What one rank tells rank 0 once authenticated.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Hello {
+    /// Its rank.
+    pub rank: usize,
+    /// The world size it expects.
+    pub world_size: usize,
+    /// Its host identity.
+    pub host: String,
+    /// Where it accepts peer connections.
+    pub listen: SocketAddr,
+    /// Its settings.
+    pub settings: GroupSettings,
+}
+
+/// Rank 0's messages to a rank.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub enum Reply {
+    /// Open the shared-memory segment and check it holds this cookie (hex).
+    Probe {
+        /// Random bytes rank 0 wrote into the segment.
+        cookie: String,
+    },
+    /// The group formed.
     Welcome {
+        /// Every rank, in rank order.
         peers: Vec<PeerInfo>,
+        /// Whether the group uses shared memory.
         shared_memory: bool,
     },
+    /// The group will not form, or not with this rank.
     Refused {
+        /// Why, with a hint.
         reason: String,
     },
+    /// Ranks differ in a setting they must share.
+    Mismatch {
+        /// The rank whose setting differs from rank 0's.
+        rank: usize,
+        /// Rank 0's side.
+        rank0: String,
+        /// That rank's side.
+        theirs: String,
+    },
+}
+
+/// A rank's answer to [`Reply::Probe`].
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ProbeResult {
+    /// `None` when the segment is there and holds the cookie; else why not.
+    pub failure: Option<String>,
 }
 
 /// Another member of the group, as the rendezvous reported it.
@@ -49,6 +134,17 @@ pub struct PeerInfo {
     pub listen: SocketAddr,
 }
 
+/// How the rendezvous sets up and checks shared memory, supplied by the transport.
+pub trait SharedMemoryHooks {
+    /// Rank 0: creates the group's segment, with its space reserved, and returns the random
+    /// cookie written into it.
+    fn create(&self, token: &[u8]) -> Result<[u8; 16], CommError>;
+    /// Other ranks: `None` when this rank sees rank 0's segment holding `cookie`, else why not.
+    fn check(&self, token: &[u8], cookie: &[u8; 16]) -> Option<String>;
+    /// Rank 0: removes the segment (the group will not use it, or failed).
+    fn remove(&self, token: &[u8]);
+}
+
 /// Everything a rank needs to join.
 #[derive(Debug, Clone)]
 pub struct RendezvousConfig {
@@ -58,26 +154,30 @@ pub struct RendezvousConfig {
     pub rank: usize,
     /// Ranks expected.
     pub world_size: usize,
-    /// The job token every rank must present.
-    pub token: String,
+    /// The job secret every rank must prove it knows.
+    pub secret: JobSecret,
     /// Give up after this long.
     pub timeout: Duration,
     /// Whether shared memory may be used when every rank is on one host.
     pub allow_shared_memory: bool,
     /// Whether shared memory is required (an error when ranks span hosts).
     pub require_shared_memory: bool,
+    /// Settings every rank must share.
+    pub settings: GroupSettings,
 }
 
-/// The outcome: the peer table (indexed by rank), this rank's peer listener, and whether the
-/// group uses shared memory.
+/// The outcome: the peer table (indexed by rank), this rank's peer listener, whether the
+/// group uses shared memory, and the secret its links authenticate with.
 #[derive(Debug)]
 pub struct Rendezvous {
     /// Every rank, in rank order.
     pub peers: Vec<PeerInfo>,
     /// The listener this rank advertised (peers of the TCP transport connect to it).
     pub listener: TcpListener,
-    /// True when all ranks share a host and shared memory was allowed.
+    /// True when all ranks share a host and shared memory was allowed and works.
     pub shared_memory: bool,
+    /// The job secret.
+    pub token: Vec<u8>,
 }
 
 /// This machine's identity: the host name and the kernel's boot id.
@@ -93,6 +193,105 @@ pub fn host_identity() -> String {
         read("/proc/sys/kernel/random/boot_id")
     )
 }
+
+/// A connection with the bytes read past the last line.
+struct Conn {
+    stream: TcpStream,
+    pending: Vec<u8>,
+}
+
+impl Conn {
+    fn new(stream: TcpStream) -> Self {
+        Self {
+            stream,
+            pending: Vec::new(),
+        }
+    }
+
+    /// The next line, at most `max` bytes, complete before `deadline` however slowly it comes.
+    fn read_line(&mut self, deadline: Instant, max: usize) -> std::io::Result<Vec<u8>> {
+        self.stream.set_nonblocking(false)?;
+        loop {
+            if let Some(end) = self.pending.iter().position(|&b| b == b'\n') {
+                let rest = self.pending.split_off(end + 1);
+                let mut line = std::mem::replace(&mut self.pending, rest);
+                line.pop();
+                return Ok(line);
+            }
+            if self.pending.len() > max {
+                return Err(std::io::Error::new(
+                    ErrorKind::InvalidData,
+                    format!("a line longer than {max} bytes"),
+                ));
+            }
+            let left = deadline.saturating_duration_since(Instant::now());
+            if left.is_zero() {
+                return Err(std::io::Error::new(
+                    ErrorKind::TimedOut,
+                    "no complete line before the deadline",
+                ));
+            }
+            self.stream.set_read_timeout(Some(left))?;
+            let mut chunk = [0u8; 4096];
+            match self.stream.read(&mut chunk) {
+                Ok(0) => return Err(ErrorKind::UnexpectedEof.into()),
+                Ok(n) => self.pending.extend_from_slice(&chunk[..n]),
+                Err(e) if e.kind() == ErrorKind::Interrupted => {}
+                Err(e) if e.kind() == ErrorKind::WouldBlock => {}
+                Err(e) => return Err(e),
+            }
+        }
+    }
+
+    fn recv<T: for<'de> Deserialize<'de>>(
+        &mut self,
+        deadline: Instant,
+        max: usize,
+    ) -> std::io::Result<T> {
+        let line = self.read_line(deadline, max)?;
+        serde_json::from_slice(&line).map_err(|e| std::io::Error::new(ErrorKind::InvalidData, e))
+    }
+
+    fn send<T: Serialize>(&mut self, value: &T, deadline: Instant) -> std::io::Result<()> {
+        let mut line = serde_json::to_vec(value).map_err(std::io::Error::other)?;
+        line.push(b'\n');
+        self.stream.set_nonblocking(false)?;
+        let left = deadline.saturating_duration_since(Instant::now());
+        self.stream
+            .set_write_timeout(Some(left.max(Duration::from_millis(100))))?;
+        self.stream.write_all(&line)?;
+        self.stream.flush()
+    }
+}
+
+/// Decodes a hello line from a client (what rank 0 accepts; never panics).
+pub fn decode_hello(line: &[u8]) -> Result<Hello, String> {
+    if line.len() > MAX_HELLO_BYTES {
+        return Err(format!("a hello of {} bytes", line.len()));
+    }
+    serde_json::from_slice(line).map_err(|e| format!("not a hello: {e}"))
+}
+
+/// Decodes rank 0's reply and checks a peer table against the expected world size (what
+/// other ranks accept; never panics).
+pub fn decode_reply(line: &[u8], world_size: usize) -> Result<Reply, String> {
+    let reply: Reply = serde_json::from_slice(line).map_err(|e| format!("not a reply: {e}"))?;
+    if let Reply::Welcome { peers, .. } = &reply {
+        if peers.len() != world_size {
+            return Err(format!(
+                "a peer table of {} ranks for a group of {world_size}",
+                peers.len()
+            ));
+        }
+        if let Some((i, p)) = peers.iter().enumerate().find(|(i, p)| p.rank != *i) {
+            return Err(format!("entry {i} of the peer table is rank {}", p.rank));
+        }
+    }
+    Ok(reply)
+}
+
+/// A client that authenticated and said hello, or why a connection was dropped.
+type Arrival = Result<(Hello, Conn, SocketAddr), (SocketAddr, String)>;
 
 impl RendezvousConfig {
     fn err(&self, reason: impl Into<String>) -> CommError {
@@ -116,17 +315,23 @@ impl RendezvousConfig {
             .ok_or_else(|| self.err("the address resolves to nothing. hint: check MASTER_ADDR"))
     }
 
-    /// Joins the group; `on_shared_memory` runs on rank 0 before it answers, when the group
-    /// will use shared memory (to create the segment the others will open).
-    pub fn join(
-        &self,
-        on_shared_memory: impl FnOnce() -> Result<(), CommError>,
-    ) -> Result<Rendezvous, CommError> {
+    /// Joins the group; `shm` creates (rank 0) and checks (others) the shared-memory segment
+    /// when every rank is on one host.
+    pub fn join(&self, shm: &dyn SharedMemoryHooks) -> Result<Rendezvous, CommError> {
         let addr = self.resolve()?;
         if self.rank == 0 {
-            self.serve(addr, on_shared_memory)
+            let token = self.secret.create().map_err(|e| self.err(e.to_string()))?;
+            let served = self.serve(addr, &token, shm);
+            // The other ranks have read the secret by now, or never will.
+            self.secret.remove();
+            served.map(|(peers, listener, shared_memory)| Rendezvous {
+                peers,
+                listener,
+                shared_memory,
+                token,
+            })
         } else {
-            self.connect(addr)
+            self.connect(addr, shm)
         }
     }
 
@@ -135,11 +340,22 @@ impl RendezvousConfig {
             .map_err(|e| self.err(format!("cannot listen for peers on {ip}: {e}")))
     }
 
+    fn hello(&self, listen: SocketAddr) -> Hello {
+        Hello {
+            rank: self.rank,
+            world_size: self.world_size,
+            host: host_identity(),
+            listen,
+            settings: self.settings,
+        }
+    }
+
     fn serve(
         &self,
         addr: SocketAddr,
-        on_shared_memory: impl FnOnce() -> Result<(), CommError>,
-    ) -> Result<Rendezvous, CommError> {
+        token: &[u8],
+        shm: &dyn SharedMemoryHooks,
+    ) -> Result<(Vec<PeerInfo>, TcpListener, bool), CommError> {
         let store = TcpListener::bind(addr).map_err(|e| {
             self.err(format!(
                 "rank 0 cannot listen there: {e}. hint: MASTER_ADDR must be an address of rank 0's \
@@ -156,22 +372,17 @@ impl RendezvousConfig {
         tracing::info!(%addr, world_size = self.world_size, "rank 0 serves the rendezvous");
 
         let deadline = Instant::now() + self.timeout;
-        let mut hellos: Vec<Option<(Hello, Option<TcpStream>)>> =
+        let mut arrived: Vec<Option<(Hello, Option<Conn>)>> =
             (0..self.world_size).map(|_| None).collect();
-        hellos[0] = Some((
-            Hello {
-                token: self.token.clone(),
-                rank: 0,
-                world_size: self.world_size,
-                host: host_identity(),
-                listen,
-            },
-            None,
-        ));
+        arrived[0] = Some((self.hello(listen), None));
         let mut refused: Vec<String> = Vec::new();
-        while hellos.iter().any(Option::is_none) {
+        let mut dropped = 0usize;
+        let (arrivals, incoming) = mpsc::channel::<Arrival>();
+        let pending = Arc::new(AtomicUsize::new(0));
+        let token: Arc<[u8]> = Arc::from(token);
+        while arrived.iter().any(Option::is_none) {
             if Instant::now() >= deadline {
-                let missing: Vec<String> = hellos
+                let missing: Vec<String> = arrived
                     .iter()
                     .enumerate()
                     .filter(|(_, h)| h.is_none())
@@ -185,79 +396,73 @@ impl RendezvousConfig {
                 if !refused.is_empty() {
                     reason.push_str(&format!("; refused: {}", refused.join("; ")));
                 }
+                if dropped > 0 {
+                    reason.push_str(&format!(
+                        "; {dropped} connections failed to authenticate (a different \
+                         {} or not an accelerate-rs rank)",
+                        crate::env_vars::JOB_TOKEN
+                    ));
+                }
                 reason.push_str(
-                    ". hint: start every rank with the same MASTER_ADDR, MASTER_PORT and \
-                     WORLD_SIZE, or raise ACCELERATE_RENDEZVOUS_TIMEOUT",
+                    ". hint: start every rank with the same MASTER_ADDR, MASTER_PORT, WORLD_SIZE \
+                     and job token, or raise ACCELERATE_RENDEZVOUS_TIMEOUT",
                 );
-                refuse_all(&mut hellos, &reason);
+                self.refuse_all(
+                    &mut arrived,
+                    &Reply::Refused {
+                        reason: reason.clone(),
+                    },
+                );
                 return Err(self.err(reason));
             }
-            let (stream, peer_addr) = match store.accept() {
-                Ok(conn) => conn,
-                Err(e) if e.kind() == ErrorKind::WouldBlock => {
-                    std::thread::sleep(Duration::from_millis(5));
-                    continue;
-                }
-                Err(e) => return Err(self.err(format!("accepting a rank: {e}"))),
-            };
-            let mut stream = stream;
-            let hello: Hello =
-                match read_line(&mut stream, Instant::now() + Duration::from_secs(10)) {
-                    Ok(hello) => hello,
-                    Err(e) => {
-                        refused.push(format!(
-                            "a connection from {peer_addr} sent no valid hello ({e})"
-                        ));
-                        continue;
+            self.accept_all(&store, &arrivals, &pending, &token, deadline);
+            match incoming.recv_timeout(Duration::from_millis(5)) {
+                Ok(Ok((hello, conn, from))) => {
+                    if let Some((rank0, theirs)) = self.settings.difference(&hello.settings) {
+                        let rank = hello.rank;
+                        let mut conn = conn;
+                        let mismatch = Reply::Mismatch {
+                            rank,
+                            rank0: rank0.clone(),
+                            theirs: theirs.clone(),
+                        };
+                        let _ = conn.send(&mismatch, Instant::now() + Duration::from_secs(1));
+                        self.refuse_all(&mut arrived, &mismatch);
+                        return Err(CommError::Mismatch {
+                            rank: 0,
+                            ours: rank0,
+                            peer: rank,
+                            theirs,
+                        });
                     }
-                };
-            let refusal = if hello.token != self.token {
-                Some(format!(
-                    "job token mismatch for rank {} from {peer_addr}. hint: every rank must have \
-                     the same ACCELERATE_JOB_TOKEN (accelerate launch sets it)",
-                    hello.rank
-                ))
-            } else if hello.world_size != self.world_size {
-                Some(format!(
-                    "rank {} from {peer_addr} expects a world size of {}, rank 0 expects {}",
-                    hello.rank, hello.world_size, self.world_size
-                ))
-            } else if hello.rank >= self.world_size || hello.rank == 0 {
-                Some(format!(
-                    "rank {} from {peer_addr} is not a valid rank of a group of {}",
-                    hello.rank, self.world_size
-                ))
-            } else if hellos[hello.rank].is_some() {
-                Some(format!(
-                    "rank {} arrived twice (again from {peer_addr}). hint: give every process a \
-                     distinct RANK",
-                    hello.rank
-                ))
-            } else {
-                None
-            };
-            match refusal {
-                Some(reason) => {
-                    let _ = send_line(
-                        &mut stream,
-                        &Reply::Refused {
-                            reason: reason.clone(),
-                        },
-                    );
-                    tracing::warn!("rendezvous refused: {reason}");
-                    refused.push(reason);
+                    match self.check_hello(&hello, &arrived, from) {
+                        Some(reason) => {
+                            let mut conn = conn;
+                            let reply = Reply::Refused {
+                                reason: reason.clone(),
+                            };
+                            let _ = conn.send(&reply, Instant::now() + Duration::from_secs(1));
+                            tracing::warn!("rendezvous refused: {reason}");
+                            refused.push(reason);
+                        }
+                        None => {
+                            let rank = hello.rank;
+                            arrived[rank] = Some((hello, Some(conn)));
+                        }
+                    }
                 }
-                None => {
-                    let rank = hello.rank;
-                    hellos[rank] = Some((hello, Some(stream)));
+                Ok(Err((from, why))) => {
+                    dropped += 1;
+                    tracing::debug!(%from, "rendezvous connection dropped: {why}");
                 }
+                Err(_) => {}
             }
         }
 
+        let hellos: Vec<&Hello> = arrived.iter().flatten().map(|(h, _)| h).collect();
         let peers: Vec<PeerInfo> = hellos
             .iter()
-            .flatten()
-            .map(|(h, _)| PeerInfo {
+            .map(|h| PeerInfo {
                 rank: h.rank,
                 host: h.host.clone(),
                 listen: h.listen,
@@ -268,61 +473,224 @@ impl RendezvousConfig {
             let reason = "shared memory was requested (ACCELERATE_TRANSPORT=shm) but the ranks \
                           span several hosts. hint: use ACCELERATE_TRANSPORT=auto or tcp"
                 .to_string();
-            refuse_all(&mut hellos, &reason);
+            self.refuse_all(
+                &mut arrived,
+                &Reply::Refused {
+                    reason: reason.clone(),
+                },
+            );
             return Err(self.err(reason));
         }
-        let mut shared_memory = one_host && self.allow_shared_memory;
-        if shared_memory && let Err(e) = on_shared_memory() {
-            if self.require_shared_memory {
-                refuse_all(
-                    &mut hellos,
-                    &format!("rank 0 could not create the shared memory segment: {e}"),
-                );
-                return Err(e);
+        let shared_memory = if one_host && self.allow_shared_memory {
+            match self.probe_shared_memory(&mut arrived, &token, shm, deadline) {
+                Ok(()) => true,
+                Err(why) if self.require_shared_memory => {
+                    shm.remove(&token);
+                    let reason =
+                        format!("shared memory was requested (ACCELERATE_TRANSPORT=shm) but {why}");
+                    self.refuse_all(
+                        &mut arrived,
+                        &Reply::Refused {
+                            reason: reason.clone(),
+                        },
+                    );
+                    return Err(self.err(reason));
+                }
+                Err(why) => {
+                    shm.remove(&token);
+                    // Automatic choice: TCP works wherever shared memory does not.
+                    tracing::warn!("shared memory unavailable ({why}); the group uses TCP");
+                    false
+                }
             }
-            // Automatic choice: TCP works wherever shared memory does not.
-            tracing::warn!("shared memory unavailable ({e}); the group uses TCP");
-            shared_memory = false;
-        }
+        } else {
+            false
+        };
         let welcome = Reply::Welcome {
             peers: peers.clone(),
             shared_memory,
         };
-        for (hello, stream) in hellos.iter_mut().flatten() {
-            if let Some(stream) = stream {
-                send_line(stream, &welcome)
-                    .map_err(|e| self.err(format!("answering rank {}: {e}", hello.rank)))?;
+        let answer_by = Instant::now() + HELLO_DEADLINE;
+        for (hello, conn) in arrived.iter_mut().flatten() {
+            if let Some(conn) = conn
+                && let Err(e) = conn.send(&welcome, answer_by)
+            {
+                if shared_memory {
+                    shm.remove(&token);
+                }
+                return Err(self.err(format!("answering rank {}: {e}", hello.rank)));
             }
         }
-        Ok(Rendezvous {
-            peers,
-            listener,
-            shared_memory,
-        })
+        Ok((peers, listener, shared_memory))
     }
 
-    fn connect(&self, addr: SocketAddr) -> Result<Rendezvous, CommError> {
+    /// Accepts every waiting connection, each served on its own thread.
+    fn accept_all(
+        &self,
+        store: &TcpListener,
+        arrivals: &Sender<Arrival>,
+        pending: &Arc<AtomicUsize>,
+        token: &Arc<[u8]>,
+        deadline: Instant,
+    ) {
+        loop {
+            let (stream, from) = match store.accept() {
+                Ok(conn) => conn,
+                Err(e) if e.kind() == ErrorKind::WouldBlock => return,
+                Err(e) => {
+                    tracing::debug!("accepting a rendezvous connection failed: {e}");
+                    return;
+                }
+            };
+            if pending.load(Ordering::Acquire) >= MAX_PENDING {
+                tracing::debug!(%from, "too many connections in flight; closed");
+                continue;
+            }
+            pending.fetch_add(1, Ordering::AcqRel);
+            let (arrivals, in_flight, token) = (arrivals.clone(), pending.clone(), token.clone());
+            let by = deadline.min(Instant::now() + HELLO_DEADLINE);
+            let spawned = std::thread::Builder::new()
+                .name("accelerate-rendezvous-conn".into())
+                .spawn(move || {
+                    let arrival = greet(stream, &token, by)
+                        .map(|(hello, conn)| (hello, conn, from))
+                        .map_err(|why| (from, why));
+                    in_flight.fetch_sub(1, Ordering::AcqRel);
+                    let _ = arrivals.send(arrival);
+                });
+            if spawned.is_err() {
+                pending.fetch_sub(1, Ordering::AcqRel);
+            }
+        }
+    }
+
+    /// Why an authenticated hello is refused, if it is.
+    fn check_hello(
+        &self,
+        hello: &Hello,
+        arrived: &[Option<(Hello, Option<Conn>)>],
+        from: SocketAddr,
+    ) -> Option<String> {
+        if hello.world_size != self.world_size {
+            Some(format!(
+                "rank {} from {from} expects a world size of {}, rank 0 expects {}",
+                hello.rank, hello.world_size, self.world_size
+            ))
+        } else if hello.rank >= self.world_size || hello.rank == 0 {
+            Some(format!(
+                "rank {} from {from} is not a valid rank of a group of {}",
+                hello.rank, self.world_size
+            ))
+        } else if arrived[hello.rank].is_some() {
+            Some(format!(
+                "rank {} arrived twice (again from {from}). hint: give every process a distinct \
+                 RANK",
+                hello.rank
+            ))
+        } else {
+            None
+        }
+    }
+
+    /// Creates the segment and asks every rank whether it sees it: hosts that share a name and
+    /// boot id (containers) may still have separate `/dev/shm`s.
+    fn probe_shared_memory(
+        &self,
+        arrived: &mut [Option<(Hello, Option<Conn>)>],
+        token: &[u8],
+        shm: &dyn SharedMemoryHooks,
+        deadline: Instant,
+    ) -> Result<(), String> {
+        let cookie = shm.create(token).map_err(|e| e.to_string())?;
+        let probe = Reply::Probe {
+            cookie: super::secret::hex(&cookie),
+        };
+        let by = deadline.max(Instant::now() + HELLO_DEADLINE);
+        for (hello, conn) in arrived.iter_mut().flatten() {
+            let Some(conn) = conn else { continue };
+            let answer = conn
+                .send(&probe, by)
+                .and_then(|()| conn.recv::<ProbeResult>(by, MAX_HELLO_BYTES));
+            match answer {
+                Ok(ProbeResult { failure: None }) => {}
+                Ok(ProbeResult { failure: Some(why) }) => {
+                    return Err(format!("rank {} cannot use it: {why}", hello.rank));
+                }
+                Err(e) => return Err(format!("rank {} did not answer the probe: {e}", hello.rank)),
+            }
+        }
+        Ok(())
+    }
+
+    /// Tells every rank that already said hello that the group will not form, and why.
+    fn refuse_all(&self, arrived: &mut [Option<(Hello, Option<Conn>)>], reply: &Reply) {
+        let by = Instant::now() + Duration::from_secs(1);
+        for conn in arrived.iter_mut().flatten().filter_map(|(_, c)| c.as_mut()) {
+            let _ = conn.send(reply, by);
+        }
+    }
+
+    fn connect(
+        &self,
+        addr: SocketAddr,
+        shm: &dyn SharedMemoryHooks,
+    ) -> Result<Rendezvous, CommError> {
         let deadline = Instant::now() + self.timeout;
         let mut last_error = String::from("no attempt");
-        let mut stream = loop {
+        let (mut conn, token) = loop {
             let left = deadline.saturating_duration_since(Instant::now());
             if left.is_zero() {
                 return Err(self.err(format!(
-                    "timed out after {:.1} s: rank 0 never answered (last error: {last_error}). \
-                     hint: start rank 0, check MASTER_ADDR/MASTER_PORT and the firewall, or raise \
-                     ACCELERATE_RENDEZVOUS_TIMEOUT",
+                    "timed out after {:.1} s: rank 0 never accepted this rank (last error: \
+                     {last_error}). hint: start rank 0, check MASTER_ADDR/MASTER_PORT, the \
+                     firewall and the job token, or raise ACCELERATE_RENDEZVOUS_TIMEOUT",
                     self.timeout.as_secs_f64()
                 )));
             }
-            match TcpStream::connect_timeout(&addr, left.min(Duration::from_secs(2))) {
-                Ok(stream) => break stream,
+            let retry = Duration::from_millis(50).min(left);
+            let token = match self.secret.current() {
+                Ok(Some(token)) => token,
+                Ok(None) => {
+                    last_error = format!("rank 0 has not written {} yet", self.secret.describe());
+                    std::thread::sleep(retry);
+                    continue;
+                }
+                Err(e) => return Err(self.err(e.to_string())),
+            };
+            let mut stream =
+                match TcpStream::connect_timeout(&addr, left.min(Duration::from_secs(2))) {
+                    Ok(stream) => stream,
+                    Err(e) => {
+                        last_error = e.to_string();
+                        std::thread::sleep(retry);
+                        continue;
+                    }
+                };
+            let claim = Claim {
+                purpose: Purpose::Rendezvous,
+                rank: u32::try_from(self.rank).unwrap_or(u32::MAX),
+                world_size: u32::try_from(self.world_size).unwrap_or(u32::MAX),
+            };
+            let by = deadline.min(Instant::now() + HELLO_DEADLINE);
+            match auth::join(&mut stream, &token, claim, by) {
+                Ok(()) => break (Conn::new(stream), token),
+                Err(AuthError::BadProof) if !self.secret.may_change() => {
+                    return Err(self.err(format!(
+                        "rank 0 did not accept this rank's job token, or the server at {addr} \
+                         is not this job's rank 0. hint: every rank must have the same {}",
+                        crate::env_vars::JOB_TOKEN
+                    )));
+                }
                 Err(e) => {
-                    last_error = e.to_string();
-                    std::thread::sleep(Duration::from_millis(50).min(left));
+                    // A stale secret file from an earlier job, or a server that is not ours
+                    // (yet): try again until the deadline.
+                    last_error = format!("authentication: {e}");
+                    std::thread::sleep(retry);
                 }
             }
         };
-        let local_ip = stream
+        let local_ip = conn
+            .stream
             .local_addr()
             .map_err(|e| self.err(format!("local address: {e}")))?
             .ip();
@@ -330,70 +698,124 @@ impl RendezvousConfig {
         let listen = listener
             .local_addr()
             .map_err(|e| self.err(format!("peer listener: {e}")))?;
-        let hello = Hello {
-            token: self.token.clone(),
-            rank: self.rank,
-            world_size: self.world_size,
-            host: host_identity(),
-            listen,
-        };
-        send_line(&mut stream, &hello).map_err(|e| self.err(format!("sending hello: {e}")))?;
+        conn.send(&self.hello(listen), deadline)
+            .map_err(|e| self.err(format!("sending hello: {e}")))?;
         // Rank 0 answers once every rank arrived, or when its own timeout expires; allow a
         // little more so that its explanation, not ours, is what we report.
-        let reply: Reply =
-            read_line(&mut stream, deadline + Duration::from_secs(5)).map_err(|e| {
+        let answer_by = deadline + Duration::from_secs(5);
+        loop {
+            let line = conn.read_line(answer_by, MAX_REPLY_BYTES).map_err(|e| {
                 self.err(format!(
                     "rank 0 accepted this rank but gave no answer ({e}). hint: another rank is \
-                 probably missing"
+                     probably missing"
                 ))
             })?;
-        match reply {
-            Reply::Welcome {
-                peers,
-                shared_memory,
-            } => Ok(Rendezvous {
-                peers,
-                listener,
-                shared_memory,
-            }),
-            Reply::Refused { reason } => Err(self.err(format!("rank 0 refused: {reason}"))),
+            let reply = decode_reply(&line, self.world_size)
+                .map_err(|e| self.err(format!("rank 0's answer is invalid: {e}")))?;
+            match reply {
+                Reply::Probe { cookie } => {
+                    let failure = match parse_cookie(&cookie) {
+                        Some(cookie) => shm.check(&token, &cookie),
+                        None => Some("a malformed cookie".into()),
+                    };
+                    conn.send(&ProbeResult { failure }, answer_by)
+                        .map_err(|e| self.err(format!("answering the probe: {e}")))?;
+                }
+                Reply::Welcome {
+                    peers,
+                    shared_memory,
+                } => {
+                    return Ok(Rendezvous {
+                        peers,
+                        listener,
+                        shared_memory,
+                        token,
+                    });
+                }
+                Reply::Refused { reason } => {
+                    return Err(self.err(format!("rank 0 refused: {reason}")));
+                }
+                Reply::Mismatch {
+                    rank,
+                    rank0,
+                    theirs,
+                } => {
+                    return Err(if rank == self.rank {
+                        CommError::Mismatch {
+                            rank,
+                            ours: theirs,
+                            peer: 0,
+                            theirs: rank0,
+                        }
+                    } else {
+                        CommError::Mismatch {
+                            rank: self.rank,
+                            ours: rank0,
+                            peer: rank,
+                            theirs,
+                        }
+                    });
+                }
+            }
         }
     }
 }
 
-/// Tells every rank that already said hello that the group will not form, and why.
-fn refuse_all(hellos: &mut [Option<(Hello, Option<TcpStream>)>], reason: &str) {
-    for stream in hellos.iter_mut().flatten().filter_map(|(_, s)| s.as_mut()) {
-        let refused = Reply::Refused {
-            reason: reason.to_string(),
+fn parse_cookie(hex: &str) -> Option<[u8; 16]> {
+    if hex.len() != 32 || !hex.is_ascii() {
+        return None;
+    }
+    let mut out = [0u8; 16];
+    for (i, byte) in out.iter_mut().enumerate() {
+        *byte = u8::from_str_radix(&hex[2 * i..2 * i + 2], 16).ok()?;
+    }
+    Some(out)
+}
+
+/// Authenticates a new connection and reads its hello, all before `by`.
+fn greet(stream: TcpStream, token: &[u8], by: Instant) -> Result<(Hello, Conn), String> {
+    let mut stream = stream;
+    let claim = auth::serve(&mut stream, token, by).map_err(|e| e.to_string())?;
+    if claim.purpose != Purpose::Rendezvous {
+        return Err("a peer-link handshake sent to the rendezvous".into());
+    }
+    let mut conn = Conn::new(stream);
+    let line = conn
+        .read_line(by, MAX_HELLO_BYTES)
+        .map_err(|e| format!("no hello: {e}"))?;
+    let hello = decode_hello(&line)?;
+    // The claim was authenticated; the hello must agree with it.
+    if u32::try_from(hello.rank).ok() != Some(claim.rank)
+        || u32::try_from(hello.world_size).ok() != Some(claim.world_size)
+    {
+        return Err("the hello contradicts the authenticated claim".into());
+    }
+    Ok((hello, conn))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn replies_with_a_wrong_peer_table_are_refused() {
+        let peer = |rank| PeerInfo {
+            rank,
+            host: "h".into(),
+            listen: "127.0.0.1:1".parse().unwrap(),
         };
-        let _ = send_line(stream, &refused);
+        let line = |peers| {
+            serde_json::to_vec(&Reply::Welcome {
+                peers,
+                shared_memory: false,
+            })
+            .unwrap()
+        };
+        assert!(decode_reply(&line(vec![peer(0), peer(1)]), 2).is_ok());
+        assert!(decode_reply(&line(vec![peer(0)]), 2).is_err());
+        assert!(decode_reply(&line(vec![peer(1), peer(0)]), 2).is_err());
+        assert!(decode_reply(b"{", 2).is_err());
+        assert_eq!(parse_cookie(&"ab".repeat(16)), Some([0xab; 16]));
+        assert_eq!(parse_cookie("zz"), None);
     }
-}
-
-fn send_line<T: Serialize>(stream: &mut TcpStream, value: &T) -> std::io::Result<()> {
-    let mut line = serde_json::to_vec(value).map_err(std::io::Error::other)?;
-    line.push(b'\n');
-    stream.set_nonblocking(false)?;
-    stream.write_all(&line)?;
-    stream.flush()
-}
-
-fn read_line<T: for<'de> Deserialize<'de>>(
-    stream: &mut TcpStream,
-    deadline: Instant,
-) -> std::io::Result<T> {
-    stream.set_nonblocking(false)?;
-    let left = deadline.saturating_duration_since(Instant::now());
-    stream.set_read_timeout(Some(left.max(Duration::from_millis(1))))?;
-    let mut line = String::new();
-    let mut reader = BufReader::new(&*stream);
-    let n = reader.read_line(&mut line)?;
-    if n == 0 {
-        return Err(std::io::Error::new(
-            ErrorKind::UnexpectedEof,
-            "connection closed",
-        ));
-    }
-    serde_json::from_str(&line).map_err(|e| std::io::Error::new(ErrorKind::InvalidData, e))
 }

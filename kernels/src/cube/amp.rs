@@ -3,7 +3,7 @@
 
 use cubecl::prelude::*;
 
-use super::{Client, Handle, ServerError, grid};
+use super::{Client, Handle, ServerError, buffer, grid};
 
 const EXPONENT: u32 = 0x7f80_0000;
 
@@ -61,18 +61,15 @@ pub fn unscale_and_flag(
         return;
     }
     let (count, dim) = grid(client, len);
-    // SAFETY: the handles are buffers of `len` f32 values and of one u32, as the lengths say;
-    // the kernel checks every index against them.
-    unsafe {
-        unscale_and_flag_kernel::launch(
-            client,
-            count,
-            dim,
-            BufferArg::from_raw_parts(values, len),
-            inv_scale,
-            BufferArg::from_raw_parts(flag.handle.clone(), 1),
-        );
-    }
+    // `buffer` checks each handle against its length; the kernel stays below them.
+    unscale_and_flag_kernel::launch(
+        client,
+        count,
+        dim,
+        buffer(values, len, "unscale_and_flag values"),
+        inv_scale,
+        buffer(flag.handle.clone(), 1, "non-finite flag"),
+    );
 }
 
 /// [`unscale_and_flag`] over one buffer, waiting for the answer: true when any value is not

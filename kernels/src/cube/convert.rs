@@ -4,7 +4,7 @@
 
 use cubecl::prelude::*;
 
-use super::{Client, Handle, grid};
+use super::{Client, Handle, buffer, grid};
 
 /// Which 16-bit float a packed buffer holds.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
@@ -149,19 +149,16 @@ pub fn narrow_to_half(
         return output;
     }
     let (count, dim) = grid(client, words);
-    // SAFETY: `values` holds `len` f32 values and `output` `words` u32 words, as the lengths
-    // say; the kernel checks every index against them.
-    unsafe {
-        narrow_kernel::launch(
-            client,
-            count,
-            dim,
-            BufferArg::from_raw_parts(values, len),
-            BufferArg::from_raw_parts(output.clone(), words),
-            scale,
-            half == Half::Bf16,
-        );
-    }
+    // `buffer` checks each handle against its length; the kernel stays below them.
+    narrow_kernel::launch(
+        client,
+        count,
+        dim,
+        buffer(values, len, "narrow_to_half values"),
+        buffer(output.clone(), words, "narrow_to_half output"),
+        scale,
+        half == Half::Bf16,
+    );
     output
 }
 
@@ -174,17 +171,14 @@ pub fn widen_from_half(client: &Client, packed: Handle, len: usize, half: Half) 
         return output;
     }
     let (count, dim) = grid(client, words);
-    // SAFETY: `packed` holds `words` u32 words and `output` `len` f32 values, as the lengths
-    // say; the kernel checks every index against them.
-    unsafe {
-        widen_kernel::launch(
-            client,
-            count,
-            dim,
-            BufferArg::from_raw_parts(packed, words),
-            BufferArg::from_raw_parts(output.clone(), len),
-            half == Half::Bf16,
-        );
-    }
+    // `buffer` checks each handle against its length; the kernel stays below them.
+    widen_kernel::launch(
+        client,
+        count,
+        dim,
+        buffer(packed, words, "widen_from_half packed halves"),
+        buffer(output.clone(), len, "widen_from_half output"),
+        half == Half::Bf16,
+    );
     output
 }

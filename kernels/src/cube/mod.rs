@@ -44,6 +44,24 @@ pub use cubecl::server::{Handle, ServerError};
 
 use cubecl::prelude::*;
 
+/// `handle` as a kernel argument of `len` 4-byte elements (f32 or u32 words), after checking
+/// that the buffer really holds that many: a wrong length is the caller's bug, and it stops
+/// here with a panic naming the buffer instead of letting a kernel read or write past it.
+fn buffer(handle: Handle, len: usize, what: &str) -> BufferArg {
+    let needed = (len as u64).saturating_mul(4);
+    assert!(
+        handle.size_in_used() >= needed,
+        "{what}: a buffer of {} bytes passed for {len} elements ({needed} bytes)",
+        handle.size_in_used()
+    );
+    // SAFETY: the handle holds at least `len` 4-byte elements (checked above), and every
+    // kernel of this module indexes its buffers below the lengths they are bound with.
+    #[allow(unsafe_code)]
+    unsafe {
+        BufferArg::from_raw_parts(handle, len)
+    }
+}
+
 /// The launch grid for `work` independent units, one per thread.
 fn grid(client: &Client, work: usize) -> (CubeCount, CubeDim) {
     let dim = CubeDim::new(client, work);

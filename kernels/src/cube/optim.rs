@@ -8,7 +8,7 @@
 
 use cubecl::prelude::*;
 
-use super::{Client, Handle, grid};
+use super::{Client, Handle, buffer, grid};
 use crate::optim::{AdamConstants, AdamHyper, SgdHyper};
 
 #[allow(clippy::too_many_arguments)]
@@ -142,17 +142,16 @@ pub struct FlatBuffers {
 
 impl FlatBuffers {
     fn arg(&self, handle: &Handle) -> BufferArg {
-        // SAFETY: every buffer of a `FlatBuffers` holds `len` f32 values (the caller's
-        // contract); the kernels index `start..start + count`, checked by `segment`.
-        unsafe { BufferArg::from_raw_parts(handle.clone(), self.len) }
+        // The kernels index `start..start + count`, checked against `len` by `segment`.
+        buffer(handle.clone(), self.len, "fused update buffer")
     }
 
     /// A placeholder for a state buffer the kernel does not touch: a distinct buffer, because
     /// a buffer bound twice for writing is invalid on some runtimes.
     fn unused(client: &Client) -> BufferArg {
         let handle = client.empty(4);
-        // SAFETY: one f32 of storage; the kernel never indexes it (its comptime flag is off).
-        unsafe { BufferArg::from_raw_parts(handle, 1) }
+        // One f32 of storage; the kernel never indexes it (its comptime flag is off).
+        buffer(handle, 1, "unused state")
     }
 
     fn segment(&self, start: usize, count: usize) -> (u32, u32) {

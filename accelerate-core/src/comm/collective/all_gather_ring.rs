@@ -39,11 +39,13 @@ impl<L: Link> MessageEngine<L> {
         let len = work.len();
         for step in 0..n - 1 {
             let (send, recv) = ring_all_gather_step(rank, n, step);
+            let expect = chunk_bytes(len, elem, n, recv).len();
             let incoming = self.exchange(
                 call,
                 right,
                 &work[chunk_bytes(len, elem, n, send)],
                 left,
+                expect,
                 deadline,
             )?;
             work[chunk_bytes(len, elem, n, recv)].copy_from_slice(&incoming);

@@ -24,16 +24,16 @@ impl<L: Link> MessageEngine<L> {
         match recursive_doubling(self.rank(), self.world_size()) {
             DoublingRole::Folded { partner } => {
                 self.send(partner, call, buf)?;
-                let result = self.recv(partner, call, deadline)?;
+                let result = self.recv(partner, call, buf.len(), deadline)?;
                 buf.copy_from_slice(&result);
             }
             DoublingRole::Active { folded, rounds } => {
                 if let Some(folded) = folded {
-                    let theirs = self.recv(folded, call, deadline)?;
+                    let theirs = self.recv(folded, call, buf.len(), deadline)?;
                     reduce_bytes(dtype, op, buf, &theirs);
                 }
                 for peer in rounds {
-                    let theirs = self.exchange(call, peer, buf, peer, deadline)?;
+                    let theirs = self.exchange(call, peer, buf, peer, buf.len(), deadline)?;
                     reduce_bytes(dtype, op, buf, &theirs);
                 }
                 if let Some(factor) = scale {

@@ -17,6 +17,7 @@ impl<L: Link> MessageEngine<L> {
                 (rank + distance) % n,
                 &[],
                 (rank + n - distance) % n,
+                0,
                 deadline,
             )?;
             distance *= 2;

@@ -18,7 +18,7 @@ impl<L: Link> MessageEngine<L> {
         let (parent, children) = binomial_tree(self.rank(), root, self.world_size());
         if let Some(parent) = parent {
             let deadline = self.deadline();
-            let data = self.recv(parent, call, deadline)?;
+            let data = self.recv(parent, call, buf.len(), deadline)?;
             buf.copy_from_slice(&data);
         }
         for child in children {

@@ -10,6 +10,9 @@ use crate::comm::engine::Engine;
 use crate::comm::link::{Link, LinkError};
 use crate::error::CommError;
 
+/// Longest abort reason read from a peer, in bytes.
+const MAX_ABORT_BYTES: usize = 64 << 10;
+
 /// Which all-reduce algorithm the message engine uses.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum AllReduceAlgorithm {
@@ -92,48 +95,81 @@ impl<L: Link> MessageEngine<L> {
             .map_err(|e| self.link_error(call, peer, e, Instant::now()))
     }
 
-    /// The next message from `peer`, which must belong to `call`.
+    /// The next message from `peer`, which must belong to `call` and carry `expect` bytes.
+    /// Every field of the header is checked before anything is allocated for the payload.
     pub(super) fn recv(
         &mut self,
         peer: usize,
         call: &CallDesc,
+        expect: usize,
         deadline: Instant,
     ) -> Result<Vec<u8>, CommError> {
         let started = deadline - self.timeout;
-        let (header, payload) = self
+        let lost = |this: &Self, e| this.link_error(call, peer, e, started);
+        let header = self
             .link
-            .recv(peer, deadline)
-            .map_err(|e| self.link_error(call, peer, e, started))?;
+            .recv_header(peer, deadline)
+            .map_err(|e| lost(self, e))?;
+        if header.sender as usize != peer {
+            return Err(lost(
+                self,
+                LinkError::Lost(format!(
+                    "its message claims to come from rank {}",
+                    header.sender
+                )),
+            ));
+        }
         if header.call.op == OpKind::Abort {
+            let reason = match usize::try_from(header.payload_len) {
+                Ok(len) if len <= MAX_ABORT_BYTES => {
+                    let bytes = self
+                        .link
+                        .recv_payload(peer, len, deadline)
+                        .map_err(|e| lost(self, e))?;
+                    String::from_utf8_lossy(&bytes).into_owned()
+                }
+                _ => format!("(a reason of {} bytes, not read)", header.payload_len),
+            };
             return Err(CommError::PeerFailed {
                 call: call.to_string(),
                 rank: self.rank(),
-                peer: header.sender as usize,
-                reason: String::from_utf8_lossy(&payload).into_owned(),
+                peer,
+                reason,
             });
         }
         if header.call != *call {
             return Err(CommError::Mismatch {
                 rank: self.rank(),
-                ours: call.to_string(),
+                ours: format!("called {call}"),
                 peer,
-                theirs: header.call.to_string(),
+                theirs: format!("called {}", header.call),
             });
         }
-        Ok(payload)
+        if header.payload_len != expect as u64 {
+            return Err(CommError::Mismatch {
+                rank: self.rank(),
+                ours: format!("expects {expect} bytes of {call} from it"),
+                peer,
+                theirs: format!("sent {} bytes", header.payload_len),
+            });
+        }
+        self.link
+            .recv_payload(peer, expect, deadline)
+            .map_err(|e| lost(self, e))
     }
 
-    /// Sends `payload` to `to`, then receives from `from`.
+    /// Sends `payload` to `to`, then receives `expect` bytes from `from`.
     pub(super) fn exchange(
         &mut self,
         call: &CallDesc,
         to: usize,
         payload: &[u8],
         from: usize,
+        expect: usize,
         deadline: Instant,
     ) -> Result<Vec<u8>, CommError> {
         self.send(to, call, payload)?;
-        self.recv(from, call, deadline)
+        self.recv(from, call, expect, deadline)
     }
 
     fn link_error(

@@ -45,11 +45,13 @@ impl<L: Link> MessageEngine<L> {
         let (len, elem) = (work.len(), dtype.size());
         for step in 0..n - 1 {
             let (send, recv) = ring_reduce_scatter_step(rank, n, step);
+            let expect = chunk_bytes(len, elem, n, recv).len();
             let incoming = self.exchange(
                 call,
                 right,
                 &work[chunk_bytes(len, elem, n, send)],
                 left,
+                expect,
                 deadline,
             )?;
             reduce_bytes(

@@ -14,6 +14,8 @@ pub struct LocalLink {
     rank: usize,
     to: Vec<Sender<Message>>,
     from: Vec<Receiver<Message>>,
+    /// The payload of the last header received from each peer.
+    pending: Vec<Vec<u8>>,
 }
 
 impl LocalLink {
@@ -37,6 +39,7 @@ impl LocalLink {
                 rank,
                 to,
                 from: from.into_iter().flatten().collect(),
+                pending: vec![Vec::new(); world_size],
             })
             .collect()
     }
@@ -61,11 +64,29 @@ impl Link for LocalLink {
             .map_err(|_| LinkError::Lost("its thread ended".into()))
     }
 
-    fn recv(&mut self, peer: usize, deadline: Instant) -> Result<(Header, Vec<u8>), LinkError> {
+    fn recv_header(&mut self, peer: usize, deadline: Instant) -> Result<Header, LinkError> {
         let left = deadline.saturating_duration_since(Instant::now());
-        self.from[peer].recv_timeout(left).map_err(|e| match e {
+        let (header, payload) = self.from[peer].recv_timeout(left).map_err(|e| match e {
             RecvTimeoutError::Timeout => LinkError::Timeout,
             RecvTimeoutError::Disconnected => LinkError::Lost("its thread ended".into()),
-        })
+        })?;
+        self.pending[peer] = payload;
+        Ok(header)
+    }
+
+    fn recv_payload(
+        &mut self,
+        peer: usize,
+        len: usize,
+        _deadline: Instant,
+    ) -> Result<Vec<u8>, LinkError> {
+        let payload = std::mem::take(&mut self.pending[peer]);
+        if payload.len() != len {
+            return Err(LinkError::Lost(format!(
+                "its message has {} bytes, its header said {len}",
+                payload.len()
+            )));
+        }
+        Ok(payload)
     }
 }

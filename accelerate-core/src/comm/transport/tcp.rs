@@ -1,32 +1,39 @@
 //! TCP transport: one connection per pair of ranks, for ranks on different hosts.
 //!
 //! The higher rank of each pair connects to the lower one's listener (advertised through the
-//! rendezvous) and opens with a handshake carrying the job token's hash and its rank, so a
-//! stray connection is refused. Each connection has a writer thread fed by a queue, so a send
+//! rendezvous) and opens with the job's challenge-response ([`crate::comm::auth`]),
+//! which also authenticates its rank, so a stray connection is closed. Idle connections are
+//! probed by the kernel (keepalive, and a limit on unacknowledged data), so a host that
+//! vanished is reported within the heartbeat timeout. Each connection has a writer thread fed by a queue, so a send
 //! never waits for the peer to read (ring schedules send before they receive); reads happen on
 //! the caller's thread with a deadline, and a closed or reset connection is reported as the
 //! peer being gone at once.
 
 use std::io::{ErrorKind, Read, Write};
-use std::net::{Shutdown, TcpListener, TcpStream};
+use std::net::{Shutdown, SocketAddr, TcpListener, TcpStream};
 use std::sync::mpsc::{self, Sender};
 use std::sync::{Arc, Mutex, PoisonError};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
+use crate::comm::auth::{self, AuthError, Claim, Purpose};
 use crate::comm::call::{HEADER_BYTES, Header};
 use crate::comm::link::{Link, LinkError};
 use crate::comm::rendezvous::PeerInfo;
 use crate::error::CommError;
 
-const HANDSHAKE_MAGIC: u32 = 0x4143_4354; // "ACCT"
 /// A writer that cannot hand bytes to the kernel for this long gives up on its peer (a peer
 /// that reads nothing for 30 s is stuck or gone; this also bounds how long dropping a link
 /// waits for its queues to drain).
 const WRITE_TIMEOUT: Duration = Duration::from_secs(30);
+/// How long one incoming connection may take to authenticate.
+const HANDSHAKE_DEADLINE: Duration = Duration::from_secs(10);
+/// Incoming connections authenticated at once; more are closed at once.
+const MAX_PENDING: usize = 64;
 
 struct Peer {
     reader: TcpStream,
+    addr: SocketAddr,
     queue: Option<Sender<Vec<u8>>>,
     writer: Option<JoinHandle<()>>,
     write_error: Arc<Mutex<Option<String>>>,
@@ -36,20 +43,30 @@ struct Peer {
 pub struct TcpLink {
     rank: usize,
     peers: Vec<Option<Peer>>,
+    heartbeat: Duration,
 }
 
 impl TcpLink {
-    /// Connects to every peer: connects to lower ranks, accepts higher ones on `listener`.
+    /// Connects to every peer: connects to lower ranks, accepts higher ones on `listener`;
+    /// every connection proves knowledge of `token` both ways. A vanished peer is reported
+    /// after `heartbeat` without a sign of life from its host.
     pub fn connect(
         rank: usize,
         table: &[PeerInfo],
         listener: &TcpListener,
-        token_hash: u64,
+        token: &[u8],
         deadline: Instant,
+        heartbeat: Duration,
     ) -> Result<Self, CommError> {
         let world_size = table.len();
         let mut streams: Vec<Option<TcpStream>> = (0..world_size).map(|_| None).collect();
+        let claim = Claim {
+            purpose: Purpose::PeerLink,
+            rank: rank as u32,
+            world_size: world_size as u32,
+        };
         for peer in table.iter().filter(|p| p.rank < rank) {
+            let context = || format!("connecting to rank {} at {}", peer.rank, peer.listen);
             let mut stream = loop {
                 match TcpStream::connect_timeout(&peer.listen, Duration::from_secs(2)) {
                     Ok(s) => break s,
@@ -57,76 +74,37 @@ impl TcpLink {
                         tracing::debug!(peer = peer.rank, "connect failed, retrying: {e}");
                         std::thread::sleep(Duration::from_millis(20));
                     }
-                    Err(e) => {
-                        return Err(CommError::io(
-                            rank,
-                            format!("connecting to rank {} at {}", peer.rank, peer.listen),
-                            e,
-                        ));
-                    }
+                    Err(e) => return Err(CommError::io(rank, context(), e)),
                 }
             };
-            let mut hello = Vec::with_capacity(16);
-            hello.extend_from_slice(&HANDSHAKE_MAGIC.to_le_bytes());
-            hello.extend_from_slice(&token_hash.to_le_bytes());
-            hello.extend_from_slice(&(rank as u32).to_le_bytes());
-            stream.write_all(&hello).map_err(|e| {
-                CommError::io(rank, format!("handshake with rank {}", peer.rank), e)
+            auth::join(&mut stream, token, claim, deadline).map_err(|e| CommError::Io {
+                rank,
+                context: context(),
+                detail: match e {
+                    AuthError::BadProof => format!(
+                        "{e}: the rendezvous advertised a listener that is not rank {}'s",
+                        peer.rank
+                    ),
+                    e => format!("authentication failed: {e}"),
+                },
             })?;
             streams[peer.rank] = Some(stream);
         }
-        listener
-            .set_nonblocking(true)
-            .map_err(|e| CommError::io(rank, "peer listener", e))?;
-        let mut expected = world_size - 1 - rank;
-        while expected > 0 {
-            let (mut stream, from) = match listener.accept() {
-                Ok(conn) => conn,
-                Err(e) if e.kind() == ErrorKind::WouldBlock => {
-                    if Instant::now() >= deadline {
-                        let missing: Vec<usize> = (rank + 1..world_size)
-                            .filter(|r| streams[*r].is_none())
-                            .collect();
-                        return Err(CommError::Timeout {
-                            call: "setup (tcp connections)".into(),
-                            rank,
-                            world_size,
-                            missing,
-                            elapsed_s: 0.0,
-                        });
-                    }
-                    std::thread::sleep(Duration::from_millis(2));
-                    continue;
-                }
-                Err(e) => return Err(CommError::io(rank, "accepting a peer", e)),
-            };
-            stream
-                .set_nonblocking(false)
-                .and_then(|()| stream.set_read_timeout(Some(Duration::from_secs(10))))
-                .map_err(|e| CommError::io(rank, "peer socket", e))?;
-            let mut hello = [0u8; 16];
-            if stream.read_exact(&mut hello).is_err() {
-                tracing::warn!(%from, "a connection without a handshake was dropped");
-                continue;
-            }
-            let magic = u32::from_le_bytes([hello[0], hello[1], hello[2], hello[3]]);
-            let hash = u64::from_le_bytes(hello[4..12].try_into().unwrap_or_default());
-            let peer = u32::from_le_bytes([hello[12], hello[13], hello[14], hello[15]]) as usize;
-            if magic != HANDSHAKE_MAGIC || hash != token_hash || peer <= rank || peer >= world_size
-            {
-                tracing::warn!(%from, "refused a peer connection with a wrong handshake or job token");
-                continue;
-            }
-            if streams[peer].replace(stream).is_none() {
-                expected -= 1;
-            }
-        }
+        accept_higher(rank, world_size, listener, token, deadline, &mut streams)?;
         let peers = streams
             .into_iter()
             .enumerate()
-            .map(|(peer, stream)| stream.map(|s| spawn_peer(rank, peer, s)).transpose())
+            .map(|(peer, stream)| {
+                stream
+                    .map(|s| spawn_peer(rank, peer, s, heartbeat))
+                    .transpose()
+            })
             .collect::<Result<Vec<_>, _>>()?;
-        Ok(Self { rank, peers })
+        Ok(Self {
+            rank,
+            peers,
+            heartbeat,
+        })
     }
 
     fn peer(&mut self, peer: usize) -> Result<&mut Peer, LinkError> {
@@ -137,9 +115,113 @@ impl TcpLink {
     }
 }
 
-fn spawn_peer(rank: usize, peer: usize, stream: TcpStream) -> Result<Peer, CommError> {
+/// Accepts the connections of every higher rank, authenticating each on its own thread so
+/// that a silent or garbage connection delays nobody; connections that fail are closed and
+/// logged at debug level.
+fn accept_higher(
+    rank: usize,
+    world_size: usize,
+    listener: &TcpListener,
+    token: &[u8],
+    deadline: Instant,
+    streams: &mut [Option<TcpStream>],
+) -> Result<(), CommError> {
+    listener
+        .set_nonblocking(true)
+        .map_err(|e| CommError::io(rank, "peer listener", e))?;
+    let (done, arrivals) = mpsc::channel::<(usize, TcpStream)>();
+    let pending = Arc::new(std::sync::atomic::AtomicUsize::new(0));
+    let token: Arc<[u8]> = Arc::from(token);
+    let mut expected = world_size - 1 - rank;
+    while expected > 0 {
+        while let Ok((peer, stream)) = arrivals.try_recv() {
+            if streams[peer].is_none() {
+                streams[peer] = Some(stream);
+                expected -= 1;
+            }
+        }
+        if expected == 0 {
+            break;
+        }
+        match listener.accept() {
+            Ok((stream, from)) => {
+                use std::sync::atomic::Ordering;
+                if pending.load(Ordering::Acquire) >= MAX_PENDING {
+                    tracing::debug!(%from, "too many peer connections in flight; closed");
+                    continue;
+                }
+                pending.fetch_add(1, Ordering::AcqRel);
+                let (done, in_flight, token) = (done.clone(), pending.clone(), token.clone());
+                let by = deadline.min(Instant::now() + HANDSHAKE_DEADLINE);
+                let spawned = std::thread::Builder::new()
+                    .name("accelerate-tcp-accept".into())
+                    .spawn(move || {
+                        let mut stream = stream;
+                        match auth::serve(&mut stream, &token, by) {
+                            Ok(claim)
+                                if claim.purpose == Purpose::PeerLink
+                                    && claim.world_size as usize == world_size
+                                    && (claim.rank as usize) > rank
+                                    && (claim.rank as usize) < world_size =>
+                            {
+                                let _ = done.send((claim.rank as usize, stream));
+                            }
+                            Ok(claim) => {
+                                tracing::debug!(%from, ?claim, "peer connection with a wrong claim closed");
+                            }
+                            Err(e) => tracing::debug!(%from, "peer connection closed: {e}"),
+                        }
+                        in_flight.fetch_sub(1, Ordering::AcqRel);
+                    });
+                if spawned.is_err() {
+                    pending.fetch_sub(1, Ordering::AcqRel);
+                }
+            }
+            Err(e) if e.kind() == ErrorKind::WouldBlock => {
+                if Instant::now() >= deadline {
+                    let missing: Vec<usize> = (rank + 1..world_size)
+                        .filter(|r| streams[*r].is_none())
+                        .collect();
+                    return Err(CommError::Timeout {
+                        call: "setup (tcp connections)".into(),
+                        rank,
+                        world_size,
+                        missing,
+                        elapsed_s: 0.0,
+                    });
+                }
+                std::thread::sleep(Duration::from_millis(2));
+            }
+            Err(e) => return Err(CommError::io(rank, "accepting a peer", e)),
+        }
+    }
+    Ok(())
+}
+
+/// Asks the kernel to probe an idle connection and to give up on unacknowledged data, both
+/// within `heartbeat`: a host that vanished without closing its sockets shows up as a failed
+/// read or write instead of a wait for the long collective timeout.
+fn set_heartbeat(stream: &TcpStream, heartbeat: Duration) -> nix::Result<()> {
+    use nix::sys::socket::{setsockopt, sockopt};
+    let secs = heartbeat.as_secs().clamp(4, u64::from(u32::MAX / 1000)) as u32;
+    setsockopt(stream, sockopt::KeepAlive, &true)?;
+    // Idle for a third, then four probes a sixth apart: the whole budget.
+    setsockopt(stream, sockopt::TcpKeepIdle, &(secs / 3).max(1))?;
+    setsockopt(stream, sockopt::TcpKeepInterval, &(secs / 6).max(1))?;
+    setsockopt(stream, sockopt::TcpKeepCount, &4)?;
+    setsockopt(stream, sockopt::TcpUserTimeout, &(secs * 1000))
+}
+
+fn spawn_peer(
+    rank: usize,
+    peer: usize,
+    stream: TcpStream,
+    heartbeat: Duration,
+) -> Result<Peer, CommError> {
     let setup = |e| CommError::io(rank, format!("connection to rank {peer}"), e);
     stream.set_nodelay(true).map_err(setup)?;
+    set_heartbeat(&stream, heartbeat).map_err(|e| setup(e.into()))?;
+    let addr = stream.peer_addr().map_err(setup)?;
     let mut writer_stream = stream.try_clone().map_err(setup)?;
     writer_stream
         .set_write_timeout(Some(WRITE_TIMEOUT))
@@ -162,14 +244,21 @@ fn spawn_peer(rank: usize, peer: usize, stream: TcpStream) -> Result<Peer, CommE
         .map_err(setup)?;
     Ok(Peer {
         reader: stream,
+        addr,
         queue: Some(queue),
         writer: Some(writer),
         write_error,
     })
 }
 
-/// Reads exactly `buf.len()` bytes before `deadline`.
-fn read_full(stream: &mut TcpStream, buf: &mut [u8], deadline: Instant) -> Result<(), LinkError> {
+/// Reads exactly `buf.len()` bytes before `deadline`. The socket's own read timeout shows as
+/// `WouldBlock` (a tick of the wait); `TimedOut` is the kernel giving up on the peer's host.
+fn read_full(
+    stream: &mut TcpStream,
+    buf: &mut [u8],
+    deadline: Instant,
+    lost: &dyn Fn(std::io::Error) -> LinkError,
+) -> Result<(), LinkError> {
     let mut filled = 0;
     while filled < buf.len() {
         let left = deadline.saturating_duration_since(Instant::now());
@@ -182,9 +271,8 @@ fn read_full(stream: &mut TcpStream, buf: &mut [u8], deadline: Instant) -> Resul
         match stream.read(&mut buf[filled..]) {
             Ok(0) => return Err(LinkError::Lost("its connection closed".into())),
             Ok(n) => filled += n,
-            Err(e) if matches!(e.kind(), ErrorKind::WouldBlock | ErrorKind::TimedOut) => {}
-            Err(e) if e.kind() == ErrorKind::Interrupted => {}
-            Err(e) => return Err(LinkError::Lost(format!("connection error: {e}"))),
+            Err(e) if matches!(e.kind(), ErrorKind::WouldBlock | ErrorKind::Interrupted) => {}
+            Err(e) => return Err(lost(e)),
         }
     }
     Ok(())
@@ -223,15 +311,43 @@ impl Link for TcpLink {
             .map_err(|_| LinkError::Lost("its writer stopped".into()))
     }
 
-    fn recv(&mut self, peer: usize, deadline: Instant) -> Result<(Header, Vec<u8>), LinkError> {
+    fn recv_header(&mut self, peer: usize, deadline: Instant) -> Result<Header, LinkError> {
+        let heartbeat = self.heartbeat;
         let p = self.peer(peer)?;
+        let lost = describe_loss(p.addr, heartbeat);
         let mut raw = [0u8; HEADER_BYTES];
-        read_full(&mut p.reader, &mut raw, deadline)?;
-        let header = Header::decode(&raw)
-            .ok_or_else(|| LinkError::Lost("it sent bytes that are not a message header".into()))?;
-        let mut payload = vec![0u8; header.payload_len as usize];
-        read_full(&mut p.reader, &mut payload, deadline)?;
-        Ok((header, payload))
+        read_full(&mut p.reader, &mut raw, deadline, &lost)?;
+        Header::decode(&raw)
+            .ok_or_else(|| LinkError::Lost("it sent bytes that are not a message header".into()))
+    }
+
+    fn recv_payload(
+        &mut self,
+        peer: usize,
+        len: usize,
+        deadline: Instant,
+    ) -> Result<Vec<u8>, LinkError> {
+        let heartbeat = self.heartbeat;
+        let p = self.peer(peer)?;
+        let lost = describe_loss(p.addr, heartbeat);
+        let mut payload = vec![0u8; len];
+        read_full(&mut p.reader, &mut payload, deadline, &lost)?;
+        Ok(payload)
+    }
+}
+
+/// How a failed read from the peer at `addr` is reported.
+fn describe_loss(addr: SocketAddr, heartbeat: Duration) -> impl Fn(std::io::Error) -> LinkError {
+    move |e| {
+        LinkError::Lost(if e.kind() == ErrorKind::TimedOut {
+            format!(
+                "no sign of life from its host {addr} for {} s: the host is down or the network \
+                 between is cut (ACCELERATE_HEARTBEAT_TIMEOUT)",
+                heartbeat.as_secs()
+            )
+        } else {
+            format!("connection to {addr}: {e}")
+        })
     }
 }
 

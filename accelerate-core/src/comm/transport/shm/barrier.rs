@@ -129,9 +129,12 @@ impl ShmEngine {
             if theirs != Some(*call) {
                 return Err(CommError::Mismatch {
                     rank: self.rank,
-                    ours: call.to_string(),
+                    ours: format!("called {call}"),
                     peer,
-                    theirs: theirs.map_or_else(|| "an unknown call".to_string(), |c| c.to_string()),
+                    theirs: theirs.map_or_else(
+                        || "called an unknown call".to_string(),
+                        |c| format!("called {c}"),
+                    ),
                 });
             }
         }

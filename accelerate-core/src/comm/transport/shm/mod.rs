@@ -30,14 +30,15 @@ mod region;
 mod shared_buffer;
 
 use std::collections::HashMap;
-use std::fs::OpenOptions;
-use std::hash::{DefaultHasher, Hash, Hasher};
+use std::fs::{File, OpenOptions};
+use std::os::unix::fs::{FileExt, MetadataExt, OpenOptionsExt};
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::sync::atomic::Ordering;
 use std::time::Duration;
 
 use crate::comm::call::{CallDesc, OpKind};
+use crate::comm::rendezvous::SharedMemoryHooks;
 use crate::error::CommError;
 use memmap2::Mmap;
 use region::Region;
@@ -67,32 +68,120 @@ pub struct ShmEngine {
     buffers: HashMap<u32, Arc<Vec<Option<Mmap>>>>,
 }
 
-/// The segment path of a group: a hash of its job token and rendezvous address, so two jobs
-/// never collide and a test can look for its own leftovers.
-pub fn segment_path(token: &str, addr: &str) -> PathBuf {
-    let mut hasher = DefaultHasher::new();
-    token.hash(&mut hasher);
-    addr.hash(&mut hasher);
-    Path::new("/dev/shm").join(format!("accelerate-rs-{:016x}", hasher.finish()))
+/// The segment path of a group: a name derived from its secret and rendezvous address
+/// (SHA-256, revealing nothing), so two jobs never collide and a test can look for its own
+/// leftovers.
+pub fn segment_path(token: &[u8], addr: &str) -> PathBuf {
+    Path::new("/dev/shm").join(format!(
+        "accelerate-rs-{}",
+        crate::comm::secret::public_name(token, addr)
+    ))
 }
 
-/// Creates a zeroed segment for `world_size` ranks at `path` (rank 0, before the others open
-/// it). A stale file of a crashed earlier job with the same token and address is replaced.
-pub fn create_segment(
-    path: &Path,
-    world_size: usize,
-    slot_bytes: usize,
-    rank: usize,
-) -> Result<(), CommError> {
-    let _ = std::fs::remove_file(path);
+/// Creates `path` for this user only (`0600`, never through a symlink, never an existing
+/// file) with `len` bytes reserved: on a full tmpfs this fails with ENOSPC here, instead of a
+/// SIGBUS at the first write into a sparse mapping.
+pub(crate) fn create_private(path: &Path, len: usize) -> std::io::Result<File> {
     let file = OpenOptions::new()
         .read(true)
         .write(true)
         .create_new(true)
-        .open(path)
-        .map_err(|e| CommError::io(rank, format!("creating {}", path.display()), e))?;
-    file.set_len(Region::size(world_size, slot_bytes) as u64)
-        .map_err(|e| CommError::io(rank, format!("sizing {}", path.display()), e))
+        .mode(0o600)
+        .custom_flags(nix::fcntl::OFlag::O_NOFOLLOW.bits())
+        .open(path)?;
+    let reserved = i64::try_from(len)
+        .map_err(std::io::Error::other)
+        .and_then(|len| {
+            nix::fcntl::fallocate(&file, nix::fcntl::FallocateFlags::empty(), 0, len)
+                .map_err(std::io::Error::from)
+        });
+    if let Err(e) = reserved {
+        let _ = std::fs::remove_file(path);
+        return Err(e);
+    }
+    Ok(file)
+}
+
+/// Opens a file a peer of this group created, after checking that this user owns it, that
+/// nobody else may open it, and that it holds at least `len` bytes.
+pub(crate) fn open_private(path: &Path, write: bool, len: usize) -> std::io::Result<File> {
+    let file = OpenOptions::new()
+        .read(true)
+        .write(write)
+        .custom_flags(nix::fcntl::OFlag::O_NOFOLLOW.bits())
+        .open(path)?;
+    let meta = file.metadata()?;
+    let euid = nix::unistd::geteuid().as_raw();
+    if meta.uid() != euid || meta.mode() & 0o077 != 0 {
+        return Err(std::io::Error::new(
+            std::io::ErrorKind::PermissionDenied,
+            format!(
+                "it belongs to uid {} with mode {:o}; this job's files belong to uid {euid} with \
+                 mode 600 (another user's file: not ours to use)",
+                meta.uid(),
+                meta.mode() & 0o777
+            ),
+        ));
+    }
+    if meta.len() < len as u64 {
+        return Err(std::io::Error::new(
+            std::io::ErrorKind::InvalidData,
+            format!("it has {} bytes, {len} expected", meta.len()),
+        ));
+    }
+    Ok(file)
+}
+
+/// How the rendezvous creates, checks and removes a group's segment.
+pub struct SegmentHooks {
+    /// The rendezvous address (part of the segment's name).
+    pub addr: String,
+    /// Ranks of the group.
+    pub world_size: usize,
+    /// Bytes per slot.
+    pub slot_bytes: usize,
+    /// This rank.
+    pub rank: usize,
+}
+
+impl SharedMemoryHooks for SegmentHooks {
+    fn create(&self, token: &[u8]) -> Result<[u8; 16], CommError> {
+        let path = segment_path(token, &self.addr);
+        // A stale file of a crashed earlier job with the same secret and address.
+        let _ = std::fs::remove_file(&path);
+        let context = || format!("creating {}", path.display());
+        let file = create_private(&path, Region::size(self.world_size, self.slot_bytes))
+            .map_err(|e| CommError::io(self.rank, context(), e))?;
+        let cookie: [u8; 16] = crate::comm::auth::random_bytes()
+            .map_err(|e| CommError::io(self.rank, context(), std::io::Error::other(e)))?;
+        if let Err(e) = file.write_all_at(&cookie, region::COOKIE as u64) {
+            let _ = std::fs::remove_file(&path);
+            return Err(CommError::io(self.rank, context(), e));
+        }
+        Ok(cookie)
+    }
+
+    fn check(&self, token: &[u8], cookie: &[u8; 16]) -> Option<String> {
+        let path = segment_path(token, &self.addr);
+        let len = Region::size(self.world_size, self.slot_bytes);
+        let file = match open_private(&path, false, len) {
+            Ok(file) => file,
+            Err(e) => return Some(format!("{}: {e}", path.display())),
+        };
+        let mut seen = [0u8; 16];
+        match file.read_exact_at(&mut seen, region::COOKIE as u64) {
+            Ok(()) if &seen == cookie => None,
+            Ok(()) => Some(format!(
+                "{} is another segment (this host's /dev/shm is not rank 0's)",
+                path.display()
+            )),
+            Err(e) => Some(format!("{}: {e}", path.display())),
+        }
+    }
+
+    fn remove(&self, token: &[u8]) {
+        let _ = std::fs::remove_file(segment_path(token, &self.addr));
+    }
 }
 
 impl ShmEngine {
@@ -119,10 +208,7 @@ impl ShmEngine {
         slot_bytes: usize,
         timeout: Duration,
     ) -> Result<Self, CommError> {
-        let file = OpenOptions::new()
-            .read(true)
-            .write(true)
-            .open(path)
+        let file = open_private(path, true, Region::size(world_size, slot_bytes))
             .map_err(|e| CommError::io(rank, format!("opening {}", path.display()), e))?;
         let region = Region::map(&file, world_size, slot_bytes)
             .map_err(|e| CommError::io(rank, format!("mapping {}", path.display()), e))?;

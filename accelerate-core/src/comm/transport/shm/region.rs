@@ -17,6 +17,7 @@
 //! | 128 | `call[2]` (4 words each, by call parity) | its rank, before `arrived` | all ranks, after `arrived` |
 //! | 192 | `doorbell` (rank 0's block only, a futex) | any rank that arrives while someone sleeps | sleeping ranks |
 //! | 196 | `sleepers` (rank 0's block only) | ranks about to sleep, and after | arriving ranks |
+//! | 224 | `cookie` (rank 0's block only, 16 bytes) | rank 0, before the segment is mapped | the rendezvous probe |
 //! | 256 | `aborted` flag | its rank, `Release`, after `reason` | all ranks |
 //! | 320 | `reason` length + bytes | its rank | all ranks, after `aborted` |
 //!
@@ -39,6 +40,9 @@ const ARRIVED: usize = 64;
 const CALL: usize = 128;
 const DOORBELL: usize = 192;
 const SLEEPERS: usize = 196;
+/// Rank 0's block: 16 random bytes rank 0 writes before anyone maps the segment, which the
+/// others read back to prove they opened the same segment.
+pub const COOKIE: usize = 224;
 const ABORTED: usize = 256;
 const REASON_LEN: usize = 320;
 const REASON: usize = 328;

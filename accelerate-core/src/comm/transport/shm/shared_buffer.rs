@@ -1,7 +1,6 @@
 //! Shared buffers: memory every rank of the group maps, so that a collective reads the peers'
 //! values where they are, without staging copies through the slots.
 
-use std::fs::OpenOptions;
 use std::path::PathBuf;
 use std::sync::Arc;
 
@@ -9,7 +8,7 @@ use accelerate_kernels::reduce::{reduce_bytes, scale_bytes};
 use accelerate_kernels::{DType, ReduceOp};
 use memmap2::MmapMut;
 
-use super::{IN_PLACE_MIN_BYTES, ShmEngine, region};
+use super::{IN_PLACE_MIN_BYTES, ShmEngine, create_private, open_private, region};
 use crate::comm::call::CallDesc;
 use crate::comm::engine::{Engine, chunk_bytes};
 use crate::error::CommError;
@@ -33,14 +32,8 @@ impl ShmEngine {
             None
         } else {
             let _ = std::fs::remove_file(&own_path);
-            let file = OpenOptions::new()
-                .read(true)
-                .write(true)
-                .create_new(true)
-                .open(&own_path)
+            let file = create_private(&own_path, bytes)
                 .map_err(|e| CommError::io(rank, format!("creating {}", own_path.display()), e))?;
-            file.set_len(bytes as u64)
-                .map_err(|e| CommError::io(rank, format!("sizing {}", own_path.display()), e))?;
             Some(
                 region::map_own_buffer(&file).map_err(|e| {
                     CommError::io(rank, format!("mapping {}", own_path.display()), e)
@@ -56,7 +49,7 @@ impl ShmEngine {
                 continue;
             }
             let path = self.buffer_path(id, peer);
-            let file = OpenOptions::new().read(true).open(&path).map_err(|e| {
+            let file = open_private(&path, false, bytes).map_err(|e| {
                 CommError::io(rank, format!("opening rank {peer}'s {}", path.display()), e)
             })?;
             peers.push(Some(region::map_peer_buffer(&file).map_err(|e| {
