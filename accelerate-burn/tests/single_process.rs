@@ -384,7 +384,10 @@ fn a_rank_whose_peers_never_come_fails_naming_the_address() {
         .unwrap();
     let message = err.to_string();
     assert!(message.contains(&format!("127.0.0.1:{port}")), "{message}");
-    assert!(message.contains("rank 0 never answered"), "{message}");
+    assert!(
+        message.contains("rank 0 never accepted this rank"),
+        "{message}"
+    );
 }
 
 #[test]

@@ -441,3 +441,23 @@ mod fused_updates {
         }
     }
 }
+
+/// A length the buffer does not have stops at the wrapper, naming it, before any launch: safe
+/// code cannot make a kernel write past a buffer.
+#[test]
+fn a_length_longer_than_the_buffer_is_refused_before_the_launch() {
+    for (runtime, client) in clients() {
+        let short = upload(&client, &[1.0; 4]);
+        let launched = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+            cube::narrow_to_half(&client, short.clone(), 1000, Half::F16, 1.0)
+        }));
+        let message = launched
+            .err()
+            .and_then(|p| p.downcast_ref::<String>().cloned())
+            .unwrap_or_else(|| panic!("{runtime}: a 16-byte buffer was accepted for 1000 values"));
+        assert!(
+            message.contains("narrow_to_half values: a buffer of 16 bytes"),
+            "{runtime}: {message}"
+        );
+    }
+}

@@ -231,3 +231,40 @@ impl ShmEngine {
         Ok(engine)
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::os::unix::fs::PermissionsExt;
+
+    #[test]
+    fn segments_are_private_exclusive_and_never_followed() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("segment");
+        let file = create_private(&path, 8192).unwrap();
+        let meta = file.metadata().unwrap();
+        assert_eq!(meta.mode() & 0o777, 0o600);
+        // Space reserved, not a sparse file that faults when written.
+        assert!(meta.blocks() * 512 >= 8192, "{} blocks", meta.blocks());
+        assert!(
+            create_private(&path, 8192).is_err(),
+            "an existing name is reused"
+        );
+        assert!(open_private(&path, true, 8192).is_ok());
+        assert!(
+            open_private(&path, true, 8193).is_err(),
+            "a short file is accepted"
+        );
+
+        // Someone else's file (here: readable by others) under the expected name is refused.
+        std::fs::set_permissions(&path, std::fs::Permissions::from_mode(0o644)).unwrap();
+        let err = open_private(&path, false, 0).unwrap_err();
+        assert_eq!(err.kind(), std::io::ErrorKind::PermissionDenied, "{err}");
+
+        // A symlink planted at the name is never followed, to create or to open.
+        let link = dir.path().join("link");
+        std::os::unix::fs::symlink(&path, &link).unwrap();
+        assert!(create_private(&link, 8192).is_err());
+        assert!(open_private(&link, false, 0).is_err());
+    }
+}
