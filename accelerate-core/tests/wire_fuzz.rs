@@ -70,13 +70,20 @@ impl Link for ScriptedLink {
     fn recv_header(&mut self, _: usize, _: Instant) -> Result<Header, LinkError> {
         self.frames.pop().map(|(h, _)| h).ok_or(LinkError::Timeout)
     }
-    fn recv_payload(&mut self, _: usize, len: usize, _: Instant) -> Result<Vec<u8>, LinkError> {
+    fn recv_payload(
+        &mut self,
+        _: usize,
+        buf: &mut Vec<u8>,
+        len: usize,
+        _: Instant,
+    ) -> Result<(), LinkError> {
         // The engine asks only for lengths it checked: never more than a call's buffer.
         assert!(len <= 1 << 20, "asked for {len} bytes");
         if self.fill == 0 {
             return Err(LinkError::Lost("reset".into()));
         }
-        Ok(vec![self.fill; len])
+        *buf = vec![self.fill; len];
+        Ok(())
     }
 }
 

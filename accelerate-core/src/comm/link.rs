@@ -1,6 +1,7 @@
 //! The interface of the message-passing transports: ordered, reliable messages between pairs
-//! of ranks. Sends never wait for the receiver (they are queued), so schedules in which every
-//! rank sends before it receives cannot deadlock.
+//! of ranks. Sends never wait for the receiver (what cannot go out yet is kept and goes out
+//! while the rank waits), so schedules in which every rank sends before it receives cannot
+//! deadlock; a collective ends with [`Link::flush`].
 
 use std::time::Instant;
 
@@ -28,12 +29,19 @@ pub trait Link: Send {
     /// The header of the next message from `peer`, waiting until `deadline`.
     fn recv_header(&mut self, peer: usize, deadline: Instant) -> Result<Header, LinkError>;
     /// The payload of the message whose header [`recv_header`](Self::recv_header) just
-    /// returned for `peer`: exactly `len` bytes, which the caller checked against the header
-    /// and against what the call expects, so no length from the wire is trusted unchecked.
+    /// returned for `peer`, into `buf` (resized to `len`, its allocation reused): exactly `len`
+    /// bytes, which the caller checked against the header and against what the call expects,
+    /// so no length from the wire is trusted unchecked.
     fn recv_payload(
         &mut self,
         peer: usize,
+        buf: &mut Vec<u8>,
         len: usize,
         deadline: Instant,
-    ) -> Result<Vec<u8>, LinkError>;
+    ) -> Result<(), LinkError>;
+    /// Waits until everything sent so far has left this process (for transports that keep
+    /// what the kernel would not take yet); on failure, the peer at fault and why.
+    fn flush(&mut self, _deadline: Instant) -> Result<(), (usize, LinkError)> {
+        Ok(())
+    }
 }

@@ -48,7 +48,7 @@ impl<L: Link> MessageEngine<L> {
                 expect,
                 deadline,
             )?;
-            work[chunk_bytes(len, elem, n, recv)].copy_from_slice(&incoming);
+            work[chunk_bytes(len, elem, n, recv)].copy_from_slice(incoming);
         }
         Ok(())
     }

@@ -25,16 +25,16 @@ impl<L: Link> MessageEngine<L> {
             DoublingRole::Folded { partner } => {
                 self.send(partner, call, buf)?;
                 let result = self.recv(partner, call, buf.len(), deadline)?;
-                buf.copy_from_slice(&result);
+                buf.copy_from_slice(result);
             }
             DoublingRole::Active { folded, rounds } => {
                 if let Some(folded) = folded {
                     let theirs = self.recv(folded, call, buf.len(), deadline)?;
-                    reduce_bytes(dtype, op, buf, &theirs);
+                    reduce_bytes(dtype, op, buf, theirs);
                 }
                 for peer in rounds {
                     let theirs = self.exchange(call, peer, buf, peer, buf.len(), deadline)?;
-                    reduce_bytes(dtype, op, buf, &theirs);
+                    reduce_bytes(dtype, op, buf, theirs);
                 }
                 if let Some(factor) = scale {
                     scale_bytes(dtype, buf, factor);

@@ -19,7 +19,7 @@ impl<L: Link> MessageEngine<L> {
         if let Some(parent) = parent {
             let deadline = self.deadline();
             let data = self.recv(parent, call, buf.len(), deadline)?;
-            buf.copy_from_slice(&data);
+            buf.copy_from_slice(data);
         }
         for child in children {
             self.send(child, call, buf)?;

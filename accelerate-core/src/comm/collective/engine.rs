@@ -46,6 +46,8 @@ pub struct MessageEngine<L: Link> {
     algorithm: AllReduceAlgorithm,
     /// Elements per ring chunk at most; larger buffers go round in several windows.
     pub(super) segment_bytes: usize,
+    /// The last payload received, kept so that its allocation serves the next one.
+    inbox: Vec<u8>,
 }
 
 impl<L: Link> MessageEngine<L> {
@@ -64,6 +66,7 @@ impl<L: Link> MessageEngine<L> {
             timeout,
             algorithm,
             segment_bytes: segment_bytes.max(1),
+            inbox: Vec::new(),
         }
     }
 
@@ -103,7 +106,7 @@ impl<L: Link> MessageEngine<L> {
         call: &CallDesc,
         expect: usize,
         deadline: Instant,
-    ) -> Result<Vec<u8>, CommError> {
+    ) -> Result<&[u8], CommError> {
         let started = deadline - self.timeout;
         let lost = |this: &Self, e| this.link_error(call, peer, e, started);
         let header = self
@@ -122,9 +125,9 @@ impl<L: Link> MessageEngine<L> {
         if header.call.op == OpKind::Abort {
             let reason = match usize::try_from(header.payload_len) {
                 Ok(len) if len <= MAX_ABORT_BYTES => {
-                    let bytes = self
-                        .link
-                        .recv_payload(peer, len, deadline)
+                    let mut bytes = Vec::new();
+                    self.link
+                        .recv_payload(peer, &mut bytes, len, deadline)
                         .map_err(|e| lost(self, e))?;
                     String::from_utf8_lossy(&bytes).into_owned()
                 }
@@ -153,9 +156,11 @@ impl<L: Link> MessageEngine<L> {
                 theirs: format!("sent {} bytes", header.payload_len),
             });
         }
-        self.link
-            .recv_payload(peer, expect, deadline)
-            .map_err(|e| lost(self, e))
+        let mut inbox = std::mem::take(&mut self.inbox);
+        let received = self.link.recv_payload(peer, &mut inbox, expect, deadline);
+        self.inbox = inbox;
+        received.map_err(|e| lost(self, e))?;
+        Ok(&self.inbox)
     }
 
     /// Sends `payload` to `to`, then receives `expect` bytes from `from`.
@@ -167,7 +172,7 @@ impl<L: Link> MessageEngine<L> {
         from: usize,
         expect: usize,
         deadline: Instant,
-    ) -> Result<Vec<u8>, CommError> {
+    ) -> Result<&[u8], CommError> {
         self.send(to, call, payload)?;
         self.recv(from, call, expect, deadline)
     }
@@ -196,6 +201,17 @@ impl<L: Link> MessageEngine<L> {
         }
     }
 
+    /// Ends a collective: what this rank sent has left the process (its peers are reading it,
+    /// in the same call), so nothing of it waits for this rank's next call.
+    fn finish(&mut self, call: &CallDesc, result: Result<(), CommError>) -> Result<(), CommError> {
+        result?;
+        let started = Instant::now();
+        let deadline = started + self.timeout;
+        self.link
+            .flush(deadline)
+            .map_err(|(peer, e)| self.link_error(call, peer, e, started))
+    }
+
     fn use_ring(&self, bytes: usize) -> bool {
         match self.algorithm {
             AllReduceAlgorithm::Ring => true,
@@ -218,15 +234,17 @@ impl<L: Link> Engine for MessageEngine<L> {
         op: ReduceOp,
         scale: Option<f32>,
     ) -> Result<(), CommError> {
-        if self.use_ring(buf.len()) {
+        let result = if self.use_ring(buf.len()) {
             self.all_reduce_ring(call, buf, dtype, op, scale)
         } else {
             self.all_reduce_recursive_doubling(call, buf, dtype, op, scale)
-        }
+        };
+        self.finish(call, result)
     }
 
     fn broadcast(&mut self, call: &CallDesc, buf: &mut [u8], root: usize) -> Result<(), CommError> {
-        self.broadcast_tree(call, buf, root)
+        let result = self.broadcast_tree(call, buf, root);
+        self.finish(call, result)
     }
 
     fn all_gather(
@@ -235,7 +253,8 @@ impl<L: Link> Engine for MessageEngine<L> {
         input: &[u8],
         output: &mut [u8],
     ) -> Result<(), CommError> {
-        self.all_gather_ring(call, input, output)
+        let result = self.all_gather_ring(call, input, output);
+        self.finish(call, result)
     }
 
     fn reduce_scatter(
@@ -246,11 +265,13 @@ impl<L: Link> Engine for MessageEngine<L> {
         dtype: DType,
         op: ReduceOp,
     ) -> Result<(), CommError> {
-        self.reduce_scatter_ring(call, input, output, dtype, op)
+        let result = self.reduce_scatter_ring(call, input, output, dtype, op);
+        self.finish(call, result)
     }
 
     fn barrier(&mut self, call: &CallDesc) -> Result<(), CommError> {
-        self.barrier_dissemination(call)
+        let result = self.barrier_dissemination(call);
+        self.finish(call, result)
     }
 
     fn set_timeout(&mut self, timeout: Duration) {
@@ -265,5 +286,7 @@ impl<L: Link> Engine for MessageEngine<L> {
                 let _ = self.send(peer, &call, reason.as_bytes());
             }
         }
+        // Briefly: the peers that are still there read it at once.
+        let _ = self.link.flush(Instant::now() + Duration::from_secs(2));
     }
 }

@@ -58,7 +58,7 @@ impl<L: Link> MessageEngine<L> {
                 dtype,
                 op,
                 &mut work[chunk_bytes(len, elem, n, recv)],
-                &incoming,
+                incoming,
             );
         }
         Ok(())

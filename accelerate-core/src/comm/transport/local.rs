@@ -77,9 +77,10 @@ impl Link for LocalLink {
     fn recv_payload(
         &mut self,
         peer: usize,
+        buf: &mut Vec<u8>,
         len: usize,
         _deadline: Instant,
-    ) -> Result<Vec<u8>, LinkError> {
+    ) -> Result<(), LinkError> {
         let payload = std::mem::take(&mut self.pending[peer]);
         if payload.len() != len {
             return Err(LinkError::Lost(format!(
@@ -87,6 +88,7 @@ impl Link for LocalLink {
                 payload.len()
             )));
         }
-        Ok(payload)
+        *buf = payload;
+        Ok(())
     }
 }

@@ -4,17 +4,24 @@
 //! rendezvous) and opens with the job's challenge-response ([`crate::comm::auth`]),
 //! which also authenticates its rank, so a stray connection is closed. Idle connections are
 //! probed by the kernel (keepalive, and a limit on unacknowledged data), so a host that
-//! vanished is reported within the heartbeat timeout. Each connection has a writer thread fed by a queue, so a send
-//! never waits for the peer to read (ring schedules send before they receive); reads happen on
-//! the caller's thread with a deadline, and a closed or reset connection is reported as the
+//! vanished is reported within the heartbeat timeout.
+//!
+//! Data moves on the caller's thread, as Open MPI's TCP transport does: sockets are
+//! non-blocking, a send writes straight from the caller's buffer and keeps only what the kernel
+//! did not take, and every wait (for a peer's bytes, or for the end of a collective) is one
+//! `poll` that also drains those leftovers. A send therefore never waits for its receiver (ring
+//! schedules send before they receive), yet there is no writer thread to wake per message and
+//! no copy of what the kernel accepts at once. A closed or reset connection is reported as the
 //! peer being gone at once.
 
-use std::io::{ErrorKind, Read, Write};
+use std::io::{ErrorKind, IoSlice, Read, Write};
 use std::net::{Shutdown, SocketAddr, TcpListener, TcpStream};
-use std::sync::mpsc::{self, Sender};
-use std::sync::{Arc, Mutex, PoisonError};
-use std::thread::JoinHandle;
+use std::os::fd::AsFd;
+use std::sync::Arc;
+use std::sync::mpsc;
 use std::time::{Duration, Instant};
+
+use nix::poll::{PollFd, PollFlags, PollTimeout};
 
 use crate::comm::auth::{self, AuthError, Claim, Purpose};
 use crate::comm::call::{HEADER_BYTES, Header};
@@ -22,21 +29,45 @@ use crate::comm::link::{Link, LinkError};
 use crate::comm::rendezvous::PeerInfo;
 use crate::error::CommError;
 
-/// A writer that cannot hand bytes to the kernel for this long gives up on its peer (a peer
-/// that reads nothing for 30 s is stuck or gone; this also bounds how long dropping a link
-/// waits for its queues to drain).
-const WRITE_TIMEOUT: Duration = Duration::from_secs(30);
+/// How long dropping a link waits for its last bytes to reach the kernel (a peer that reads
+/// nothing for 30 s is stuck or gone).
+const DRAIN_TIMEOUT: Duration = Duration::from_secs(30);
 /// How long one incoming connection may take to authenticate.
 const HANDSHAKE_DEADLINE: Duration = Duration::from_secs(10);
 /// Incoming connections authenticated at once; more are closed at once.
 const MAX_PENDING: usize = 64;
 
 struct Peer {
-    reader: TcpStream,
+    stream: TcpStream,
     addr: SocketAddr,
-    queue: Option<Sender<Vec<u8>>>,
-    writer: Option<JoinHandle<()>>,
-    write_error: Arc<Mutex<Option<String>>>,
+    /// Bytes sent but not yet taken by the kernel, from `out_pos` on.
+    out: Vec<u8>,
+    out_pos: usize,
+    /// The first write error: the peer is gone.
+    failed: Option<LinkError>,
+}
+
+impl Peer {
+    fn pending(&self) -> bool {
+        self.failed.is_none() && self.out_pos < self.out.len()
+    }
+
+    /// Writes what the kernel takes now of the leftovers; an error marks the peer failed.
+    fn drain(&mut self, heartbeat: Duration) {
+        while self.pending() {
+            match self.stream.write(&self.out[self.out_pos..]) {
+                Ok(n) => self.out_pos += n,
+                Err(e) if e.kind() == ErrorKind::Interrupted => {}
+                Err(e) if e.kind() == ErrorKind::WouldBlock => return,
+                Err(e) => {
+                    self.failed = Some(describe_loss(self.addr, heartbeat)(e));
+                    return;
+                }
+            }
+        }
+        self.out.clear();
+        self.out_pos = 0;
+    }
 }
 
 /// One rank's connections to every other rank.
@@ -108,10 +139,15 @@ impl TcpLink {
     }
 
     fn peer(&mut self, peer: usize) -> Result<&mut Peer, LinkError> {
-        self.peers
+        let p = self
+            .peers
             .get_mut(peer)
             .and_then(Option::as_mut)
-            .ok_or_else(|| LinkError::Lost("no connection".into()))
+            .ok_or_else(|| LinkError::Lost("no connection".into()))?;
+        match &p.failed {
+            Some(e) => Err(e.clone()),
+            None => Ok(p),
+        }
     }
 }
 
@@ -220,62 +256,88 @@ fn spawn_peer(
 ) -> Result<Peer, CommError> {
     let setup = |e| CommError::io(rank, format!("connection to rank {peer}"), e);
     stream.set_nodelay(true).map_err(setup)?;
+    stream.set_nonblocking(true).map_err(setup)?;
     set_heartbeat(&stream, heartbeat).map_err(|e| setup(e.into()))?;
     let addr = stream.peer_addr().map_err(setup)?;
-    let mut writer_stream = stream.try_clone().map_err(setup)?;
-    writer_stream
-        .set_write_timeout(Some(WRITE_TIMEOUT))
-        .map_err(setup)?;
-    let (queue, frames) = mpsc::channel::<Vec<u8>>();
-    let write_error = Arc::new(Mutex::new(None));
-    let error_slot = Arc::clone(&write_error);
-    let writer = std::thread::Builder::new()
-        .name(format!("accelerate-tcp-{rank}-to-{peer}"))
-        .spawn(move || {
-            for frame in frames {
-                if let Err(e) = writer_stream.write_all(&frame) {
-                    *error_slot.lock().unwrap_or_else(PoisonError::into_inner) =
-                        Some(e.to_string());
-                    return;
-                }
-            }
-            let _ = writer_stream.shutdown(Shutdown::Write);
-        })
-        .map_err(setup)?;
     Ok(Peer {
-        reader: stream,
+        stream,
         addr,
-        queue: Some(queue),
-        writer: Some(writer),
-        write_error,
+        out: Vec::new(),
+        out_pos: 0,
+        failed: None,
     })
 }
 
-/// Reads exactly `buf.len()` bytes before `deadline`. The socket's own read timeout shows as
-/// `WouldBlock` (a tick of the wait); `TimedOut` is the kernel giving up on the peer's host.
-fn read_full(
-    stream: &mut TcpStream,
-    buf: &mut [u8],
-    deadline: Instant,
-    lost: &dyn Fn(std::io::Error) -> LinkError,
-) -> Result<(), LinkError> {
-    let mut filled = 0;
-    while filled < buf.len() {
+impl TcpLink {
+    /// One wait: until `reading` (if any) has bytes or an error, or until `deadline`, draining
+    /// every peer's leftovers as their sockets accept more.
+    fn wait(&mut self, reading: Option<usize>, deadline: Instant) -> Result<(), LinkError> {
         let left = deadline.saturating_duration_since(Instant::now());
         if left.is_zero() {
             return Err(LinkError::Timeout);
         }
-        stream
-            .set_read_timeout(Some(left.min(Duration::from_millis(200))))
-            .map_err(|e| LinkError::Lost(e.to_string()))?;
-        match stream.read(&mut buf[filled..]) {
-            Ok(0) => return Err(LinkError::Lost("its connection closed".into())),
-            Ok(n) => filled += n,
-            Err(e) if matches!(e.kind(), ErrorKind::WouldBlock | ErrorKind::Interrupted) => {}
-            Err(e) => return Err(lost(e)),
+        let heartbeat = self.heartbeat;
+        let mut who = Vec::with_capacity(self.peers.len());
+        let mut fds = Vec::with_capacity(self.peers.len());
+        for (i, peer) in self.peers.iter().enumerate() {
+            let Some(peer) = peer else { continue };
+            let mut events = PollFlags::empty();
+            if reading == Some(i) {
+                events |= PollFlags::POLLIN;
+            }
+            if peer.pending() {
+                events |= PollFlags::POLLOUT;
+            }
+            if !events.is_empty() {
+                who.push(i);
+                fds.push(PollFd::new(peer.stream.as_fd(), events));
+            }
         }
+        let ms = u16::try_from(left.as_millis().max(1)).unwrap_or(u16::MAX);
+        match nix::poll::poll(&mut fds, PollTimeout::from(ms)) {
+            Ok(_) | Err(nix::errno::Errno::EINTR) => {}
+            Err(e) => return Err(LinkError::Lost(format!("poll: {e}"))),
+        }
+        let writable: Vec<usize> = fds
+            .iter()
+            .zip(&who)
+            .filter(|(fd, _)| {
+                fd.revents().is_some_and(|r| {
+                    r.intersects(PollFlags::POLLOUT | PollFlags::POLLERR | PollFlags::POLLHUP)
+                })
+            })
+            .map(|(_, &i)| i)
+            .collect();
+        drop(fds);
+        for i in writable {
+            if let Some(peer) = self.peers[i].as_mut() {
+                peer.drain(heartbeat);
+            }
+        }
+        Ok(())
     }
-    Ok(())
+
+    /// Fills `buf` from `peer` before `deadline`, draining leftovers while it waits.
+    fn read_full(
+        &mut self,
+        peer: usize,
+        buf: &mut [u8],
+        deadline: Instant,
+    ) -> Result<(), LinkError> {
+        let heartbeat = self.heartbeat;
+        let mut filled = 0;
+        while filled < buf.len() {
+            let p = self.peer(peer)?;
+            match p.stream.read(&mut buf[filled..]) {
+                Ok(0) => return Err(LinkError::Lost("its connection closed".into())),
+                Ok(n) => filled += n,
+                Err(e) if e.kind() == ErrorKind::Interrupted => {}
+                Err(e) if e.kind() == ErrorKind::WouldBlock => self.wait(Some(peer), deadline)?,
+                Err(e) => return Err(describe_loss(p.addr, heartbeat)(e)),
+            }
+        }
+        Ok(())
+    }
 }
 
 impl Link for TcpLink {
@@ -292,31 +354,48 @@ impl Link for TcpLink {
     }
 
     fn send(&mut self, peer: usize, header: &Header, payload: &[u8]) -> Result<(), LinkError> {
+        let heartbeat = self.heartbeat;
         let p = self.peer(peer)?;
-        if let Some(e) = p
-            .write_error
-            .lock()
-            .unwrap_or_else(PoisonError::into_inner)
-            .clone()
-        {
-            return Err(LinkError::Lost(format!("writing to it failed: {e}")));
+        let head = header.encode();
+        let mut written = 0;
+        if !p.pending() {
+            // Straight from the caller's buffers, for as long as the kernel takes them.
+            let total = HEADER_BYTES + payload.len();
+            while written < total {
+                let slices = if written < HEADER_BYTES {
+                    [IoSlice::new(&head[written..]), IoSlice::new(payload)]
+                } else {
+                    [
+                        IoSlice::new(&payload[written - HEADER_BYTES..]),
+                        IoSlice::new(&[]),
+                    ]
+                };
+                match p.stream.write_vectored(&slices) {
+                    Ok(n) => written += n,
+                    Err(e) if e.kind() == ErrorKind::Interrupted => {}
+                    Err(e) if e.kind() == ErrorKind::WouldBlock => break,
+                    Err(e) => {
+                        let lost = describe_loss(p.addr, heartbeat)(e);
+                        p.failed = Some(lost.clone());
+                        return Err(lost);
+                    }
+                }
+            }
         }
-        let mut frame = Vec::with_capacity(HEADER_BYTES + payload.len());
-        frame.extend_from_slice(&header.encode());
-        frame.extend_from_slice(payload);
-        p.queue
-            .as_ref()
-            .ok_or_else(|| LinkError::Lost("closed".into()))?
-            .send(frame)
-            .map_err(|_| LinkError::Lost("its writer stopped".into()))
+        // Whatever the kernel did not take waits for the next `poll` (ours, in this or the
+        // next call); only this part is copied.
+        if written < HEADER_BYTES {
+            p.out.extend_from_slice(&head[written..]);
+            p.out.extend_from_slice(payload);
+        } else if written < HEADER_BYTES + payload.len() {
+            p.out.extend_from_slice(&payload[written - HEADER_BYTES..]);
+        }
+        Ok(())
     }
 
     fn recv_header(&mut self, peer: usize, deadline: Instant) -> Result<Header, LinkError> {
-        let heartbeat = self.heartbeat;
-        let p = self.peer(peer)?;
-        let lost = describe_loss(p.addr, heartbeat);
         let mut raw = [0u8; HEADER_BYTES];
-        read_full(&mut p.reader, &mut raw, deadline, &lost)?;
+        self.read_full(peer, &mut raw, deadline)?;
         Header::decode(&raw)
             .ok_or_else(|| LinkError::Lost("it sent bytes that are not a message header".into()))
     }
@@ -324,15 +403,38 @@ impl Link for TcpLink {
     fn recv_payload(
         &mut self,
         peer: usize,
+        buf: &mut Vec<u8>,
         len: usize,
         deadline: Instant,
-    ) -> Result<Vec<u8>, LinkError> {
-        let heartbeat = self.heartbeat;
-        let p = self.peer(peer)?;
-        let lost = describe_loss(p.addr, heartbeat);
-        let mut payload = vec![0u8; len];
-        read_full(&mut p.reader, &mut payload, deadline, &lost)?;
-        Ok(payload)
+    ) -> Result<(), LinkError> {
+        // Every byte is overwritten: only growth needs zeroing (fresh large allocations per
+        // message would cost a page fault per 4 KiB).
+        if buf.len() < len {
+            buf.resize(len, 0);
+        }
+        buf.truncate(len);
+        self.read_full(peer, buf, deadline)
+    }
+
+    fn flush(&mut self, deadline: Instant) -> Result<(), (usize, LinkError)> {
+        loop {
+            if let Some((i, e)) = self
+                .peers
+                .iter()
+                .enumerate()
+                .find_map(|(i, p)| p.as_ref().and_then(|p| p.failed.clone().map(|e| (i, e))))
+            {
+                return Err((i, e));
+            }
+            let Some(first) = self
+                .peers
+                .iter()
+                .position(|p| p.as_ref().is_some_and(Peer::pending))
+            else {
+                return Ok(());
+            };
+            self.wait(None, deadline).map_err(|e| (first, e))?;
+        }
     }
 }
 
@@ -353,16 +455,12 @@ fn describe_loss(addr: SocketAddr, heartbeat: Duration) -> impl Fn(std::io::Erro
 
 impl Drop for TcpLink {
     fn drop(&mut self) {
-        // Closing the queues lets each writer flush what is queued (the last messages of the
-        // last collective) and shut its direction down; wait for that, bounded by the write
-        // timeout, so a normal exit never truncates a peer's final message.
-        for peer in self.peers.iter_mut().flatten() {
-            peer.queue.take();
-        }
-        for peer in self.peers.iter_mut().flatten() {
-            if let Some(writer) = peer.writer.take() {
-                let _ = writer.join();
-            }
+        // The last messages of the last collective reach the kernel before the connections
+        // close (bounded: a peer that reads nothing is stuck or gone), so a normal exit never
+        // truncates a peer's final message.
+        let _ = self.flush(Instant::now() + DRAIN_TIMEOUT);
+        for peer in self.peers.iter().flatten() {
+            let _ = peer.stream.shutdown(Shutdown::Write);
         }
     }
 }
