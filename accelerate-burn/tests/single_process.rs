@@ -371,6 +371,7 @@ fn a_rank_whose_peers_never_come_fails_naming_the_address() {
         master_addr: Some("127.0.0.1".into()),
         master_port: port,
         launcher: Launcher::Torchrun,
+        job_id: None,
     };
     let options = GroupOptions {
         rendezvous_timeout: std::time::Duration::from_millis(500),

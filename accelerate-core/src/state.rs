@@ -97,10 +97,15 @@ pub struct ProcessState {
     pub node_rank: usize,
     /// Host of rank 0's rendezvous store; `None` for a single process.
     pub master_addr: Option<String>,
-    /// Port of rank 0's rendezvous store.
+    /// Port of rank 0's rendezvous store; 0 when rank 0 picks a free one and tells the ranks
+    /// on its host through the job's private file (jobs on one host started by a launcher that
+    /// names the job, such as `mpirun` or `srun`, without `MASTER_PORT`).
     pub master_port: u16,
     /// Which launcher's variables were read.
     pub launcher: Launcher,
+    /// The launcher's name for this job (`PMIX_NAMESPACE`, `SLURM_JOB_ID.SLURM_STEP_ID`,
+    /// `TORCHELASTIC_RUN_ID`), when it gives one.
+    pub job_id: Option<String>,
 }
 
 impl Default for ProcessState {
@@ -121,6 +126,7 @@ impl ProcessState {
             master_addr: None,
             master_port: DEFAULT_MASTER_PORT,
             launcher: Launcher::None,
+            job_id: None,
         }
     }
 
@@ -350,7 +356,28 @@ impl<E: EnvSource + ?Sized> Reader<'_, E> {
             master_addr,
             master_port,
             launcher,
+            job_id: self.env.var("TORCHELASTIC_RUN_ID"),
         })
+    }
+
+    /// Where rank 0's store is: `MASTER_ADDR`/`MASTER_PORT` when set; for a job on one host
+    /// that its launcher names, without `MASTER_ADDR`, loopback and a port rank 0 picks (0);
+    /// else `MASTER_ADDR` unset (an error later, with a hint).
+    fn master_or_local(
+        &self,
+        one_host: bool,
+        job_id: &Option<String>,
+    ) -> Result<(Option<String>, u16), StateError> {
+        let (addr, port) = self.master()?;
+        if addr.is_none() && one_host && job_id.is_some() {
+            let port = if self.env.var("MASTER_PORT").is_some() {
+                port
+            } else {
+                0
+            };
+            return Ok((Some("127.0.0.1".into()), port));
+        }
+        Ok((addr, port))
     }
 
     fn open_mpi(&self) -> Result<ProcessState, StateError> {
@@ -359,11 +386,15 @@ impl<E: EnvSource + ?Sized> Reader<'_, E> {
         let world_size = self.usize_req("OMPI_COMM_WORLD_SIZE", launcher)?;
         let local_rank = self.usize_req("OMPI_COMM_WORLD_LOCAL_RANK", launcher)?;
         let local_world_size = self.usize_req("OMPI_COMM_WORLD_LOCAL_SIZE", launcher)?;
-        let node_rank = match self.usize_opt("OMPI_COMM_WORLD_NODE_RANK")? {
-            Some(n) => n,
-            None => rank / local_world_size.max(1),
-        };
-        let (master_addr, master_port) = self.master()?;
+        // OMPI_COMM_WORLD_NODE_RANK is the rank among the processes of a node (a local rank),
+        // not the node's index; Open MPI maps ranks to nodes by slot unless told otherwise.
+        let node_rank = rank / local_world_size.max(1);
+        let job_id = self
+            .env
+            .var("PMIX_NAMESPACE")
+            .or_else(|| self.env.var("OMPI_MCA_ess_base_jobid"));
+        let (master_addr, master_port) =
+            self.master_or_local(local_world_size == world_size, &job_id)?;
         Ok(ProcessState {
             rank,
             world_size,
@@ -373,6 +404,7 @@ impl<E: EnvSource + ?Sized> Reader<'_, E> {
             master_addr,
             master_port,
             launcher,
+            job_id,
         })
     }
 
@@ -416,6 +448,7 @@ impl<E: EnvSource + ?Sized> Reader<'_, E> {
             master_addr,
             master_port,
             launcher,
+            job_id: None,
         })
     }
 
@@ -452,7 +485,15 @@ impl<E: EnvSource + ?Sized> Reader<'_, E> {
                 ),
             )
         })?;
-        let (mut master_addr, master_port) = self.master()?;
+        let job_id = self
+            .env
+            .var("SLURM_JOB_ID")
+            .map(|job| match self.env.var("SLURM_STEP_ID") {
+                Some(step) => format!("{job}.{step}"),
+                None => job,
+            });
+        let (mut master_addr, master_port) =
+            self.master_or_local(local_world_size == world_size, &job_id)?;
         if master_addr.is_none() {
             master_addr = [
                 "SLURM_STEP_NODELIST",
@@ -472,6 +513,7 @@ impl<E: EnvSource + ?Sized> Reader<'_, E> {
             master_addr,
             master_port,
             launcher,
+            job_id,
         })
     }
 }

@@ -794,3 +794,37 @@ fn a_host_that_vanishes_is_reported_within_the_heartbeat_timeout() {
         "{stdout}"
     );
 }
+
+/// Open MPI's `mpirun` on one host, with no variable set by hand: the ranks read Open MPI's
+/// own environment, rank 0 picks a port and tells the others through the job's private file.
+#[test]
+fn mpirun_starts_a_job_with_no_variable_set_by_hand() {
+    if Command::new("mpirun").arg("--version").output().is_err() {
+        eprintln!("skipped: no mpirun (Debian: apt-get install openmpi-bin)");
+        return;
+    }
+    let mut cmd = Command::new("mpirun");
+    if nix::unistd::geteuid().is_root() {
+        cmd.arg("--allow-run-as-root");
+    }
+    let out = cmd
+        .args(["--oversubscribe", "-np", "2"])
+        .arg(std::env::current_exe().unwrap())
+        .args(["child", "--exact", "--nocapture", "--test-threads=1"])
+        .env(SCENARIO, "train")
+        .env("ACCELERATE_RENDEZVOUS_TIMEOUT", "30")
+        .env_remove("ACCELERATE_JOB_TOKEN")
+        .env_remove("MASTER_ADDR")
+        .env_remove("MASTER_PORT")
+        .output()
+        .unwrap();
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success(), "{stdout}\n{stderr}");
+    assert_eq!(
+        stdout.matches("FORMED shm").count(),
+        2,
+        "{stdout}\n{stderr}"
+    );
+    assert_eq!(stdout.matches("TRAINED").count(), 2, "{stdout}\n{stderr}");
+}

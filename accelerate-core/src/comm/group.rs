@@ -121,8 +121,8 @@ impl ProcessGroup {
             options.token.as_deref(),
             &host,
             state.master_port,
-            state.local_world_size,
-            world_size,
+            (state.local_world_size, world_size),
+            state.job_id.as_deref(),
         )
         .map_err(|e| CommError::Rendezvous {
             addr: addr.clone(),

@@ -320,8 +320,21 @@ impl RendezvousConfig {
     pub fn join(&self, shm: &dyn SharedMemoryHooks) -> Result<Rendezvous, CommError> {
         let addr = self.resolve()?;
         if self.rank == 0 {
-            let token = self.secret.create().map_err(|e| self.err(e.to_string()))?;
-            let served = self.serve(addr, &token, shm);
+            let store = TcpListener::bind(addr).map_err(|e| {
+                self.err(format!(
+                    "rank 0 cannot listen there: {e}. hint: MASTER_ADDR must be an address of \
+                     rank 0's machine and MASTER_PORT a free port"
+                ))
+            })?;
+            let port = store
+                .local_addr()
+                .map_err(|e| self.err(format!("store socket: {e}")))?
+                .port();
+            let token = self
+                .secret
+                .create(port)
+                .map_err(|e| self.err(e.to_string()))?;
+            let served = self.serve(store, &token, shm);
             // The other ranks have read the secret by now, or never will.
             self.secret.remove();
             served.map(|(peers, listener, shared_memory)| Rendezvous {
@@ -352,16 +365,13 @@ impl RendezvousConfig {
 
     fn serve(
         &self,
-        addr: SocketAddr,
+        store: TcpListener,
         token: &[u8],
         shm: &dyn SharedMemoryHooks,
     ) -> Result<(Vec<PeerInfo>, TcpListener, bool), CommError> {
-        let store = TcpListener::bind(addr).map_err(|e| {
-            self.err(format!(
-                "rank 0 cannot listen there: {e}. hint: MASTER_ADDR must be an address of rank 0's \
-                 machine and MASTER_PORT a free port"
-            ))
-        })?;
+        let addr = store
+            .local_addr()
+            .map_err(|e| self.err(format!("store socket: {e}")))?;
         store
             .set_nonblocking(true)
             .map_err(|e| self.err(format!("store socket: {e}")))?;
@@ -648,8 +658,10 @@ impl RendezvousConfig {
                 )));
             }
             let retry = Duration::from_millis(50).min(left);
-            let token = match self.secret.current() {
-                Ok(Some(token)) => token,
+            let (token, addr) = match self.secret.current() {
+                Ok(Some((token, port))) => {
+                    (token, port.map_or(addr, |p| SocketAddr::new(addr.ip(), p)))
+                }
                 Ok(None) => {
                     last_error = format!("rank 0 has not written {} yet", self.secret.describe());
                     std::thread::sleep(retry);

@@ -23,14 +23,18 @@ use crate::env_vars;
 /// Longest secret file read, in bytes (a hex token is 64).
 const MAX_SECRET_BYTES: u64 = 1024;
 
-/// The job's secret, or where rank `k` will find it.
+/// The job's secret, and where the ranks on rank 0's host find what rank 0 chose: the secret
+/// (when no token was given) and the rendezvous port (when it is 0: rank 0 picks one).
 #[derive(Debug, Clone)]
-pub enum JobSecret {
+pub struct JobSecret {
     /// `ACCELERATE_JOB_TOKEN` (or a token given in code).
-    Given(Vec<u8>),
-    /// Drawn by rank 0 and kept in a private file for the ranks on its host.
-    File(PathBuf),
+    given: Option<Vec<u8>>,
+    /// Rank 0's private file for the other ranks of its host.
+    file: Option<PathBuf>,
 }
+
+/// What a rank other than 0 found: the secret, and rank 0's port when rank 0 chose it.
+pub type Found = (Vec<u8>, Option<u16>);
 
 /// Why a job has no secret.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
@@ -46,6 +50,12 @@ pub enum SecretError {
         /// What shows that the job spans hosts.
         why: String,
     },
+    /// No port and no job name to find rank 0's port by.
+    #[error(
+        "MASTER_PORT is 0 and the launcher names no job, so the ranks cannot find rank 0's port. \
+         hint: set MASTER_PORT to a free port on every rank"
+    )]
+    NoPort,
     /// The token is empty.
     #[error(
         "{} is empty. hint: unset it, or give every rank the same non-empty secret",
@@ -63,20 +73,32 @@ pub enum SecretError {
 }
 
 impl JobSecret {
-    /// The secret of a job whose rank 0 serves at `master_addr`:`port`, with `local_world_size`
-    /// of its `world_size` ranks on this host, given `token` (from `ACCELERATE_JOB_TOKEN`).
+    /// The secret of a job whose rank 0 serves at `master_addr`:`port` (0: a port rank 0
+    /// picks, found through the file named after `job_id`), with `local_world_size` of its
+    /// `world_size` ranks on this host, given `token` (from `ACCELERATE_JOB_TOKEN`).
     pub fn resolve(
         token: Option<&str>,
         master_addr: &str,
         port: u16,
-        local_world_size: usize,
-        world_size: usize,
+        (local_world_size, world_size): (usize, usize),
+        job_id: Option<&str>,
     ) -> Result<Self, SecretError> {
-        if let Some(token) = token {
-            if token.is_empty() {
-                return Err(SecretError::Empty);
-            }
-            return Ok(Self::Given(token.as_bytes().to_vec()));
+        let given = match token {
+            Some("") => return Err(SecretError::Empty),
+            Some(token) => Some(token.as_bytes().to_vec()),
+            None => None,
+        };
+        let name = |s: &str| s.replace(|c: char| !c.is_ascii_alphanumeric() && c != '.', "_");
+        if port == 0 {
+            let job = job_id.ok_or(SecretError::NoPort)?;
+            let file = private_dir()?.join(format!("job-{}.rendezvous", name(job)));
+            return Ok(Self {
+                given,
+                file: Some(file),
+            });
+        }
+        if given.is_some() {
+            return Ok(Self { given, file: None });
         }
         if local_world_size < world_size {
             return Err(SecretError::SpansHosts {
@@ -91,51 +113,83 @@ impl JobSecret {
                 why: format!("MASTER_ADDR={master_addr} is not an address of this host"),
             });
         }
-        let name = format!(
-            "job-{}-{port}.secret",
-            master_addr.replace(|c: char| !c.is_ascii_alphanumeric() && c != '.', "_")
-        );
-        Ok(Self::File(private_dir()?.join(name)))
+        let file = private_dir()?.join(format!("job-{}-{port}.secret", name(master_addr)));
+        Ok(Self {
+            given: None,
+            file: Some(file),
+        })
     }
 
-    /// Rank 0's side: the secret itself, written to the file first when it lives in one.
-    pub fn create(&self) -> Result<Vec<u8>, SecretError> {
-        match self {
-            Self::Given(token) => Ok(token.clone()),
-            Self::File(path) => {
-                let bytes: [u8; 32] = random_bytes().map_err(|e| file_error(path, e))?;
-                let token = hex(&bytes).into_bytes();
-                write_private(path, &token)?;
-                Ok(token)
+    /// Rank 0's side, once it listens on `port`: the secret itself, and the private file the
+    /// other ranks read (the port, and the secret unless it was given).
+    pub fn create(&self, port: u16) -> Result<Vec<u8>, SecretError> {
+        let token = match &self.given {
+            Some(token) => token.clone(),
+            None => {
+                let bytes: [u8; 32] = random_bytes()
+                    .map_err(|e| file_error(self.file.as_deref().unwrap_or(Path::new("")), e))?;
+                hex(&bytes).into_bytes()
             }
+        };
+        if let Some(path) = &self.file {
+            let secret = if self.given.is_some() {
+                String::new()
+            } else {
+                String::from_utf8_lossy(&token).into_owned()
+            };
+            write_private(path, format!("{port}\n{secret}").as_bytes())?;
         }
+        Ok(token)
     }
 
-    /// Another rank's side: the secret as it is now (`None` while rank 0 has not written it).
-    pub fn current(&self) -> Result<Option<Vec<u8>>, SecretError> {
-        match self {
-            Self::Given(token) => Ok(Some(token.clone())),
-            Self::File(path) => read_private(path),
-        }
+    /// Another rank's side: the secret and rank 0's port as they are now (`None` while rank 0
+    /// has not written its file; the port is `None` when it was not rank 0's to choose).
+    pub fn current(&self) -> Result<Option<Found>, SecretError> {
+        let Some(path) = &self.file else {
+            return Ok(self.given.clone().map(|token| (token, None)));
+        };
+        let Some(contents) = read_private(path)? else {
+            return Ok(None);
+        };
+        let text = String::from_utf8_lossy(&contents);
+        let (port, secret) = text.split_once('\n').unwrap_or((&text, ""));
+        let port = port.trim().parse::<u16>().ok().filter(|&p| p != 0);
+        let Some(port) = port else {
+            return Err(file_error(
+                path,
+                "not a job file (no port). hint: remove it",
+            ));
+        };
+        let token = match &self.given {
+            Some(token) => token.clone(),
+            None if secret.trim().is_empty() => {
+                return Err(file_error(
+                    path,
+                    "not a job file (no secret). hint: remove it",
+                ));
+            }
+            None => secret.trim().as_bytes().to_vec(),
+        };
+        Ok(Some((token, Some(port))))
     }
 
     /// Whether a failed proof may be a stale file that rank 0 is about to replace.
     pub fn may_change(&self) -> bool {
-        matches!(self, Self::File(_))
+        self.file.is_some()
     }
 
-    /// Removes the file rank 0 wrote (nothing for a given token).
+    /// Removes the file rank 0 wrote.
     pub fn remove(&self) {
-        if let Self::File(path) = self {
+        if let Some(path) = &self.file {
             let _ = std::fs::remove_file(path);
         }
     }
 
     /// Where the secret comes from, for logs.
     pub fn describe(&self) -> String {
-        match self {
-            Self::Given(_) => env_vars::JOB_TOKEN.to_string(),
-            Self::File(path) => path.display().to_string(),
+        match &self.file {
+            Some(path) => path.display().to_string(),
+            None => env_vars::JOB_TOKEN.to_string(),
         }
     }
 }
@@ -260,40 +314,52 @@ mod tests {
 
     #[test]
     fn a_job_spanning_hosts_without_a_token_is_refused() {
-        let err = JobSecret::resolve(None, "127.0.0.1", 1234, 2, 4).unwrap_err();
+        let err = JobSecret::resolve(None, "127.0.0.1", 1234, (2, 4), None).unwrap_err();
         assert!(err.to_string().contains("openssl rand"), "{err}");
-        let err = JobSecret::resolve(None, "192.0.2.1", 1234, 2, 2).unwrap_err();
+        let err = JobSecret::resolve(None, "192.0.2.1", 1234, (2, 2), None).unwrap_err();
         assert!(
             err.to_string().contains("not an address of this host"),
             "{err}"
         );
         assert_eq!(
-            JobSecret::resolve(Some(""), "192.0.2.1", 1, 1, 2).unwrap_err(),
+            JobSecret::resolve(Some(""), "192.0.2.1", 1, (1, 2), None).unwrap_err(),
             SecretError::Empty
         );
-        assert!(matches!(
-            JobSecret::resolve(Some("t"), "192.0.2.1", 1, 1, 2),
-            Ok(JobSecret::Given(_))
-        ));
+        let given = JobSecret::resolve(Some("t"), "192.0.2.1", 1, (1, 2), None).unwrap();
+        assert_eq!(given.current().unwrap(), Some((b"t".to_vec(), None)));
+        assert_eq!(
+            JobSecret::resolve(None, "127.0.0.1", 0, (2, 2), None).unwrap_err(),
+            SecretError::NoPort
+        );
     }
 
     #[test]
     fn a_local_job_shares_a_private_file() {
-        let secret = JobSecret::resolve(None, "127.0.0.1", 1, 2, 2).unwrap();
-        let JobSecret::File(path) = &secret else {
-            panic!("expected a file secret");
-        };
-        let token = secret.create().unwrap();
+        let secret = JobSecret::resolve(None, "127.0.0.1", 1, (2, 2), None).unwrap();
+        let path = secret.file.clone().expect("a file secret");
+        let token = secret.create(1).unwrap();
         assert_eq!(token.len(), 64);
-        assert_eq!(secret.current().unwrap(), Some(token.clone()));
-        let mode = std::fs::metadata(path).unwrap().mode();
+        assert_eq!(secret.current().unwrap(), Some((token.clone(), Some(1))));
+        let mode = std::fs::metadata(&path).unwrap().mode();
         assert_eq!(mode & 0o777, 0o600);
         assert_ne!(
-            secret.create().unwrap(),
+            secret.create(1).unwrap(),
             token,
             "each job draws a new secret"
         );
         secret.remove();
         assert_eq!(secret.current().unwrap(), None);
+    }
+
+    #[test]
+    fn a_port_rank_0_picked_reaches_the_other_ranks_with_the_secret() {
+        let job = format!("test-{}", std::process::id());
+        for token in [None, Some("given")] {
+            let secret = JobSecret::resolve(token, "127.0.0.1", 0, (2, 2), Some(&job)).unwrap();
+            assert_eq!(secret.current().unwrap(), None);
+            let created = secret.create(40123).unwrap();
+            assert_eq!(secret.current().unwrap(), Some((created, Some(40123))));
+            secret.remove();
+        }
     }
 }
