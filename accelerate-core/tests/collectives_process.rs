@@ -177,18 +177,13 @@ impl Job {
                     let mut stdout = String::new();
                     let mut stderr = String::new();
                     use std::io::Read;
-                    child
-                        .stdout
-                        .take()
-                        .unwrap()
-                        .read_to_string(&mut stdout)
-                        .unwrap();
-                    child
-                        .stderr
-                        .take()
-                        .unwrap()
-                        .read_to_string(&mut stderr)
-                        .unwrap();
+                    // A test may have taken a stream to watch it.
+                    if let Some(mut out) = child.stdout.take() {
+                        out.read_to_string(&mut stdout).unwrap();
+                    }
+                    if let Some(mut err) = child.stderr.take() {
+                        err.read_to_string(&mut stderr).unwrap();
+                    }
                     out.push((status.code().unwrap_or(-1), stdout, stderr));
                     break;
                 }

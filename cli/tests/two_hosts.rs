@@ -1,0 +1,315 @@
+//! Two hosts on one machine: two network namespaces joined by a veth link, each with its own
+//! address and host name, each running `accelerate launch --num-machines 2 --machine-rank r`.
+//! The namespaces are created and removed by the tests (removed on drop, also when a test
+//! fails); they need root, and are skipped with a message without it.
+
+use std::io::{BufRead, BufReader};
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+use accelerate_core::comm::{GroupOptions, ProcessGroup, Reduction};
+
+const SCENARIO: &str = "ACCELERATE_TEST_TWO_HOSTS";
+
+/// A worker: forms the group, then `train` (20 checked all-reduces) or `late` (2 s of
+/// "compute" before a barrier). Exits 3 on a collective error. Does nothing unless started
+/// by the tests below.
+#[test]
+fn worker() {
+    let Ok(scenario) = std::env::var(SCENARIO) else {
+        return;
+    };
+    let result = (|| -> Result<(), accelerate_core::CommError> {
+        let state = accelerate_core::ProcessState::from_env().unwrap();
+        let mut group = ProcessGroup::new(&state, &GroupOptions::from_env().unwrap())?;
+        println!("FORMED {} on {}", group.transport(), hostname());
+        let (rank, n) = (group.rank(), group.world_size());
+        if scenario == "train" {
+            for step in 0..20 {
+                let mut grads: Vec<f32> =
+                    (0..1000).map(|i| (i * (rank + 1) + step) as f32).collect();
+                group.all_reduce(&mut grads, Reduction::Sum)?;
+                let expected: Vec<f32> = (0..1000)
+                    .map(|i| (0..n).map(|r| (i * (r + 1) + step) as f32).sum())
+                    .collect();
+                assert_eq!(grads, expected);
+            }
+            println!("TRAINED");
+        } else {
+            println!("READY");
+            std::thread::sleep(Duration::from_secs(2));
+        }
+        group.barrier()
+    })();
+    if let Err(e) = result {
+        eprintln!("ERROR {e}");
+        std::process::exit(3);
+    }
+}
+
+fn hostname() -> String {
+    std::fs::read_to_string("/proc/sys/kernel/hostname")
+        .unwrap_or_default()
+        .trim()
+        .to_string()
+}
+
+struct TwoHosts {
+    namespaces: [String; 2],
+    addresses: [String; 2],
+}
+
+impl TwoHosts {
+    fn new(tag: &str) -> Option<Self> {
+        if !nix::unistd::geteuid().is_root() {
+            eprintln!("skipped: needs root for network namespaces");
+            return None;
+        }
+        let id = std::process::id();
+        let namespaces = [format!("accrs-{tag}-{id}-a"), format!("accrs-{tag}-{id}-b")];
+        let subnet = format!("10.{}.{}", 100 + id % 100, tag.len() * 17 % 250);
+        let hosts = Self {
+            namespaces,
+            addresses: [format!("{subnet}.1"), format!("{subnet}.2")],
+        };
+        let [a, b] = &hosts.namespaces;
+        let [ip_a, ip_b] = &hosts.addresses;
+        let script = format!(
+            "set -e; ip netns add {a}; ip netns add {b}; \
+             ip link add veth0 netns {a} type veth peer name veth1 netns {b}; \
+             ip -n {a} addr add {ip_a}/24 dev veth0; ip -n {b} addr add {ip_b}/24 dev veth1; \
+             for n in {a} {b}; do ip -n $n link set lo up; done; \
+             ip -n {a} link set veth0 up; ip -n {b} link set veth1 up"
+        );
+        let status = Command::new("sh").args(["-c", &script]).status().unwrap();
+        assert!(status.success(), "could not create the two hosts");
+        Some(hosts)
+    }
+
+    /// `accelerate launch` of 2 workers on host `machine`, with its own host name.
+    fn launch(&self, machine: usize, scenario: &str, token: &str, extra: &[(&str, &str)]) -> Child {
+        let mut cmd = Command::new("ip");
+        cmd.args([
+            "netns",
+            "exec",
+            &self.namespaces[machine],
+            "unshare",
+            "--uts",
+            "sh",
+            "-c",
+        ])
+        .arg(
+            "hostname \"$HOST_NAME\" && exec \"$ACCELERATE\" launch --num-machines 2 \
+                 --machine-rank \"$MACHINE\" -n 2 --main-process-ip \"$MAIN_IP\" \
+                 --main-process-port 29500 --grace-period 2 -- \"$EXE\" worker --exact \
+                 --nocapture --test-threads=1",
+        )
+        .env("HOST_NAME", format!("accrs-host-{machine}"))
+        .env("ACCELERATE", env!("CARGO_BIN_EXE_accelerate"))
+        .env("MACHINE", machine.to_string())
+        .env("MAIN_IP", &self.addresses[0])
+        .env("EXE", std::env::current_exe().unwrap())
+        .env(SCENARIO, scenario)
+        .env("ACCELERATE_JOB_TOKEN", token)
+        .env("ACCELERATE_RENDEZVOUS_TIMEOUT", "30")
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped());
+        for (k, v) in extra {
+            cmd.env(k, v);
+        }
+        if token.is_empty() {
+            cmd.env_remove("ACCELERATE_JOB_TOKEN");
+        }
+        cmd.spawn().unwrap()
+    }
+
+    fn ip(&self, machine: usize, args: &[&str]) {
+        let status = Command::new("ip")
+            .args(["-n", &self.namespaces[machine]])
+            .args(args)
+            .status()
+            .unwrap();
+        assert!(status.success(), "ip {args:?}");
+    }
+
+    /// Processes still running in host `machine`'s network namespace.
+    fn leftovers(&self, machine: usize) -> String {
+        let out = Command::new("ip")
+            .args(["netns", "pids", &self.namespaces[machine]])
+            .output()
+            .unwrap();
+        String::from_utf8_lossy(&out.stdout).trim().to_string()
+    }
+}
+
+impl Drop for TwoHosts {
+    fn drop(&mut self) {
+        for ns in &self.namespaces {
+            // Anything left in a namespace goes with it.
+            let _ = Command::new("sh")
+                .args([
+                    "-c",
+                    &format!("ip netns pids {ns} | xargs -r kill -9; ip netns del {ns}"),
+                ])
+                .status();
+        }
+    }
+}
+
+/// Waits for a launcher (at most `limit`): its exit code, stdout, stderr.
+fn finish(mut child: Child, limit: Duration) -> (i32, String, String) {
+    let deadline = Instant::now() + limit;
+    loop {
+        if child.try_wait().unwrap().is_some() {
+            let out = child.wait_with_output().unwrap();
+            return (
+                out.status.code().unwrap_or(-1),
+                String::from_utf8_lossy(&out.stdout).into_owned(),
+                String::from_utf8_lossy(&out.stderr).into_owned(),
+            );
+        }
+        if Instant::now() > deadline {
+            let _ = child.kill();
+            panic!("a launcher did not finish within {limit:?}");
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    }
+}
+
+/// Reads `child`'s stdout until `count` lines contain `marker`, then hands the rest to a thread
+/// that keeps it drained.
+fn wait_for(child: &mut Child, marker: &str, count: usize) {
+    let mut lines = BufReader::new(child.stdout.take().unwrap()).lines();
+    let mut seen = 0;
+    while seen < count {
+        let line = lines.next().expect("the workers ended early").unwrap();
+        seen += usize::from(line.contains(marker));
+    }
+    std::thread::spawn(move || lines.for_each(drop));
+}
+
+#[test]
+fn two_hosts_of_two_processes_form_one_group_and_train() {
+    let Some(hosts) = TwoHosts::new("train") else {
+        return;
+    };
+    let token = format!("two-hosts-{}", std::process::id());
+    let launchers: Vec<Child> = (0..2)
+        .map(|m| hosts.launch(m, "train", &token, &[]))
+        .collect();
+    for (machine, launcher) in launchers.into_iter().enumerate() {
+        let (code, stdout, stderr) = finish(launcher, Duration::from_secs(60));
+        assert_eq!(code, 0, "machine {machine}: {stdout}\n{stderr}");
+        assert_eq!(
+            stdout.matches("TRAINED").count(),
+            2,
+            "machine {machine}: {stdout}"
+        );
+        let host = format!("FORMED tcp on accrs-host-{machine}");
+        assert_eq!(
+            stdout.matches(&host).count(),
+            2,
+            "machine {machine}: {stdout}"
+        );
+    }
+    assert_eq!(hosts.leftovers(0), "");
+    assert_eq!(hosts.leftovers(1), "");
+}
+
+#[test]
+fn a_link_cut_between_hosts_fails_every_rank_within_the_heartbeat_timeout() {
+    let Some(hosts) = TwoHosts::new("cut") else {
+        return;
+    };
+    let token = format!("cut-{}", std::process::id());
+    let extra = [
+        ("ACCELERATE_HEARTBEAT_TIMEOUT", "6"),
+        ("ACCELERATE_TIMEOUT", "300"),
+    ];
+    let mut launchers: Vec<Child> = (0..2)
+        .map(|m| hosts.launch(m, "late", &token, &extra))
+        .collect();
+    for launcher in &mut launchers {
+        wait_for(launcher, "READY", 2);
+    }
+    // Host 1's end of the link goes down: from host 0, host 1 simply stops answering.
+    hosts.ip(1, &["link", "set", "veth1", "down"]);
+    let cut = Instant::now();
+    let results: Vec<_> = launchers
+        .into_iter()
+        .map(|l| finish(l, Duration::from_secs(60)))
+        .collect();
+    let took = cut.elapsed();
+    println!("from the cut to the last launcher's exit: {took:?}");
+    // 2 s of "compute", then the 6 s heartbeat, against a 300 s collective timeout.
+    assert!(took < Duration::from_secs(20), "took {took:?}");
+    for (machine, (code, _, stderr)) in results.iter().enumerate() {
+        assert_ne!(*code, 0, "machine {machine}: {stderr}");
+        assert!(stderr.contains("barrier"), "machine {machine}: {stderr}");
+    }
+    let all: String = results.iter().map(|r| r.2.clone()).collect();
+    assert!(all.contains("no sign of life from its host"), "{all}");
+    assert_eq!(hosts.leftovers(0), "");
+    assert_eq!(hosts.leftovers(1), "");
+}
+
+#[test]
+fn killing_every_process_of_one_host_fails_the_other_naming_them() {
+    let Some(hosts) = TwoHosts::new("kill") else {
+        return;
+    };
+    let token = format!("kill-{}", std::process::id());
+    let mut launchers: Vec<Child> = (0..2)
+        .map(|m| hosts.launch(m, "late", &token, &[]))
+        .collect();
+    for launcher in &mut launchers {
+        wait_for(launcher, "READY", 2);
+    }
+    let status = Command::new("sh")
+        .args([
+            "-c",
+            &format!("ip netns pids {} | xargs kill -9", hosts.namespaces[1]),
+        ])
+        .status()
+        .unwrap();
+    assert!(status.success());
+    let killed = Instant::now();
+    let (code, _, stderr) = finish(launchers.remove(0), Duration::from_secs(60));
+    // Their 2 s of "compute", then at once: the kernel closed the dead processes' sockets.
+    assert!(
+        killed.elapsed() < Duration::from_secs(10),
+        "{:?}",
+        killed.elapsed()
+    );
+    assert_eq!(code, 3, "{stderr}");
+    assert!(
+        stderr.contains("rank 2") || stderr.contains("rank 3"),
+        "{stderr}"
+    );
+    let _ = finish(launchers.remove(0), Duration::from_secs(10));
+    assert_eq!(hosts.leftovers(0), "");
+}
+
+#[test]
+fn a_wrong_or_missing_token_from_the_other_host_is_refused_at_start() {
+    let Some(hosts) = TwoHosts::new("token") else {
+        return;
+    };
+    // No token at all: the launcher refuses before starting anything, with the fix.
+    let (code, _, stderr) = finish(hosts.launch(1, "train", "", &[]), Duration::from_secs(30));
+    assert_ne!(code, 0);
+    assert!(stderr.contains("openssl rand -hex 16"), "{stderr}");
+    assert_eq!(stderr.trim().lines().count(), 1, "{stderr}");
+    let extra = [("ACCELERATE_RENDEZVOUS_TIMEOUT", "4")];
+    let host0 = hosts.launch(0, "train", "the-token", &extra);
+    let host1 = hosts.launch(1, "train", "another-token", &extra);
+    let (code1, _, stderr1) = finish(host1, Duration::from_secs(30));
+    let (code0, _, stderr0) = finish(host0, Duration::from_secs(30));
+    assert_ne!(code1, 0);
+    assert!(
+        stderr1.contains("did not accept this rank's job token"),
+        "{stderr1}"
+    );
+    assert_ne!(code0, 0);
+    assert!(stderr0.contains("failed to authenticate"), "{stderr0}");
+}
