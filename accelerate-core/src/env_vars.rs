@@ -44,6 +44,8 @@ pub const RENDEZVOUS_TIMEOUT: &str = "ACCELERATE_RENDEZVOUS_TIMEOUT";
 pub const HEARTBEAT_TIMEOUT: &str = "ACCELERATE_HEARTBEAT_TIMEOUT";
 /// Pid of the `accelerate launch` that started this worker (the worker ends with it).
 pub const LAUNCHER_PID: &str = "ACCELERATE_LAUNCHER_PID";
+/// Whether groups spanning hosts all-reduce hierarchically (shared memory inside each host).
+pub const HIERARCHICAL: &str = "ACCELERATE_HIERARCHICAL";
 /// Transport between processes: `auto`, `shm` or `tcp`.
 pub const TRANSPORT: &str = "ACCELERATE_TRANSPORT";
 /// All-reduce algorithm: `auto`, `ring` or `recursive_doubling`.

@@ -19,22 +19,51 @@ fn worker() {
     let Ok(scenario) = std::env::var(SCENARIO) else {
         return;
     };
+    tracing_subscriber::fmt()
+        .with_writer(std::io::stderr)
+        .with_ansi(false)
+        .init();
     let result = (|| -> Result<(), accelerate_core::CommError> {
         let state = accelerate_core::ProcessState::from_env().unwrap();
         let mut group = ProcessGroup::new(&state, &GroupOptions::from_env().unwrap())?;
         println!("FORMED {} on {}", group.transport(), hostname());
         let (rank, n) = (group.rank(), group.world_size());
         if scenario == "train" {
+            // 400 KB a step: past the small-buffer cut-off, so a hierarchical group really
+            // goes through shared memory and its leaders (values stay exact in f32).
             for step in 0..20 {
+                let len = 100_003;
                 let mut grads: Vec<f32> =
-                    (0..1000).map(|i| (i * (rank + 1) + step) as f32).collect();
+                    (0..len).map(|i| (i * (rank + 1) + step) as f32).collect();
                 group.all_reduce(&mut grads, Reduction::Sum)?;
-                let expected: Vec<f32> = (0..1000)
+                let expected: Vec<f32> = (0..len)
                     .map(|i| (0..n).map(|r| (i * (r + 1) + step) as f32).sum())
                     .collect();
                 assert_eq!(grads, expected);
             }
             println!("TRAINED");
+        } else if scenario == "bench" {
+            for size in [4usize << 10, 1 << 20, 16 << 20, 64 << 20] {
+                let mut buf = vec![0.0f32; size / 4];
+                let iters = ((256 << 20) / size).clamp(5, 200);
+                for _ in 0..3 {
+                    group.all_reduce(&mut buf, Reduction::Sum)?;
+                }
+                let mut times: Vec<f64> = (0..iters)
+                    .map(|_| {
+                        let started = Instant::now();
+                        group
+                            .all_reduce(&mut buf, Reduction::Sum)
+                            .map(|()| started.elapsed().as_secs_f64())
+                    })
+                    .collect::<Result<_, _>>()?;
+                times.sort_by(f64::total_cmp);
+                let median = times[times.len() / 2];
+                let busbw = size as f64 / median / 1e9 * 2.0 * (n - 1) as f64 / n as f64;
+                if rank == 0 {
+                    println!("BENCH {size} {:.1} us {busbw:.3} GB/s", median * 1e6);
+                }
+            }
         } else {
             println!("READY");
             std::thread::sleep(Duration::from_secs(2));
@@ -86,34 +115,38 @@ impl TwoHosts {
         Some(hosts)
     }
 
-    /// `accelerate launch` of 2 workers on host `machine`, with its own host name.
+    /// `accelerate launch` of 2 workers on host `machine`, with its own host name (and, with
+    /// `SHM_SIZE` in `extra`, its own /dev/shm of that size).
     fn launch(&self, machine: usize, scenario: &str, token: &str, extra: &[(&str, &str)]) -> Child {
         let mut cmd = Command::new("ip");
-        cmd.args([
-            "netns",
-            "exec",
-            &self.namespaces[machine],
-            "unshare",
-            "--uts",
-            "sh",
-            "-c",
-        ])
-        .arg(
-            "hostname \"$HOST_NAME\" && exec \"$ACCELERATE\" launch --num-machines 2 \
+        cmd.args(["netns", "exec", &self.namespaces[machine]])
+            .args([
+                "unshare",
+                "--uts",
+                "--mount",
+                "--propagation",
+                "private",
+                "sh",
+                "-c",
+            ])
+            .arg(
+                "hostname \"$HOST_NAME\" && \
+             if [ -n \"$SHM_SIZE\" ]; then mount -t tmpfs -o size=$SHM_SIZE tmpfs /dev/shm; fi && \
+             exec \"$ACCELERATE\" launch --num-machines 2 \
                  --machine-rank \"$MACHINE\" -n 2 --main-process-ip \"$MAIN_IP\" \
                  --main-process-port 29500 --grace-period 2 -- \"$EXE\" worker --exact \
                  --nocapture --test-threads=1",
-        )
-        .env("HOST_NAME", format!("accrs-host-{machine}"))
-        .env("ACCELERATE", env!("CARGO_BIN_EXE_accelerate"))
-        .env("MACHINE", machine.to_string())
-        .env("MAIN_IP", &self.addresses[0])
-        .env("EXE", std::env::current_exe().unwrap())
-        .env(SCENARIO, scenario)
-        .env("ACCELERATE_JOB_TOKEN", token)
-        .env("ACCELERATE_RENDEZVOUS_TIMEOUT", "30")
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped());
+            )
+            .env("HOST_NAME", format!("accrs-host-{machine}"))
+            .env("ACCELERATE", env!("CARGO_BIN_EXE_accelerate"))
+            .env("MACHINE", machine.to_string())
+            .env("MAIN_IP", &self.addresses[0])
+            .env("EXE", std::env::current_exe().unwrap())
+            .env(SCENARIO, scenario)
+            .env("ACCELERATE_JOB_TOKEN", token)
+            .env("ACCELERATE_RENDEZVOUS_TIMEOUT", "30")
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped());
         for (k, v) in extra {
             cmd.env(k, v);
         }
@@ -205,7 +238,7 @@ fn two_hosts_of_two_processes_form_one_group_and_train() {
             2,
             "machine {machine}: {stdout}"
         );
-        let host = format!("FORMED tcp on accrs-host-{machine}");
+        let host = format!("FORMED tcp+shm on accrs-host-{machine}");
         assert_eq!(
             stdout.matches(&host).count(),
             2,
@@ -312,4 +345,64 @@ fn a_wrong_or_missing_token_from_the_other_host_is_refused_at_start() {
     );
     assert_ne!(code0, 0);
     assert!(stderr0.contains("failed to authenticate"), "{stderr0}");
+}
+
+/// All-reduce over the two hosts, flat TCP against hierarchical (shared memory inside each
+/// host), 2 x 2 ranks: `cargo test -p accelerate-cli --test two_hosts -- --ignored --nocapture`
+/// (root).
+#[test]
+#[ignore = "a benchmark: prints figures, asserts nothing"]
+fn flat_against_hierarchical_all_reduce() {
+    let Some(hosts) = TwoHosts::new("bench") else {
+        return;
+    };
+    for round in 0..2 {
+        for hierarchical in ["false", "true"] {
+            let token = format!("bench-{}-{round}-{hierarchical}", std::process::id());
+            let extra = [("ACCELERATE_HIERARCHICAL", hierarchical)];
+            let launchers: Vec<Child> = (0..2)
+                .map(|m| hosts.launch(m, "bench", &token, &extra))
+                .collect();
+            for launcher in launchers {
+                let (code, stdout, stderr) = finish(launcher, Duration::from_secs(600));
+                assert_eq!(code, 0, "{stdout}\n{stderr}");
+                for line in stdout.lines().filter(|l| l.contains("BENCH")) {
+                    println!("round {round} hierarchical={hierarchical}: {line}");
+                }
+            }
+        }
+    }
+}
+
+#[test]
+fn a_host_without_room_in_dev_shm_makes_the_group_all_reduce_flat() {
+    let Some(hosts) = TwoHosts::new("full") else {
+        return;
+    };
+    let token = format!("full-{}", std::process::id());
+    let slots = ("ACCELERATE_SHM_SLOT_BYTES", "4194304");
+    let launchers = [
+        hosts.launch(0, "train", &token, &[slots]),
+        hosts.launch(1, "train", &token, &[slots, ("SHM_SIZE", "1m")]),
+    ];
+    let mut warnings = 0;
+    for (machine, launcher) in launchers.into_iter().enumerate() {
+        let (code, stdout, stderr) = finish(launcher, Duration::from_secs(60));
+        assert_eq!(code, 0, "machine {machine}: {stdout}\n{stderr}");
+        assert_eq!(
+            stdout.matches("TRAINED").count(),
+            2,
+            "machine {machine}: {stdout}"
+        );
+        let host = format!("FORMED tcp on accrs-host-{machine}");
+        assert_eq!(
+            stdout.matches(&host).count(),
+            2,
+            "machine {machine}: {stdout}"
+        );
+        warnings += format!("{stdout}{stderr}")
+            .matches("shared memory unavailable")
+            .count();
+    }
+    assert_eq!(warnings, 1, "one warning, from the host that has no room");
 }

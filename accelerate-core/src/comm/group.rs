@@ -11,6 +11,7 @@ use serde::de::DeserializeOwned;
 use super::call::{CallDesc, OpKind};
 use super::collective::MessageEngine;
 use super::engine::Engine;
+use super::hierarchical::{HierarchicalEngine, Layout};
 use super::link::Link;
 use super::options::{GroupOptions, TransportChoice};
 use super::rendezvous::{GroupSettings, RendezvousConfig};
@@ -74,6 +75,113 @@ fn message_engine<L: Link + 'static>(link: L, options: &GroupOptions) -> Box<dyn
         options.algorithm,
         options.segment_bytes,
     ))
+}
+
+/// Global ranks on each host, hosts in order of their lowest rank.
+fn hosts_of(peers: &[super::rendezvous::PeerInfo]) -> Vec<Vec<usize>> {
+    let mut hosts: Vec<(String, Vec<usize>)> = Vec::new();
+    for peer in peers {
+        match hosts.iter_mut().find(|(h, _)| *h == peer.host) {
+            Some((_, ranks)) => ranks.push(peer.rank),
+            None => hosts.push((peer.host.clone(), vec![peer.rank])),
+        }
+    }
+    hosts.into_iter().map(|(_, ranks)| ranks).collect()
+}
+
+/// Shared memory inside this host (its leader creates the segment; everyone waits at a TCP
+/// barrier until every leader has), TCP among leaders.
+fn hierarchical_engine(
+    link: TcpLink,
+    hosts: Vec<Vec<usize>>,
+    rank: usize,
+    token: &[u8],
+    addr: &str,
+    options: &GroupOptions,
+) -> Result<Box<dyn Engine>, CommError> {
+    let mine = hosts
+        .iter()
+        .find(|h| h.contains(&rank))
+        .cloned()
+        .unwrap_or_else(|| vec![rank]);
+    let local_index = mine.iter().position(|&r| r == rank).unwrap_or(0);
+    let hooks = SegmentHooks {
+        addr: format!("{addr}/host-of-{}", mine[0]),
+        world_size: mine.len(),
+        slot_bytes: options.shm_slot_bytes,
+        rank,
+    };
+    let path = segment_path(token, &hooks.addr);
+    let shared = mine.len() > 1;
+    let mut setup = MessageEngine::new(
+        link,
+        options.rendezvous_timeout,
+        options.algorithm,
+        options.segment_bytes,
+    );
+    // Every host's leader creates its segment, every rank checks it can open its host's, and
+    // all agree: one host without usable shared memory (a full /dev/shm, a container's own)
+    // makes the whole group all-reduce flat over TCP, with one warning.
+    let created = if shared && local_index == 0 {
+        use super::rendezvous::SharedMemoryHooks;
+        hooks.create(token).map_err(|e| e.to_string())
+    } else {
+        Ok([0; 16])
+    };
+    let created_ok = agree(&mut setup, 0, created.is_ok())?;
+    let usable = created_ok
+        && agree(
+            &mut setup,
+            1,
+            !shared || super::transport::shm::can_open(&path, hooks.world_size, hooks.slot_bytes),
+        )?;
+    if !usable {
+        if shared && local_index == 0 {
+            let _ = std::fs::remove_file(&path);
+        }
+        if let Err(why) = created {
+            tracing::warn!(
+                "shared memory unavailable on this host ({why}); all-reduces run flat over TCP"
+            );
+        }
+        return Ok(message_engine(setup.into_link(), options));
+    }
+    let local = if shared {
+        Some(ShmEngine::open(
+            &path,
+            local_index,
+            mine.len(),
+            options.shm_slot_bytes,
+            options.rendezvous_timeout,
+        )?)
+    } else {
+        None
+    };
+    Ok(Box::new(HierarchicalEngine::new(
+        setup.into_link(),
+        &Layout { hosts, rank },
+        local,
+        options.timeout,
+        options.algorithm,
+        options.segment_bytes,
+    )))
+}
+
+/// Whether `ok` holds on every rank (a minimum over the set-up link).
+fn agree(setup: &mut MessageEngine<TcpLink>, step: u64, ok: bool) -> Result<bool, CommError> {
+    let mut call = CallDesc::new(OpKind::Setup, step);
+    call.count = 1;
+    call.dtype = Some(accelerate_kernels::DType::F32);
+    call.reduce = Some(ReduceOp::Min);
+    let mut flag = if ok { 1.0f32 } else { 0.0 }.to_le_bytes();
+    setup.all_reduce(
+        &call,
+        &mut flag,
+        accelerate_kernels::DType::F32,
+        ReduceOp::Min,
+        None,
+    )?;
+    Ok(f32::from_le_bytes(flag) == 1.0)
 }
 
 /// A process-unique tag for a new group.
@@ -169,7 +277,16 @@ impl ProcessGroup {
                 deadline,
                 options.heartbeat_timeout,
             )?;
-            message_engine(link, options)
+            let hosts = hosts_of(&joined.peers);
+            if options.hierarchical
+                && options.transport == TransportChoice::Auto
+                && hosts.len() > 1
+                && hosts.iter().any(|h| h.len() > 1)
+            {
+                hierarchical_engine(link, hosts, rank, &joined.token, &addr, options)?
+            } else {
+                message_engine(link, options)
+            }
         };
         tracing::info!(rank, world_size, transport = engine.name(), %addr, "process group formed");
         let mut group = Self::with_engine(rank, world_size, Some(engine));

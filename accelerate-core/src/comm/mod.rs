@@ -7,6 +7,8 @@
 //! - [`transport`]: `local` (threads), `tcp` (hosts), `shm` (one host, direct collectives).
 //! - [`collective`]: ring, recursive-doubling, tree and dissemination algorithms over the
 //!   message transports.
+//! - [`hierarchical`]: groups spanning hosts with several ranks per host: shared memory inside
+//!   each host, TCP among one leader per host.
 //! - [`ProcessGroup`]: all_reduce (sum, mean, max, min), broadcast, all_gather,
 //!   reduce_scatter, barrier, and broadcast/gather of small serde values; f32, f16, bf16.
 //! - [`SharedBuffer`]: a buffer the peers of a shared-memory group read directly, all-reduced
@@ -42,6 +44,7 @@ pub mod call;
 pub mod collective;
 pub mod engine;
 mod group;
+pub mod hierarchical;
 pub mod link;
 mod options;
 pub mod rendezvous;

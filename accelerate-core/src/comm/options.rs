@@ -46,6 +46,10 @@ pub struct GroupOptions {
     /// kernel's keepalive probes answer for a peer that is merely busy, so a long step never
     /// trips it.
     pub heartbeat_timeout: Duration,
+    /// Whether a group spanning hosts, with several ranks on some host, all-reduces through
+    /// shared memory inside each host and TCP among one leader per host
+    /// (`ACCELERATE_HIERARCHICAL`; default true, under `ACCELERATE_TRANSPORT=auto`).
+    pub hierarchical: bool,
     /// Transport (`ACCELERATE_TRANSPORT`: auto, shm, tcp; default auto).
     pub transport: TransportChoice,
     /// All-reduce algorithm of the message transports (`ACCELERATE_ALL_REDUCE_ALGORITHM`:
@@ -68,6 +72,7 @@ impl Default for GroupOptions {
             timeout: Duration::from_secs(300),
             rendezvous_timeout: Duration::from_secs(300),
             heartbeat_timeout: Duration::from_secs(30),
+            hierarchical: true,
             transport: TransportChoice::Auto,
             algorithm: AllReduceAlgorithm::Auto,
             token: None,
@@ -127,6 +132,10 @@ impl GroupOptions {
         }
         if let Some(t) = seconds(env_vars::HEARTBEAT_TIMEOUT)? {
             options.heartbeat_timeout = t;
+        }
+        if let Some(v) = env.var(env_vars::HIERARCHICAL) {
+            options.hierarchical = env_vars::parse_bool(&v)
+                .ok_or_else(|| invalid(env_vars::HIERARCHICAL, v, "true or false"))?;
         }
         if let Some(v) = env.var(env_vars::TRANSPORT) {
             options.transport = v

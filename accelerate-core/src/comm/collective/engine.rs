@@ -70,6 +70,11 @@ impl<L: Link> MessageEngine<L> {
         }
     }
 
+    /// The link back, for another engine to take over.
+    pub fn into_link(self) -> L {
+        self.link
+    }
+
     pub(super) fn rank(&self) -> usize {
         self.link.rank()
     }

@@ -132,6 +132,12 @@ pub(crate) fn open_private(path: &Path, write: bool, len: usize) -> std::io::Res
     Ok(file)
 }
 
+/// Whether this rank can open the segment at `path` for `world_size` ranks (it exists, is
+/// ours, private and big enough).
+pub fn can_open(path: &Path, world_size: usize, slot_bytes: usize) -> bool {
+    open_private(path, false, Region::size(world_size, slot_bytes)).is_ok()
+}
+
 /// How the rendezvous creates, checks and removes a group's segment.
 pub struct SegmentHooks {
     /// The rendezvous address (part of the segment's name).
