@@ -441,10 +441,16 @@ impl Link for TcpLink {
 /// How a failed read from the peer at `addr` is reported.
 fn describe_loss(addr: SocketAddr, heartbeat: Duration) -> impl Fn(std::io::Error) -> LinkError {
     move |e| {
-        LinkError::Lost(if e.kind() == ErrorKind::TimedOut {
+        // The kernel gave up on the peer: its keepalive probes went unanswered (TimedOut), or
+        // the network said the host cannot be reached while they were being sent.
+        let vanished = matches!(
+            e.kind(),
+            ErrorKind::TimedOut | ErrorKind::HostUnreachable | ErrorKind::NetworkUnreachable
+        );
+        LinkError::Lost(if vanished {
             format!(
-                "no sign of life from its host {addr} for {} s: the host is down or the network \
-                 between is cut (ACCELERATE_HEARTBEAT_TIMEOUT)",
+                "no sign of life from its host {addr} for {} s ({e}): the host is down or the \
+                 network between is cut (ACCELERATE_HEARTBEAT_TIMEOUT)",
                 heartbeat.as_secs()
             )
         } else {
