@@ -372,6 +372,7 @@ fn a_rank_whose_peers_never_come_fails_naming_the_address() {
         master_port: port,
         launcher: Launcher::Torchrun,
         job_id: None,
+        agent_store: None,
     };
     let options = GroupOptions {
         rendezvous_timeout: std::time::Duration::from_millis(500),

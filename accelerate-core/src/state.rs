@@ -11,8 +11,11 @@
 //! | SLURM (`srun`) | `SLURM_PROCID`, `SLURM_STEP_NUM_TASKS` or `SLURM_NTASKS` | `SLURM_LOCALID`, `SLURM_STEP_TASKS_PER_NODE` or `SLURM_TASKS_PER_NODE` | `SLURM_NODEID` |
 //!
 //! `MASTER_ADDR` and `MASTER_PORT` name rank 0's rendezvous address for every launcher. Under
-//! SLURM the address defaults to the first host of the step's node list; the port defaults to
-//! [`DEFAULT_MASTER_PORT`]. With none of these variables set the process is rank 0 of 1.
+//! SLURM the address defaults to the first host of the step's node list and the port to one
+//! derived from the job id ([`slurm_port`]); elsewhere the port defaults to
+//! [`DEFAULT_MASTER_PORT`]. Under torchrun (`TORCHELASTIC_USE_AGENT_STORE=True`) they name the
+//! agent's own store instead ([`ProcessState::agent_store`]), and rank 0 picks its port. With
+//! none of these variables set the process is rank 0 of 1.
 //!
 //! Inconsistent values are errors that name the variable, never a silent guess: a rank outside
 //! the world, a world size without a rank, a multi-process job without a master address.
@@ -104,8 +107,13 @@ pub struct ProcessState {
     /// Which launcher's variables were read.
     pub launcher: Launcher,
     /// The launcher's name for this job (`PMIX_NAMESPACE`, `SLURM_JOB_ID.SLURM_STEP_ID`,
-    /// `TORCHELASTIC_RUN_ID`), when it gives one.
+    /// `TORCHELASTIC_RUN_ID.TORCHELASTIC_RESTART_COUNT`), when it gives one.
     pub job_id: Option<String>,
+    /// torchrun's agent store (`host:port`): with `TORCHELASTIC_USE_AGENT_STORE=True`,
+    /// `MASTER_ADDR:MASTER_PORT` is a PyTorch TCPStore the launcher hosts, not a port rank 0
+    /// may listen on. Rank 0 then picks its own port: on one host it tells the others through
+    /// the job's private file, across hosts through this store.
+    pub agent_store: Option<String>,
 }
 
 impl Default for ProcessState {
@@ -127,6 +135,7 @@ impl ProcessState {
             master_port: DEFAULT_MASTER_PORT,
             launcher: Launcher::None,
             job_id: None,
+            agent_store: None,
         }
     }
 
@@ -346,7 +355,37 @@ impl<E: EnvSource + ?Sized> Reader<'_, E> {
             Some(n) => n,
             None => rank / local_world_size.max(1),
         };
-        let (master_addr, master_port) = self.master()?;
+        let (mut master_addr, mut master_port) = self.master()?;
+        // torchrun restarts every worker under the same run id: each attempt is its own job.
+        let job_id = self.env.var("TORCHELASTIC_RUN_ID").map(|id| {
+            let attempt = self.env.var("TORCHELASTIC_RESTART_COUNT");
+            format!("{id}.{}", attempt.as_deref().unwrap_or("0").trim())
+        });
+        let uses_agent_store = self
+            .env
+            .var("TORCHELASTIC_USE_AGENT_STORE")
+            .is_some_and(|v| v.trim().eq_ignore_ascii_case("true"));
+        let mut agent_store = None;
+        if uses_agent_store && world_size > 1 {
+            let Some(host) = master_addr.take() else {
+                return Err(StateError::Missing {
+                    var: "MASTER_ADDR",
+                    launcher,
+                    why: "TORCHELASTIC_USE_AGENT_STORE says torchrun's store is there",
+                });
+            };
+            agent_store = Some(if host.contains(':') {
+                format!("[{host}]:{master_port}")
+            } else {
+                format!("{host}:{master_port}")
+            });
+            master_addr = Some(if local_world_size == world_size {
+                "127.0.0.1".into()
+            } else {
+                host
+            });
+            master_port = 0;
+        }
         Ok(ProcessState {
             rank,
             world_size,
@@ -356,7 +395,8 @@ impl<E: EnvSource + ?Sized> Reader<'_, E> {
             master_addr,
             master_port,
             launcher,
-            job_id: self.env.var("TORCHELASTIC_RUN_ID"),
+            job_id,
+            agent_store,
         })
     }
 
@@ -405,6 +445,7 @@ impl<E: EnvSource + ?Sized> Reader<'_, E> {
             master_port,
             launcher,
             job_id,
+            agent_store: None,
         })
     }
 
@@ -449,6 +490,7 @@ impl<E: EnvSource + ?Sized> Reader<'_, E> {
             master_port,
             launcher,
             job_id: None,
+            agent_store: None,
         })
     }
 
@@ -492,8 +534,12 @@ impl<E: EnvSource + ?Sized> Reader<'_, E> {
                 Some(step) => format!("{job}.{step}"),
                 None => job,
             });
-        let (mut master_addr, master_port) =
+        let (mut master_addr, mut master_port) =
             self.master_or_local(local_world_size == world_size, &job_id)?;
+        if self.env.var("MASTER_PORT").is_none() && master_port != 0 {
+            // Two jobs whose first node is the same must not both want PyTorch's 29500.
+            master_port = slurm_port(self.env.var("SLURM_JOB_ID"), self.env.var("SLURM_STEP_ID"));
+        }
         if master_addr.is_none() {
             master_addr = [
                 "SLURM_STEP_NODELIST",
@@ -514,7 +560,23 @@ impl<E: EnvSource + ?Sized> Reader<'_, E> {
             master_port,
             launcher,
             job_id,
+            agent_store: None,
         })
+    }
+}
+
+/// Rank 0's port for a SLURM job spanning hosts without `MASTER_PORT`: derived from the job
+/// and step ids, so that every rank computes the same one and jobs sharing a first node rarely
+/// meet; 20000-31999, below Linux's ephemeral ports. Without a job id, [`DEFAULT_MASTER_PORT`].
+pub fn slurm_port(job_id: Option<String>, step_id: Option<String>) -> u16 {
+    let number = |v: Option<String>| v.and_then(|v| v.trim().parse::<u64>().ok());
+    match number(job_id) {
+        Some(job) => {
+            let step = number(step_id).unwrap_or(0);
+            // 12000 < u16::MAX, so the sum fits.
+            20_000 + (job.wrapping_mul(31).wrapping_add(step) % 12_000) as u16
+        }
+        None => DEFAULT_MASTER_PORT,
     }
 }
 
@@ -588,6 +650,45 @@ mod tests {
         assert_eq!(s.master_port, 1234);
         assert_eq!(s.launcher, Launcher::Torchrun);
         assert!(!s.is_main_process() && !s.is_local_main_process());
+    }
+
+    /// What torchrun's agent sets: MASTER_PORT is its store; each attempt is its own job.
+    #[test]
+    fn torchrun_agent_store_is_not_rank_0s_port() {
+        let agent = |local: &str, attempt: &str| {
+            parse(&[
+                ("RANK", "1"),
+                ("WORLD_SIZE", "4"),
+                ("LOCAL_RANK", "1"),
+                ("LOCAL_WORLD_SIZE", local),
+                ("GROUP_RANK", "0"),
+                ("MASTER_ADDR", "node0.cluster"),
+                ("MASTER_PORT", "29500"),
+                ("TORCHELASTIC_USE_AGENT_STORE", "True"),
+                ("TORCHELASTIC_RUN_ID", "abc"),
+                ("TORCHELASTIC_RESTART_COUNT", attempt),
+            ])
+            .unwrap()
+        };
+        let one_host = agent("4", "0");
+        assert_eq!(one_host.master_addr.as_deref(), Some("127.0.0.1"));
+        assert_eq!(one_host.master_port, 0);
+        assert_eq!(one_host.job_id.as_deref(), Some("abc.0"));
+        assert_eq!(one_host.agent_store.as_deref(), Some("node0.cluster:29500"));
+        let two_hosts = agent("2", "3");
+        assert_eq!(two_hosts.master_addr.as_deref(), Some("node0.cluster"));
+        assert_eq!(two_hosts.master_port, 0);
+        assert_eq!(two_hosts.job_id.as_deref(), Some("abc.3"));
+        // Without the agent store (older torchrun, static setups) MASTER_PORT is rank 0's.
+        let plain = parse(&[
+            ("RANK", "0"),
+            ("WORLD_SIZE", "2"),
+            ("MASTER_ADDR", "127.0.0.1"),
+            ("MASTER_PORT", "29501"),
+            ("TORCHELASTIC_RUN_ID", "abc"),
+        ])
+        .unwrap();
+        assert_eq!((plain.master_port, plain.agent_store), (29501, None));
     }
 
     #[test]
@@ -768,6 +869,26 @@ mod tests {
         );
         assert_eq!(s.master_addr.as_deref(), Some("gpu07"));
         assert_eq!(s.launcher, Launcher::Slurm);
+        // No job id: PyTorch's default port; with one, the same derived port on every rank.
+        assert_eq!(s.master_port, DEFAULT_MASTER_PORT);
+        let with_job = |rank: &'static str, node: &'static str, local: &'static str| {
+            parse(&[
+                ("SLURM_PROCID", rank),
+                ("SLURM_NTASKS", "4"),
+                ("SLURM_LOCALID", local),
+                ("SLURM_NODEID", node),
+                ("SLURM_STEP_TASKS_PER_NODE", "2(x2)"),
+                ("SLURM_STEP_NODELIST", "n[1-2]"),
+                ("SLURM_JOB_ID", "4242"),
+                ("SLURM_STEP_ID", "1"),
+            ])
+            .unwrap()
+            .master_port
+        };
+        let port = with_job("0", "0", "0");
+        assert!((20_000..32_000).contains(&port), "{port}");
+        assert_eq!(with_job("3", "1", "1"), port);
+        assert_ne!(slurm_port(Some("4243".into()), Some("1".into())), port);
         let err = parse(&[
             ("SLURM_PROCID", "0"),
             ("SLURM_NTASKS", "2"),

@@ -3,6 +3,8 @@
 //! `ACCELERATE_TEST_CHILD` names a scenario).
 
 mod common;
+#[path = "../../tests-support/tools.rs"]
+mod tools;
 
 use std::io::{BufRead, BufReader};
 use std::net::TcpListener;
@@ -75,6 +77,21 @@ fn child() {
                     );
                 }
                 println!("TRAINED");
+            }
+            "fail_first_attempt" => {
+                // torchrun's first attempt loses rank 1 mid-job; the agent restarts everyone.
+                let attempt = std::env::var("TORCHELASTIC_RESTART_COUNT").unwrap_or_default();
+                if attempt == "0" && group.rank() == 1 {
+                    println!("FAILING ON PURPOSE");
+                    std::process::exit(7);
+                }
+                let mut grads = common::input::<f32>(group.rank(), 1000);
+                group.all_reduce(&mut grads, Reduction::Sum)?;
+                assert_eq!(
+                    grads,
+                    common::reduced::<f32>(group.world_size(), 1000, Reduction::Sum)
+                );
+                println!("TRAINED in attempt {attempt}");
             }
             "stall" => {
                 // Rank 0 waits in a collective while the last rank "computes" for a long time.
@@ -790,36 +807,79 @@ fn a_host_that_vanishes_is_reported_within_the_heartbeat_timeout() {
     );
 }
 
-/// Open MPI's `mpirun` on one host, with no variable set by hand: the ranks read Open MPI's
-/// own environment, rank 0 picks a port and tells the others through the job's private file.
-#[test]
-fn mpirun_starts_a_job_with_no_variable_set_by_hand() {
-    if Command::new("mpirun").arg("--version").output().is_err() {
-        eprintln!("skipped: no mpirun (Debian: apt-get install openmpi-bin)");
-        return;
-    }
-    let mut cmd = Command::new("mpirun");
-    if nix::unistd::geteuid().is_root() {
-        cmd.arg("--allow-run-as-root");
-    }
-    let out = cmd
-        .args(["--oversubscribe", "-np", "2"])
+/// Runs `scenario` under another launcher (`launcher` with its arguments; the ranks are this
+/// test binary) with none of our variables set; asserts it succeeded and returns its stdout.
+fn under_launcher(launcher: &mut Command, scenario: &str) -> String {
+    let out = launcher
         .arg(std::env::current_exe().unwrap())
         .args(["child", "--exact", "--nocapture", "--test-threads=1"])
-        .env(SCENARIO, "train")
+        .env(SCENARIO, scenario)
         .env("ACCELERATE_RENDEZVOUS_TIMEOUT", "30")
         .env_remove("ACCELERATE_JOB_TOKEN")
         .env_remove("MASTER_ADDR")
         .env_remove("MASTER_PORT")
         .output()
         .unwrap();
-    let stdout = String::from_utf8_lossy(&out.stdout);
+    let stdout = String::from_utf8_lossy(&out.stdout).into_owned();
     let stderr = String::from_utf8_lossy(&out.stderr);
     assert!(out.status.success(), "{stdout}\n{stderr}");
-    assert_eq!(
-        stdout.matches("FORMED shm").count(),
-        2,
-        "{stdout}\n{stderr}"
+    stdout
+}
+
+/// Open MPI's `mpirun` on one host, with no variable set by hand: the ranks read Open MPI's
+/// own environment, rank 0 picks a port and tells the others through the job's private file.
+#[test]
+fn mpirun_starts_a_job_with_no_variable_set_by_hand() {
+    if !tools::ready(&["mpirun"], false, "apt-get install openmpi-bin") {
+        return;
+    }
+    let mut mpirun = Command::new("mpirun");
+    if tools::is_root() {
+        mpirun.arg("--allow-run-as-root");
+    }
+    let stdout = under_launcher(mpirun.args(["--oversubscribe", "-np", "2"]), "train");
+    assert_eq!(stdout.matches("FORMED shm").count(), 2, "{stdout}");
+    assert_eq!(stdout.matches("TRAINED").count(), 2, "{stdout}");
+}
+
+/// torchrun on one host, with no variable set by hand: torchrun's agent holds MASTER_PORT for
+/// its own store, so rank 0 picks a port and tells the others through the job's private file.
+#[test]
+fn torchrun_starts_a_job_with_no_variable_set_by_hand() {
+    let Some(torchrun) = tools::torchrun() else {
+        return;
+    };
+    let mut torchrun = Command::new(torchrun);
+    let stdout = under_launcher(
+        torchrun.args(["--nproc-per-node", "2", "--no-python"]),
+        "train",
     );
-    assert_eq!(stdout.matches("TRAINED").count(), 2, "{stdout}\n{stderr}");
+    assert_eq!(stdout.matches("FORMED shm").count(), 2, "{stdout}");
+    assert_eq!(stdout.matches("TRAINED").count(), 2, "{stdout}");
+}
+
+/// torchrun with `--max-restarts`: a rank fails in the first attempt, the agent stops the
+/// others and starts every worker again; the new attempt forms a new group (not the stale
+/// one) and finishes.
+#[test]
+fn torchrun_restarts_the_workers_after_a_failure_and_the_job_finishes() {
+    let Some(torchrun) = tools::torchrun() else {
+        return;
+    };
+    let mut torchrun = Command::new(torchrun);
+    torchrun.args([
+        "--nproc-per-node",
+        "2",
+        "--max-restarts",
+        "1",
+        "--no-python",
+    ]);
+    let stdout = under_launcher(&mut torchrun, "fail_first_attempt");
+    assert_eq!(stdout.matches("FAILING ON PURPOSE").count(), 1, "{stdout}");
+    assert_eq!(
+        stdout.matches("TRAINED in attempt 1").count(),
+        2,
+        "{stdout}"
+    );
+    assert!(!stdout.contains("TRAINED in attempt 0"), "{stdout}");
 }

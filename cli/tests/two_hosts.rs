@@ -9,6 +9,9 @@ use std::time::{Duration, Instant};
 
 use accelerate_core::comm::{GroupOptions, ProcessGroup, Reduction};
 
+#[path = "../../tests-support/tools.rs"]
+mod tools;
+
 const SCENARIO: &str = "ACCELERATE_TEST_TWO_HOSTS";
 
 /// A worker: forms the group, then `train` (20 checked all-reduces) or `late` (2 s of
@@ -30,21 +33,38 @@ fn worker() {
         let (rank, n) = (group.rank(), group.world_size());
         if scenario == "train" {
             // 400 KB a step: past the small-buffer cut-off, so a hierarchical group really
-            // goes through shared memory and its leaders (values stay exact in f32).
+            // goes through shared memory: along rails when the length splits evenly between a
+            // host's ranks, through its leader when it does not; sums and means (exact in f32
+            // for these values: integers below 2^24, divided by a power of two).
             for step in 0..20 {
-                let len = 100_003;
+                let len = if step % 2 == 0 { 100_000 } else { 100_003 };
+                let reduction = if step % 4 < 2 {
+                    Reduction::Sum
+                } else {
+                    Reduction::Mean
+                };
                 let mut grads: Vec<f32> =
                     (0..len).map(|i| (i * (rank + 1) + step) as f32).collect();
-                group.all_reduce(&mut grads, Reduction::Sum)?;
+                group.all_reduce(&mut grads, reduction)?;
                 let expected: Vec<f32> = (0..len)
-                    .map(|i| (0..n).map(|r| (i * (r + 1) + step) as f32).sum())
+                    .map(|i| {
+                        let sum: f32 = (0..n).map(|r| (i * (r + 1) + step) as f32).sum();
+                        if reduction == Reduction::Mean {
+                            sum / n as f32
+                        } else {
+                            sum
+                        }
+                    })
                     .collect();
-                assert_eq!(grads, expected);
+                assert_eq!(grads, expected, "step {step}");
             }
             println!("TRAINED");
         } else if scenario == "bench" {
+            // One element more makes the length odd: the hierarchical engine then goes
+            // through each host's leader instead of along rails.
+            let odd = usize::from(std::env::var_os("TEST_BENCH_ODD").is_some());
             for size in [4usize << 10, 1 << 20, 16 << 20, 64 << 20] {
-                let mut buf = vec![0.0f32; size / 4];
+                let mut buf = vec![0.0f32; size / 4 + odd];
                 let iters = ((256 << 20) / size).clamp(5, 200);
                 for _ in 0..3 {
                     group.all_reduce(&mut buf, Reduction::Sum)?;
@@ -83,6 +103,15 @@ fn hostname() -> String {
         .to_string()
 }
 
+/// Our launcher, two workers a host (the worker's command line follows).
+const ACCELERATE_LAUNCH: &str = "\"$ACCELERATE\" launch --num-machines 2 \
+    --machine-rank \"$MACHINE\" -n 2 --main-process-ip \"$MAIN_IP\" --main-process-port 29500 \
+    --grace-period 2 --";
+
+/// torchrun, two workers a host, node 0's agent hosting the store (static rendezvous).
+const TORCHRUN: &str = "\"$TORCHRUN\" --nnodes 2 --node-rank \"$MACHINE\" --nproc-per-node 2 \
+    --master-addr \"$MAIN_IP\" --master-port 29500 --no-python";
+
 struct TwoHosts {
     namespaces: [String; 2],
     addresses: [String; 2],
@@ -118,6 +147,19 @@ impl TwoHosts {
     /// `accelerate launch` of 2 workers on host `machine`, with its own host name (and, with
     /// `SHM_SIZE` in `extra`, its own /dev/shm of that size).
     fn launch(&self, machine: usize, scenario: &str, token: &str, extra: &[(&str, &str)]) -> Child {
+        self.start(machine, ACCELERATE_LAUNCH, scenario, token, extra)
+    }
+
+    /// Starts `launcher` (a shell command run after the host name and /dev/shm are set) in host
+    /// `machine`'s namespace, with the test's variables.
+    fn start(
+        &self,
+        machine: usize,
+        launcher: &str,
+        scenario: &str,
+        token: &str,
+        extra: &[(&str, &str)],
+    ) -> Child {
         let mut cmd = Command::new("ip");
         cmd.args(["netns", "exec", &self.namespaces[machine]])
             .args([
@@ -129,14 +171,11 @@ impl TwoHosts {
                 "sh",
                 "-c",
             ])
-            .arg(
+            .arg(format!(
                 "hostname \"$HOST_NAME\" && \
              if [ -n \"$SHM_SIZE\" ]; then mount -t tmpfs -o size=$SHM_SIZE tmpfs /dev/shm; fi && \
-             exec \"$ACCELERATE\" launch --num-machines 2 \
-                 --machine-rank \"$MACHINE\" -n 2 --main-process-ip \"$MAIN_IP\" \
-                 --main-process-port 29500 --grace-period 2 -- \"$EXE\" worker --exact \
-                 --nocapture --test-threads=1",
-            )
+             exec {launcher} \"$EXE\" worker --exact --nocapture --test-threads=1"
+            ))
             .env("HOST_NAME", format!("accrs-host-{machine}"))
             .env("ACCELERATE", env!("CARGO_BIN_EXE_accelerate"))
             .env("MACHINE", machine.to_string())
@@ -249,6 +288,177 @@ fn two_hosts_of_two_processes_form_one_group_and_train() {
     assert_eq!(hosts.leftovers(1), "");
 }
 
+/// torchrun on each host (`--nnodes 2`), nothing set by hand but the job token: rank 0
+/// publishes its address in torchrun's store, and the group is the same as under our launcher.
+#[test]
+fn torchrun_on_two_hosts_forms_one_group_and_trains() {
+    let Some(torchrun) = tools::torchrun() else {
+        return;
+    };
+    let Some(hosts) = TwoHosts::new("torchrun") else {
+        return;
+    };
+    let token = format!("torchrun-{}", std::process::id());
+    let torchrun = torchrun.display().to_string();
+    let extra = [("TORCHRUN", torchrun.as_str())];
+    let launchers: Vec<Child> = (0..2)
+        .map(|m| hosts.start(m, TORCHRUN, "train", &token, &extra))
+        .collect();
+    for (machine, launcher) in launchers.into_iter().enumerate() {
+        let (code, stdout, stderr) = finish(launcher, Duration::from_secs(90));
+        assert_eq!(code, 0, "machine {machine}: {stdout}\n{stderr}");
+        assert_eq!(
+            stdout.matches("TRAINED").count(),
+            2,
+            "machine {machine}: {stdout}"
+        );
+        let host = format!("FORMED tcp+shm on accrs-host-{machine}");
+        assert_eq!(
+            stdout.matches(&host).count(),
+            2,
+            "machine {machine}: {stdout}"
+        );
+    }
+    assert_eq!(hosts.leftovers(0), "");
+    assert_eq!(hosts.leftovers(1), "");
+}
+
+/// Without a job token, a job torchrun spans over hosts refuses to start, saying why.
+#[test]
+fn torchrun_on_two_hosts_without_a_token_is_refused_with_a_hint() {
+    let Some(torchrun) = tools::torchrun() else {
+        return;
+    };
+    let Some(hosts) = TwoHosts::new("torchrun-notoken") else {
+        return;
+    };
+    let torchrun = torchrun.display().to_string();
+    let extra = [("TORCHRUN", torchrun.as_str())];
+    let launchers: Vec<Child> = (0..2)
+        .map(|m| hosts.start(m, TORCHRUN, "train", "", &extra))
+        .collect();
+    for (machine, launcher) in launchers.into_iter().enumerate() {
+        let (code, stdout, stderr) = finish(launcher, Duration::from_secs(90));
+        assert_ne!(code, 0, "machine {machine}: {stdout}\n{stderr}");
+        assert!(
+            stderr.contains("torchrun runs it on 2 hosts") && stderr.contains("openssl rand"),
+            "machine {machine}: {stderr}"
+        );
+    }
+}
+
+/// Slurm with one node in each namespace: `srun -N 2 -n 4` on the first, and the ranks find
+/// rank 0 from Slurm's own node list (no MASTER_ADDR/PORT; the token exported, as srun passes
+/// the environment on).
+#[test]
+fn srun_on_two_hosts_finds_rank_0_from_the_node_list() {
+    if !tools::slurm_ready() {
+        return;
+    }
+    let Some(hosts) = TwoHosts::new("slurm") else {
+        return;
+    };
+    let cluster = SlurmCluster::start(&hosts);
+    let out = cluster
+        .run(&[
+            "srun",
+            "-N",
+            "2",
+            "-n",
+            "4",
+            "--ntasks-per-node",
+            "2",
+            "--time",
+            "5",
+        ])
+        .arg(std::env::current_exe().unwrap())
+        .args(["worker", "--exact", "--nocapture", "--test-threads=1"])
+        .env(SCENARIO, "train")
+        .env(
+            "ACCELERATE_JOB_TOKEN",
+            format!("slurm-{}", std::process::id()),
+        )
+        .env("ACCELERATE_RENDEZVOUS_TIMEOUT", "30")
+        .env_remove("MASTER_ADDR")
+        .env_remove("MASTER_PORT")
+        .output()
+        .unwrap();
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success(), "{stdout}\n{stderr}");
+    assert_eq!(stdout.matches("TRAINED").count(), 4, "{stdout}");
+    for machine in 0..2 {
+        let host = format!("FORMED tcp+shm on accrs-host-{machine}");
+        assert_eq!(stdout.matches(&host).count(), 2, "{stdout}");
+    }
+    drop(cluster);
+    assert_eq!(hosts.leftovers(0), "");
+    assert_eq!(hosts.leftovers(1), "");
+}
+
+/// A Slurm cluster of the two hosts (`scripts/slurm-cluster.sh`), stopped on drop.
+struct SlurmCluster {
+    dir: tempfile::TempDir,
+}
+
+const SLURM_CLUSTER: &str = concat!(env!("CARGO_MANIFEST_DIR"), "/../scripts/slurm-cluster.sh");
+
+impl SlurmCluster {
+    fn start(hosts: &TwoHosts) -> Self {
+        let dir = tempfile::Builder::new()
+            .prefix("accrs-slurm-")
+            .tempdir()
+            .unwrap();
+        let port = || {
+            let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+            l.local_addr().unwrap().port().to_string()
+        };
+        let nodes: Vec<String> = (0..2)
+            .map(|m| {
+                format!(
+                    "accrs-host-{m}={}={}",
+                    hosts.namespaces[m], hosts.addresses[m]
+                )
+            })
+            .collect();
+        let out = Command::new("bash")
+            .arg(SLURM_CLUSTER)
+            .arg("start")
+            .arg(dir.path())
+            .args([port(), port(), "2".into()])
+            .args(&nodes)
+            .output()
+            .unwrap();
+        let cluster = Self { dir };
+        assert!(
+            out.status.success(),
+            "the Slurm cluster did not start: {}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        cluster
+    }
+
+    /// `args` on the first host, against this cluster.
+    fn run(&self, args: &[&str]) -> Command {
+        let mut cmd = Command::new("bash");
+        cmd.arg(SLURM_CLUSTER)
+            .arg("run")
+            .arg(self.dir.path())
+            .args(args);
+        cmd
+    }
+}
+
+impl Drop for SlurmCluster {
+    fn drop(&mut self) {
+        let _ = Command::new("bash")
+            .arg(SLURM_CLUSTER)
+            .arg("stop")
+            .arg(self.dir.path())
+            .status();
+    }
+}
+
 #[test]
 fn a_link_cut_between_hosts_fails_every_rank_within_the_heartbeat_timeout() {
     let Some(hosts) = TwoHosts::new("cut") else {
@@ -348,7 +558,7 @@ fn a_wrong_or_missing_token_from_the_other_host_is_refused_at_start() {
 }
 
 /// All-reduce over the two hosts, flat TCP against hierarchical (shared memory inside each
-/// host), 2 x 2 ranks: `cargo test -p accelerate-cli --test two_hosts -- --ignored --nocapture`
+/// host; along rails, and through each host's leader), 2 x 2 ranks: `cargo test -p accelerate-cli --test two_hosts -- --ignored --nocapture`
 /// (root).
 #[test]
 #[ignore = "a benchmark: prints figures, asserts nothing"]
@@ -356,18 +566,25 @@ fn flat_against_hierarchical_all_reduce() {
     let Some(hosts) = TwoHosts::new("bench") else {
         return;
     };
+    let ways = [
+        ("flat", vec![("ACCELERATE_HIERARCHICAL", "false")]),
+        ("rails", vec![("ACCELERATE_HIERARCHICAL", "true")]),
+        (
+            "leaders",
+            vec![("ACCELERATE_HIERARCHICAL", "true"), ("TEST_BENCH_ODD", "1")],
+        ),
+    ];
     for round in 0..2 {
-        for hierarchical in ["false", "true"] {
-            let token = format!("bench-{}-{round}-{hierarchical}", std::process::id());
-            let extra = [("ACCELERATE_HIERARCHICAL", hierarchical)];
+        for (way, extra) in &ways {
+            let token = format!("bench-{}-{round}-{way}", std::process::id());
             let launchers: Vec<Child> = (0..2)
-                .map(|m| hosts.launch(m, "bench", &token, &extra))
+                .map(|m| hosts.launch(m, "bench", &token, extra))
                 .collect();
             for launcher in launchers {
                 let (code, stdout, stderr) = finish(launcher, Duration::from_secs(600));
                 assert_eq!(code, 0, "{stdout}\n{stderr}");
                 for line in stdout.lines().filter(|l| l.contains("BENCH")) {
-                    println!("round {round} hierarchical={hierarchical}: {line}");
+                    println!("round {round} {way}: {line}");
                 }
             }
         }

@@ -6,6 +6,8 @@
 //! unless `ACCELERATE_TEST_CHILD` names a scenario).
 
 mod common;
+#[path = "../../tests-support/tools.rs"]
+mod tools;
 
 use accelerate_burn::burn;
 use accelerate_burn::{
@@ -20,8 +22,8 @@ use burn::data::dataset::InMemDataset;
 use burn::optim::{AdamWConfig, SgdConfig};
 use burn::tensor::{Device, Int, Tensor, TensorData};
 use common::{
-    SCENARIO, env_number, largest_difference, line, param_bits, parameters, params, print_params,
-    run,
+    SCENARIO, env_number, largest_difference, line, param_bits, param_bits_in, parameters, params,
+    print_params, run,
 };
 
 /// Samples trained on: divisible by the global batch of every world size tested (8 x 1, 2, 3).
@@ -62,6 +64,7 @@ fn train<B: AcceleratorBackend>() -> anyhow::Result<()> {
             ..ScalerConfig::default()
         })
         .build()?;
+    println!("FORMED {}", acc.transport());
     let hidden = if env_number::<usize>("TEST_ODD_MODEL") == acc.process_index() + 1 {
         33
     } else {
@@ -299,6 +302,121 @@ fn two_and_three_processes_learn_what_one_learns_from_the_same_global_batches() 
             );
         }
     }
+}
+
+const SLURM_CLUSTER: &str = concat!(env!("CARGO_MANIFEST_DIR"), "/../scripts/slurm-cluster.sh");
+
+/// A Slurm cluster of two hosts made of network namespaces (`scripts/slurm-cluster.sh`
+/// creates them), stopped and removed on drop, also when the test fails.
+struct TwoHostCluster(tempfile::TempDir);
+
+impl Drop for TwoHostCluster {
+    fn drop(&mut self) {
+        let _ = std::process::Command::new("bash")
+            .arg(SLURM_CLUSTER)
+            .arg("stop")
+            .arg(self.0.path())
+            .status();
+    }
+}
+
+/// Two hosts (network namespaces with their own addresses and host names, one Slurm node
+/// each) x 2 processes, started by a real `srun` that only knows the node list: the four
+/// ranks, two talking over the veth link, learn what one process learns from the same global
+/// batches, within the same 1e-6 as on one host, and agree bit for bit.
+#[test]
+fn four_processes_on_two_hosts_under_srun_learn_what_one_learns() {
+    if !tools::slurm_ready() {
+        return;
+    }
+    // 240 samples: 10 global batches of 4 x 6.
+    let per_rank = 6;
+    let single = run("train", 1, &[("TEST_BATCH", (per_rank * 4).to_string())]);
+    let reference = params(&single[0]);
+    let updates = line(&single[0], "UPDATES ");
+
+    let dir = tempfile::Builder::new()
+        .prefix("accrs-dp-slurm-")
+        .tempdir()
+        .unwrap();
+    let id = std::process::id();
+    let subnet = format!("10.{}.{}", 150 + id % 50, id / 50 % 250);
+    let port = || {
+        std::net::TcpListener::bind("127.0.0.1:0")
+            .unwrap()
+            .local_addr()
+            .unwrap()
+            .port()
+            .to_string()
+    };
+    let started = std::process::Command::new("bash")
+        .arg(SLURM_CLUSTER)
+        .arg("start")
+        .arg(dir.path())
+        .args([port(), port(), "2".into()])
+        .args((0..2).map(|m| format!("accrs-dp-{m}=accrs-dp-{id}-{m}={subnet}.{}", m + 1)))
+        .output()
+        .unwrap();
+    let cluster = TwoHostCluster(dir);
+    assert!(
+        started.status.success(),
+        "the cluster did not start: {}",
+        String::from_utf8_lossy(&started.stderr)
+    );
+    let out = std::process::Command::new("bash")
+        .arg(SLURM_CLUSTER)
+        .arg("run")
+        .arg(cluster.0.path())
+        .args([
+            "srun",
+            "-N",
+            "2",
+            "-n",
+            "4",
+            "--ntasks-per-node",
+            "2",
+            "--time",
+            "5",
+        ])
+        .arg("--output")
+        .arg(cluster.0.path().join("rank-%t.out"))
+        .arg(std::env::current_exe().unwrap())
+        .args(["child", "--exact", "--nocapture", "--test-threads=1"])
+        .env(SCENARIO, "train")
+        .env("TEST_BATCH", per_rank.to_string())
+        .env("ACCELERATE_JOB_TOKEN", format!("dp-slurm-{id}"))
+        .env("ACCELERATE_TIMEOUT", "60")
+        .env("ACCELERATE_RENDEZVOUS_TIMEOUT", "60")
+        .env("RAYON_NUM_THREADS", "1")
+        .env_remove("MASTER_ADDR")
+        .env_remove("MASTER_PORT")
+        .output()
+        .unwrap();
+    let logs: Vec<String> = (0..4)
+        .map(|rank| {
+            std::fs::read_to_string(cluster.0.path().join(format!("rank-{rank}.out")))
+                .unwrap_or_default()
+        })
+        .collect();
+    assert!(
+        out.status.success(),
+        "{}\n{}\n{logs:#?}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let bits: Vec<Vec<u32>> = logs.iter().map(|log| param_bits_in(log)).collect();
+    for (rank, log) in logs.iter().enumerate() {
+        assert!(log.contains("FORMED tcp+shm"), "rank {rank}: {log}");
+        assert!(
+            log.contains(&format!("UPDATES {updates}")),
+            "rank {rank}: {log}"
+        );
+        let ours: Vec<f32> = bits[rank].iter().map(|b| f32::from_bits(*b)).collect();
+        let worst = largest_difference(&ours, &reference);
+        eprintln!("rank {rank} on its host: largest difference from one process {worst:e}");
+        assert!(worst <= 1e-6, "rank {rank}: largest difference {worst}");
+    }
+    assert!(bits.windows(2).all(|w| w[0] == w[1]), "ranks differ");
 }
 
 #[test]

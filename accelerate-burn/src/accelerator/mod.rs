@@ -145,6 +145,13 @@ impl<B: AcceleratorBackend> Accelerator<B> {
         self.state.world_size
     }
 
+    /// How this process reaches the others: `single` (alone), `shm` (shared memory, one
+    /// host), `tcp`, or `tcp+shm` (hosts with several processes each: shared memory inside a
+    /// host, TCP between hosts).
+    pub fn transport(&self) -> &'static str {
+        self.comm.lock().transport()
+    }
+
     /// True on global rank 0: the process that logs, prints and saves.
     pub fn is_main_process(&self) -> bool {
         self.state.is_main_process()

@@ -225,13 +225,26 @@ impl ProcessGroup {
                 reason: "MASTER_ADDR is not set".into(),
             })?;
         let addr = format!("{host}:{}", state.master_port);
-        let secret = JobSecret::resolve(
-            options.token.as_deref(),
-            &host,
-            state.master_port,
-            (state.local_world_size, world_size),
-            state.job_id.as_deref(),
-        )
+        let secret = match &state.agent_store {
+            // torchrun across hosts: rank 0's address goes through torchrun's store.
+            Some(store) if state.local_world_size < world_size => JobSecret::through_store(
+                options.token.as_deref(),
+                world_size.div_ceil(state.local_world_size),
+                store,
+                format!(
+                    "accelerate-rs/{}/rendezvous",
+                    state.job_id.as_deref().unwrap_or("job")
+                ),
+                Instant::now() + options.rendezvous_timeout,
+            ),
+            _ => JobSecret::resolve(
+                options.token.as_deref(),
+                &host,
+                state.master_port,
+                (state.local_world_size, world_size),
+                state.job_id.as_deref(),
+            ),
+        }
         .map_err(|e| CommError::Rendezvous {
             addr: addr.clone(),
             rank,

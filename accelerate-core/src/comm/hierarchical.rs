@@ -1,11 +1,18 @@
-//! The engine of a group spanning hosts with several ranks per host: an all-reduce is a
-//! shared-memory all-reduce inside each host, a TCP all-reduce among one leader per host (the
-//! host's lowest rank), and a shared-memory broadcast from the leader; so only one copy of the
-//! data crosses the network per host instead of every rank's. Small all-reduces (up to 64 KiB,
-//! latency-bound) and the other collectives run flat over TCP between every pair, as before.
+//! The engine of a group spanning hosts with several ranks per host. Only one copy of the
+//! data crosses the network per host instead of every rank's, in one of two ways:
 //!
-//! Every rank reduces the same values in the same order (its host's sum, then the leaders'
-//! combination, then the leader's bits copied), so all ranks end with identical bits.
+//! - **Rails** (every host has the same number L of ranks, and the buffer splits into L equal
+//!   slices): a shared-memory reduce-scatter inside each host leaves local rank i with its
+//!   host's sum of slice i; local rank i of every host all-reduces that slice over TCP with
+//!   the others of index i (L TCP all-reduces of 1/L of the data each, in parallel, so every
+//!   rank works, as NCCL's rings do across nodes); a shared-memory all-gather puts the slices
+//!   back together.
+//! - **Leaders** (otherwise): a shared-memory all-reduce inside each host, a TCP all-reduce
+//!   among one leader per host (its lowest rank), and a shared-memory broadcast from it.
+//!
+//! Small all-reduces (up to 64 KiB, latency-bound) and the other collectives run flat over TCP
+//! between every pair. Every value is reduced once, in one order, and then copied, so all
+//! ranks end with identical bits.
 
 use std::sync::{Arc, Mutex, PoisonError};
 use std::time::{Duration, Instant};
@@ -81,11 +88,18 @@ impl Link for SubLink {
     }
 }
 
-/// Shared memory inside the host, TCP among the hosts' leaders, TCP between all for the rest.
+/// Shared memory inside the host, TCP among the hosts' leaders or along rails, TCP between
+/// all for the rest.
 pub struct HierarchicalEngine {
     flat: MessageEngine<SubLink>,
     leaders: Option<MessageEngine<SubLink>>,
+    /// This rank's rail: the ranks of its local index on every host (equal hosts only).
+    rail: Option<MessageEngine<SubLink>>,
     local: Option<ShmEngine>,
+    /// Ranks on this host.
+    local_size: usize,
+    /// This rank's slice between the reduce-scatter and the all-gather.
+    slice: Vec<u8>,
 }
 
 /// How a hierarchical engine is put together.
@@ -132,10 +146,27 @@ impl HierarchicalEngine {
                     segment_bytes,
                 )
             });
+        let mine = layout
+            .hosts
+            .iter()
+            .find(|h| h.contains(&layout.rank))
+            .cloned()
+            .unwrap_or_else(|| vec![layout.rank]);
+        let local_size = mine.len();
+        let equal_hosts = layout.hosts.iter().all(|h| h.len() == local_size);
+        let rail = (equal_hosts && local_size > 1 && local.is_some()).then(|| {
+            let index = mine.iter().position(|&r| r == layout.rank).unwrap_or(0);
+            let members: Vec<usize> = layout.hosts.iter().map(|h| h[index]).collect();
+            let me = members.iter().position(|&r| r == layout.rank).unwrap_or(0);
+            MessageEngine::new(view(members, me), timeout, algorithm, segment_bytes)
+        });
         Self {
             flat,
             leaders,
+            rail,
             local,
+            local_size,
+            slice: Vec::new(),
         }
     }
 }
@@ -157,6 +188,20 @@ impl Engine for HierarchicalEngine {
         // the same on every rank, so every rank makes the same choice.
         if buf.len() <= SMALL_BYTES {
             return self.flat.all_reduce(call, buf, dtype, op, scale);
+        }
+        let elements = buf.len() / dtype.size();
+        if let (Some(rail), Some(local)) = (self.rail.as_mut(), self.local.as_mut())
+            && elements.is_multiple_of(self.local_size)
+        {
+            // Every rank sees the same length, so every rank takes this path or none does.
+            self.slice.resize(buf.len() / self.local_size, 0);
+            local.reduce_scatter(call, buf, &mut self.slice, dtype, op)?;
+            rail.all_reduce(call, &mut self.slice, dtype, op, None)?;
+            if let Some(factor) = scale {
+                scale_bytes(dtype, &mut self.slice, factor);
+            }
+            local.all_gather(call, &self.slice, buf)?;
+            return Ok(());
         }
         if let Some(local) = self.local.as_mut() {
             local.all_reduce(call, buf, dtype, op, None)?;
@@ -212,6 +257,9 @@ impl Engine for HierarchicalEngine {
         self.flat.set_timeout(timeout);
         if let Some(leaders) = self.leaders.as_mut() {
             leaders.set_timeout(timeout);
+        }
+        if let Some(rail) = self.rail.as_mut() {
+            rail.set_timeout(timeout);
         }
         if let Some(local) = self.local.as_mut() {
             local.set_timeout(timeout);

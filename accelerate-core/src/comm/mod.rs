@@ -3,7 +3,8 @@
 //!
 //! - [`rendezvous`]: rank 0's TCP store; world size, settings and rank checks.
 //! - [`auth`], [`secret`]: the job secret and the challenge-response every connection opens
-//!   with.
+//!   with; [`torch_store`]: torchrun's store, where a job torchrun spans over hosts finds
+//!   rank 0.
 //! - [`transport`]: `local` (threads), `tcp` (hosts), `shm` (one host, direct collectives).
 //! - [`collective`]: ring, recursive-doubling, tree and dissemination algorithms over the
 //!   message transports.
@@ -50,6 +51,7 @@ mod options;
 pub mod rendezvous;
 pub mod secret;
 mod shared_buffer;
+pub mod torch_store;
 pub mod transport;
 
 pub use call::{CallDesc, OpKind};

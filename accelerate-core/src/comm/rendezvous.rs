@@ -320,19 +320,23 @@ impl RendezvousConfig {
     pub fn join(&self, shm: &dyn SharedMemoryHooks) -> Result<Rendezvous, CommError> {
         let addr = self.resolve()?;
         if self.rank == 0 {
-            let store = TcpListener::bind(addr).map_err(|e| {
+            let bind = match self.secret.listen_ip() {
+                Ok(Some(ip)) => SocketAddr::new(ip, 0),
+                Ok(None) => addr,
+                Err(e) => return Err(self.err(e.to_string())),
+            };
+            let store = TcpListener::bind(bind).map_err(|e| {
                 self.err(format!(
                     "rank 0 cannot listen there: {e}. hint: MASTER_ADDR must be an address of \
                      rank 0's machine and MASTER_PORT a free port"
                 ))
             })?;
-            let port = store
+            let listen = store
                 .local_addr()
-                .map_err(|e| self.err(format!("store socket: {e}")))?
-                .port();
+                .map_err(|e| self.err(format!("store socket: {e}")))?;
             let token = self
                 .secret
-                .create(port)
+                .create(listen)
                 .map_err(|e| self.err(e.to_string()))?;
             let served = self.serve(store, &token, shm);
             // The other ranks have read the secret by now, or never will.
@@ -658,12 +662,10 @@ impl RendezvousConfig {
                 )));
             }
             let retry = Duration::from_millis(50).min(left);
-            let (token, addr) = match self.secret.current() {
-                Ok(Some((token, port))) => {
-                    (token, port.map_or(addr, |p| SocketAddr::new(addr.ip(), p)))
-                }
+            let (token, addr) = match self.secret.current(addr) {
+                Ok(Some(found)) => found,
                 Ok(None) => {
-                    last_error = format!("rank 0 has not written {} yet", self.secret.describe());
+                    last_error = format!("rank 0 has not published {} yet", self.secret.describe());
                     std::thread::sleep(retry);
                     continue;
                 }

@@ -8,33 +8,61 @@
 //!   when there is no runtime directory), and the other ranks read it from there. Rank 0
 //!   removes the file once the group formed or failed.
 //! - A job spanning hosts without a token refuses to start: nothing both hosts know is secret.
+//!   Under torchrun such a job finds rank 0's address (never the secret) in torchrun's store
+//!   ([`super::torch_store`]).
 
 use std::fs::{DirBuilder, OpenOptions};
 use std::io::{Read, Write};
-use std::net::{IpAddr, TcpListener, ToSocketAddrs};
+use std::net::{IpAddr, SocketAddr, TcpListener, ToSocketAddrs};
 use std::os::unix::fs::{DirBuilderExt, MetadataExt, OpenOptionsExt};
 use std::path::{Path, PathBuf};
+use std::sync::{Arc, Mutex};
+use std::time::Instant;
 
 use sha2::{Digest, Sha256};
 
 use super::auth::random_bytes;
+use super::torch_store::{StoreError, TorchStore};
 use crate::env_vars;
 
 /// Longest secret file read, in bytes (a hex token is 64).
 const MAX_SECRET_BYTES: u64 = 1024;
 
-/// The job's secret, and where the ranks on rank 0's host find what rank 0 chose: the secret
-/// (when no token was given) and the rendezvous port (when it is 0: rank 0 picks one).
+/// The job's secret, and where the other ranks find what rank 0 chose: the secret (when no
+/// token was given) and the rendezvous port (when it is 0: rank 0 picks one).
 #[derive(Debug, Clone)]
 pub struct JobSecret {
     /// `ACCELERATE_JOB_TOKEN` (or a token given in code).
     given: Option<Vec<u8>>,
     /// Rank 0's private file for the other ranks of its host.
     file: Option<PathBuf>,
+    /// torchrun's store, where rank 0 publishes its address for a job spanning hosts.
+    store: Option<StoreBoard>,
 }
 
-/// What a rank other than 0 found: the secret, and rank 0's port when rank 0 chose it.
-pub type Found = (Vec<u8>, Option<u16>);
+/// A key in torchrun's store and the connection to it.
+#[derive(Debug, Clone)]
+struct StoreBoard {
+    key: String,
+    store: Arc<Mutex<TorchStore>>,
+}
+
+impl StoreBoard {
+    fn with<T>(
+        &self,
+        f: impl FnOnce(&mut TorchStore) -> Result<T, StoreError>,
+    ) -> Result<T, SecretError> {
+        // A poisoned lock means another thread panicked mid-request: the stream is unusable.
+        let mut store = self.store.lock().map_err(|_| SecretError::File {
+            path: self.key.clone(),
+            reason: "the connection to torchrun's store broke".into(),
+        })?;
+        Ok(f(&mut store)?)
+    }
+}
+
+/// What a rank other than 0 found: the secret, and where rank 0 listens.
+pub type Found = (Vec<u8>, SocketAddr);
 
 /// Why a job has no secret.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
@@ -62,6 +90,9 @@ pub enum SecretError {
         env_vars::JOB_TOKEN
     )]
     Empty,
+    /// torchrun's store could not be used.
+    #[error(transparent)]
+    Store(#[from] StoreError),
     /// The secret file or its directory is unusable.
     #[error("{path}: {reason}")]
     File {
@@ -95,10 +126,15 @@ impl JobSecret {
             return Ok(Self {
                 given,
                 file: Some(file),
+                store: None,
             });
         }
         if given.is_some() {
-            return Ok(Self { given, file: None });
+            return Ok(Self {
+                given,
+                file: None,
+                store: None,
+            });
         }
         if local_world_size < world_size {
             return Err(SecretError::SpansHosts {
@@ -117,12 +153,54 @@ impl JobSecret {
         Ok(Self {
             given: None,
             file: Some(file),
+            store: None,
         })
     }
 
-    /// Rank 0's side, once it listens on `port`: the secret itself, and the private file the
-    /// other ranks read (the port, and the secret unless it was given).
-    pub fn create(&self, port: u16) -> Result<Vec<u8>, SecretError> {
+    /// The secret of a job that torchrun runs on `hosts` hosts: `token` is required, and rank
+    /// 0's address goes under `key` in torchrun's store at `store` (`host:port`), reached
+    /// before `deadline`.
+    pub fn through_store(
+        token: Option<&str>,
+        hosts: usize,
+        store: &str,
+        key: String,
+        deadline: Instant,
+    ) -> Result<Self, SecretError> {
+        let given = match token {
+            Some("") => return Err(SecretError::Empty),
+            Some(token) => token.as_bytes().to_vec(),
+            None => {
+                return Err(SecretError::SpansHosts {
+                    why: format!("torchrun runs it on {hosts} hosts"),
+                });
+            }
+        };
+        let store = TorchStore::connect(store, deadline)?;
+        Ok(Self {
+            given: Some(given),
+            file: None,
+            store: Some(StoreBoard {
+                key,
+                store: Arc::new(Mutex::new(store)),
+            }),
+        })
+    }
+
+    /// Where rank 0 listens, when that is not at the job's address: under torchrun across
+    /// hosts, the address of this host that reaches torchrun's store.
+    pub fn listen_ip(&self) -> Result<Option<IpAddr>, SecretError> {
+        match &self.store {
+            Some(board) => board.with(|store| store.local_ip()).map(Some),
+            None => Ok(None),
+        }
+    }
+
+    /// Rank 0's side, once it listens at `listen`: the secret itself, and what the other ranks
+    /// read: the private file (the port, and the secret unless it was given) or the address in
+    /// torchrun's store.
+    pub fn create(&self, listen: SocketAddr) -> Result<Vec<u8>, SecretError> {
+        let port = listen.port();
         let token = match &self.given {
             Some(token) => token.clone(),
             None => {
@@ -139,14 +217,33 @@ impl JobSecret {
             };
             write_private(path, format!("{port}\n{secret}").as_bytes())?;
         }
+        if let Some(board) = &self.store {
+            board.with(|store| store.set(&board.key, listen.to_string().as_bytes()))?;
+        }
         Ok(token)
     }
 
-    /// Another rank's side: the secret and rank 0's port as they are now (`None` while rank 0
-    /// has not written its file; the port is `None` when it was not rank 0's to choose).
-    pub fn current(&self) -> Result<Option<Found>, SecretError> {
+    /// Another rank's side: the secret and where rank 0 listens, as they are now (`None` while
+    /// rank 0 has not published them); `rank0` is the job's address, where rank 0 listens
+    /// unless it chose otherwise.
+    pub fn current(&self, rank0: SocketAddr) -> Result<Option<Found>, SecretError> {
+        if let Some(board) = &self.store {
+            let Some(value) = board.with(|store| store.try_get(&board.key))? else {
+                return Ok(None);
+            };
+            let listen = String::from_utf8_lossy(&value)
+                .parse::<SocketAddr>()
+                .map_err(|_| SecretError::File {
+                    path: board.key.clone(),
+                    reason: format!(
+                        "torchrun's store holds {:?} there, not rank 0's address",
+                        String::from_utf8_lossy(&value)
+                    ),
+                })?;
+            return Ok(self.given.clone().map(|token| (token, listen)));
+        }
         let Some(path) = &self.file else {
-            return Ok(self.given.clone().map(|token| (token, None)));
+            return Ok(self.given.clone().map(|token| (token, rank0)));
         };
         let Some(contents) = read_private(path)? else {
             return Ok(None);
@@ -170,7 +267,7 @@ impl JobSecret {
             }
             None => secret.trim().as_bytes().to_vec(),
         };
-        Ok(Some((token, Some(port))))
+        Ok(Some((token, SocketAddr::new(rank0.ip(), port))))
     }
 
     /// Whether a failed proof may be a stale file that rank 0 is about to replace.
@@ -187,9 +284,10 @@ impl JobSecret {
 
     /// Where the secret comes from, for logs.
     pub fn describe(&self) -> String {
-        match &self.file {
-            Some(path) => path.display().to_string(),
-            None => env_vars::JOB_TOKEN.to_string(),
+        match (&self.file, &self.store) {
+            (Some(path), _) => path.display().to_string(),
+            (None, Some(board)) => format!("{} in torchrun's store", board.key),
+            (None, None) => env_vars::JOB_TOKEN.to_string(),
         }
     }
 }
@@ -326,29 +424,41 @@ mod tests {
             SecretError::Empty
         );
         let given = JobSecret::resolve(Some("t"), "192.0.2.1", 1, (1, 2), None).unwrap();
-        assert_eq!(given.current().unwrap(), Some((b"t".to_vec(), None)));
+        let rank0 = addr("192.0.2.1:1");
+        assert_eq!(given.current(rank0).unwrap(), Some((b"t".to_vec(), rank0)));
         assert_eq!(
             JobSecret::resolve(None, "127.0.0.1", 0, (2, 2), None).unwrap_err(),
             SecretError::NoPort
         );
+        let err = JobSecret::through_store(None, 2, "127.0.0.1:1", "k".into(), Instant::now())
+            .unwrap_err();
+        assert!(
+            err.to_string().contains("torchrun runs it on 2 hosts"),
+            "{err}"
+        );
+    }
+
+    fn addr(s: &str) -> SocketAddr {
+        s.parse().unwrap()
     }
 
     #[test]
     fn a_local_job_shares_a_private_file() {
         let secret = JobSecret::resolve(None, "127.0.0.1", 1, (2, 2), None).unwrap();
         let path = secret.file.clone().expect("a file secret");
-        let token = secret.create(1).unwrap();
+        let rank0 = addr("127.0.0.1:1");
+        let token = secret.create(rank0).unwrap();
         assert_eq!(token.len(), 64);
-        assert_eq!(secret.current().unwrap(), Some((token.clone(), Some(1))));
+        assert_eq!(secret.current(rank0).unwrap(), Some((token.clone(), rank0)));
         let mode = std::fs::metadata(&path).unwrap().mode();
         assert_eq!(mode & 0o777, 0o600);
         assert_ne!(
-            secret.create(1).unwrap(),
+            secret.create(rank0).unwrap(),
             token,
             "each job draws a new secret"
         );
         secret.remove();
-        assert_eq!(secret.current().unwrap(), None);
+        assert_eq!(secret.current(rank0).unwrap(), None);
     }
 
     #[test]
@@ -356,9 +466,13 @@ mod tests {
         let job = format!("test-{}", std::process::id());
         for token in [None, Some("given")] {
             let secret = JobSecret::resolve(token, "127.0.0.1", 0, (2, 2), Some(&job)).unwrap();
-            assert_eq!(secret.current().unwrap(), None);
-            let created = secret.create(40123).unwrap();
-            assert_eq!(secret.current().unwrap(), Some((created, Some(40123))));
+            let job_addr = addr("127.0.0.1:0");
+            assert_eq!(secret.current(job_addr).unwrap(), None);
+            let created = secret.create(addr("127.0.0.1:40123")).unwrap();
+            assert_eq!(
+                secret.current(job_addr).unwrap(),
+                Some((created, addr("127.0.0.1:40123")))
+            );
             secret.remove();
         }
     }

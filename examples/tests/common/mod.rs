@@ -111,7 +111,15 @@ pub fn params(output: &Output) -> Vec<f32> {
 /// The parameters a worker printed, as bit patterns (for "bit for bit" comparisons, which
 /// `==` on floats would blur: 0.0 equals -0.0 and NaN equals nothing).
 pub fn param_bits(output: &Output) -> Vec<u32> {
-    line(output, "PARAMS ")
+    param_bits_in(&format!("PARAMS {}", line(output, "PARAMS ")))
+}
+
+/// The parameters printed in `log` (a worker's output), as bit patterns.
+pub fn param_bits_in(log: &str) -> Vec<u32> {
+    log.lines()
+        .find_map(|l| l.split("PARAMS ").nth(1))
+        .unwrap_or_else(|| panic!("no PARAMS line in:\n{log}"))
+        .trim()
         .split(',')
         .map(|h| u32::from_str_radix(h, 16).unwrap())
         .collect()

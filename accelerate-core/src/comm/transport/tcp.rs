@@ -12,7 +12,8 @@
 //! `poll` that also drains those leftovers. A send therefore never waits for its receiver (ring
 //! schedules send before they receive), yet there is no writer thread to wake per message and
 //! no copy of what the kernel accepts at once. A closed or reset connection is reported as the
-//! peer being gone at once.
+//! peer being gone at once. Small reads go through a read-ahead buffer, so a small message
+//! (header and payload) arrives in one `read`.
 
 use std::io::{ErrorKind, IoSlice, Read, Write};
 use std::net::{Shutdown, SocketAddr, TcpListener, TcpStream};
@@ -36,6 +37,9 @@ const DRAIN_TIMEOUT: Duration = Duration::from_secs(30);
 const HANDSHAKE_DEADLINE: Duration = Duration::from_secs(10);
 /// Incoming connections authenticated at once; more are closed at once.
 const MAX_PENDING: usize = 64;
+/// Reads of less than this go through a per-peer buffer that also takes whatever follows (the
+/// payload behind a header, the next message), so a small message costs one `read`, not two.
+const READ_AHEAD: usize = 64 << 10;
 
 struct Peer {
     stream: TcpStream,
@@ -45,6 +49,10 @@ struct Peer {
     out_pos: usize,
     /// The first write error: the peer is gone.
     failed: Option<LinkError>,
+    /// Bytes read ahead, not yet asked for: `inbox[in_pos..in_end]`.
+    inbox: Vec<u8>,
+    in_pos: usize,
+    in_end: usize,
 }
 
 impl Peer {
@@ -265,6 +273,9 @@ fn spawn_peer(
         out: Vec::new(),
         out_pos: 0,
         failed: None,
+        inbox: vec![0; READ_AHEAD],
+        in_pos: 0,
+        in_end: 0,
     })
 }
 
@@ -325,12 +336,26 @@ impl TcpLink {
         deadline: Instant,
     ) -> Result<(), LinkError> {
         let heartbeat = self.heartbeat;
-        let mut filled = 0;
+        let p = self.peer(peer)?;
+        let mut filled = (p.in_end - p.in_pos).min(buf.len());
+        buf[..filled].copy_from_slice(&p.inbox[p.in_pos..p.in_pos + filled]);
+        p.in_pos += filled;
         while filled < buf.len() {
             let p = self.peer(peer)?;
-            match p.stream.read(&mut buf[filled..]) {
+            let want = buf.len() - filled;
+            // The inbox is empty here: everything in it was taken above.
+            let read = if want >= READ_AHEAD {
+                p.stream.read(&mut buf[filled..])
+            } else {
+                p.stream.read(&mut p.inbox).inspect(|&n| {
+                    let take = n.min(want);
+                    buf[filled..filled + take].copy_from_slice(&p.inbox[..take]);
+                    (p.in_pos, p.in_end) = (take, n);
+                })
+            };
+            match read {
                 Ok(0) => return Err(LinkError::Lost("its connection closed".into())),
-                Ok(n) => filled += n,
+                Ok(n) => filled += n.min(want),
                 Err(e) if e.kind() == ErrorKind::Interrupted => {}
                 Err(e) if e.kind() == ErrorKind::WouldBlock => self.wait(Some(peer), deadline)?,
                 Err(e) => return Err(describe_loss(p.addr, heartbeat)(e)),

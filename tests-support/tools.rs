@@ -1,0 +1,65 @@
+//! The launchers and daemons that tests start for real (torchrun, Slurm, Open MPI, iproute2),
+//! found on this machine or not. A test without its tools is skipped with a message, except
+//! in CI (`CI` set): `.ci/run` installs them all, so there a missing tool fails the test.
+//! Included by the test crates of several packages (`#[path]`), hence no crate of its own.
+
+#![allow(dead_code)]
+
+use std::path::PathBuf;
+
+/// `name`'s path on `PATH`, if it is there.
+pub fn on_path(name: &str) -> Option<PathBuf> {
+    std::env::var_os("PATH").and_then(|path| {
+        std::env::split_paths(&path)
+            .map(|dir| dir.join(name))
+            .find(|candidate| candidate.is_file())
+    })
+}
+
+/// Whether this process runs as root (namespaces, Slurm's daemons, mounts need it).
+pub fn is_root() -> bool {
+    use std::os::unix::fs::MetadataExt;
+    std::fs::metadata("/proc/self").is_ok_and(|m| m.uid() == 0)
+}
+
+/// Whether every one of `tools` is on `PATH` (and root, with `root`); when not, says what is
+/// missing, or fails under CI.
+pub fn ready(tools: &[&str], root: bool, install: &str) -> bool {
+    let missing: Vec<&str> = tools
+        .iter()
+        .copied()
+        .filter(|t| on_path(t).is_none())
+        .collect();
+    if missing.is_empty() && (!root || is_root()) {
+        return true;
+    }
+    let what = if missing.is_empty() {
+        "root".to_string()
+    } else {
+        format!("{} ({install})", missing.join(", "))
+    };
+    assert!(
+        std::env::var_os("CI").is_none(),
+        "CI must provide {what}: .ci/run installs it and runs as root"
+    );
+    eprintln!("skipped: needs {what}");
+    false
+}
+
+/// torchrun, when this machine has it.
+pub fn torchrun() -> Option<PathBuf> {
+    if ready(&["torchrun"], false, "pip install torch") {
+        on_path("torchrun")
+    } else {
+        None
+    }
+}
+
+/// Whether a Slurm cluster can be started here (root and Debian's packages).
+pub fn slurm_ready() -> bool {
+    ready(
+        &["slurmctld", "slurmd", "srun", "sbatch", "munged", "ip"],
+        true,
+        "apt-get install slurmd slurmctld slurm-client munge iproute2",
+    )
+}
