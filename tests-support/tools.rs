@@ -1,6 +1,7 @@
 //! The launchers and daemons that tests start for real (torchrun, Slurm, Open MPI, iproute2),
 //! found on this machine or not. A test without its tools is skipped with a message, except
-//! in CI (`CI` set): `.ci/run` installs them all, so there a missing tool fails the test.
+//! under `.ci/run`, which installs them all and sets `ACCELERATE_REQUIRE_TEST_TOOLS=1`: there a
+//! missing tool fails the test instead of silently skipping it.
 //! Included by the test crates of several packages (`#[path]`), hence no crate of its own.
 
 #![allow(dead_code)]
@@ -39,8 +40,8 @@ pub fn ready(tools: &[&str], root: bool, install: &str) -> bool {
         format!("{} ({install})", missing.join(", "))
     };
     assert!(
-        std::env::var_os("CI").is_none(),
-        "CI must provide {what}: .ci/run installs it and runs as root"
+        std::env::var_os("ACCELERATE_REQUIRE_TEST_TOOLS").is_none(),
+        "the tests need {what}: .ci/run installs it and runs as root"
     );
     eprintln!("skipped: needs {what}");
     false

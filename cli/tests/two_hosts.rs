@@ -119,8 +119,7 @@ struct TwoHosts {
 
 impl TwoHosts {
     fn new(tag: &str) -> Option<Self> {
-        if !nix::unistd::geteuid().is_root() {
-            eprintln!("skipped: needs root for network namespaces");
+        if !tools::ready(&["ip", "unshare"], true, "apt-get install iproute2") {
             return None;
         }
         let id = std::process::id();
