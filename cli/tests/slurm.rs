@@ -9,78 +9,19 @@ use std::process::{Command, Output};
 use std::sync::Mutex;
 use std::time::{Duration, Instant};
 
+#[path = "../../tests-support/slurm.rs"]
+mod slurm_cluster;
 #[path = "../../tests-support/tools.rs"]
 mod tools;
+
+use slurm_cluster::SlurmCluster;
 
 /// One cluster at a time: the tests share the machine's 2 CPUs.
 static ONE_AT_A_TIME: Mutex<()> = Mutex::new(());
 
-const CLUSTER: &str = concat!(env!("CARGO_MANIFEST_DIR"), "/../scripts/slurm-cluster.sh");
-
-struct Cluster {
-    dir: tempfile::TempDir,
-}
-
-impl Cluster {
-    fn start(cpus: usize) -> Option<Self> {
-        if !tools::slurm_ready() {
-            return None;
-        }
-        let dir = tempfile::Builder::new()
-            .prefix("accrs-slurm-")
-            .tempdir()
-            .unwrap();
-        let ports = free_ports();
-        let out = Command::new("bash")
-            .arg(CLUSTER)
-            .arg("start")
-            .arg(dir.path())
-            .args([ports.0.to_string(), ports.1.to_string(), cpus.to_string()])
-            .output()
-            .unwrap();
-        let cluster = Self { dir };
-        assert!(
-            out.status.success(),
-            "the cluster did not start: {}",
-            String::from_utf8_lossy(&out.stderr)
-        );
-        Some(cluster)
-    }
-
-    /// A Slurm command against this cluster.
-    fn command(&self, program: &str) -> Command {
-        let mut cmd = Command::new(program);
-        cmd.env("SLURM_CONF", self.dir.path().join("slurm.conf"))
-            .env_remove("ACCELERATE_JOB_TOKEN")
-            .env_remove("MASTER_ADDR")
-            .env_remove("MASTER_PORT")
-            .current_dir(self.dir.path());
-        cmd
-    }
-
-    fn path(&self, name: &str) -> PathBuf {
-        self.dir.path().join(name)
-    }
-}
-
-impl Drop for Cluster {
-    fn drop(&mut self) {
-        let _ = Command::new("bash")
-            .arg(CLUSTER)
-            .arg("stop")
-            .arg(self.dir.path())
-            .status();
-    }
-}
-
-/// Two ports nobody listens on now, for slurmctld and slurmd.
-fn free_ports() -> (u16, u16) {
-    let a = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
-    let b = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
-    (
-        a.local_addr().unwrap().port(),
-        b.local_addr().unwrap().port(),
-    )
+/// A single-node cluster, or `None` (skipped) without root and Slurm.
+fn cluster() -> Option<SlurmCluster> {
+    tools::slurm_ready().then(|| SlurmCluster::start(2, &[]))
 }
 
 /// The digits example, built beside this test by `cargo test --workspace`.
@@ -130,12 +71,11 @@ fn processes_with(needle: &str) -> Vec<String> {
 #[test]
 fn srun_trains_digits_with_ranks_from_slurms_own_environment() {
     let _one = ONE_AT_A_TIME.lock().unwrap_or_else(|e| e.into_inner());
-    let Some(cluster) = Cluster::start(2) else {
+    let Some(cluster) = cluster() else {
         return;
     };
     let out = cluster
-        .command("srun")
-        .args(["-n", "2", "--time", "5"])
+        .run(&["srun", "-n", "2", "--time", "5"])
         .arg(digits())
         .output()
         .unwrap();
@@ -149,7 +89,7 @@ fn srun_trains_digits_with_ranks_from_slurms_own_environment() {
 #[test]
 fn an_sbatch_script_that_uses_accelerate_launch_works() {
     let _one = ONE_AT_A_TIME.lock().unwrap_or_else(|e| e.into_inner());
-    let Some(cluster) = Cluster::start(2) else {
+    let Some(cluster) = cluster() else {
         return;
     };
     let script = cluster.path("train.sbatch");
@@ -165,8 +105,7 @@ fn an_sbatch_script_that_uses_accelerate_launch_works() {
     .unwrap();
     let log_file = cluster.path("train.log");
     let out = cluster
-        .command("sbatch")
-        .args(["--wait", "--output"])
+        .run(&["sbatch", "--wait", "--output"])
         .arg(&log_file)
         .arg(&script)
         .output()
@@ -180,7 +119,7 @@ fn an_sbatch_script_that_uses_accelerate_launch_works() {
 #[test]
 fn scancel_stops_every_worker_and_leaves_nothing() {
     let _one = ONE_AT_A_TIME.lock().unwrap_or_else(|e| e.into_inner());
-    let Some(cluster) = Cluster::start(2) else {
+    let Some(cluster) = cluster() else {
         return;
     };
     // A job that would run for minutes: digits for many epochs, two workers under our launcher.
@@ -198,7 +137,7 @@ fn scancel_stops_every_worker_and_leaves_nothing() {
     )
     .unwrap();
     let out = cluster
-        .command("sbatch")
+        .run(&["sbatch"])
         .arg("--parsable")
         .arg(&script)
         .output()
@@ -217,7 +156,7 @@ fn scancel_stops_every_worker_and_leaves_nothing() {
         std::thread::sleep(Duration::from_millis(100));
     }
     let cancelled = Instant::now();
-    let out = cluster.command("scancel").arg(&job).output().unwrap();
+    let out = cluster.run(&["scancel"]).arg(&job).output().unwrap();
     assert!(out.status.success(), "{}", text(&out));
     let deadline = Instant::now() + Duration::from_secs(30);
     while !processes_with(&needle).is_empty() {

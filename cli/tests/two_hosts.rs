@@ -9,8 +9,12 @@ use std::time::{Duration, Instant};
 
 use accelerate_core::comm::{GroupOptions, ProcessGroup, Reduction};
 
+#[path = "../../tests-support/slurm.rs"]
+mod slurm_cluster;
 #[path = "../../tests-support/tools.rs"]
 mod tools;
+
+use slurm_cluster::SlurmCluster;
 
 const SCENARIO: &str = "ACCELERATE_TEST_TWO_HOSTS";
 
@@ -357,7 +361,15 @@ fn srun_on_two_hosts_finds_rank_0_from_the_node_list() {
     let Some(hosts) = TwoHosts::new("slurm") else {
         return;
     };
-    let cluster = SlurmCluster::start(&hosts);
+    let nodes: Vec<String> = (0..2)
+        .map(|m| {
+            format!(
+                "accrs-host-{m}={}={}",
+                hosts.namespaces[m], hosts.addresses[m]
+            )
+        })
+        .collect();
+    let cluster = SlurmCluster::start(2, &nodes);
     let out = cluster
         .run(&[
             "srun",
@@ -393,69 +405,6 @@ fn srun_on_two_hosts_finds_rank_0_from_the_node_list() {
     drop(cluster);
     assert_eq!(hosts.leftovers(0), "");
     assert_eq!(hosts.leftovers(1), "");
-}
-
-/// A Slurm cluster of the two hosts (`scripts/slurm-cluster.sh`), stopped on drop.
-struct SlurmCluster {
-    dir: tempfile::TempDir,
-}
-
-const SLURM_CLUSTER: &str = concat!(env!("CARGO_MANIFEST_DIR"), "/../scripts/slurm-cluster.sh");
-
-impl SlurmCluster {
-    fn start(hosts: &TwoHosts) -> Self {
-        let dir = tempfile::Builder::new()
-            .prefix("accrs-slurm-")
-            .tempdir()
-            .unwrap();
-        let port = || {
-            let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
-            l.local_addr().unwrap().port().to_string()
-        };
-        let nodes: Vec<String> = (0..2)
-            .map(|m| {
-                format!(
-                    "accrs-host-{m}={}={}",
-                    hosts.namespaces[m], hosts.addresses[m]
-                )
-            })
-            .collect();
-        let out = Command::new("bash")
-            .arg(SLURM_CLUSTER)
-            .arg("start")
-            .arg(dir.path())
-            .args([port(), port(), "2".into()])
-            .args(&nodes)
-            .output()
-            .unwrap();
-        let cluster = Self { dir };
-        assert!(
-            out.status.success(),
-            "the Slurm cluster did not start: {}",
-            String::from_utf8_lossy(&out.stderr)
-        );
-        cluster
-    }
-
-    /// `args` on the first host, against this cluster.
-    fn run(&self, args: &[&str]) -> Command {
-        let mut cmd = Command::new("bash");
-        cmd.arg(SLURM_CLUSTER)
-            .arg("run")
-            .arg(self.dir.path())
-            .args(args);
-        cmd
-    }
-}
-
-impl Drop for SlurmCluster {
-    fn drop(&mut self) {
-        let _ = Command::new("bash")
-            .arg(SLURM_CLUSTER)
-            .arg("stop")
-            .arg(self.dir.path())
-            .status();
-    }
 }
 
 #[test]

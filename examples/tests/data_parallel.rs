@@ -6,6 +6,8 @@
 //! unless `ACCELERATE_TEST_CHILD` names a scenario).
 
 mod common;
+#[path = "../../tests-support/slurm.rs"]
+mod slurm_cluster;
 #[path = "../../tests-support/tools.rs"]
 mod tools;
 
@@ -25,6 +27,7 @@ use common::{
     SCENARIO, env_number, largest_difference, line, param_bits, param_bits_in, parameters, params,
     print_params, run,
 };
+use slurm_cluster::SlurmCluster;
 
 /// Samples trained on: divisible by the global batch of every world size tested (8 x 1, 2, 3).
 const SAMPLES: usize = 240;
@@ -304,22 +307,6 @@ fn two_and_three_processes_learn_what_one_learns_from_the_same_global_batches() 
     }
 }
 
-const SLURM_CLUSTER: &str = concat!(env!("CARGO_MANIFEST_DIR"), "/../scripts/slurm-cluster.sh");
-
-/// A Slurm cluster of two hosts made of network namespaces (`scripts/slurm-cluster.sh`
-/// creates them), stopped and removed on drop, also when the test fails.
-struct TwoHostCluster(tempfile::TempDir);
-
-impl Drop for TwoHostCluster {
-    fn drop(&mut self) {
-        let _ = std::process::Command::new("bash")
-            .arg(SLURM_CLUSTER)
-            .arg("stop")
-            .arg(self.0.path())
-            .status();
-    }
-}
-
 /// Two hosts (network namespaces with their own addresses and host names, one Slurm node
 /// each) x 2 processes, started by a real `srun` that only knows the node list: the four
 /// ranks, two talking over the veth link, learn what one process learns from the same global
@@ -335,39 +322,15 @@ fn four_processes_on_two_hosts_under_srun_learn_what_one_learns() {
     let reference = params(&single[0]);
     let updates = line(&single[0], "UPDATES ");
 
-    let dir = tempfile::Builder::new()
-        .prefix("accrs-dp-slurm-")
-        .tempdir()
-        .unwrap();
     let id = std::process::id();
     let subnet = format!("10.{}.{}", 150 + id % 50, id / 50 % 250);
-    let port = || {
-        std::net::TcpListener::bind("127.0.0.1:0")
-            .unwrap()
-            .local_addr()
-            .unwrap()
-            .port()
-            .to_string()
-    };
-    let started = std::process::Command::new("bash")
-        .arg(SLURM_CLUSTER)
-        .arg("start")
-        .arg(dir.path())
-        .args([port(), port(), "2".into()])
-        .args((0..2).map(|m| format!("accrs-dp-{m}=accrs-dp-{id}-{m}={subnet}.{}", m + 1)))
-        .output()
-        .unwrap();
-    let cluster = TwoHostCluster(dir);
-    assert!(
-        started.status.success(),
-        "the cluster did not start: {}",
-        String::from_utf8_lossy(&started.stderr)
-    );
-    let out = std::process::Command::new("bash")
-        .arg(SLURM_CLUSTER)
-        .arg("run")
-        .arg(cluster.0.path())
-        .args([
+    let nodes: Vec<String> = (0..2)
+        .map(|m| format!("accrs-dp-{m}=accrs-dp-{id}-{m}={subnet}.{}", m + 1))
+        .collect();
+    // The script creates the two namespaces and removes them when the cluster stops.
+    let cluster = SlurmCluster::start(2, &nodes);
+    let out = cluster
+        .run(&[
             "srun",
             "-N",
             "2",
@@ -379,7 +342,7 @@ fn four_processes_on_two_hosts_under_srun_learn_what_one_learns() {
             "5",
         ])
         .arg("--output")
-        .arg(cluster.0.path().join("rank-%t.out"))
+        .arg(cluster.path("rank-%t.out"))
         .arg(std::env::current_exe().unwrap())
         .args(["child", "--exact", "--nocapture", "--test-threads=1"])
         .env(SCENARIO, "train")
@@ -394,8 +357,7 @@ fn four_processes_on_two_hosts_under_srun_learn_what_one_learns() {
         .unwrap();
     let logs: Vec<String> = (0..4)
         .map(|rank| {
-            std::fs::read_to_string(cluster.0.path().join(format!("rank-{rank}.out")))
-                .unwrap_or_default()
+            std::fs::read_to_string(cluster.path(&format!("rank-{rank}.out"))).unwrap_or_default()
         })
         .collect();
     assert!(
