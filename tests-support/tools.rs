@@ -64,3 +64,17 @@ pub fn slurm_ready() -> bool {
         "apt-get install slurmd slurmctld slurm-client munge iproute2",
     )
 }
+
+/// Open MPI's `mpirun` for `np` ranks on this host (allowed to run as root, more ranks than
+/// cores), when this machine has it.
+pub fn mpirun(np: usize) -> Option<std::process::Command> {
+    if !ready(&["mpirun"], false, "apt-get install openmpi-bin") {
+        return None;
+    }
+    let mut mpirun = std::process::Command::new("mpirun");
+    if is_root() {
+        mpirun.arg("--allow-run-as-root");
+    }
+    mpirun.args(["--oversubscribe", "-np", &np.to_string()]);
+    Some(mpirun)
+}

@@ -153,6 +153,17 @@ pub enum CommError {
         reason: String,
     },
 
+    /// The MPI library returned an error (the MPI engine).
+    #[error("{call} failed on rank {rank} in MPI: {detail}")]
+    Mpi {
+        /// The call in progress ("setup" while the group forms).
+        call: String,
+        /// This rank.
+        rank: usize,
+        /// MPI's own description, with a hint where one helps.
+        detail: String,
+    },
+
     /// The operating system refused something (socket, file, mapping).
     #[error("rank {rank}: {context}: {detail}")]
     Io {

@@ -161,7 +161,12 @@ impl ProcessState {
         } else {
             return Ok(Self::single());
         };
-        state.validate()?;
+        // The MPI engine finds its peers through MPI, without a rendezvous of ours.
+        let mpi = env
+            .var(crate::env_vars::TRANSPORT)
+            .map_or(Ok(crate::comm::TransportChoice::Auto), |v| v.parse())
+            .is_ok_and(|t: crate::comm::TransportChoice| t.uses_mpi(env));
+        state.validate(mpi)?;
         Ok(state)
     }
 
@@ -180,8 +185,9 @@ impl ProcessState {
         self.world_size > 1
     }
 
-    /// Checks the invariants between the fields; errors name the variable to fix.
-    fn validate(&self) -> Result<(), StateError> {
+    /// Checks the invariants between the fields; errors name the variable to fix. `mpi`: the
+    /// group will be MPI's, which needs no rendezvous address.
+    fn validate(&self, mpi: bool) -> Result<(), StateError> {
         let vars = self.launcher_vars();
         if self.world_size == 0 {
             return Err(StateError::invalid(
@@ -214,7 +220,7 @@ impl ProcessState {
                 ),
             ));
         }
-        if self.world_size > 1 && self.master_addr.is_none() {
+        if self.world_size > 1 && self.master_addr.is_none() && !mpi {
             return Err(StateError::Missing {
                 var: "MASTER_ADDR",
                 launcher: self.launcher,
@@ -789,6 +795,18 @@ mod tests {
             .unwrap_err()
             .to_string();
         assert!(err.starts_with("OMPI_COMM_WORLD_LOCAL_RANK"), "{err}");
+        // Across hosts without MASTER_ADDR: an error for our transports, fine for MPI's.
+        let across = [
+            ("OMPI_COMM_WORLD_RANK", "3"),
+            ("OMPI_COMM_WORLD_SIZE", "4"),
+            ("OMPI_COMM_WORLD_LOCAL_RANK", "1"),
+            ("OMPI_COMM_WORLD_LOCAL_SIZE", "2"),
+        ];
+        let tcp = [across.as_slice(), &[("ACCELERATE_TRANSPORT", "tcp")]].concat();
+        let err = parse(&tcp).unwrap_err().to_string();
+        assert!(err.starts_with("MASTER_ADDR"), "{err}");
+        let mpi = parse(&[across.as_slice(), &[("ACCELERATE_TRANSPORT", "mpi")]].concat()).unwrap();
+        assert_eq!((mpi.rank, mpi.master_addr), (3, None));
     }
 
     #[test]

@@ -833,14 +833,10 @@ fn under_launcher(launcher: &mut Command, scenario: &str) -> String {
 /// own environment, rank 0 picks a port and tells the others through the job's private file.
 #[test]
 fn mpirun_starts_a_job_with_no_variable_set_by_hand() {
-    if !tools::ready(&["mpirun"], false, "apt-get install openmpi-bin") {
+    let Some(mut mpirun) = tools::mpirun(2) else {
         return;
-    }
-    let mut mpirun = Command::new("mpirun");
-    if tools::is_root() {
-        mpirun.arg("--allow-run-as-root");
-    }
-    let stdout = under_launcher(mpirun.args(["--oversubscribe", "-np", "2"]), "train");
+    };
+    let stdout = under_launcher(&mut mpirun, "train");
     assert_eq!(stdout.matches("FORMED shm").count(), 2, "{stdout}");
     assert_eq!(stdout.matches("TRAINED").count(), 2, "{stdout}");
 }

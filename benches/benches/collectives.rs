@@ -6,9 +6,12 @@
 //! shared-memory all-reduce.
 //!
 //! ```text
-//! cargo bench -p accelerate-benches --bench collectives -- [--transports shm,tcp]
-//!     [--worlds 2,3,4] [--max-size 268435456] [--json results.json]
+//! cargo bench -p accelerate-benches --bench collectives -- [--transports shm,tcp,mpi]
+//!     [--worlds 2,3,4] [--dtypes f32,bf16] [--max-size 268435456] [--json results.json]
 //! ```
+//!
+//! `mpi` (a build with `--features mpi`) starts the ranks with Open MPI's `mpirun` and runs
+//! our MPI engine; the others start them directly.
 //!
 //! Over shared memory it also measures `all_reduce_shared`, the in-place all-reduce of a
 //! buffer allocated with `ProcessGroup::shared_buffer` (no staging copies).
@@ -25,10 +28,12 @@ use accelerate_core::comm::{GroupOptions, ProcessGroup, Reduction, SharedBuffer}
 
 const CHILD: &str = "ACCELERATE_BENCH_CHILD";
 const API: &str = "ACCELERATE_BENCH_API";
+const DTYPE: &str = "ACCELERATE_BENCH_DTYPE";
 
 struct Args {
     transports: Vec<String>,
     worlds: Vec<usize>,
+    dtypes: Vec<String>,
     min_size: usize,
     max_size: usize,
     json: Option<String>,
@@ -38,6 +43,7 @@ fn parse_args() -> Args {
     let mut args = Args {
         transports: vec!["shm".into(), "tcp".into()],
         worlds: vec![2, 3, 4],
+        dtypes: vec!["f32".into()],
         min_size: 4 << 10,
         max_size: 256 << 20,
         json: None,
@@ -49,6 +55,7 @@ fn parse_args() -> Args {
         match argv[i].as_str() {
             "--transports" => args.transports = value.split(',').map(str::to_string).collect(),
             "--worlds" => args.worlds = value.split(',').filter_map(|w| w.parse().ok()).collect(),
+            "--dtypes" => args.dtypes = value.split(',').map(str::to_string).collect(),
             "--min-size" => args.min_size = value.parse().unwrap_or(args.min_size),
             "--max-size" => args.max_size = value.parse().unwrap_or(args.max_size),
             "--json" => args.json = Some(value),
@@ -108,7 +115,7 @@ fn main() {
     let args = parse_args();
     let copy = copy_bandwidth();
     println!(
-        "# accelerate-rs all_reduce benchmark (f32, sum), commit {}",
+        "# accelerate-rs all_reduce benchmark (sum), commit {}",
         commit()
     );
     println!(
@@ -126,11 +133,18 @@ fn main() {
         };
         for &world in &args.worlds {
             for api in apis {
-                let rows = run_job(transport, api, world, &sizes(args.min_size, args.max_size));
-                for row in rows {
-                    json.push(format!(
-                        "{{\"transport\":\"{transport}\",\"api\":\"{api}\",\"world_size\":{world},{row},\"copy_gbps\":{copy:.2}}}"
-                    ));
+                for dtype in &args.dtypes {
+                    let job = Job {
+                        transport,
+                        api,
+                        dtype,
+                        world,
+                    };
+                    for row in run_job(&job, &sizes(args.min_size, args.max_size)) {
+                        json.push(format!(
+                            "{{\"transport\":\"{transport}\",\"api\":\"{api}\",\"dtype\":\"{dtype}\",\"world_size\":{world},{row},\"copy_gbps\":{copy:.2}}}"
+                        ));
+                    }
                 }
             }
         }
@@ -143,31 +157,67 @@ fn main() {
     }
 }
 
-/// Starts the ranks of one job and relays rank 0's table; returns its JSON fields per size.
-fn run_job(transport: &str, api: &str, world: usize, sizes: &[usize]) -> Vec<String> {
+/// One table: a transport, an API, an element type, a world size.
+struct Job<'a> {
+    transport: &'a str,
+    api: &'a str,
+    dtype: &'a str,
+    world: usize,
+}
+
+/// The command of each rank of `job`: one per rank started directly, or a single `mpirun`
+/// for the MPI engine.
+fn rank_commands(job: &Job) -> Vec<Command> {
+    let exe = std::env::current_exe().expect("the benchmark knows its own path");
+    if job.transport == "mpi" {
+        let mut mpirun = Command::new("mpirun");
+        if std::fs::metadata("/proc/self").is_ok_and(|m| {
+            use std::os::unix::fs::MetadataExt;
+            m.uid() == 0
+        }) {
+            mpirun.arg("--allow-run-as-root");
+        }
+        mpirun
+            .args(["--oversubscribe", "-np", &job.world.to_string()])
+            .arg(&exe)
+            .env("ACCELERATE_TRANSPORT", "mpi");
+        return vec![mpirun];
+    }
     let port = TcpListener::bind("127.0.0.1:0")
         .and_then(|l| l.local_addr())
         .map(|a| a.port())
         .unwrap_or(29600);
-    let exe = std::env::current_exe().expect("the benchmark knows its own path");
-    let size_list: Vec<String> = sizes.iter().map(usize::to_string).collect();
-    let mut children: Vec<_> = (0..world)
+    (0..job.world)
         .map(|rank| {
-            Command::new(&exe)
-                .env(CHILD, size_list.join(","))
-                .env(API, api)
-                .env("RANK", rank.to_string())
-                .env("WORLD_SIZE", world.to_string())
+            let mut cmd = Command::new(&exe);
+            cmd.env("RANK", rank.to_string())
+                .env("WORLD_SIZE", job.world.to_string())
                 .env("LOCAL_RANK", rank.to_string())
-                .env("LOCAL_WORLD_SIZE", world.to_string())
+                .env("LOCAL_WORLD_SIZE", job.world.to_string())
                 .env("MASTER_ADDR", "127.0.0.1")
                 .env("MASTER_PORT", port.to_string())
-                .env("ACCELERATE_TRANSPORT", transport)
+                .env("ACCELERATE_TRANSPORT", job.transport)
                 .env(
                     "ACCELERATE_JOB_TOKEN",
                     format!("bench-{}-{port}", std::process::id()),
-                )
-                .stdout(if rank == 0 {
+                );
+            cmd
+        })
+        .collect()
+}
+
+/// Starts the ranks of one job and relays rank 0's table; returns its JSON fields per size.
+fn run_job(job: &Job, sizes: &[usize]) -> Vec<String> {
+    let size_list: Vec<String> = sizes.iter().map(usize::to_string).collect();
+    let mut children: Vec<_> = rank_commands(job)
+        .into_iter()
+        .enumerate()
+        .map(|(i, mut cmd)| {
+            cmd.env(CHILD, size_list.join(","))
+                .env(API, job.api)
+                .env(DTYPE, job.dtype)
+                // Only rank 0 prints (under mpirun every rank shares its stdout).
+                .stdout(if i == 0 {
                     Stdio::piped()
                 } else {
                     Stdio::null()
@@ -196,6 +246,35 @@ fn run_job(transport: &str, api: &str, world: usize, sizes: &[usize]) -> Vec<Str
 }
 
 fn child() {
+    match std::env::var(DTYPE).as_deref() {
+        Ok("bf16") => measure::<half::bf16>("bf16"),
+        Ok("f16") => measure::<half::f16>("f16"),
+        _ => measure::<f32>("f32"),
+    }
+}
+
+/// Element types the tables measure.
+trait BenchElement: accelerate_kernels::Element + PartialEq {
+    fn from_f32(v: f32) -> Self;
+}
+impl BenchElement for f32 {
+    fn from_f32(v: f32) -> Self {
+        v
+    }
+}
+impl BenchElement for half::bf16 {
+    fn from_f32(v: f32) -> Self {
+        half::bf16::from_f32(v)
+    }
+}
+impl BenchElement for half::f16 {
+    fn from_f32(v: f32) -> Self {
+        half::f16::from_f32(v)
+    }
+}
+
+/// One rank of a table for element type `T`, named `dtype`.
+fn measure<T: BenchElement>(dtype: &str) {
     let sizes: Vec<usize> = std::env::var(CHILD)
         .unwrap_or_default()
         .split(',')
@@ -224,25 +303,25 @@ fn child() {
         );
     }
     for size in sizes {
-        let count = size / 4;
+        let count = size / size_of::<T>();
         let mut buf = if shared {
-            Buffer::Shared(group.shared_buffer::<f32>(count).expect("shared_buffer"))
+            Buffer::Shared(group.shared_buffer::<T>(count).expect("shared_buffer"))
         } else {
-            Buffer::Heap(vec![0.0; count])
+            Buffer::Heap(vec![T::from_f32(0.0); count])
         };
-        // Verified run: rank-dependent integers, exact in f32.
+        // Verified run: rank-dependent integers, exact in every element type here.
         for (i, v) in buf.values().iter_mut().enumerate() {
-            *v = ((i + rank) % 7) as f32;
+            *v = T::from_f32(((i + rank) % 7) as f32);
         }
         buf.all_reduce(&mut group);
         let wrong = buf
             .values()
             .iter()
             .enumerate()
-            .filter(|&(i, &v)| v != (0..n).map(|r| ((i + r) % 7) as f32).sum::<f32>())
+            .filter(|&(i, v)| *v != T::from_f32((0..n).map(|r| ((i + r) % 7) as f32).sum::<f32>()))
             .count();
         // Timed runs on zeros (values stay 0, so nothing overflows or turns denormal).
-        buf.values().fill(0.0);
+        buf.values().fill(T::from_f32(0.0));
         let iters = ((256 << 20) / size.max(1)).clamp(5, 500);
         for _ in 0..iters.min(20) / 4 + 1 {
             buf.all_reduce(&mut group);
@@ -266,7 +345,7 @@ fn child() {
                 "  {:>10} {:>10} {:>5} {:>5} {:>10.2} {:>11.3} {:>11.3} {:>7}",
                 size,
                 count,
-                "f32",
+                dtype,
                 "sum",
                 median * 1e6,
                 algbw,
@@ -284,13 +363,13 @@ fn child() {
 }
 
 /// The buffer under test: a plain vector, or one from `ProcessGroup::shared_buffer`.
-enum Buffer {
-    Heap(Vec<f32>),
-    Shared(SharedBuffer<f32>),
+enum Buffer<T: BenchElement> {
+    Heap(Vec<T>),
+    Shared(SharedBuffer<T>),
 }
 
-impl Buffer {
-    fn values(&mut self) -> &mut [f32] {
+impl<T: BenchElement> Buffer<T> {
+    fn values(&mut self) -> &mut [T] {
         match self {
             Buffer::Heap(v) => v,
             Buffer::Shared(b) => b,

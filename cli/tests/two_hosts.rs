@@ -9,11 +9,14 @@ use std::time::{Duration, Instant};
 
 use accelerate_core::comm::{GroupOptions, ProcessGroup, Reduction};
 
+#[path = "../../tests-support/netns.rs"]
+mod netns;
 #[path = "../../tests-support/slurm.rs"]
 mod slurm_cluster;
 #[path = "../../tests-support/tools.rs"]
 mod tools;
 
+use netns::TwoHosts;
 use slurm_cluster::SlurmCluster;
 
 const SCENARIO: &str = "ACCELERATE_TEST_TWO_HOSTS";
@@ -116,37 +119,22 @@ const ACCELERATE_LAUNCH: &str = "\"$ACCELERATE\" launch --num-machines 2 \
 const TORCHRUN: &str = "\"$TORCHRUN\" --nnodes 2 --node-rank \"$MACHINE\" --nproc-per-node 2 \
     --master-addr \"$MAIN_IP\" --master-port 29500 --no-python";
 
-struct TwoHosts {
-    namespaces: [String; 2],
-    addresses: [String; 2],
+/// What the tests here start on a host.
+trait Launch {
+    /// `accelerate launch` of 2 workers on host `machine`.
+    fn launch(&self, machine: usize, scenario: &str, token: &str, extra: &[(&str, &str)]) -> Child;
+    /// `launcher` followed by the worker, in host `machine`'s namespace.
+    fn start(
+        &self,
+        machine: usize,
+        launcher: &str,
+        scenario: &str,
+        token: &str,
+        extra: &[(&str, &str)],
+    ) -> Child;
 }
 
-impl TwoHosts {
-    fn new(tag: &str) -> Option<Self> {
-        if !tools::ready(&["ip", "unshare"], true, "apt-get install iproute2") {
-            return None;
-        }
-        let id = std::process::id();
-        let namespaces = [format!("accrs-{tag}-{id}-a"), format!("accrs-{tag}-{id}-b")];
-        let subnet = format!("10.{}.{}", 100 + id % 100, tag.len() * 17 % 250);
-        let hosts = Self {
-            namespaces,
-            addresses: [format!("{subnet}.1"), format!("{subnet}.2")],
-        };
-        let [a, b] = &hosts.namespaces;
-        let [ip_a, ip_b] = &hosts.addresses;
-        let script = format!(
-            "set -e; ip netns add {a}; ip netns add {b}; \
-             ip link add veth0 netns {a} type veth peer name veth1 netns {b}; \
-             ip -n {a} addr add {ip_a}/24 dev veth0; ip -n {b} addr add {ip_b}/24 dev veth1; \
-             for n in {a} {b}; do ip -n $n link set lo up; done; \
-             ip -n {a} link set veth0 up; ip -n {b} link set veth1 up"
-        );
-        let status = Command::new("sh").args(["-c", &script]).status().unwrap();
-        assert!(status.success(), "could not create the two hosts");
-        Some(hosts)
-    }
-
+impl Launch for TwoHosts {
     /// `accelerate launch` of 2 workers on host `machine`, with its own host name (and, with
     /// `SHM_SIZE` in `extra`, its own /dev/shm of that size).
     fn launch(&self, machine: usize, scenario: &str, token: &str, extra: &[(&str, &str)]) -> Child {
@@ -196,38 +184,6 @@ impl TwoHosts {
             cmd.env_remove("ACCELERATE_JOB_TOKEN");
         }
         cmd.spawn().unwrap()
-    }
-
-    fn ip(&self, machine: usize, args: &[&str]) {
-        let status = Command::new("ip")
-            .args(["-n", &self.namespaces[machine]])
-            .args(args)
-            .status()
-            .unwrap();
-        assert!(status.success(), "ip {args:?}");
-    }
-
-    /// Processes still running in host `machine`'s network namespace.
-    fn leftovers(&self, machine: usize) -> String {
-        let out = Command::new("ip")
-            .args(["netns", "pids", &self.namespaces[machine]])
-            .output()
-            .unwrap();
-        String::from_utf8_lossy(&out.stdout).trim().to_string()
-    }
-}
-
-impl Drop for TwoHosts {
-    fn drop(&mut self) {
-        for ns in &self.namespaces {
-            // Anything left in a namespace goes with it.
-            let _ = Command::new("sh")
-                .args([
-                    "-c",
-                    &format!("ip netns pids {ns} | xargs -r kill -9; ip netns del {ns}"),
-                ])
-                .status();
-        }
     }
 }
 
@@ -506,7 +462,8 @@ fn a_wrong_or_missing_token_from_the_other_host_is_refused_at_start() {
 }
 
 /// All-reduce over the two hosts, flat TCP against hierarchical (shared memory inside each
-/// host; along rails, and through each host's leader), 2 x 2 ranks: `cargo test -p accelerate-cli --test two_hosts -- --ignored --nocapture`
+/// host; along rails, and through each host's leader), and with `--features mpi` the MPI
+/// engine, 2 x 2 ranks: `cargo test -p accelerate-cli --test two_hosts -- --ignored --nocapture`
 /// (root).
 #[test]
 #[ignore = "a benchmark: prints figures, asserts nothing"]
@@ -534,6 +491,27 @@ fn flat_against_hierarchical_all_reduce() {
                 for line in stdout.lines().filter(|l| l.contains("BENCH")) {
                     println!("round {round} {way}: {line}");
                 }
+            }
+        }
+        // The MPI engine over the same link: Open MPI's shared memory inside each host, its
+        // TCP between them, its own algorithms (a build with `--features mpi`).
+        #[cfg(feature = "mpi")]
+        {
+            let dir = tempfile::tempdir().unwrap();
+            let mut mpirun = hosts.mpirun(2, dir.path()).expect("mpirun");
+            let child = mpirun
+                .arg(std::env::current_exe().unwrap())
+                .args(["worker", "--exact", "--nocapture", "--test-threads=1"])
+                .env(SCENARIO, "bench")
+                .env("ACCELERATE_TRANSPORT", "mpi")
+                .stdout(Stdio::piped())
+                .stderr(Stdio::piped())
+                .spawn()
+                .unwrap();
+            let (code, stdout, stderr) = finish(child, Duration::from_secs(600));
+            assert_eq!(code, 0, "{stdout}\n{stderr}");
+            for line in stdout.lines().filter(|l| l.contains("BENCH")) {
+                println!("round {round} mpi: {line}");
             }
         }
     }

@@ -6,6 +6,9 @@
 //! unless `ACCELERATE_TEST_CHILD` names a scenario).
 
 mod common;
+#[cfg(feature = "mpi")]
+#[path = "../../tests-support/netns.rs"]
+mod netns;
 #[path = "../../tests-support/slurm.rs"]
 mod slurm_cluster;
 #[path = "../../tests-support/tools.rs"]
@@ -635,5 +638,130 @@ fn zero_1_on_two_and_three_processes_equals_one_unsharded_process() {
                 .windows(2)
                 .all(|w| param_bits(&w[0]) == param_bits(&w[1]))
         );
+    }
+}
+
+/// What each rank of an `mpirun --output-filename DIR` job printed, in rank order (Open MPI
+/// writes rank r's output under `DIR/<job>/rank.<r>/stdout`).
+#[cfg(feature = "mpi")]
+fn mpi_logs(dir: &std::path::Path, ranks: usize) -> Vec<String> {
+    fn find(dir: &std::path::Path, rank: usize) -> Option<std::path::PathBuf> {
+        for entry in std::fs::read_dir(dir).ok()?.flatten() {
+            let path = entry.path();
+            if path.ends_with(format!("rank.{rank}")) {
+                return Some(path.join("stdout"));
+            }
+            if path.is_dir()
+                && let Some(found) = find(&path, rank)
+            {
+                return Some(found);
+            }
+        }
+        None
+    }
+    (0..ranks)
+        .map(|r| {
+            find(dir, r)
+                .and_then(|p| std::fs::read_to_string(p).ok())
+                .unwrap_or_default()
+        })
+        .collect()
+}
+
+/// The worker's command line and variables for an `mpirun` job training digits.
+#[cfg(feature = "mpi")]
+fn mpi_worker(mpirun: &mut std::process::Command, dir: &std::path::Path, per_rank: usize) {
+    mpirun
+        .arg("--output-filename")
+        .arg(dir)
+        .arg(std::env::current_exe().unwrap())
+        .args(["child", "--exact", "--nocapture", "--test-threads=1"])
+        .env(SCENARIO, "train")
+        .env("TEST_BATCH", per_rank.to_string())
+        .env("ACCELERATE_TIMEOUT", "60")
+        .env("RAYON_NUM_THREADS", "1")
+        .env_remove("ACCELERATE_TRANSPORT")
+        .env_remove("MASTER_ADDR")
+        .env_remove("MASTER_PORT");
+}
+
+/// The digits MLP under a real `mpirun -np 2` on the MPI engine (picked by `auto`) learns,
+/// bit for bit, what the same 2 processes learn over our shared-memory engine (with two ranks
+/// every sum is a + b either way), and what one process learns within 1e-6.
+#[cfg(feature = "mpi")]
+#[test]
+fn mpi_two_processes_learn_what_shared_memory_learns_bit_for_bit() {
+    let Some(mut mpirun) = tools::mpirun(2) else {
+        return;
+    };
+    let single = run(
+        "train",
+        1,
+        &[("TEST_BATCH", (2 * PER_RANK_BATCH).to_string())],
+    );
+    let shm = run("train", 2, &[("TEST_BATCH", PER_RANK_BATCH.to_string())]);
+    let dir = tempfile::tempdir().unwrap();
+    mpi_worker(&mut mpirun, dir.path(), PER_RANK_BATCH);
+    let out = mpirun.output().unwrap();
+    let logs = mpi_logs(dir.path(), 2);
+    assert!(
+        out.status.success(),
+        "{}\n{}\n{logs:#?}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let reference = params(&single[0]);
+    for (rank, log) in logs.iter().enumerate() {
+        assert!(log.contains("FORMED mpi"), "rank {rank}: {log}");
+        assert_eq!(param_bits_in(log), param_bits(&shm[rank]), "rank {rank}");
+        let ours: Vec<f32> = param_bits_in(log).into_iter().map(f32::from_bits).collect();
+        let worst = largest_difference(&ours, &reference);
+        assert!(worst <= 1e-6, "rank {rank}: largest difference {worst}");
+    }
+}
+
+/// Two hosts (network namespaces with their own addresses and host names) x 2 processes on
+/// the MPI engine, started by one `mpirun` on host 0 that reaches host 1 through its rsh agent
+/// (a script entering the other namespace, where a cluster would use ssh), Open MPI's TCP
+/// between the hosts: the four ranks learn what one process learns within 1e-6, and agree bit
+/// for bit.
+#[cfg(feature = "mpi")]
+#[test]
+fn mpi_four_processes_on_two_hosts_learn_what_one_learns() {
+    let Some(hosts) = netns::TwoHosts::new("mpi") else {
+        return;
+    };
+    let dir = tempfile::tempdir().unwrap();
+    let Some(mut launcher) = hosts.mpirun(2, dir.path()) else {
+        return;
+    };
+    let per_rank = 6;
+    let single = run("train", 1, &[("TEST_BATCH", (per_rank * 4).to_string())]);
+    let reference = params(&single[0]);
+    let updates = line(&single[0], "UPDATES ");
+    mpi_worker(&mut launcher, &dir.path().join("out"), per_rank);
+    let out = launcher.output().unwrap();
+    let logs = mpi_logs(&dir.path().join("out"), 4);
+    assert!(
+        out.status.success(),
+        "{}\n{}\n{logs:#?}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let bits: Vec<Vec<u32>> = logs.iter().map(|log| param_bits_in(log)).collect();
+    for (rank, log) in logs.iter().enumerate() {
+        assert!(log.contains("FORMED mpi"), "rank {rank}: {log}");
+        assert!(
+            log.contains(&format!("UPDATES {updates}")),
+            "rank {rank}: {log}"
+        );
+        let ours: Vec<f32> = bits[rank].iter().map(|b| f32::from_bits(*b)).collect();
+        let worst = largest_difference(&ours, &reference);
+        eprintln!("rank {rank} under mpirun on two hosts: largest difference {worst:e}");
+        assert!(worst <= 1e-6, "rank {rank}: largest difference {worst}");
+    }
+    assert!(bits.windows(2).all(|w| w[0] == w[1]));
+    for machine in 0..2 {
+        assert_eq!(hosts.leftovers(machine), "", "host {machine}");
     }
 }

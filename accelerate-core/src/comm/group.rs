@@ -210,9 +210,14 @@ impl ProcessGroup {
 
     /// Forms the group described by `state`: rendezvous at its master address, then shared
     /// memory when every rank is on this host (unless `options` say otherwise), else TCP.
+    /// Under an MPI launcher, in a build with the `mpi` feature (or with
+    /// `ACCELERATE_TRANSPORT=mpi`), the group is MPI's instead, with no rendezvous of ours.
     pub fn new(state: &ProcessState, options: &GroupOptions) -> Result<Self, CommError> {
         if state.world_size == 1 {
             return Ok(Self::single());
+        }
+        if options.transport.uses_mpi(&crate::state::ProcessEnv) {
+            return Self::over_mpi(state, options);
         }
         let (rank, world_size) = (state.rank, state.world_size);
         let host = state
@@ -306,6 +311,36 @@ impl ProcessGroup {
         // The shared-memory engine used the rendezvous timeout for set-up; collectives use theirs.
         group.set_timeout(options.timeout);
         Ok(group)
+    }
+
+    /// The group MPI formed (the `mpi` feature).
+    #[cfg(feature = "mpi")]
+    fn over_mpi(state: &ProcessState, options: &GroupOptions) -> Result<Self, CommError> {
+        let engine = super::transport::mpi::MpiEngine::new(state, options)?;
+        tracing::info!(
+            rank = state.rank,
+            world_size = state.world_size,
+            transport = "mpi",
+            "process group formed"
+        );
+        Ok(Self::with_engine(
+            state.rank,
+            state.world_size,
+            Some(Box::new(engine)),
+        ))
+    }
+
+    /// Without the `mpi` feature, asking for MPI is an error that says how to get it.
+    #[cfg(not(feature = "mpi"))]
+    fn over_mpi(state: &ProcessState, _options: &GroupOptions) -> Result<Self, CommError> {
+        Err(CommError::Usage {
+            op: "setup",
+            rank: state.rank,
+            reason: "ACCELERATE_TRANSPORT=mpi, but this program was built without the `mpi` \
+                     feature. hint: build with --features mpi (needs libopenmpi-dev and \
+                     libclang-dev), or use ACCELERATE_TRANSPORT=auto"
+                .into(),
+        })
     }
 
     /// A group of `world_size` ranks in this process, one per thread, over channels.

@@ -19,6 +19,27 @@ pub enum TransportChoice {
     Shm,
     /// TCP, even on one host.
     Tcp,
+    /// The MPI library the process was started with (a build with the `mpi` feature, under
+    /// `mpirun` or `srun --mpi=pmix`).
+    Mpi,
+}
+
+impl TransportChoice {
+    /// Whether a group formed with this choice uses the MPI engine: `mpi` always, `auto` in
+    /// a build with the `mpi` feature when an MPI launcher started the process (Open MPI's
+    /// `mpirun` sets `OMPI_COMM_WORLD_SIZE`, a PMIx launcher such as `srun --mpi=pmix` sets
+    /// `PMIX_RANK`). Under `srun` without PMIx, MPI could not start: `auto` keeps our own
+    /// transports there.
+    pub fn uses_mpi(self, env: &(impl EnvSource + ?Sized)) -> bool {
+        match self {
+            Self::Mpi => true,
+            Self::Auto => {
+                cfg!(feature = "mpi")
+                    && (env.var("OMPI_COMM_WORLD_SIZE").is_some() || env.var("PMIX_RANK").is_some())
+            }
+            Self::Shm | Self::Tcp => false,
+        }
+    }
 }
 
 impl FromStr for TransportChoice {
@@ -29,7 +50,8 @@ impl FromStr for TransportChoice {
             "auto" => Ok(Self::Auto),
             "shm" => Ok(Self::Shm),
             "tcp" => Ok(Self::Tcp),
-            other => Err(format!("{other}: expected auto, shm or tcp")),
+            "mpi" => Ok(Self::Mpi),
+            other => Err(format!("{other}: expected auto, shm, tcp or mpi")),
         }
     }
 }
@@ -50,7 +72,7 @@ pub struct GroupOptions {
     /// shared memory inside each host and TCP among one leader per host
     /// (`ACCELERATE_HIERARCHICAL`; default true, under `ACCELERATE_TRANSPORT=auto`).
     pub hierarchical: bool,
-    /// Transport (`ACCELERATE_TRANSPORT`: auto, shm, tcp; default auto).
+    /// Transport (`ACCELERATE_TRANSPORT`: auto, shm, tcp, mpi; default auto).
     pub transport: TransportChoice,
     /// All-reduce algorithm of the message transports (`ACCELERATE_ALL_REDUCE_ALGORITHM`:
     /// auto, ring, recursive_doubling; default auto).
@@ -140,7 +162,7 @@ impl GroupOptions {
         if let Some(v) = env.var(env_vars::TRANSPORT) {
             options.transport = v
                 .parse()
-                .map_err(|_| invalid(env_vars::TRANSPORT, v, "auto, shm or tcp"))?;
+                .map_err(|_| invalid(env_vars::TRANSPORT, v, "auto, shm, tcp or mpi"))?;
         }
         if let Some(v) = env.var(env_vars::ALL_REDUCE_ALGORITHM) {
             options.algorithm = v.parse().map_err(|_| {
@@ -187,7 +209,7 @@ mod tests {
             .to_string();
         assert_eq!(
             err,
-            "ACCELERATE_TRANSPORT (env) = ib: expected auto, shm or tcp"
+            "ACCELERATE_TRANSPORT (env) = ib: expected auto, shm, tcp or mpi"
         );
         let err = GroupOptions::from_source(&[("ACCELERATE_TIMEOUT", "0")][..])
             .unwrap_err()

@@ -77,6 +77,15 @@ fn backends() -> String {
             let _ = writeln!(out, "device of local rank 0: unavailable: {e}");
         }
     }
+    let _ = writeln!(
+        out,
+        "MPI engine: {}",
+        if cfg!(feature = "mpi") {
+            "compiled in (picked under mpirun / srun --mpi=pmix, or ACCELERATE_TRANSPORT=mpi)"
+        } else {
+            "not compiled in (build with --features mpi)"
+        }
+    );
     out
 }
 
