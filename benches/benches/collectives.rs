@@ -307,7 +307,7 @@ fn measure<T: BenchElement>(dtype: &str) {
         let mut buf = if shared {
             Buffer::Shared(group.shared_buffer::<T>(count).expect("shared_buffer"))
         } else {
-            Buffer::Heap(vec![T::from_f32(0.0); count])
+            Buffer::heap(count)
         };
         // Verified run: rank-dependent integers, exact in every element type here.
         for (i, v) in buf.values().iter_mut().enumerate() {
@@ -362,23 +362,32 @@ fn measure<T: BenchElement>(dtype: &str) {
     group.barrier().expect("final barrier");
 }
 
-/// The buffer under test: a plain vector, or one from `ProcessGroup::shared_buffer`.
+/// The buffer under test: `count` elements of a vector, starting on a page boundary as a
+/// C program's `calloc` of a large buffer does (so that the comparison with Open MPI's own
+/// benchmark is on the same kind of buffer), or one from `ProcessGroup::shared_buffer`.
 enum Buffer<T: BenchElement> {
-    Heap(Vec<T>),
+    Heap(Vec<T>, std::ops::Range<usize>),
     Shared(SharedBuffer<T>),
 }
 
 impl<T: BenchElement> Buffer<T> {
+    fn heap(count: usize) -> Self {
+        const PAGE: usize = 4096;
+        let v = vec![T::from_f32(0.0); count + PAGE / size_of::<T>()];
+        let skip = (PAGE - v.as_ptr() as usize % PAGE) % PAGE / size_of::<T>();
+        Buffer::Heap(v, skip..skip + count)
+    }
+
     fn values(&mut self) -> &mut [T] {
         match self {
-            Buffer::Heap(v) => v,
+            Buffer::Heap(v, range) => &mut v[range.clone()],
             Buffer::Shared(b) => b,
         }
     }
 
     fn all_reduce(&mut self, group: &mut ProcessGroup) {
         match self {
-            Buffer::Heap(v) => group.all_reduce(v, Reduction::Sum),
+            Buffer::Heap(v, range) => group.all_reduce(&mut v[range.clone()], Reduction::Sum),
             Buffer::Shared(b) => group.all_reduce_shared(b, Reduction::Sum),
         }
         .expect("all_reduce");

@@ -504,6 +504,9 @@ fn flat_against_hierarchical_all_reduce() {
                 .args(["worker", "--exact", "--nocapture", "--test-threads=1"])
                 .env(SCENARIO, "bench")
                 .env("ACCELERATE_TRANSPORT", "mpi")
+                // Four ranks spin on this machine's two cores: without yielding, Open MPI
+                // waits out scheduler slices (8 ms for 4 KiB). Ours sleep while they wait.
+                .env("OMPI_MCA_mpi_yield_when_idle", "1")
                 .stdout(Stdio::piped())
                 .stderr(Stdio::piped())
                 .spawn()
