@@ -14,6 +14,8 @@
 mod common;
 #[path = "../../tests-support/netns.rs"]
 mod netns;
+#[path = "../../tests-support/slurm.rs"]
+mod slurm_cluster;
 #[path = "../../tests-support/tools.rs"]
 mod tools;
 
@@ -323,4 +325,27 @@ fn across_two_hosts_calls_are_checked_through_mpi() {
     for machine in 0..2 {
         assert_eq!(hosts.leftovers(machine), "", "host {machine}");
     }
+}
+
+/// Slurm's own launcher with PMIx (`srun --mpi=pmix -n 2`, Debian's `mpi_pmix` plugin): MPI
+/// starts from Slurm's PMIx server without mpirun, `auto` picks the MPI engine, and every
+/// collective matches the reference.
+#[test]
+fn srun_with_pmix_starts_the_mpi_engine() {
+    if !tools::slurm_ready() {
+        return;
+    }
+    let cluster = slurm_cluster::SlurmCluster::start(2, &[]);
+    let output = cluster
+        .run(&["srun", "--mpi=pmix", "-n", "2", "--time", "5"])
+        .arg(std::env::current_exe().unwrap())
+        .args(["child", "--exact", "--nocapture", "--test-threads=1"])
+        .env(SCENARIO, "suite")
+        .env_remove("ACCELERATE_TRANSPORT")
+        .output()
+        .unwrap();
+    let all = text(&output);
+    assert!(output.status.success(), "{all}");
+    assert_eq!(all.matches("FORMED mpi").count(), 2, "{all}");
+    assert_eq!(all.matches("SUITE PASSED").count(), 2, "{all}");
 }
