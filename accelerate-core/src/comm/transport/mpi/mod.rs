@@ -15,7 +15,7 @@
 //!   `MPI_Abort`, naming the rank.
 //! - **A failed rank ends the job**: a process that exits with a non-zero status, or after one
 //!   of its groups failed, aborts the job instead of finalising (a finalising rank would wait for
-//!   peers that wait for it); see [`runtime`].
+//!   peers that wait for it); see the `runtime` module.
 //!
 //! f32 travels as `MPI_FLOAT` with MPI's own operations; f16 and bf16 travel as 16-bit words
 //! reduced by our operation (each combination in f32, rounded once), so halves cost half the
