@@ -190,6 +190,9 @@ fn open_board(
     if local_index == 0 {
         name = crate::comm::auth::random_bytes().unwrap_or([0; 16]);
         let path = watchdog::board_path(&hex(&name));
+        if let Some(dir) = path.parent() {
+            super::shm::stale::sweep(dir, super::shm::stale::STALE_AFTER);
+        }
         created[0] = u8::from(create_private(&path, bytes).is_ok());
     }
     let mut shared = [name.as_slice(), &created].concat();

@@ -173,7 +173,7 @@ fn sleep_on(_word: &std::sync::atomic::AtomicU32, _seen: u32, _nap: Duration) {
 fn wake_all(_word: &std::sync::atomic::AtomicU32) {}
 
 /// True while process `pid` exists and is not a zombie.
-fn process_alive(pid: u64) -> bool {
+pub(super) fn process_alive(pid: u64) -> bool {
     match std::fs::read_to_string(format!("/proc/{pid}/stat")) {
         Ok(stat) => {
             // The state letter follows the command name, which is in parentheses.

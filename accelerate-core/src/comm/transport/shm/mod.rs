@@ -28,6 +28,7 @@ mod barrier;
 mod collectives;
 mod region;
 mod shared_buffer;
+pub(crate) mod stale;
 
 use std::collections::HashMap;
 use std::fs::{File, OpenOptions};
@@ -153,14 +154,24 @@ pub struct SegmentHooks {
 impl SharedMemoryHooks for SegmentHooks {
     fn create(&self, token: &[u8]) -> Result<[u8; 16], CommError> {
         let path = segment_path(token, &self.addr);
-        // A stale file of a crashed earlier job with the same secret and address.
+        // A stale file of a crashed earlier job with the same secret and address, and those of
+        // jobs killed during their set-up.
         let _ = std::fs::remove_file(&path);
+        if let Some(dir) = path.parent() {
+            stale::sweep(dir, stale::STALE_AFTER);
+        }
         let context = || format!("creating {}", path.display());
         let file = create_private(&path, Region::size(self.world_size, self.slot_bytes))
             .map_err(|e| CommError::io(self.rank, context(), e))?;
         let cookie: [u8; 16] = crate::comm::auth::random_bytes()
             .map_err(|e| CommError::io(self.rank, context(), std::io::Error::other(e)))?;
-        if let Err(e) = file.write_all_at(&cookie, region::COOKIE as u64) {
+        // The creator's pid where rank 0's control block keeps it: the file names its owner
+        // until every rank has mapped it (see `stale`).
+        let creator = u64::from(std::process::id()).to_le_bytes();
+        let stamped = file
+            .write_all_at(&creator, 0)
+            .and_then(|()| file.write_all_at(&cookie, region::COOKIE as u64));
+        if let Err(e) = stamped {
             let _ = std::fs::remove_file(&path);
             return Err(CommError::io(self.rank, context(), e));
         }
