@@ -187,6 +187,29 @@ impl Launch for TwoHosts {
     }
 }
 
+/// Waits for the launchers of both hosts (at most `limit` each) and checks that each
+/// succeeded with its two workers trained over `tcp+shm` on their own host, and that nothing
+/// is left running on either host.
+fn both_trained(hosts: &TwoHosts, launchers: Vec<Child>, limit: Duration) {
+    for (machine, launcher) in launchers.into_iter().enumerate() {
+        let (code, stdout, stderr) = finish(launcher, limit);
+        assert_eq!(code, 0, "machine {machine}: {stdout}\n{stderr}");
+        assert_eq!(
+            stdout.matches("TRAINED").count(),
+            2,
+            "machine {machine}: {stdout}"
+        );
+        let host = format!("FORMED tcp+shm on accrs-host-{machine}");
+        assert_eq!(
+            stdout.matches(&host).count(),
+            2,
+            "machine {machine}: {stdout}"
+        );
+    }
+    assert_eq!(hosts.leftovers(0), "");
+    assert_eq!(hosts.leftovers(1), "");
+}
+
 /// Waits for a launcher (at most `limit`): its exit code, stdout, stderr.
 fn finish(mut child: Child, limit: Duration) -> (i32, String, String) {
     let deadline = Instant::now() + limit;
@@ -228,23 +251,7 @@ fn two_hosts_of_two_processes_form_one_group_and_train() {
     let launchers: Vec<Child> = (0..2)
         .map(|m| hosts.launch(m, "train", &token, &[]))
         .collect();
-    for (machine, launcher) in launchers.into_iter().enumerate() {
-        let (code, stdout, stderr) = finish(launcher, Duration::from_secs(60));
-        assert_eq!(code, 0, "machine {machine}: {stdout}\n{stderr}");
-        assert_eq!(
-            stdout.matches("TRAINED").count(),
-            2,
-            "machine {machine}: {stdout}"
-        );
-        let host = format!("FORMED tcp+shm on accrs-host-{machine}");
-        assert_eq!(
-            stdout.matches(&host).count(),
-            2,
-            "machine {machine}: {stdout}"
-        );
-    }
-    assert_eq!(hosts.leftovers(0), "");
-    assert_eq!(hosts.leftovers(1), "");
+    both_trained(&hosts, launchers, Duration::from_secs(60));
 }
 
 /// torchrun on each host (`--nnodes 2`), nothing set by hand but the job token: rank 0
@@ -263,23 +270,7 @@ fn torchrun_on_two_hosts_forms_one_group_and_trains() {
     let launchers: Vec<Child> = (0..2)
         .map(|m| hosts.start(m, TORCHRUN, "train", &token, &extra))
         .collect();
-    for (machine, launcher) in launchers.into_iter().enumerate() {
-        let (code, stdout, stderr) = finish(launcher, Duration::from_secs(90));
-        assert_eq!(code, 0, "machine {machine}: {stdout}\n{stderr}");
-        assert_eq!(
-            stdout.matches("TRAINED").count(),
-            2,
-            "machine {machine}: {stdout}"
-        );
-        let host = format!("FORMED tcp+shm on accrs-host-{machine}");
-        assert_eq!(
-            stdout.matches(&host).count(),
-            2,
-            "machine {machine}: {stdout}"
-        );
-    }
-    assert_eq!(hosts.leftovers(0), "");
-    assert_eq!(hosts.leftovers(1), "");
+    both_trained(&hosts, launchers, Duration::from_secs(90));
 }
 
 /// Without a job token, a job torchrun spans over hosts refuses to start, saying why.

@@ -322,8 +322,6 @@ fn four_processes_on_two_hosts_under_srun_learn_what_one_learns() {
     // 240 samples: 10 global batches of 4 x 6.
     let per_rank = 6;
     let single = run("train", 1, &[("TEST_BATCH", (per_rank * 4).to_string())]);
-    let reference = params(&single[0]);
-    let updates = line(&single[0], "UPDATES ");
 
     let id = std::process::id();
     let subnet = format!("10.{}.{}", 150 + id % 50, id / 50 % 250);
@@ -363,15 +361,29 @@ fn four_processes_on_two_hosts_under_srun_learn_what_one_learns() {
             std::fs::read_to_string(cluster.path(&format!("rank-{rank}.out"))).unwrap_or_default()
         })
         .collect();
+    assert_ranks_learned(&out, &logs, "FORMED tcp+shm", &single[0]);
+}
+
+/// Checks a job of ranks on two hosts against `single`, the one-process run on the same global
+/// batches: the launcher `out` succeeded, each rank's log (`logs`) says `formed` and made the
+/// same number of updates, every parameter is within 1e-6, and the ranks agree bit for bit.
+fn assert_ranks_learned(
+    out: &std::process::Output,
+    logs: &[String],
+    formed: &str,
+    single: &std::process::Output,
+) {
     assert!(
         out.status.success(),
         "{}\n{}\n{logs:#?}",
         String::from_utf8_lossy(&out.stdout),
         String::from_utf8_lossy(&out.stderr)
     );
+    let reference = params(single);
+    let updates = line(single, "UPDATES ");
     let bits: Vec<Vec<u32>> = logs.iter().map(|log| param_bits_in(log)).collect();
     for (rank, log) in logs.iter().enumerate() {
-        assert!(log.contains("FORMED tcp+shm"), "rank {rank}: {log}");
+        assert!(log.contains(formed), "rank {rank}: {log}");
         assert!(
             log.contains(&format!("UPDATES {updates}")),
             "rank {rank}: {log}"
@@ -737,30 +749,10 @@ fn mpi_four_processes_on_two_hosts_learn_what_one_learns() {
     };
     let per_rank = 6;
     let single = run("train", 1, &[("TEST_BATCH", (per_rank * 4).to_string())]);
-    let reference = params(&single[0]);
-    let updates = line(&single[0], "UPDATES ");
     mpi_worker(&mut launcher, &dir.path().join("out"), per_rank);
     let out = launcher.output().unwrap();
     let logs = mpi_logs(&dir.path().join("out"), 4);
-    assert!(
-        out.status.success(),
-        "{}\n{}\n{logs:#?}",
-        String::from_utf8_lossy(&out.stdout),
-        String::from_utf8_lossy(&out.stderr)
-    );
-    let bits: Vec<Vec<u32>> = logs.iter().map(|log| param_bits_in(log)).collect();
-    for (rank, log) in logs.iter().enumerate() {
-        assert!(log.contains("FORMED mpi"), "rank {rank}: {log}");
-        assert!(
-            log.contains(&format!("UPDATES {updates}")),
-            "rank {rank}: {log}"
-        );
-        let ours: Vec<f32> = bits[rank].iter().map(|b| f32::from_bits(*b)).collect();
-        let worst = largest_difference(&ours, &reference);
-        eprintln!("rank {rank} under mpirun on two hosts: largest difference {worst:e}");
-        assert!(worst <= 1e-6, "rank {rank}: largest difference {worst}");
-    }
-    assert!(bits.windows(2).all(|w| w[0] == w[1]));
+    assert_ranks_learned(&out, &logs, "FORMED mpi", &single[0]);
     for machine in 0..2 {
         assert_eq!(hosts.leftovers(machine), "", "host {machine}");
     }
