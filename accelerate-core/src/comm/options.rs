@@ -84,7 +84,8 @@ pub struct GroupOptions {
     /// Bytes of each shared-memory slot (`ACCELERATE_SHM_SLOT_BYTES`; default 4 MiB).
     pub shm_slot_bytes: usize,
     /// Largest ring chunk of the message transports (`ACCELERATE_RING_SEGMENT_BYTES`;
-    /// default 4 MiB).
+    /// default 512 KiB: a chunk, its socket buffers and its reduction then stay in a core's
+    /// cache; 4 MiB chunks halved the TCP bandwidth from 4 MiB messages on).
     pub segment_bytes: usize,
 }
 
@@ -99,7 +100,7 @@ impl Default for GroupOptions {
             algorithm: AllReduceAlgorithm::Auto,
             token: None,
             shm_slot_bytes: DEFAULT_SLOT_BYTES,
-            segment_bytes: 4 << 20,
+            segment_bytes: 512 << 10,
         }
     }
 }

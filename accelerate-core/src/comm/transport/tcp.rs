@@ -13,7 +13,9 @@
 //! schedules send before they receive), yet there is no writer thread to wake per message and
 //! no copy of what the kernel accepts at once. A closed or reset connection is reported as the
 //! peer being gone at once. Small reads go through a read-ahead buffer, so a small message
-//! (header and payload) arrives in one `read`.
+//! (header and payload) arrives in one `read`. A read that finds nothing retries briefly
+//! before it sleeps in `poll` (`Spin`): a peer on another core answers within
+//! microseconds, and a wake-up from `poll` costs more than that.
 
 use std::io::{ErrorKind, IoSlice, Read, Write};
 use std::net::{Shutdown, SocketAddr, TcpListener, TcpStream};
@@ -37,6 +39,12 @@ const DRAIN_TIMEOUT: Duration = Duration::from_secs(30);
 const HANDSHAKE_DEADLINE: Duration = Duration::from_secs(10);
 /// Incoming connections authenticated at once; more are closed at once.
 const MAX_PENDING: usize = 64;
+/// How long a read that finds nothing keeps retrying before it sleeps in `poll`: a peer's
+/// reply usually lands within tens of microseconds, and waking from `poll` costs a scheduler
+/// round trip (several microseconds, more on a virtual machine) on every message.
+const SPIN: Duration = Duration::from_micros(50);
+/// While spinning does not pay, one wait in this many still tries it.
+const SPIN_PROBE_EVERY: u32 = 64;
 /// Reads of less than this go through a per-peer buffer that also takes whatever follows (the
 /// payload behind a header, the next message), so a small message costs one `read`, not two.
 const READ_AHEAD: usize = 64 << 10;
@@ -83,6 +91,57 @@ pub struct TcpLink {
     rank: usize,
     peers: Vec<Option<Peer>>,
     heartbeat: Duration,
+    /// How long an empty read retries before sleeping.
+    spin: Spin,
+}
+
+/// How long an empty read retries before it sleeps, adapted to what retrying achieves. When
+/// the peer shares this rank's core (the scheduler put both there, or there are more ranks
+/// than cores) its reply cannot come while we spin, so every spin runs out: the budget
+/// halves on each miss down to nothing, is tried again now and then, and returns in full as
+/// soon as a reply lands within it.
+struct Spin {
+    /// The budget after a hit: [`SPIN`], or zero when this host has more ranks than cores.
+    full: Duration,
+    now: Duration,
+    /// Waits since the budget fell to zero.
+    idle: u32,
+}
+
+impl Spin {
+    fn new(full: Duration) -> Self {
+        Self {
+            full,
+            now: full,
+            idle: 0,
+        }
+    }
+
+    /// The budget of the next wait.
+    fn budget(&mut self) -> Duration {
+        if !self.now.is_zero() {
+            return self.now;
+        }
+        self.idle = self.idle.wrapping_add(1);
+        if self.idle.is_multiple_of(SPIN_PROBE_EVERY) {
+            self.full
+        } else {
+            Duration::ZERO
+        }
+    }
+
+    /// The bytes came while spinning.
+    fn hit(&mut self) {
+        self.now = self.full;
+    }
+
+    /// The spin ran out.
+    fn miss(&mut self) {
+        self.now /= 2;
+        if self.now < Duration::from_micros(2) {
+            self.now = Duration::ZERO;
+        }
+    }
 }
 
 impl TcpLink {
@@ -139,10 +198,18 @@ impl TcpLink {
                     .transpose()
             })
             .collect::<Result<Vec<_>, _>>()?;
+        let here = table.iter().find(|p| p.rank == rank).map(|p| &p.host);
+        let local_ranks = table.iter().filter(|p| Some(&p.host) == here).count();
+        let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
         Ok(Self {
             rank,
             peers,
             heartbeat,
+            spin: Spin::new(if local_ranks <= cores {
+                SPIN
+            } else {
+                Duration::ZERO
+            }),
         })
     }
 
@@ -328,6 +395,14 @@ impl TcpLink {
         Ok(())
     }
 
+    /// Hands the kernel what it takes now of every peer's leftovers, without waiting.
+    fn drain_all(&mut self) {
+        let heartbeat = self.heartbeat;
+        for peer in self.peers.iter_mut().flatten() {
+            peer.drain(heartbeat);
+        }
+    }
+
     /// Fills `buf` from `peer` before `deadline`, draining leftovers while it waits.
     fn read_full(
         &mut self,
@@ -336,6 +411,8 @@ impl TcpLink {
         deadline: Instant,
     ) -> Result<(), LinkError> {
         let heartbeat = self.heartbeat;
+        // Set at the first empty read; `None` inside once the spin ran out.
+        let mut spin_until: Option<Option<Instant>> = None;
         let p = self.peer(peer)?;
         let mut filled = (p.in_end - p.in_pos).min(buf.len());
         buf[..filled].copy_from_slice(&p.inbox[p.in_pos..p.in_pos + filled]);
@@ -355,9 +432,32 @@ impl TcpLink {
             };
             match read {
                 Ok(0) => return Err(LinkError::Lost("its connection closed".into())),
-                Ok(n) => filled += n.min(want),
+                Ok(n) => {
+                    if let Some(Some(_)) = spin_until.take() {
+                        self.spin.hit();
+                    }
+                    filled += n.min(want);
+                }
                 Err(e) if e.kind() == ErrorKind::Interrupted => {}
-                Err(e) if e.kind() == ErrorKind::WouldBlock => self.wait(Some(peer), deadline)?,
+                Err(e) if e.kind() == ErrorKind::WouldBlock => {
+                    let spin = &mut self.spin;
+                    let until = spin_until.get_or_insert_with(|| {
+                        let budget = spin.budget();
+                        (!budget.is_zero()).then(|| Instant::now() + budget)
+                    });
+                    match until {
+                        Some(t) if Instant::now() < *t => {
+                            self.drain_all();
+                            std::hint::spin_loop();
+                        }
+                        Some(_) => {
+                            self.spin.miss();
+                            spin_until = Some(None);
+                            self.wait(Some(peer), deadline)?;
+                        }
+                        None => self.wait(Some(peer), deadline)?,
+                    }
+                }
                 Err(e) => return Err(describe_loss(p.addr, heartbeat)(e)),
             }
         }
@@ -493,5 +593,40 @@ impl Drop for TcpLink {
         for peer in self.peers.iter().flatten() {
             let _ = peer.stream.shutdown(Shutdown::Write);
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn spinning_stops_when_it_never_pays_and_returns_when_it_does() {
+        let mut spin = Spin::new(SPIN);
+        assert_eq!(spin.budget(), SPIN);
+        // A peer sharing our core: every spin runs out, so the budget halves to nothing.
+        let mut misses = 0;
+        while !spin.budget().is_zero() {
+            spin.miss();
+            misses += 1;
+        }
+        assert!(misses <= 6, "{misses} misses before giving up");
+        // Then one wait in SPIN_PROBE_EVERY tries the full spin again...
+        let probes = (0..SPIN_PROBE_EVERY * 3)
+            .filter(|_| spin.budget() == SPIN)
+            .count();
+        assert_eq!(probes, 3);
+        // ...and a reply within it brings the budget back for every wait.
+        spin.hit();
+        assert_eq!(spin.budget(), SPIN);
+        assert_eq!(spin.budget(), SPIN);
+    }
+
+    #[test]
+    fn more_ranks_than_cores_never_spin() {
+        let mut spin = Spin::new(Duration::ZERO);
+        assert!((0..SPIN_PROBE_EVERY * 2).all(|_| spin.budget().is_zero()));
+        spin.hit();
+        assert!(spin.budget().is_zero());
     }
 }
