@@ -66,7 +66,7 @@ pub fn train(
     let acc = builder.build()?;
     let device = acc.device();
     let model = MlpConfig::new(digits::PIXELS, vec![128], digits::CLASSES).init(&device);
-    let optim = AdamWConfig::new().init();
+    let optim = AdamWConfig::new();
     let train = DataLoader::builder(DigitBatcher)
         .batch_size(32)
         .shuffle(42)

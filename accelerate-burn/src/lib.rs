@@ -30,7 +30,7 @@
 //! let acc = Accelerator::<DefaultBackend>::from_env()?;
 //! let model: Linear = LinearConfig::new(1, 1).init(&acc.device());
 //! let loader = DataLoader::builder(Pairs).batch_size(16).shuffle(0).build(InMemDataset::new(data));
-//! let (mut model, mut optim, train) = acc.prepare((model, SgdConfig::new().init(), loader))?;
+//! let (mut model, mut optim, train) = acc.prepare((model, SgdConfig::new(), loader))?;
 //! for epoch in 0..200 {
 //!     train.set_epoch(epoch);
 //!     for batch in train.iter() {

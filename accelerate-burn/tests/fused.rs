@@ -224,6 +224,103 @@ fn fused_adamw_follows_burns_in_fp16() {
     );
 }
 
+/// Prepares `source` for a fresh model; returns whether the update is fused and the log lines
+/// (debug level and above) that preparing wrote.
+fn prepare_and_log<S: accelerate_burn::OptimizerSource>(source: S) -> (bool, String) {
+    use std::sync::{Arc, Mutex};
+    #[derive(Clone, Default)]
+    struct Log(Arc<Mutex<Vec<u8>>>);
+    impl std::io::Write for Log {
+        fn write(&mut self, bytes: &[u8]) -> std::io::Result<usize> {
+            self.0.lock().unwrap().extend_from_slice(bytes);
+            Ok(bytes.len())
+        }
+        fn flush(&mut self) -> std::io::Result<()> {
+            Ok(())
+        }
+    }
+    let log = Log::default();
+    let writer = log.clone();
+    let subscriber = tracing_subscriber::fmt()
+        .with_max_level(tracing::Level::DEBUG)
+        .with_ansi(false)
+        .with_writer(move || writer.clone())
+        .finish();
+    let fused = tracing::subscriber::with_default(subscriber, || {
+        let acc = Accelerator::<DefaultBackend>::builder()
+            .process_state(ProcessState::single())
+            .build()
+            .unwrap();
+        let model = Net::new(&acc.device());
+        let (_model, optim) = acc.prepare((model, source)).unwrap();
+        optim.is_fused()
+    });
+    let text = String::from_utf8_lossy(&log.0.lock().unwrap()).into_owned();
+    (fused, text)
+}
+
+fn bits(values: &[f32]) -> Vec<u32> {
+    values.iter().map(|v| v.to_bits()).collect()
+}
+
+/// Burn's configs given to `prepare` take the fused update when it computes the same thing
+/// (the very same run as asking for it by name, bit for bit), and Burn's optimizer, with one
+/// debug message saying why, when it would not.
+#[test]
+fn burns_configs_get_the_fused_update_whenever_it_is_equivalent() {
+    let adamw = AdamWConfig::new().with_weight_decay(0.05);
+    let adam = AdamConfig::new().with_weight_decay(Some(WeightDecayConfig::new(0.01)));
+    let sgd = SgdConfig::new().with_momentum(Some(MomentumConfig::new()));
+    let by_config = [
+        ("AdamW", prepare_and_log(adamw.clone())),
+        ("Adam", prepare_and_log(adam)),
+        ("SGD", prepare_and_log(sgd.clone())),
+    ];
+    for (name, (fused, log)) in &by_config {
+        assert!(fused, "{name}: not fused");
+        assert!(!log.contains("not the fused update"), "{name}: {log}");
+    }
+    let explicit = FusedOptimizer::adamw(&adamw).unwrap();
+    assert_eq!(run_config(adamw), run_config(explicit));
+    let explicit = FusedOptimizer::sgd(&sgd).unwrap();
+    assert_eq!(run_config(sgd), run_config(explicit));
+
+    use burn::grad_clipping::GradientClippingConfig;
+    let clipped = AdamWConfig::new().with_grad_clipping(Some(GradientClippingConfig::Value(0.1)));
+    let cautious = AdamWConfig::new().with_cautious_weight_decay(true);
+    for (name, config, why) in [
+        (
+            "per-tensor clipping",
+            clipped,
+            "per-tensor gradient clipping",
+        ),
+        ("cautious decay", cautious, "cautious weight decay"),
+    ] {
+        let (fused, log) = prepare_and_log(config.clone());
+        assert!(!fused, "{name}: fused");
+        let said: Vec<&str> = log
+            .lines()
+            .filter(|l| l.contains("not the fused update"))
+            .collect();
+        assert_eq!(said.len(), 1, "{name}: one message, got {log}");
+        assert!(
+            said[0].contains("DEBUG") && said[0].contains(why),
+            "{name}: {}",
+            said[0]
+        );
+        // And it is Burn's optimizer exactly as `config.init()` gives it.
+        assert_eq!(
+            run_config(config.clone()),
+            run_config(config.init()),
+            "{name}"
+        );
+    }
+}
+
+fn run_config<S: accelerate_burn::OptimizerSource>(source: S) -> Vec<u32> {
+    bits(&train(source, MixedPrecision::No).unwrap().0)
+}
+
 #[test]
 fn what_is_not_fused_is_refused_with_a_hint() {
     use burn::grad_clipping::GradientClippingConfig;

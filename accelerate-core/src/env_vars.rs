@@ -54,6 +54,9 @@ pub const ALL_REDUCE_ALGORITHM: &str = "ACCELERATE_ALL_REDUCE_ALGORITHM";
 pub const SHM_SLOT_BYTES: &str = "ACCELERATE_SHM_SLOT_BYTES";
 /// Bytes of one ring segment.
 pub const RING_SEGMENT_BYTES: &str = "ACCELERATE_RING_SEGMENT_BYTES";
+/// Whether the accelerator keeps freed memory in the process (glibc's malloc thresholds):
+/// `true`/`false` (default true).
+pub const MALLOC_TUNING: &str = "ACCELERATE_MALLOC_TUNING";
 
 /// Reads a boolean setting: `true`/`false`, `1`/`0`, `yes`/`no` (any case). Anything else is
 /// `None`, for the caller to report.

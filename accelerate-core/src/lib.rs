@@ -46,6 +46,7 @@ pub mod error;
 #[cfg(unix)]
 pub mod launch;
 pub mod launch_settings;
+pub mod malloc_tuning;
 pub mod sampler;
 pub mod scaler;
 pub mod state;

@@ -38,9 +38,9 @@ epochs="${DIGITS_EPOCHS:-30}"
 samples="${MLP_SAMPLES:-32000}"
 echo "| digits, $epochs epochs, fp32 | $(first_match 'test accuracy' 150 "$bin" digits "$epochs") |"
 for precision in no bf16 fp16; do
-  for optimizer in "" --fused; do
+  for optimizer in --burn-optimizer ""; do
     result="$(ACCELERATE_MIXED_PRECISION=$precision first_match 'samples/s' 60 "$bin" mlp "$samples" $optimizer)"
-    label="${optimizer:-burn-adamw}"
+    label="${optimizer:-fused}"
     echo "| mlp_synthetic, $precision, ${label#--} | $result |"
   done
 done

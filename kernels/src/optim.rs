@@ -143,16 +143,33 @@ fn adam_chunk(
     // Every flag is hoisted out of the loop into a monomorphised copy, and the loops zip
     // slices, so each copy vectorises without bounds checks.
     match (max_v, c.decoupled, first) {
-        (None, true, true) => adam_lanes::<true, true>(p, g, m, v, grad_scale, c),
-        (None, true, false) => adam_lanes::<true, false>(p, g, m, v, grad_scale, c),
-        (None, false, true) => adam_lanes::<false, true>(p, g, m, v, grad_scale, c),
-        (None, false, false) => adam_lanes::<false, false>(p, g, m, v, grad_scale, c),
+        (None, true, true) => adam_best::<true, true>(p, g, m, v, grad_scale, c),
+        (None, true, false) => adam_best::<true, false>(p, g, m, v, grad_scale, c),
+        (None, false, true) => adam_best::<false, true>(p, g, m, v, grad_scale, c),
+        (None, false, false) => adam_best::<false, false>(p, g, m, v, grad_scale, c),
         (Some(max_v), _, _) => adam_amsgrad(p, g, m, v, max_v, first, grad_scale, c),
     }
 }
 
+/// [`adam_lanes`] built for the widest vectors this CPU has.
 #[inline(always)]
-fn adam_lanes<const DECOUPLED: bool, const FIRST: bool>(
+fn adam_best<const DECOUPLED: bool, const FIRST: bool>(
+    p: &mut [f32],
+    g: &[f32],
+    m: &mut [f32],
+    v: &mut [f32],
+    grad_scale: f32,
+    c: &AdamConstants,
+) {
+    #[cfg(target_arch = "x86_64")]
+    if crate::x86::try_adam_lanes::<DECOUPLED, FIRST>(p, g, m, v, grad_scale, c) {
+        return;
+    }
+    adam_lanes::<DECOUPLED, FIRST>(p, g, m, v, grad_scale, c);
+}
+
+#[inline(always)]
+pub(crate) fn adam_lanes<const DECOUPLED: bool, const FIRST: bool>(
     p: &mut [f32],
     g: &[f32],
     m: &mut [f32],

@@ -30,6 +30,7 @@ pub struct AcceleratorBuilder<B: AcceleratorBackend> {
     checkpoints: CheckpointSettings,
     checkpoint_limit_zero: bool,
     trackers: Vec<Tracker>,
+    keep_freed_memory: bool,
     _backend: PhantomData<B>,
 }
 
@@ -44,6 +45,7 @@ impl<B: AcceleratorBackend> Default for AcceleratorBuilder<B> {
             checkpoints: CheckpointSettings::default(),
             checkpoint_limit_zero: false,
             trackers: Vec::new(),
+            keep_freed_memory: true,
             _backend: PhantomData,
         }
     }
@@ -89,6 +91,15 @@ impl<B: AcceleratorBackend> AcceleratorBuilder<B> {
     /// warning once and training in f32.
     pub fn strict_mixed_precision(mut self, strict: bool) -> Self {
         self.strict_precision = strict;
+        self
+    }
+
+    /// Whether building the accelerator sets glibc's malloc thresholds so that buffers freed
+    /// by one step are reused by the next instead of being faulted in again (default true;
+    /// `ACCELERATE_MALLOC_TUNING=false` also turns it off; see
+    /// [`accelerate_core::malloc_tuning`]).
+    pub fn keep_freed_memory(mut self, keep: bool) -> Self {
+        self.keep_freed_memory = keep;
         self
     }
 
@@ -165,6 +176,10 @@ impl<B: AcceleratorBackend> AcceleratorBuilder<B> {
             });
         }
         let config = self.overrides.resolve()?;
+        accelerate_core::malloc_tuning::keep_freed_memory(
+            self.keep_freed_memory,
+            &accelerate_core::state::ProcessEnv,
+        );
         let group = if state.is_distributed() {
             let options = match self.group_options {
                 Some(options) => options,

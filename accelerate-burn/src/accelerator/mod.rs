@@ -204,11 +204,15 @@ impl<B: AcceleratorBackend> Accelerator<B> {
         if self.config.zero_stage > 0 && self.is_main_process() {
             tracing::warn!(
                 zero_stage = self.config.zero_stage,
-                "zero_stage needs a fused optimizer (FusedOptimizer::adamw(...)); Burn's \
+                "zero_stage needs the fused update (prepare Burn's config, not config.init()); Burn's \
                  optimizer keeps all of its state on every process"
             );
         }
-        let reducer = reducer::build(self.reducer_spec(model)?, OptimizerChoice::Burn(optim))?;
+        let reducer = reducer::build(
+            self.reducer_spec(model)?,
+            OptimizerChoice::Burn(optim),
+            &self.comm,
+        )?;
         self.install(reducer)
     }
 
@@ -221,7 +225,11 @@ impl<B: AcceleratorBackend> Accelerator<B> {
         model: &M,
         optimizer: FusedOptimizer,
     ) -> Result<PreparedOptimizer, AccelerateError> {
-        let reducer = reducer::build(self.reducer_spec(model)?, OptimizerChoice::Fused(optimizer))?;
+        let reducer = reducer::build(
+            self.reducer_spec(model)?,
+            OptimizerChoice::Fused(optimizer),
+            &self.comm,
+        )?;
         self.install(reducer)
     }
 

@@ -1,7 +1,7 @@
 //! [`Prepare`]: what [`Accelerator::prepare`](crate::Accelerator::prepare) accepts.
 
 use burn::module::Module;
-use burn::optim::ModuleOptimizer;
+use burn::optim::{AdamConfig, AdamWConfig, ModuleOptimizer, SgdConfig};
 
 use super::Accelerator;
 use crate::backend::AcceleratorBackend;
@@ -22,8 +22,15 @@ pub trait Prepare<B: AcceleratorBackend> {
     fn prepare(self, acc: &Accelerator<B>) -> Result<Self::Prepared, AccelerateError>;
 }
 
-/// An optimizer `prepare` accepts beside its model: Burn's [`ModuleOptimizer`] (what
-/// `config.init()` returns) or a [`FusedOptimizer`].
+/// An optimizer `prepare` accepts beside its model.
+///
+/// - Burn's configs [`AdamWConfig`], [`AdamConfig`] and [`SgdConfig`]: the fused update
+///   ([`crate::fused`]) whenever it computes the same thing, else Burn's optimizer from
+///   `config.init()`, with one debug-level message saying why (per-tensor gradient clipping,
+///   cautious weight decay).
+/// - A [`FusedOptimizer`]: always the fused update (settings it lacks are an error).
+/// - Burn's [`ModuleOptimizer`] (what `config.init()` returns, or any optimizer of your own):
+///   always Burn's optimizer, as given.
 pub trait OptimizerSource {
     /// Prepares it for `model` (already prepared) on `acc`.
     fn prepare_for<B: AcceleratorBackend, M: Module>(
@@ -42,6 +49,44 @@ impl OptimizerSource for ModuleOptimizer {
         acc.prepare_optimizer(model, self)
     }
 }
+
+/// Burn's configs: the fused update when `fused` (built from the config) exists, else Burn's
+/// optimizer, saying why at debug level.
+fn fused_or_burn<B: AcceleratorBackend, M: Module>(
+    acc: &Accelerator<B>,
+    model: &M,
+    fused: Result<FusedOptimizer, AccelerateError>,
+    burn: impl FnOnce() -> ModuleOptimizer,
+) -> Result<PreparedOptimizer, AccelerateError> {
+    match fused {
+        Ok(fused) => acc.prepare_fused_optimizer(model, fused),
+        Err(why) => {
+            tracing::debug!(
+                rank = acc.state.rank,
+                "Burn's optimizer, not the fused update: {why}"
+            );
+            acc.prepare_optimizer(model, burn())
+        }
+    }
+}
+
+macro_rules! config_source {
+    ($config:ty, $fused:path) => {
+        impl OptimizerSource for $config {
+            fn prepare_for<B: AcceleratorBackend, M: Module>(
+                self,
+                acc: &Accelerator<B>,
+                model: &M,
+            ) -> Result<PreparedOptimizer, AccelerateError> {
+                fused_or_burn(acc, model, $fused(&self), || self.init())
+            }
+        }
+    };
+}
+
+config_source!(AdamWConfig, FusedOptimizer::adamw);
+config_source!(AdamConfig, FusedOptimizer::adam);
+config_source!(SgdConfig, FusedOptimizer::sgd);
 
 impl OptimizerSource for FusedOptimizer {
     fn prepare_for<B: AcceleratorBackend, M: Module>(

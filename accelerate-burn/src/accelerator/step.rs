@@ -73,7 +73,7 @@ impl<B: AcceleratorBackend> Accelerator<B> {
         if let Some(slot) = slot.as_ref() {
             return Ok(slot.handle.clone());
         }
-        let reducer = reducer::build(self.reducer_spec(model)?, OptimizerChoice::None)?;
+        let reducer = reducer::build(self.reducer_spec(model)?, OptimizerChoice::None, &self.comm)?;
         let handle = ReducerHandle::new(reducer);
         *slot = Some(ReducerSlot {
             handle: handle.clone(),

@@ -131,8 +131,8 @@ fn load_own_part<M: Module>(
                      one",
                     reducer.kind()
                 ),
-                "prepare the optimizer the checkpoint was saved with (FusedOptimizer::... for \
-                 `fused`, config.init() for `burn`)",
+                "prepare the optimizer the checkpoint was saved with (`fused`: Burn's config or \
+                 FusedOptimizer::...; `burn`: config.init())",
             ));
         }
         reducer

@@ -1,6 +1,7 @@
 //! Fused optimizers over flat parameters, and ZeRO-1.
 //!
-//! With a [`FusedOptimizer`], the trainable float parameters of the model live, as the f32
+//! With a [`FusedOptimizer`] (or Burn's AdamW, Adam or SGD config given to `prepare`, when
+//! the fused update computes the same thing; see [`crate::OptimizerSource`]), the trainable float parameters of the model live, as the f32
 //! master copy, in one flat buffer in module visit order (frozen parameters are left out),
 //! beside one flat gradient buffer and flat optimizer state, all built at prepare. A completed
 //! accumulation window copies the gradients into the flat buffer once (averaging them across

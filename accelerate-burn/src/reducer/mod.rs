@@ -310,6 +310,7 @@ pub(crate) struct ReducerSpec {
 pub(crate) fn build(
     spec: ReducerSpec,
     optimizer: OptimizerChoice,
+    comm: &Comm,
 ) -> Result<Box<dyn GradientReducer>, AccelerateError> {
     let config = &spec.config;
     let burn_optimizer = match optimizer {
@@ -321,7 +322,7 @@ pub(crate) fn build(
                 device_kernels: spec.device_kernels,
                 wire: config.gradient_communication,
             };
-            let reducer = FlatReducer::new(spec.layout, spec.values, optimizer, options)?;
+            let reducer = FlatReducer::new(spec.layout, spec.values, optimizer, options, comm)?;
             return Ok(Box::new(reducer));
         }
         OptimizerChoice::Burn(optimizer) => Some(optimizer),

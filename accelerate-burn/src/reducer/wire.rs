@@ -3,7 +3,7 @@
 //! that averages on the host.
 
 use accelerate_core::MixedPrecision;
-use accelerate_core::comm::{ProcessGroup, Reduction};
+use accelerate_core::comm::{ProcessGroup, Reduction, SharedBuffer};
 use accelerate_kernels::convert;
 use half::{bf16, f16};
 
@@ -53,6 +53,19 @@ impl Wire {
             }
         }
         Ok(())
+    }
+
+    /// Averages `values`, a buffer of the group's, over the ranks in place: on the f32 wire
+    /// without staging copies where the group has shared memory.
+    pub fn all_reduce_mean_shared(
+        &mut self,
+        values: &mut SharedBuffer<f32>,
+        group: &mut ProcessGroup,
+    ) -> Result<(), AccelerateError> {
+        match self.precision {
+            MixedPrecision::No => Ok(group.all_reduce_shared(values, Reduction::Mean)?),
+            _ => self.all_reduce_mean(values, group),
+        }
     }
 
     /// This rank's shard of the mean of `values` over the ranks, into `shard` (ZeRO).

@@ -5,7 +5,7 @@
 //!
 //! ```text
 //! gpu_figures digits [EPOCHS]          accuracy of the digits example (default 30 epochs)
-//! gpu_figures mlp SAMPLES [--fused]    mlp_synthetic's throughput line
+//! gpu_figures mlp SAMPLES [--burn-optimizer]    mlp_synthetic's throughput line
 //! gpu_figures kernels [MELEMS]         our cubecl kernels' GB/s (default 64 Mi elements)
 //! ```
 //!
@@ -37,7 +37,7 @@ fn main() -> anyhow::Result<()> {
         }
         Some("mlp") => {
             let samples = number(args.get(1), 60_000, "mlp")?;
-            mlp_example::run(samples, args.iter().any(|a| a == "--fused"))?;
+            mlp_example::run(samples, args.iter().any(|a| a == "--burn-optimizer"))?;
         }
         Some("kernels") => {
             let melems = number(args.get(1), 64, "kernels")?;
@@ -47,7 +47,9 @@ fn main() -> anyhow::Result<()> {
                 .build()?;
             accelerate_benches::device_kernels::run(melems);
         }
-        _ => bail!("usage: gpu_figures digits [EPOCHS] | mlp SAMPLES [--fused] | kernels [MELEMS]"),
+        _ => bail!(
+            "usage: gpu_figures digits [EPOCHS] | mlp SAMPLES [--burn-optimizer] | kernels [MELEMS]"
+        ),
     }
     Ok(())
 }

@@ -3,7 +3,9 @@
 //! pass of `accelerate_kernels::optim` per segment (moments and parameters in place, no
 //! allocation); the model receives its new values in one upload per parameter tensor.
 
-use accelerate_core::comm::{ProcessGroup, Reduction};
+use std::ops::{Deref, DerefMut};
+
+use accelerate_core::comm::{ProcessGroup, Reduction, SharedBuffer};
 use accelerate_kernels::optim::{adam_step, sgd_step};
 use burn::lr_scheduler::module_lr_scheduler::ModuleLearningRate;
 use burn::tensor::{Device, Tensor};
@@ -15,14 +17,46 @@ use crate::group::Comm;
 use crate::params::{self, copy_f32};
 use crate::reducer::wire::Wire;
 
+/// Where the gathered gradients live: the process group's shared buffer when they are
+/// all-reduced whole (on shared memory the peers then read them where they are, with no
+/// staging copy), else an ordinary vector.
+pub(crate) enum GradBuffer {
+    /// One process, or ZeRO (reduce-scattered into the shard).
+    Local(Vec<f32>),
+    /// All-reduced in place.
+    Group(SharedBuffer<f32>),
+}
+
+impl Deref for GradBuffer {
+    type Target = [f32];
+
+    fn deref(&self) -> &[f32] {
+        match self {
+            Self::Local(v) => v,
+            Self::Group(b) => b,
+        }
+    }
+}
+
+impl DerefMut for GradBuffer {
+    fn deref_mut(&mut self) -> &mut [f32] {
+        match self {
+            Self::Local(v) => v,
+            Self::Group(b) => b,
+        }
+    }
+}
+
 /// Flat buffers on the host.
 pub(crate) struct HostFlat {
     /// Master parameters, all of them (padded).
     params: Vec<f32>,
-    /// Gradients, all of them (padded), as copied from the device.
-    grads: Vec<f32>,
-    /// This rank's averaged gradients (the whole range without ZeRO).
+    /// Gradients, all of them (padded), as copied from the device; without ZeRO, averaged
+    /// there in place.
+    grads: GradBuffer,
+    /// This rank's averaged gradients under ZeRO (empty otherwise).
     shard_grads: Vec<f32>,
+    sharded: bool,
     /// Optimizer state over the shard: `state_buffers` vectors.
     pub state: Vec<Vec<f32>>,
     /// This rank's updated shard, sent to the others (ZeRO).
@@ -32,8 +66,15 @@ pub(crate) struct HostFlat {
 }
 
 impl HostFlat {
-    /// Buffers for `plan`, starting from `trainable` (one tensor per segment).
-    pub fn new(plan: &FlatPlan, trainable: Vec<Tensor<1>>, state_buffers: usize) -> Self {
+    /// Buffers for `plan`, starting from `trainable` (one tensor per segment), with `grads`
+    /// (`plan.padded` zeros) for the gradients.
+    pub fn new(
+        plan: &FlatPlan,
+        trainable: Vec<Tensor<1>>,
+        state_buffers: usize,
+        grads: GradBuffer,
+        sharded: bool,
+    ) -> Self {
         let device = trainable.first().map(Tensor::device).unwrap_or_default();
         let mut params = vec![0.0; plan.padded];
         for (segment, value) in plan.segments.iter().zip(trainable) {
@@ -45,12 +86,23 @@ impl HostFlat {
         let shard = plan.shard.len();
         Self {
             params,
-            grads: vec![0.0; plan.padded],
-            shard_grads: vec![0.0; shard],
+            grads,
+            shard_grads: if sharded {
+                vec![0.0; shard]
+            } else {
+                Vec::new()
+            },
+            sharded,
             state: vec![vec![0.0; shard]; state_buffers],
             shard_params: vec![0.0; shard],
             device,
         }
+    }
+
+    /// The gradient buffer, for new buffers of the same length to reuse (this one is left
+    /// with an empty one).
+    pub fn take_grads(&mut self) -> GradBuffer {
+        std::mem::replace(&mut self.grads, GradBuffer::Local(Vec::new()))
     }
 
     /// Copies each segment's gradient into the flat gradient buffer (zeros where a parameter
@@ -68,30 +120,33 @@ impl HostFlat {
 
     /// Averages the gathered gradients over the processes into the shard (all-reduce, or
     /// reduce-scatter with ZeRO) and returns the sum of their squares over every rank.
-    pub fn average(
-        &mut self,
-        wire: &mut Wire,
-        comm: &Comm,
-        sharded: bool,
-    ) -> Result<f64, AccelerateError> {
-        if comm.is_distributed() && sharded {
-            comm.timed(|group| {
-                wire.reduce_scatter_mean(&mut self.grads, &mut self.shard_grads, group)
+    pub fn average(&mut self, wire: &mut Wire, comm: &Comm) -> Result<f64, AccelerateError> {
+        if comm.is_distributed() {
+            comm.timed(|group| match &mut self.grads {
+                GradBuffer::Local(grads) if self.sharded => {
+                    wire.reduce_scatter_mean(grads, &mut self.shard_grads, group)
+                }
+                GradBuffer::Local(grads) => wire.all_reduce_mean(grads, group),
+                GradBuffer::Group(grads) => wire.all_reduce_mean_shared(grads, group),
             })?;
-        } else {
-            if comm.is_distributed() {
-                comm.timed(|group| wire.all_reduce_mean(&mut self.grads, group))?;
-            }
-            std::mem::swap(&mut self.grads, &mut self.shard_grads);
         }
-        let mut sum_sq = accelerate_kernels::sum_of_squares(&self.shard_grads);
-        if comm.is_distributed() && sharded {
+        let mut sum_sq = accelerate_kernels::sum_of_squares(self.averaged());
+        if comm.is_distributed() && self.sharded {
             // Each rank measured its shard; infinities and NaN survive the sum.
             let mut total = [sum_sq as f32];
             comm.timed(|group| group.all_reduce(&mut total, Reduction::Sum))?;
             sum_sq = f64::from(total[0]);
         }
         Ok(sum_sq)
+    }
+
+    /// This rank's averaged gradients: its shard under ZeRO, else all of them.
+    fn averaged(&self) -> &[f32] {
+        if self.sharded {
+            &self.shard_grads
+        } else {
+            &self.grads
+        }
     }
 
     /// Applies the fused update to this rank's shard with the learning rates of `lr`.
@@ -120,7 +175,11 @@ impl HostFlat {
             let time = plan.times[index];
             let params = &mut self.params[start..end];
             let local = start - shard.start..end - shard.start;
-            let grads = &self.shard_grads[local.clone()];
+            let grads = if self.sharded {
+                &self.shard_grads[local.clone()]
+            } else {
+                &self.grads[local.clone()]
+            };
             match optimizer {
                 FusedOptimizer::Adam { hyper, amsgrad } => {
                     let (m, rest) = self.state.split_at_mut(1);

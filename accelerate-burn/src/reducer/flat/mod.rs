@@ -20,7 +20,7 @@ mod host;
 mod state_file;
 
 use device::DeviceFlat;
-use host::HostFlat;
+use host::{GradBuffer, HostFlat};
 use state_file::{FusedStateFile, Segment};
 
 use crate::error::AccelerateError;
@@ -37,7 +37,7 @@ const FUSED_PREFIX: &str = "fused_optimizer_";
 
 /// Where the flat buffers live.
 pub(crate) enum Buffers {
-    Host(HostFlat),
+    Host(Box<HostFlat>),
     Device(Box<DeviceFlat>),
 }
 
@@ -145,10 +145,22 @@ impl FlatReducer {
         values: Vec<Tensor<1>>,
         optimizer: FusedOptimizer,
         options: FlatOptions,
+        comm: &Comm,
     ) -> Result<Self, AccelerateError> {
         let sharded = options.zero_stage >= 1 && options.world > 1;
         let plan = FlatPlan::new(&layout, sharded, options.rank, options.world);
-        let buffers = Self::buffers(&plan, values, &optimizer, sharded, &options)?;
+        // All-reduced whole, the gradients go in the group's shared buffer (every rank
+        // allocates it here, at prepare, in the same order). On transports without shared
+        // memory that is an ordinary vector and the all-reduce the usual one.
+        let padded = plan.padded;
+        let grads = || {
+            Ok(if comm.is_distributed() && !sharded {
+                GradBuffer::Group(comm.lock().shared_buffer(padded)?)
+            } else {
+                GradBuffer::Local(vec![0.0; padded])
+            })
+        };
+        let buffers = Self::buffers(&plan, values, &optimizer, sharded, &options, grads)?;
         Ok(Self {
             layout,
             optimizer,
@@ -167,6 +179,7 @@ impl FlatReducer {
         optimizer: &FusedOptimizer,
         sharded: bool,
         options: &FlatOptions,
+        grads: impl FnOnce() -> Result<GradBuffer, AccelerateError>,
     ) -> Result<Buffers, AccelerateError> {
         let trainable: Vec<Tensor<1>> = plan
             .entries
@@ -191,7 +204,13 @@ impl FlatReducer {
                 optimizer.state_buffers(),
             )))
         } else {
-            Buffers::Host(HostFlat::new(plan, trainable, optimizer.state_buffers()))
+            Buffers::Host(Box::new(HostFlat::new(
+                plan,
+                trainable,
+                optimizer.state_buffers(),
+                grads()?,
+                sharded,
+            )))
         })
     }
 
@@ -279,7 +298,7 @@ impl GradientReducer for FlatReducer {
         let sum_sq = match &mut self.buffers {
             Buffers::Host(host) => {
                 host.gather(&self.plan, taken);
-                host.average(&mut self.wire, comm, self.sharded)?
+                host.average(&mut self.wire, comm)?
             }
             Buffers::Device(device) => {
                 device.gather(&self.plan, taken);
@@ -374,12 +393,24 @@ impl GradientReducer for FlatReducer {
             self.options.rank,
             self.options.world,
         );
+        // The gradient buffer is kept (a new shared one would be a collective call here).
+        let kept = match &mut self.buffers {
+            Buffers::Host(host) => Some(host.take_grads()),
+            Buffers::Device(_) => None,
+        };
+        let padded = self.plan.padded;
         self.buffers = Self::buffers(
             &self.plan,
             source.values,
             &self.optimizer,
             self.sharded,
             &self.options,
+            || {
+                Ok(match kept {
+                    Some(grads) if grads.len() == padded => grads,
+                    _ => GradBuffer::Local(vec![0.0; padded]),
+                })
+            },
         )
         .map_err(|e| e.to_string())?;
         self.pending = None;
