@@ -17,8 +17,8 @@ mod glibc {
     use burn::tensor::{Device, Distribution, Int, Tensor};
 
     const CHILD: &str = "TEST_PAGE_FAULTS_CHILD";
-    const WARM_UP: usize = 4;
-    const STEPS: u64 = 12;
+    const WARM_UP: usize = 8;
+    const STEPS: u64 = 20;
 
     #[derive(Module, Debug)]
     struct Mlp {
@@ -109,8 +109,8 @@ mod glibc {
     }
 
     /// A step's buffers are a few MiB (the 1024 x 1024 weight's gradient alone is 1,024 pages):
-    /// with glibc's defaults each step faults many of them in again; kept, a step faults at most
-    /// a few dozen pages. (`harness = false`: the steps must run on the main thread, whose heap
+    /// with glibc's defaults each step faults many of them in again (1,933-3,772 pages
+    /// observed); kept, a step faults at most a few dozen (0-45 observed). (`harness = false`: the steps must run on the main thread, whose heap
     /// is the one the thresholds govern; see `accelerate_core::malloc_tuning`.)
     pub fn main() {
         if let Ok(optimizer) = std::env::var(CHILD) {
@@ -124,11 +124,11 @@ mod glibc {
                  {default} with glibc's defaults"
             );
             assert!(
-                kept <= 64,
+                kept <= 128,
                 "{optimizer}: {kept} page faults per step with freed memory kept"
             );
             assert!(
-                default >= 256,
+                default >= 1024,
                 "{optimizer}: glibc's defaults faulted only {default} pages per step: the test no \
                  longer shows the problem"
             );

@@ -99,6 +99,11 @@ impl HostFlat {
         }
     }
 
+    /// Elements of the gradient buffer.
+    pub fn grads_len(&self) -> usize {
+        self.grads.len()
+    }
+
     /// The gradient buffer, for new buffers of the same length to reuse (this one is left
     /// with an empty one).
     pub fn take_grads(&mut self) -> GradBuffer {

@@ -393,26 +393,26 @@ impl GradientReducer for FlatReducer {
             self.options.rank,
             self.options.world,
         );
-        // The gradient buffer is kept (a new shared one would be a collective call here).
-        let kept = match &mut self.buffers {
-            Buffers::Host(host) => Some(host.take_grads()),
-            Buffers::Device(_) => None,
-        };
+        // The gradient buffer is kept (a new shared one would be a collective call here). It
+        // is taken only once the new buffers are sure to be built, so a failed load does not
+        // leave the current ones without it.
         let padded = self.plan.padded;
-        self.buffers = Self::buffers(
+        let old = &mut self.buffers;
+        let rebuilt = Self::buffers(
             &self.plan,
             source.values,
             &self.optimizer,
             self.sharded,
             &self.options,
             || {
-                Ok(match kept {
-                    Some(grads) if grads.len() == padded => grads,
+                Ok(match old {
+                    Buffers::Host(host) if host.grads_len() == padded => host.take_grads(),
                     _ => GradBuffer::Local(vec![0.0; padded]),
                 })
             },
         )
         .map_err(|e| e.to_string())?;
+        self.buffers = rebuilt;
         self.pending = None;
         if files.is_empty() {
             return Ok(());
