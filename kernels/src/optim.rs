@@ -142,41 +142,48 @@ fn adam_chunk(
 ) {
     // Every flag is hoisted out of the loop into a monomorphised copy, and the loops zip
     // slices, so each copy vectorises without bounds checks.
+    let lanes = Lanes { p, g, m, v };
     match (max_v, c.decoupled, first) {
-        (None, true, true) => adam_best::<true, true>(p, g, m, v, grad_scale, c),
-        (None, true, false) => adam_best::<true, false>(p, g, m, v, grad_scale, c),
-        (None, false, true) => adam_best::<false, true>(p, g, m, v, grad_scale, c),
-        (None, false, false) => adam_best::<false, false>(p, g, m, v, grad_scale, c),
-        (Some(max_v), _, _) => adam_amsgrad(p, g, m, v, max_v, first, grad_scale, c),
+        (None, true, true) => adam_best::<true, true>(lanes, grad_scale, c),
+        (None, true, false) => adam_best::<true, false>(lanes, grad_scale, c),
+        (None, false, true) => adam_best::<false, true>(lanes, grad_scale, c),
+        (None, false, false) => adam_best::<false, false>(lanes, grad_scale, c),
+        (Some(max_v), _, _) => {
+            let Lanes { p, g, m, v } = lanes;
+            adam_amsgrad(p, g, m, v, max_v, first, grad_scale, c);
+        }
     }
+}
+
+/// One chunk of the Adam update: parameters, gradients, first and second moments.
+pub(crate) struct Lanes<'a> {
+    pub(crate) p: &'a mut [f32],
+    pub(crate) g: &'a [f32],
+    pub(crate) m: &'a mut [f32],
+    pub(crate) v: &'a mut [f32],
 }
 
 /// [`adam_lanes`] built for the widest vectors this CPU has.
 #[inline(always)]
 fn adam_best<const DECOUPLED: bool, const FIRST: bool>(
-    p: &mut [f32],
-    g: &[f32],
-    m: &mut [f32],
-    v: &mut [f32],
+    lanes: Lanes<'_>,
     grad_scale: f32,
     c: &AdamConstants,
 ) {
     #[cfg(target_arch = "x86_64")]
-    if crate::x86::try_adam_lanes::<DECOUPLED, FIRST>(p, g, m, v, grad_scale, c) {
+    let Some(lanes) = crate::x86::try_adam_lanes::<DECOUPLED, FIRST>(lanes, grad_scale, c) else {
         return;
-    }
-    adam_lanes::<DECOUPLED, FIRST>(p, g, m, v, grad_scale, c);
+    };
+    adam_lanes::<DECOUPLED, FIRST>(lanes, grad_scale, c);
 }
 
 #[inline(always)]
 pub(crate) fn adam_lanes<const DECOUPLED: bool, const FIRST: bool>(
-    p: &mut [f32],
-    g: &[f32],
-    m: &mut [f32],
-    v: &mut [f32],
+    lanes: Lanes<'_>,
     grad_scale: f32,
     c: &AdamConstants,
 ) {
+    let Lanes { p, g, m, v } = lanes;
     for (((p, &g), m), v) in p.iter_mut().zip(g).zip(m.iter_mut()).zip(v.iter_mut()) {
         let mut grad = g * grad_scale;
         if !DECOUPLED {

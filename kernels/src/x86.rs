@@ -16,7 +16,7 @@ use std::sync::atomic::{AtomicU8, Ordering};
 use half::{bf16, f16};
 
 use crate::ReduceOp;
-use crate::optim::AdamConstants;
+use crate::optim::{AdamConstants, Lanes};
 
 /// True when this CPU has AVX2 and F16C (checked once, then cached).
 fn has_avx2_f16c() -> bool {
@@ -37,31 +37,25 @@ fn has_avx2_f16c() -> bool {
 /// IEEE operations in the same order (no FMA contraction), so the same bits.
 #[target_feature(enable = "avx2")]
 fn adam_lanes_avx2<const DECOUPLED: bool, const FIRST: bool>(
-    p: &mut [f32],
-    g: &[f32],
-    m: &mut [f32],
-    v: &mut [f32],
+    lanes: Lanes<'_>,
     grad_scale: f32,
     c: &AdamConstants,
 ) {
-    crate::optim::adam_lanes::<DECOUPLED, FIRST>(p, g, m, v, grad_scale, c);
+    crate::optim::adam_lanes::<DECOUPLED, FIRST>(lanes, grad_scale, c);
 }
 
-/// Runs the Adam update on AVX2 when the CPU has it; false (nothing done) otherwise.
-pub(crate) fn try_adam_lanes<const DECOUPLED: bool, const FIRST: bool>(
-    p: &mut [f32],
-    g: &[f32],
-    m: &mut [f32],
-    v: &mut [f32],
+/// Runs the Adam update on AVX2 when the CPU has it (`None`); hands the chunk back otherwise.
+pub(crate) fn try_adam_lanes<'a, const DECOUPLED: bool, const FIRST: bool>(
+    lanes: Lanes<'a>,
     grad_scale: f32,
     c: &AdamConstants,
-) -> bool {
+) -> Option<Lanes<'a>> {
     if !has_avx2_f16c() {
-        return false;
+        return Some(lanes);
     }
     // SAFETY: the CPU has AVX2 (checked above), the one requirement of the callee.
-    unsafe { adam_lanes_avx2::<DECOUPLED, FIRST>(p, g, m, v, grad_scale, c) };
-    true
+    unsafe { adam_lanes_avx2::<DECOUPLED, FIRST>(lanes, grad_scale, c) };
+    None
 }
 
 #[inline]
