@@ -188,9 +188,15 @@ impl Launch for TwoHosts {
 }
 
 /// Waits for the launchers of both hosts (at most `limit` each) and checks that each
-/// succeeded with its two workers trained over `tcp+shm` on their own host, and that nothing
-/// is left running on either host.
-fn both_trained(hosts: &TwoHosts, launchers: Vec<Child>, limit: Duration) {
+/// succeeded with its two workers trained over `transport` on their own host, and that nothing
+/// is left running on either host. Returns everything the launchers printed.
+fn both_trained(
+    hosts: &TwoHosts,
+    launchers: Vec<Child>,
+    limit: Duration,
+    transport: &str,
+) -> String {
+    let mut output = String::new();
     for (machine, launcher) in launchers.into_iter().enumerate() {
         let (code, stdout, stderr) = finish(launcher, limit);
         assert_eq!(code, 0, "machine {machine}: {stdout}\n{stderr}");
@@ -199,15 +205,18 @@ fn both_trained(hosts: &TwoHosts, launchers: Vec<Child>, limit: Duration) {
             2,
             "machine {machine}: {stdout}"
         );
-        let host = format!("FORMED tcp+shm on accrs-host-{machine}");
+        let host = format!("FORMED {transport} on accrs-host-{machine}");
         assert_eq!(
             stdout.matches(&host).count(),
             2,
             "machine {machine}: {stdout}"
         );
+        output.push_str(&stdout);
+        output.push_str(&stderr);
     }
     assert_eq!(hosts.leftovers(0), "");
     assert_eq!(hosts.leftovers(1), "");
+    output
 }
 
 /// Waits for a launcher (at most `limit`): its exit code, stdout, stderr.
@@ -251,7 +260,7 @@ fn two_hosts_of_two_processes_form_one_group_and_train() {
     let launchers: Vec<Child> = (0..2)
         .map(|m| hosts.launch(m, "train", &token, &[]))
         .collect();
-    both_trained(&hosts, launchers, Duration::from_secs(60));
+    both_trained(&hosts, launchers, Duration::from_secs(60), "tcp+shm");
 }
 
 /// torchrun on each host (`--nnodes 2`), nothing set by hand but the job token: rank 0
@@ -270,7 +279,7 @@ fn torchrun_on_two_hosts_forms_one_group_and_trains() {
     let launchers: Vec<Child> = (0..2)
         .map(|m| hosts.start(m, TORCHRUN, "train", &token, &extra))
         .collect();
-    both_trained(&hosts, launchers, Duration::from_secs(90));
+    both_trained(&hosts, launchers, Duration::from_secs(90), "tcp+shm");
 }
 
 /// Without a job token, a job torchrun spans over hosts refuses to start, saying why.
@@ -522,24 +531,7 @@ fn a_host_without_room_in_dev_shm_makes_the_group_all_reduce_flat() {
         hosts.launch(0, "train", &token, &[slots]),
         hosts.launch(1, "train", &token, &[slots, ("SHM_SIZE", "1m")]),
     ];
-    let mut warnings = 0;
-    for (machine, launcher) in launchers.into_iter().enumerate() {
-        let (code, stdout, stderr) = finish(launcher, Duration::from_secs(60));
-        assert_eq!(code, 0, "machine {machine}: {stdout}\n{stderr}");
-        assert_eq!(
-            stdout.matches("TRAINED").count(),
-            2,
-            "machine {machine}: {stdout}"
-        );
-        let host = format!("FORMED tcp on accrs-host-{machine}");
-        assert_eq!(
-            stdout.matches(&host).count(),
-            2,
-            "machine {machine}: {stdout}"
-        );
-        warnings += format!("{stdout}{stderr}")
-            .matches("shared memory unavailable")
-            .count();
-    }
+    let output = both_trained(&hosts, launchers.into(), Duration::from_secs(60), "tcp");
+    let warnings = output.matches("shared memory unavailable").count();
     assert_eq!(warnings, 1, "one warning, from the host that has no room");
 }
