@@ -11,11 +11,12 @@
 use std::path::PathBuf;
 
 use accelerate_burn::burn;
+use accelerate_burn::metrics::Accuracy;
 use accelerate_burn::{
     Accelerator, Checkpoint, DataLoader, DefaultBackend, MixedPrecision, Tracker,
 };
+use accelerate_examples::MlpConfig;
 use accelerate_examples::digits::{self, DigitBatcher};
-use accelerate_examples::{MlpConfig, correct};
 use anyhow::Context;
 use burn::data::dataset::InMemDataset;
 use burn::optim::AdamWConfig;
@@ -120,25 +121,27 @@ pub fn train(
     let elapsed = started.elapsed();
 
     let model = acc.unwrap_model(model);
-    let (mut right, mut total) = (0, 0);
+    let mut accuracy = Accuracy::new();
     for batch in test.iter() {
         let batch = batch?;
-        let logits = acc.gather_for_metrics(model.forward(batch.images))?;
-        let targets = acc.gather_for_metrics(batch.targets)?;
-        total += targets.dims()[0];
-        right += correct(logits, targets);
+        accuracy.update(&acc, model.forward(batch.images), batch.targets)?;
     }
+    let accuracy = accuracy.compute(&acc)?;
+    let (right, total) = (
+        (accuracy.value * accuracy.weight).round() as u64,
+        accuracy.weight as u64,
+    );
     acc.print(format!(
         "test accuracy: {:.2} % ({right}/{total}) after {epochs} epochs, {} updates, final loss \
          {final_loss:.4}, {:.1} s on {} in {:?}",
-        100.0 * right as f64 / total as f64,
+        100.0 * accuracy.value,
         optim.updates(),
         elapsed.as_secs_f64(),
         acc.backend_name(),
         acc.compute_dtype(),
     ));
     Ok(Report {
-        accuracy: right as f64 / total as f64,
+        accuracy: accuracy.value,
         updates: optim.updates(),
         final_loss,
     })

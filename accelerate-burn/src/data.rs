@@ -28,6 +28,7 @@ pub struct DataLoader<I, O> {
     batcher: Arc<dyn Batcher<I, O>>,
     sampling: SamplerConfig,
     prefetch: usize,
+    workers: usize,
 }
 
 /// Builds a [`DataLoader`], in the style of Burn's `DataLoaderBuilder`.
@@ -35,6 +36,7 @@ pub struct DataLoaderBuilder<I, O> {
     batcher: Arc<dyn Batcher<I, O>>,
     sampling: SamplerConfig,
     prefetch: usize,
+    workers: usize,
 }
 
 /// Batches built ahead of the training loop by default.
@@ -50,6 +52,7 @@ impl<I, O> DataLoader<I, O> {
                 ..SamplerConfig::new(0, 1, 0)
             },
             prefetch: DEFAULT_PREFETCH,
+            workers: 1,
         }
     }
 
@@ -121,10 +124,20 @@ impl<I, O> DataLoaderBuilder<I, O> {
         self
     }
 
-    /// Builds up to `batches` batches ahead on a background thread (default
-    /// [`DEFAULT_PREFETCH`]); 0 builds each batch when the loop asks for it.
+    /// Builds up to `batches` batches ahead on background threads (default
+    /// [`DEFAULT_PREFETCH`]; at least one per worker); 0 builds each batch on the loop's own
+    /// thread when the loop asks for it.
     pub fn prefetch(mut self, batches: usize) -> Self {
         self.prefetch = batches;
+        self
+    }
+
+    /// Builds batches on `workers` threads (default 1; 0 counts as 1): worker `w` builds the
+    /// epoch's batches `w`, `w + workers`, ... and the loop receives them in the epoch's order,
+    /// so the batches are the same, bit for bit, whatever the number of workers (given a
+    /// batcher that depends only on its items).
+    pub fn num_workers(mut self, workers: usize) -> Self {
+        self.workers = workers.max(1);
         self
     }
 
@@ -136,6 +149,7 @@ impl<I, O> DataLoaderBuilder<I, O> {
             batcher: self.batcher,
             sampling: self.sampling,
             prefetch: self.prefetch,
+            workers: self.workers,
         }
     }
 }
@@ -286,10 +300,13 @@ fn build_batch<I, O>(
     Ok(batcher.batch(items, device))
 }
 
-/// A thread building an epoch's batches, a bounded number ahead of the loop.
+/// Threads building an epoch's batches, a bounded number ahead of the loop: worker `w` builds
+/// batches `w`, `w + workers`, ... into its own channel, and the loop reads the channels in
+/// turn, so batches arrive in the epoch's order.
 struct Prefetcher<O> {
-    built: Receiver<Result<O, DatasetError>>,
-    thread: Option<JoinHandle<()>>,
+    built: Vec<Receiver<Result<O, DatasetError>>>,
+    threads: Vec<Option<JoinHandle<()>>>,
+    next: usize,
 }
 
 impl<O: Send + 'static> Prefetcher<O> {
@@ -298,35 +315,51 @@ impl<O: Send + 'static> Prefetcher<O> {
         device: Device,
         batches: Vec<Vec<usize>>,
     ) -> Self {
-        let (send, built) = std::sync::mpsc::sync_channel(loader.prefetch);
-        let dataset = Arc::clone(&loader.dataset);
-        let batcher = Arc::clone(&loader.batcher);
-        let thread = std::thread::Builder::new()
-            .name("accelerate-prefetch".into())
-            .spawn(move || {
-                for indices in batches {
-                    let batch = build_batch(dataset.as_ref(), batcher.as_ref(), &indices, &device);
-                    // The loop stopped early (the iterator was dropped): stop too.
-                    if send.send(batch).is_err() {
-                        return;
+        let workers = loader.workers.clamp(1, batches.len().max(1));
+        let ahead = loader.prefetch.div_ceil(workers).max(1);
+        let batches = Arc::new(batches);
+        let (mut built, mut threads) = (Vec::new(), Vec::new());
+        for worker in 0..workers {
+            let (send, receive) = std::sync::mpsc::sync_channel(ahead);
+            let dataset = Arc::clone(&loader.dataset);
+            let batcher = Arc::clone(&loader.batcher);
+            let (batches, device) = (Arc::clone(&batches), device.clone());
+            let thread = std::thread::Builder::new()
+                .name(format!("accelerate-loader-{worker}"))
+                .spawn(move || {
+                    for indices in batches.iter().skip(worker).step_by(workers) {
+                        let batch =
+                            build_batch(dataset.as_ref(), batcher.as_ref(), indices, &device);
+                        // The loop stopped early (the iterator was dropped): stop too.
+                        if send.send(batch).is_err() {
+                            return;
+                        }
                     }
-                }
-            })
-            .ok();
-        Self { built, thread }
+                })
+                .ok();
+            built.push(receive);
+            threads.push(thread);
+        }
+        Self {
+            built,
+            threads,
+            next: 0,
+        }
     }
 
     fn next(&mut self) -> Result<O, DatasetError> {
-        match self.built.recv() {
+        let worker = self.next % self.built.len();
+        self.next += 1;
+        match self.built[worker].recv() {
             Ok(batch) => batch,
             Err(_) => {
                 // The thread ended early: a panic in the data set or batcher is re-raised
                 // here, in the training loop, as if it had happened there.
-                if let Some(Err(panic)) = self.thread.take().map(JoinHandle::join) {
+                if let Some(Err(panic)) = self.threads[worker].take().map(JoinHandle::join) {
                     std::panic::resume_unwind(panic);
                 }
                 Err(DatasetError::new(std::io::Error::other(
-                    "the prefetch thread could not be started or stopped early",
+                    "a loader thread could not be started or stopped early",
                 )))
             }
         }
@@ -335,10 +368,12 @@ impl<O: Send + 'static> Prefetcher<O> {
 
 impl<O> Drop for Prefetcher<O> {
     fn drop(&mut self) {
-        // Closing the channel first lets a thread blocked on a full channel finish.
-        let (_, closed) = std::sync::mpsc::sync_channel(0);
-        drop(std::mem::replace(&mut self.built, closed));
-        if let Some(thread) = self.thread.take() {
+        // Closing the channels first lets threads blocked on a full channel finish.
+        for built in &mut self.built {
+            let (_, closed) = std::sync::mpsc::sync_channel(0);
+            drop(std::mem::replace(built, closed));
+        }
+        for thread in self.threads.iter_mut().filter_map(Option::take) {
             let _ = thread.join();
         }
     }

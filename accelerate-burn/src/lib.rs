@@ -55,6 +55,8 @@
 //! - [`Gradients`]: what `backward` returns (not due, ready, held by a fused optimizer, or
 //!   skipped), consumed by [`PreparedOptimizer::step`].
 //! - [`PreparedOptimizer`] / [`PreparedScheduler`]: one step per accumulation window.
+//! - [`metrics`]: evaluation metrics (mean loss, accuracy, perplexity, bits per byte) summed
+//!   over batches and processes, without the samples `even_batches` repeated.
 //! - [`selftest`]: the checks `accelerate test` runs on every process.
 //! - [`fused`]: fused AdamW / Adam / SGD over flat parameters, and ZeRO-1.
 //! - [`checkpoint`]: `save_state` / `load_state` with exact resume, atomic saves, rotation.
@@ -80,6 +82,7 @@ mod error;
 pub mod fused;
 mod group;
 mod loader_link;
+pub mod metrics;
 mod optim;
 mod params;
 mod precision;

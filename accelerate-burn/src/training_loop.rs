@@ -35,6 +35,8 @@ pub(crate) struct TrainingLoop {
     accumulation: GradientAccumulation,
     /// Gradients summed over the micro-batches of the open window.
     window_sum: Option<ParamList>,
+    /// How the open window's losses are weighted, and its items so far (`backward_sum`).
+    window_kind: Option<LossKind>,
     scaler: Option<DynamicLossScaler>,
     /// True when the latest completed window's step was skipped (overflow).
     step_skipped: bool,
@@ -43,6 +45,15 @@ pub(crate) struct TrainingLoop {
     /// Seed of the device's random stream (`None`: the stream is not managed).
     seed: Option<u64>,
     rank: usize,
+}
+
+/// How a backward pass's loss is weighted within its accumulation window.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum LossKind {
+    /// A mean over its micro-batch: each micro-batch of a window weighs the same.
+    Mean,
+    /// A sum over this many items: each item of a window weighs the same.
+    Sum(u64),
 }
 
 /// The loop's part of a checkpoint.
@@ -62,6 +73,7 @@ impl TrainingLoop {
         Self {
             accumulation: GradientAccumulation::new(accumulation_steps),
             window_sum: None,
+            window_kind: None,
             scaler,
             step_skipped: false,
             windows: 0,
@@ -88,6 +100,32 @@ impl TrainingLoop {
     /// The factor that unscales gradients (`None` without fp16).
     pub fn inv_scale(&self) -> Option<f32> {
         self.scaler.as_ref().map(DynamicLossScaler::inv_scale)
+    }
+
+    /// Records how the micro-batch `step` weighs its loss; an error when the window's earlier
+    /// micro-batches were weighted the other way (then nothing is recorded).
+    pub fn weigh(&mut self, kind: LossKind, step: MicroStep) -> Result<(), String> {
+        let open = if step.first { None } else { self.window_kind };
+        self.window_kind = Some(match (open, kind) {
+            (None, kind) | (Some(LossKind::Mean), kind @ LossKind::Mean) => kind,
+            (Some(LossKind::Sum(a)), LossKind::Sum(b)) => LossKind::Sum(a.saturating_add(b)),
+            (Some(open), kind) => {
+                return Err(format!(
+                    "this accumulation window began with {} and now calls {}",
+                    kind_call(open),
+                    kind_call(kind)
+                ));
+            }
+        });
+        Ok(())
+    }
+
+    /// The items of the window now completing when its losses were sums (`backward_sum`).
+    pub fn window_items(&self) -> Option<u64> {
+        match self.window_kind {
+            Some(LossKind::Sum(items)) => Some(items),
+            _ => None,
+        }
     }
 
     /// Adds `grads` to the open window's sum; returns the sum when `step` completes the
@@ -184,6 +222,7 @@ impl TrainingLoop {
     pub fn restore(&mut self, snapshot: LoopSnapshot, device: &Device) {
         self.accumulation.restore(snapshot.updates);
         self.window_sum = None;
+        self.window_kind = None;
         self.step_skipped = false;
         self.windows = snapshot.windows;
         match (self.scaler.as_mut(), snapshot.scaler) {
@@ -199,6 +238,13 @@ impl TrainingLoop {
         if let Some(seed) = self.seed {
             device.seed(window_seed(seed, self.rank, self.windows));
         }
+    }
+}
+
+fn kind_call(kind: LossKind) -> &'static str {
+    match kind {
+        LossKind::Mean => "backward (a mean loss)",
+        LossKind::Sum(_) => "backward_sum (a summed loss)",
     }
 }
 

@@ -788,3 +788,183 @@ fn fp16_gradients_come_back_unscaled_and_an_overflow_skips_exactly_that_step() {
     }
     assert_eq!(optim.updates(), 5);
 }
+
+/// Micro-batches of 1, 3, 20 and 8 rows, with `backward_sum` (a summed loss and its row
+/// count): the update equals one step on the 32 rows together, to 1e-6 (f32 summation order
+/// and dividing once instead of per row). The same micro-batches through `backward` (a mean
+/// per micro-batch, each weighing a quarter) land elsewhere: more than 1e-3 away.
+#[test]
+fn summed_losses_weigh_every_row_of_a_window_alike() {
+    let sizes = [1usize, 3, 20, 8];
+    let all = items(32);
+    let batch_of = |rows: &[Item], device: &Device| Rows.batch(rows.to_vec(), device);
+    let run = |summed: bool| {
+        let acc = accelerator(4);
+        let device = acc.device();
+        let (mut model, mut optim) = acc.prepare((Net::new(&device), SgdConfig::new())).unwrap();
+        let mut start = 0;
+        for size in sizes {
+            let (x, y) = batch_of(&all[start..start + size], &device);
+            start += size;
+            let grads = if summed {
+                let loss = (model.forward(x) - y).square().sum();
+                acc.backward_sum(loss, size as u64, &model).unwrap()
+            } else {
+                acc.backward(model.loss((x, y)), &model).unwrap()
+            };
+            model = optim.step(0.1, model, grads).unwrap();
+        }
+        assert_eq!(optim.updates(), 1);
+        model.values()
+    };
+    let acc = accelerator(1);
+    let device = acc.device();
+    let mut big = Net::new(&device);
+    let grads = GradientsParams::from_grads(big.loss(batch_of(&all, &device)).backward(), &big);
+    big = SgdConfig::new().init().step(0.1, big, grads);
+
+    assert_close(&run(true), &big.values(), 1e-6);
+    let per_micro_batch = run(false);
+    let worst = per_micro_batch
+        .iter()
+        .zip(big.values())
+        .map(|(a, b)| (a - b).abs())
+        .fold(0.0_f32, f32::max);
+    assert!(
+        worst > 1e-3,
+        "the per-micro-batch mean differs by only {worst}"
+    );
+}
+
+#[test]
+fn mean_and_summed_losses_cannot_share_a_window() {
+    let acc = accelerator(2);
+    let device = acc.device();
+    let (model, _optim) = acc.prepare((Net::new(&device), SgdConfig::new())).unwrap();
+    let batch = Rows.batch(items(4), &device);
+    acc.backward(model.loss(batch.clone()), &model).unwrap();
+    let err = acc
+        .backward_sum(model.loss(batch).mul_scalar(4.0), 4, &model)
+        .unwrap_err()
+        .to_string();
+    assert!(err.contains("began with backward (a mean loss)"), "{err}");
+}
+
+/// Balanced checkpointing recomputes element-wise activations in the backward pass; the
+/// recomputation is the same arithmetic, so training is bit-identical with and without it.
+#[test]
+fn gradient_checkpointing_trains_bit_identically() {
+    let run = |checkpointing: bool| {
+        let acc = Accelerator::<DefaultBackend>::builder()
+            .process_state(ProcessState::single())
+            .seed(11)
+            .gradient_checkpointing(checkpointing)
+            .build()
+            .unwrap();
+        assert_eq!(acc.config().gradient_checkpointing, checkpointing);
+        let device = acc.device();
+        assert_eq!(
+            device
+                .gradient_checkpointing_strategy()
+                .is_some_and(|s| { s == burn::tensor::GradientCheckpointingStrategy::Balanced }),
+            checkpointing
+        );
+        let (mut model, mut optim, train) = acc
+            .prepare((Net::new(&device), AdamWConfig::new(), loader(64, 8)))
+            .unwrap();
+        for batch in train.iter() {
+            let grads = acc.backward(model.loss(batch.unwrap()), &model).unwrap();
+            model = optim.step(1e-2, model, grads).unwrap();
+        }
+        model.bits()
+    };
+    assert_eq!(run(true), run(false));
+}
+
+/// One, two and three workers build the same batches, in the same order, bit for bit.
+#[test]
+fn batches_are_the_same_whatever_the_number_of_workers() {
+    let acc = accelerator(1);
+    let epochs = |workers: usize| {
+        let train = acc
+            .prepare_data_loader(
+                DataLoader::builder(Rows)
+                    .batch_size(6)
+                    .shuffle(9)
+                    .num_workers(workers)
+                    .prefetch(4)
+                    .build(InMemDataset::new(items(50))),
+            )
+            .unwrap();
+        (0..2)
+            .flat_map(|epoch| {
+                train.set_epoch(epoch);
+                train
+                    .iter()
+                    .map(|b| {
+                        let (x, y) = b.unwrap();
+                        let mut bits: Vec<u32> =
+                            x.into_data().iter::<f32>().map(f32::to_bits).collect();
+                        bits.extend(y.into_data().iter::<f32>().map(f32::to_bits));
+                        bits
+                    })
+                    .collect::<Vec<_>>()
+            })
+            .collect::<Vec<_>>()
+    };
+    let one = epochs(1);
+    assert_eq!(one.len(), 18);
+    assert_eq!(epochs(2), one);
+    assert_eq!(epochs(3), one);
+}
+
+/// A moving average of the weights: with decay 0.75, after one step it is
+/// `0.75 * initial + 0.25 * trained` in f32, bit for bit; it saves beside the model and loads
+/// back bit for bit; a name the checkpoint lacks, or one that is no file name, is an error.
+#[test]
+fn a_moving_average_updates_saves_and_resumes_beside_the_model() {
+    use accelerate_burn::Checkpoint;
+    let tmp = tempfile::tempdir().unwrap();
+    let dir = tmp.path().join("ckpt");
+    let acc = accelerator(1);
+    let (model, mut optim, train) = acc
+        .prepare((Net::new(&acc.device()), SgdConfig::new(), loader(16, 4)))
+        .unwrap();
+    let initial = model.values();
+    let ema = model.clone().no_grad();
+    let model = train_updates(&acc, model, &mut optim, &train, 1);
+    let ema = acc.ema_update(ema, &model, 0.75).unwrap();
+    let expected: Vec<u32> = initial
+        .iter()
+        .zip(model.values())
+        .map(|(a, m)| (a * 0.75 + m * 0.25).to_bits())
+        .collect();
+    assert_eq!(ema.bits(), expected);
+    assert!(acc.ema_update(ema.clone(), &model, 1.5).is_err());
+
+    acc.save_state(&dir, &Checkpoint::new(&model, &optim).module("ema", &ema))
+        .unwrap();
+    assert!(dir.join("module_ema.safetensors").is_file());
+    let acc2 = accelerator(1);
+    let (fresh, mut optim2) = acc2
+        .prepare((Net::new(&acc2.device()), SgdConfig::new()))
+        .unwrap();
+    let restored = acc2.load_state(&dir, fresh, &mut optim2, None).unwrap();
+    let blank = Net::new(&acc2.device()).no_grad();
+    let loaded = restored.info.module("ema", blank.clone()).unwrap();
+    assert_eq!(loaded.bits(), ema.bits());
+    let err = restored
+        .info
+        .module("teacher", blank)
+        .unwrap_err()
+        .to_string();
+    assert!(err.contains("no module named \"teacher\""), "{err}");
+    let bad = acc
+        .save_state(
+            tmp.path().join("bad"),
+            &Checkpoint::new(&model, &optim).module("a/b", &ema),
+        )
+        .unwrap_err()
+        .to_string();
+    assert!(bad.contains("not a file name"), "{bad}");
+}

@@ -22,6 +22,8 @@ pub const ENV_MIXED_PRECISION: &str = env_vars::MIXED_PRECISION;
 pub const ENV_GRADIENT_COMMUNICATION: &str = env_vars::GRADIENT_COMMUNICATION;
 /// Environment variable for [`AcceleratorConfig::zero_stage`].
 pub const ENV_ZERO_STAGE: &str = env_vars::ZERO_STAGE;
+/// Environment variable for [`AcceleratorConfig::gradient_checkpointing`].
+pub const ENV_GRADIENT_CHECKPOINTING: &str = env_vars::GRADIENT_CHECKPOINTING;
 /// Environment variable for [`AcceleratorConfig::gradient_bucket_bytes`], in MiB.
 pub const ENV_GRADIENT_BUCKET_MB: &str = env_vars::GRADIENT_BUCKET_MB;
 
@@ -87,6 +89,10 @@ pub struct AcceleratorConfig {
     /// ZeRO stage of a fused optimizer: 0 keeps all optimizer state on every process
     /// (default), 1 shards it across the processes (ZeRO-1).
     pub zero_stage: u8,
+    /// Activation (gradient) checkpointing: the backward pass recomputes memory-bound
+    /// activations instead of keeping them from the forward pass (Burn's balanced strategy on
+    /// the prepared device; default off).
+    pub gradient_checkpointing: bool,
 }
 
 impl Default for AcceleratorConfig {
@@ -98,6 +104,7 @@ impl Default for AcceleratorConfig {
             mixed_precision: MixedPrecision::No,
             gradient_communication: MixedPrecision::No,
             zero_stage: 0,
+            gradient_checkpointing: false,
         }
     }
 }
@@ -117,6 +124,8 @@ pub struct ConfigOverrides {
     pub gradient_communication: Option<MixedPrecision>,
     /// See [`AcceleratorConfig::zero_stage`].
     pub zero_stage: Option<u8>,
+    /// See [`AcceleratorConfig::gradient_checkpointing`].
+    pub gradient_checkpointing: Option<bool>,
 }
 
 impl ConfigOverrides {
@@ -222,6 +231,16 @@ impl ConfigOverrides {
             })?
             .unwrap_or(defaults.zero_stage),
         };
+        let gradient_checkpointing = match self.gradient_checkpointing {
+            Some(on) => on,
+            None => env_parse(
+                env,
+                ENV_GRADIENT_CHECKPOINTING,
+                "true or false",
+                env_vars::parse_bool,
+            )?
+            .unwrap_or(defaults.gradient_checkpointing),
+        };
         Ok(AcceleratorConfig {
             gradient_accumulation_steps,
             seed,
@@ -229,6 +248,7 @@ impl ConfigOverrides {
             mixed_precision,
             gradient_communication,
             zero_stage,
+            gradient_checkpointing,
         })
     }
 }
@@ -347,5 +367,35 @@ mod tests {
             .unwrap_err()
             .to_string();
         assert!(err.starts_with("ACCELERATE_SEED (env) = -3"), "{err}");
+    }
+
+    #[test]
+    fn gradient_checkpointing_from_code_or_env() {
+        let on = [(ENV_GRADIENT_CHECKPOINTING, "true")];
+        assert!(
+            ConfigOverrides::default()
+                .resolve_with(&on[..])
+                .unwrap()
+                .gradient_checkpointing
+        );
+        let code_off = ConfigOverrides {
+            gradient_checkpointing: Some(false),
+            ..Default::default()
+        };
+        assert!(
+            !code_off
+                .resolve_with(&on[..])
+                .unwrap()
+                .gradient_checkpointing
+        );
+        let bad = [(ENV_GRADIENT_CHECKPOINTING, "on")];
+        let err = ConfigOverrides::default()
+            .resolve_with(&bad[..])
+            .unwrap_err()
+            .to_string();
+        assert_eq!(
+            err,
+            "ACCELERATE_GRADIENT_CHECKPOINTING (env) = on: expected true or false"
+        );
     }
 }

@@ -34,6 +34,9 @@ pub const MIXED_PRECISION: &str = "ACCELERATE_MIXED_PRECISION";
 pub const GRADIENT_COMMUNICATION: &str = "ACCELERATE_GRADIENT_COMMUNICATION";
 /// ZeRO stage of a fused optimizer (workers).
 pub const ZERO_STAGE: &str = "ACCELERATE_ZERO_STAGE";
+/// Whether autodiff recomputes memory-bound activations in the backward pass instead of
+/// keeping them (Burn's balanced gradient checkpointing): `true`/`false` (workers).
+pub const GRADIENT_CHECKPOINTING: &str = "ACCELERATE_GRADIENT_CHECKPOINTING";
 /// Gradient bucket size in MiB (workers).
 pub const GRADIENT_BUCKET_MB: &str = "ACCELERATE_GRADIENT_BUCKET_MB";
 /// Collective timeout in seconds.

@@ -1,10 +1,13 @@
 #!/usr/bin/env bash
 # The GPU figures of benches/RESULTS.md, from the prebuilt bundle of build.sh, in under five
 # minutes and with nothing but bash, xz and the driver: digits accuracy, mlp_synthetic's step
-# time in fp32 / bf16 / fp16 (Burn's AdamW and the fused one), and our cubecl kernels' GB/s.
+# time in fp32 / bf16 / fp16 (Burn's AdamW and the fused one), the transformer example's
+# tokens/s and peak device memory in fp32 / bf16 / fp16 with and without activation
+# checkpointing, and our cubecl kernels' GB/s.
 #
 #   bash run.sh [BUNDLE_DIR]     (default: ./bundle beside this script)
-#   DIGITS_EPOCHS=30 MLP_SAMPLES=32000 KERNEL_MELEMS=64   (smaller for a dry run on lavapipe)
+#   DIGITS_EPOCHS=30 MLP_SAMPLES=32000 KERNEL_MELEMS=64 LM_STEPS=60
+#   (smaller for a dry run on lavapipe)
 set -uo pipefail
 here="$(cd "$(dirname "$0")" && pwd)"
 bundle="${1:-$here/bundle}"
@@ -42,6 +45,32 @@ for precision in no bf16 fp16; do
     result="$(ACCELERATE_MIXED_PRECISION=$precision first_match 'samples/s' 60 "$bin" mlp "$samples" $optimizer)"
     label="${optimizer:-fused}"
     echo "| mlp_synthetic, $precision, ${label#--} | $result |"
+  done
+done
+
+# The largest memory.used nvidia-smi reports (every 0.2 s) while "$@" runs, as " | N MiB";
+# " | n/a" without nvidia-smi. The command's output goes to $work/out.
+with_peak_memory() {
+  if ! command -v nvidia-smi >/dev/null; then "$@" > "$work/out"; echo " | n/a"; return; fi
+  "$@" > "$work/out" &
+  local pid=$! peak=0 used
+  while kill -0 "$pid" 2>/dev/null; do
+    used="$(nvidia-smi --query-gpu=memory.used --format=csv,noheader,nounits | head -n 1)"
+    [ "${used:-0}" -gt "$peak" ] 2>/dev/null && peak="$used"
+    sleep 0.2
+  done
+  wait "$pid"
+  echo " | $peak MiB"
+}
+steps="${LM_STEPS:-60}"
+echo
+echo "| transformer_lm, $steps updates | result | peak device memory |"
+echo "|---|---|---|"
+for precision in no bf16 fp16; do
+  for checkpointing in "" --gradient-checkpointing; do
+    memory="$(ACCELERATE_MIXED_PRECISION=$precision with_peak_memory first_match 'tokens/s' 240 \
+      "$bin" transformer --steps "$steps" --eval-every 1000 --sample-bytes 0 $checkpointing)"
+    echo "| $precision ${checkpointing:-(no checkpointing)} | $(cat "$work/out")$memory |"
   done
 done
 echo

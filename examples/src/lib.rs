@@ -3,7 +3,9 @@
 //!
 //! - [`digits`]: the UCI handwritten digits (8x8 images, 10 classes), shipped in `data/`.
 //! - [`synthetic`]: generated 784-dimensional samples labelled by a fixed random linear teacher.
-//! - [`Mlp`]: the multi-layer perceptron both scripts train.
+//! - [`text`]: Shakespeare's plays as bytes, shipped in `data/`, in windows for a language model.
+//! - [`Mlp`]: the multi-layer perceptron the digits and synthetic scripts train.
+//! - [`transformer`]: the decoder-only transformer language model of `transformer_lm`.
 //!
 //! ```
 //! let (train, test) = accelerate_examples::digits::train_test_split()?;
@@ -16,5 +18,7 @@
 pub mod digits;
 mod mlp;
 pub mod synthetic;
+pub mod text;
+pub mod transformer;
 
-pub use mlp::{Mlp, MlpConfig, Prediction, correct};
+pub use mlp::{Mlp, MlpConfig, Prediction};

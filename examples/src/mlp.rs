@@ -87,9 +87,3 @@ impl Mlp {
         Prediction { loss, logits }
     }
 }
-
-/// Number of rows of `logits` whose highest score is at `targets`.
-pub fn correct(logits: Tensor<2>, targets: Tensor<1, Int>) -> usize {
-    let predicted: Tensor<1, Int> = logits.argmax(1).flatten(0, 1);
-    predicted.equal(targets).int().sum().into_scalar::<i64>() as usize
-}

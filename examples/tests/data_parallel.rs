@@ -15,6 +15,7 @@ mod slurm_cluster;
 mod tools;
 
 use accelerate_burn::burn;
+use accelerate_burn::metrics::MeanMetric;
 use accelerate_burn::{
     AccelerateError, Accelerator, AcceleratorBackend, DataLoader, DefaultBackend, FusedOptimizer,
     MixedPrecision, Reduction, ScalerConfig,
@@ -192,6 +193,58 @@ fn overflow() -> anyhow::Result<()> {
     Ok(())
 }
 
+/// Micro-batch sizes of the token-weighting scenario, per rank, per window: very uneven, and
+/// 60 samples per window in total.
+const UNEVEN: [[usize; 2]; 2] = [[2, 30], [20, 8]];
+
+/// Three windows of SGD on the digits MLP, the samples of each window spread over the ranks'
+/// micro-batches as [`UNEVEN`] says (one process, no accumulation: each window's 60 samples
+/// as one batch); `TEST_SUMMED=1` hands `backward_sum` each micro-batch's summed loss and
+/// sample count, else `backward` gets the micro-batch mean.
+fn uneven() -> anyhow::Result<()> {
+    let acc = Accelerator::<DefaultBackend>::builder()
+        .seed(7)
+        .gradient_accumulation_steps(if acc_world() == 1 { 1 } else { 2 })
+        .build()?;
+    let world = acc.num_processes();
+    let model = MlpConfig::new(digits::PIXELS, vec![32], digits::CLASSES).init(&acc.device());
+    let (mut model, mut optim) = acc.prepare((model, SgdConfig::new().init()))?;
+    let data = digits::load()?;
+    let summed = env_number::<usize>("TEST_SUMMED") == 1;
+    for window in 0..3 {
+        let mut start = window * 60;
+        let mut parts: Vec<(usize, usize)> = Vec::new();
+        for (rank, sizes) in UNEVEN.iter().enumerate() {
+            for &size in sizes {
+                if world == 1 || rank == acc.process_index() {
+                    parts.push((start, size));
+                }
+                start += size;
+            }
+        }
+        if world == 1 {
+            parts = vec![(window * 60, 60)];
+        }
+        for (start, size) in parts {
+            let batch = DigitBatcher.batch(data[start..start + size].to_vec(), &acc.device());
+            let loss = model.forward_loss(batch.images, batch.targets).loss;
+            let grads = if summed {
+                acc.backward_sum(loss.mul_scalar(size as f64), size as u64, &model)?
+            } else {
+                acc.backward(loss, &model)?
+            };
+            model = optim.step(0.1, model, grads)?;
+        }
+    }
+    println!("UPDATES {}", optim.updates());
+    print_params(&model);
+    Ok(())
+}
+
+fn acc_world() -> usize {
+    env_number::<usize>("WORLD_SIZE").max(1)
+}
+
 /// Indices as a batch, to see which samples each process evaluated.
 #[derive(Clone)]
 struct Indices;
@@ -213,10 +266,15 @@ fn evaluate() -> anyhow::Result<()> {
         .build(InMemDataset::new((0..10).collect::<Vec<usize>>()));
     let eval = acc.prepare_eval_data_loader(eval)?;
     let mut seen = Vec::new();
+    let mut mean = MeanMetric::new();
     for batch in eval.iter() {
-        let gathered = acc.gather_for_metrics(batch?)?;
+        let batch = batch?;
+        mean.update(&acc, batch.clone().float())?;
+        let gathered = acc.gather_for_metrics(batch)?;
         seen.extend(gathered.into_data().iter::<i64>());
     }
+    let mean = mean.compute(&acc)?;
+    println!("METRIC {} over {}", mean.value, mean.weight);
     let seen: Vec<String> = seen.iter().map(i64::to_string).collect();
     println!("GATHERED {}", seen.join(","));
     let rank = acc.process_index() as f32;
@@ -256,6 +314,7 @@ fn child() {
         "fused" => fused(),
         "evaluate" => evaluate(),
         "overflow" => overflow(),
+        "uneven" => uneven(),
         other => panic!("unknown scenario {other}"),
     };
     if let Err(e) = result {
@@ -411,6 +470,8 @@ fn evaluation_gathers_every_sample_once_in_order() {
             "0,1,2,3,4,5,6,7,8,9",
             "rank {rank}"
         );
+        // The metric adds each process's batches without the repeated samples.
+        assert_eq!(line(output, "METRIC "), "4.5 over 10");
         assert_eq!(line(output, "REDUCED "), "[3.0, 3.0]");
         assert_eq!(line(output, "TRIGGER "), "true");
         assert_eq!(line(output, "TRIGGER AGAIN "), "false");
@@ -424,6 +485,27 @@ fn evaluation_gathers_every_sample_once_in_order() {
     }
     let shares: Vec<String> = outputs.iter().map(|o| line(o, "SHARE ")).collect();
     assert_eq!(shares, ["[0, 1, 2]", "[3, 4]", "[5, 6]"]);
+}
+
+/// Tolerance 1e-6 (the sums and the division happen in another order than in one batch's
+/// mean; 1.5e-8 observed): two processes whose micro-batches hold 2 and 30, and 20 and 8
+/// samples, with `backward_sum`, learn what one process learns from the 60 samples of each
+/// window at once. With per-micro-batch means they do not (9.6e-3 away observed).
+#[test]
+fn summed_losses_over_uneven_micro_batches_on_two_processes_equal_one_big_batch() {
+    let reference = params(&run("uneven", 1, &[])[0]);
+    let summed = run("uneven", 2, &[("TEST_SUMMED", "1".to_string())]);
+    let means = run("uneven", 2, &[]);
+    for rank in 0..2 {
+        assert_eq!(line(&summed[rank], "UPDATES "), "3", "rank {rank}");
+        let worst = largest_difference(&params(&summed[rank]), &reference);
+        assert!(worst <= 1e-6, "rank {rank}: largest difference {worst}");
+        let biased = largest_difference(&params(&means[rank]), &reference);
+        assert!(
+            biased > 1e-3,
+            "rank {rank}: per-micro-batch means differ by only {biased}"
+        );
+    }
 }
 
 #[test]

@@ -87,6 +87,17 @@ impl<B: AcceleratorBackend> AcceleratorBuilder<B> {
         self
     }
 
+    /// Activation (gradient) checkpointing: the prepared device carries Burn's balanced
+    /// strategy, so the backward pass recomputes memory-bound activations (element-wise ops,
+    /// norms) instead of keeping them, while matrix products keep theirs: lower peak memory
+    /// for some extra compute. Build the model and batches on [`Accelerator::device`] (tensors
+    /// of devices with different strategies cannot be combined). Wins over
+    /// `ACCELERATE_GRADIENT_CHECKPOINTING`; off by default.
+    pub fn gradient_checkpointing(mut self, on: bool) -> Self {
+        self.overrides.gradient_checkpointing = Some(on);
+        self
+    }
+
     /// Fails to build when the device cannot compute in the requested precision, instead of
     /// warning once and training in f32.
     pub fn strict_mixed_precision(mut self, strict: bool) -> Self {
@@ -189,7 +200,10 @@ impl<B: AcceleratorBackend> AcceleratorBuilder<B> {
         } else {
             ProcessGroup::single()
         };
-        let device = B::device(state.local_rank)?.autodiff();
+        let mut device = B::device(state.local_rank)?.autodiff();
+        if config.gradient_checkpointing {
+            device = device.gradient_checkpointing();
+        }
         if let Some(seed) = config.seed {
             device.seed(seed);
         }

@@ -87,6 +87,44 @@ impl<B: AcceleratorBackend> Accelerator<B> {
         Ok(gathered.narrow(0, 0, rows.saturating_sub(padding)))
     }
 
+    /// How many of the `rows` samples in this process's latest evaluation batch are real: on
+    /// the last batch of a prepared loader, the samples `even_batches` repeated to fill the
+    /// last round are not (they are the last ones in rank order, as
+    /// [`gather_for_metrics`](Self::gather_for_metrics) drops them). For metrics accumulated
+    /// on each process, like [`crate::metrics::MeanMetric`].
+    pub fn rows_for_metrics(&self, rows: usize) -> usize {
+        let padding = self.links.last_batch_padding();
+        if padding == 0 {
+            return rows;
+        }
+        // Padding only happens with even batches: every process holds `rows` in that round.
+        let real_total = (rows * self.num_processes()).saturating_sub(padding);
+        real_total
+            .saturating_sub(rows * self.process_index())
+            .min(rows)
+    }
+
+    /// `values` summed over every process, in rank order (so every process gets the same,
+    /// exactly), in f64.
+    pub(crate) fn sum_across_processes<const N: usize>(
+        &self,
+        values: [f64; N],
+    ) -> Result<[f64; N], AccelerateError> {
+        if !self.state().is_distributed() {
+            return Ok(values);
+        }
+        // Bit patterns: JSON has no NaN, and its decimal form need not round-trip.
+        let bits: Vec<u64> = values.iter().map(|v| v.to_bits()).collect();
+        let all: Vec<Vec<u64>> = self.comm.lock().all_gather_object(&bits)?;
+        let mut total = [0.0; N];
+        for theirs in all {
+            for (t, v) in total.iter_mut().zip(theirs) {
+                *t += f64::from_bits(v);
+            }
+        }
+        Ok(total)
+    }
+
     /// `tensor` combined element-wise over every process with `reduction` (sum, mean, max
     /// or min), on every process.
     pub fn reduce<const D: usize>(

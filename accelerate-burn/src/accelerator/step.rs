@@ -10,8 +10,10 @@ use burn::tensor::{DType, Tensor};
 use super::{Accelerator, ReducerSlot};
 use crate::backend::AcceleratorBackend;
 use crate::error::AccelerateError;
+use crate::params::{self, ParamLayout, Replacement};
 use crate::precision::{Autocast, Caster, low_precision_view};
 use crate::reducer::{self, Gradients, OptimizerChoice, Outcome, ReducerHandle};
+use crate::training_loop::LossKind;
 
 impl<B: AcceleratorBackend> Accelerator<B> {
     /// Runs the backward pass of `loss` and returns what the optimizer steps with.
@@ -24,19 +26,64 @@ impl<B: AcceleratorBackend> Accelerator<B> {
     /// over the processes (in buckets, in module visit order, or into the fused optimizer's
     /// flat buffer) and unscales it for fp16; an overflow on any process makes the step
     /// [`Skipped`](crate::GradientsStatus::Skipped) on every process.
+    ///
+    /// Each micro-batch weighs the same here, whatever it holds; for losses over tokens (or
+    /// any items) whose count varies between micro-batches, see
+    /// [`backward_sum`](Self::backward_sum).
     pub fn backward<M: Module>(
         &self,
         loss: Tensor<1>,
         model: &M,
     ) -> Result<Gradients, AccelerateError> {
+        self.backward_weighted(loss, LossKind::Mean, model)
+    }
+
+    /// Runs the backward pass of a loss *summed* over `items` tokens (or samples), so that
+    /// every token of an accumulation window, on every process, weighs the same: the update
+    /// uses the gradient of the window's summed loss divided by the number of tokens in the
+    /// whole window across all processes. That count is summed once per window (one small
+    /// collective when the window completes, none per micro-batch). With
+    /// [`backward`](Self::backward) and a per-micro-batch mean instead, a micro-batch of 10
+    /// tokens weighs as much as one of 1,000 (the gradient-accumulation bias Hugging Face's
+    /// Trainer once had).
+    ///
+    /// ```text
+    /// let (loss_sum, tokens) = model.forward_loss_sum(batch); // sum over non-padding tokens
+    /// let grads = acc.backward_sum(loss_sum, tokens, &model)?;
+    /// ```
+    ///
+    /// A window whose processes hold no token at all gives zero gradients. Calls of
+    /// `backward` and `backward_sum` cannot be mixed inside one window (an error).
+    pub fn backward_sum<M: Module>(
+        &self,
+        loss_sum: Tensor<1>,
+        items: u64,
+        model: &M,
+    ) -> Result<Gradients, AccelerateError> {
+        self.backward_weighted(loss_sum, LossKind::Sum(items), model)
+    }
+
+    fn backward_weighted<M: Module>(
+        &self,
+        loss: Tensor<1>,
+        kind: LossKind,
+        model: &M,
+    ) -> Result<Gradients, AccelerateError> {
         let handle = self.reducer_for(model)?;
         let mut training = self.training.lock();
         let step = training.micro_step();
+        training
+            .weigh(kind, step)
+            .map_err(|what| AccelerateError::Misuse {
+                rank: self.state.rank,
+                what,
+                hint: "use backward_sum for every micro-batch of a window, or backward for all",
+            })?;
         let mut loss = loss;
         if loss.dtype() != DType::F32 {
             loss = loss.cast(DType::F32);
         }
-        if step.window_len > 1 {
+        if kind == LossKind::Mean && step.window_len > 1 {
             loss = loss.div_scalar(step.window_len as f64);
         }
         if let Some(scale) = training.loss_scale() {
@@ -52,9 +99,17 @@ impl<B: AcceleratorBackend> Accelerator<B> {
                     rank: self.state.rank,
                     detail,
                 })?;
-        let Some(summed) = training.accumulate(list, step) else {
+        let Some(mut summed) = training.accumulate(list, step) else {
             return Ok(Gradients::new(Outcome::NotDue, 0, handle.id));
         };
+        if let Some(local) = training.window_items() {
+            let factor = self.per_item_factor(local)?;
+            for grad in summed.iter_mut() {
+                if let Some(g) = grad.take() {
+                    *grad = Some(g.mul_scalar(factor));
+                }
+            }
+        }
         let window = training.complete_window(&self.device);
         let reduced = reducer.reduce(summed, &self.comm, training.inv_scale())?;
         // The overflow test saw every rank's gradients (averages keep inf and NaN), so every
@@ -64,6 +119,26 @@ impl<B: AcceleratorBackend> Accelerator<B> {
             return Ok(Gradients::new(Outcome::Skipped, window, handle.id));
         }
         Ok(Gradients::new(reduced.outcome, window, handle.id))
+    }
+
+    /// The factor that turns this rank's summed window gradient into its share of the mean
+    /// over every item of the window on every rank: the reducer then averages over the ranks,
+    /// so the factor is `world / items in the window across ranks`.
+    fn per_item_factor(&self, local: u64) -> Result<f64, AccelerateError> {
+        let total: u64 = if self.comm.is_distributed() {
+            self.comm
+                .lock()
+                .all_gather_object(&local)?
+                .into_iter()
+                .fold(0u64, u64::saturating_add)
+        } else {
+            local
+        };
+        Ok(if total == 0 {
+            0.0
+        } else {
+            self.state.world_size as f64 / total as f64
+        })
     }
 
     /// The reducer of the prepared optimizer; without one, a reducer (no optimizer) for
@@ -95,6 +170,54 @@ impl<B: AcceleratorBackend> Accelerator<B> {
         max_norm: f32,
     ) -> Result<Option<f32>, AccelerateError> {
         Ok(grads.clip(max_norm))
+    }
+
+    /// One step of an exponential moving average of the weights: every float parameter of
+    /// `ema` becomes `decay * ema + (1 - decay) * model` (on the device, in f32), keeping
+    /// `ema`'s own parameter ids and gradient settings. Every process holds the same model, so
+    /// every process's average is the same without communication. Make the copy once with
+    /// `model.clone().no_grad()`, update it after each optimizer step, evaluate with it, and
+    /// save it with [`Checkpoint::module`](crate::Checkpoint::module).
+    ///
+    /// ```text
+    /// model = optim.step(lr, model, grads)?;
+    /// ema = acc.ema_update(ema, &model, 0.999)?;
+    /// ```
+    pub fn ema_update<M: Module>(
+        &self,
+        ema: M,
+        model: &M,
+        decay: f64,
+    ) -> Result<M, AccelerateError> {
+        if !(0.0..=1.0).contains(&decay) {
+            return Err(AccelerateError::Misuse {
+                rank: self.state.rank,
+                what: format!("ema_update with decay {decay}"),
+                hint: "give a decay between 0 and 1 (0.999 is usual)",
+            });
+        }
+        let (averaged, current) = (ParamLayout::of(&ema), ParamLayout::of(model));
+        if averaged.shapes() != current.shapes() {
+            return Err(AccelerateError::Misuse {
+                rank: self.state.rank,
+                what: "ema_update with an average whose parameters differ from the model's".into(),
+                hint: "make the average with model.clone().no_grad()",
+            });
+        }
+        let values = params::values(&ema)
+            .into_iter()
+            .zip(params::values(model))
+            .map(|(average, value)| {
+                Some(average.mul_scalar(decay) + value.cast(DType::F32).mul_scalar(1.0 - decay))
+            })
+            .collect();
+        Ok(params::replace(
+            ema,
+            Replacement {
+                values,
+                ids: Vec::new(),
+            },
+        ))
     }
 
     /// Runs `forward` in the compute precision: on a view of `model` whose float parameters

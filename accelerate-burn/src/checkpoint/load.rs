@@ -8,7 +8,6 @@ use accelerate_core::CheckpointError;
 use accelerate_core::checkpoint::{self, RankState};
 use burn::lr_scheduler::LrSchedulerRecord;
 use burn::module::Module;
-use burn::store::{ModuleSnapshot, SafetensorsStore};
 
 use super::{
     CheckpointInfo, Context, MODEL_FILE, Restored, SCHEDULER_FILE, TRAINING_STATE_FILE,
@@ -73,33 +72,9 @@ fn load_own_part<M: Module>(
     let own = rank_file(if same_world { rank } else { 0 });
     let saved: RankState = checkpoint::read_json(&dir.join(&own)).map_err(unreadable)?;
 
-    let mut model = model;
-    let mut store = SafetensorsStore::from_file(dir.join(MODEL_FILE));
     let hint = "build the model the checkpoint was saved from";
-    let applied = model.load_from(&mut store).map_err(|e| {
-        // Burn's message is a multi-line table; its first line says what went wrong.
-        let e = e.to_string();
-        let first = e
-            .lines()
-            .next()
-            .unwrap_or_default()
-            .trim_end_matches([':', ' ']);
-        mismatch(
-            format!("{MODEL_FILE} does not fit this model ({first})"),
-            hint,
-        )
-    })?;
-    if !applied.errors.is_empty() || !applied.missing.is_empty() {
-        let missing: Vec<&str> = applied.missing.iter().map(|(p, _)| p.as_str()).collect();
-        return Err(mismatch(
-            format!(
-                "{MODEL_FILE} does not fit this model (missing: [{}], errors: {:?})",
-                missing.join(", "),
-                applied.errors
-            ),
-            hint,
-        ));
-    }
+    let model = super::load_weights(model, &dir.join(MODEL_FILE))
+        .map_err(|detail| mismatch(detail, hint))?;
     let layout = ParamLayout::of(&model);
     if layout.entries.len() != training.param_ids.len() {
         return Err(mismatch(

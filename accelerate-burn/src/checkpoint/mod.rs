@@ -25,6 +25,7 @@ use std::path::PathBuf;
 
 use accelerate_core::ProcessState;
 use burn::module::Module;
+use burn::store::{ModuleSnapshot, SafetensorsStore};
 use burn::tensor::Device;
 use serde::de::DeserializeOwned;
 use serde::{Deserialize, Serialize};
@@ -48,11 +49,25 @@ fn rank_file(rank: usize) -> String {
     format!("rank_{rank}.json")
 }
 
+/// The file of the extra module saved under `name` ([`Checkpoint::module`]).
+pub fn module_file(name: &str) -> String {
+    format!("module_{name}.safetensors")
+}
+
+/// True for names that make a plain file name: ASCII letters, digits, `-` and `_`.
+fn valid_module_name(name: &str) -> bool {
+    !name.is_empty()
+        && name
+            .chars()
+            .all(|c| c.is_ascii_alphanumeric() || c == '-' || c == '_')
+}
+
 /// What to save besides what the accelerator tracks itself: the model, its prepared
-/// optimizer, optionally the prepared scheduler, and named user objects (any `serde` value).
+/// optimizer, optionally the prepared scheduler, other modules (an EMA copy, a frozen
+/// teacher) and named user objects (any `serde` value).
 ///
 /// ```text
-/// acc.save_state(dir, &Checkpoint::new(&model, &optim).scheduler(&sched).object("best", &best))?;
+/// acc.save_state(dir, &Checkpoint::new(&model, &optim).scheduler(&sched).module("ema", &ema).object("best", &best))?;
 /// ```
 pub struct Checkpoint<'a, M> {
     model: &'a M,
@@ -60,9 +75,12 @@ pub struct Checkpoint<'a, M> {
     scheduler: Option<&'a PreparedScheduler>,
     /// Serialised when the save writes them (so a value is taken as it is at that point).
     objects: Vec<(String, ObjectWriter<'a>)>,
+    /// Other modules, each written to its own safetensors file by the main process.
+    modules: Vec<(String, ModuleWriter<'a>)>,
 }
 
 type ObjectWriter<'a> = Box<dyn Fn() -> Result<serde_json::Value, serde_json::Error> + 'a>;
+type ModuleWriter<'a> = Box<dyn Fn(&std::path::Path) -> Result<(), String> + 'a>;
 
 impl<'a, M: Module> Checkpoint<'a, M> {
     /// A checkpoint of `model` and `optimizer`.
@@ -72,12 +90,25 @@ impl<'a, M: Module> Checkpoint<'a, M> {
             optimizer,
             scheduler: None,
             objects: Vec::new(),
+            modules: Vec::new(),
         }
     }
 
     /// Also saves the learning-rate scheduler.
     pub fn scheduler(mut self, scheduler: &'a PreparedScheduler) -> Self {
         self.scheduler = Some(scheduler);
+        self
+    }
+
+    /// Also saves the weights of another module under `name` (letters, digits, `-`, `_`):
+    /// an EMA copy, a frozen teacher, a second network. Read it back with
+    /// [`CheckpointInfo::module`]. The main process's module is saved.
+    pub fn module<N: Module>(mut self, name: &str, module: &'a N) -> Self {
+        let writer: ModuleWriter<'a> = Box::new(move |path| {
+            let mut store = SafetensorsStore::from_file(path).overwrite(true);
+            module.save_into(&mut store).map_err(|e| e.to_string())
+        });
+        self.modules.push((name.to_string(), writer));
         self
     }
 
@@ -122,6 +153,25 @@ impl CheckpointInfo {
         }
     }
 
+    /// `module` with the weights saved under `name` by [`Checkpoint::module`]; on a fresh start
+    /// (no checkpoint was loaded), `module` as it is. Every process reads the file.
+    pub fn module<N: Module>(&self, name: &str, module: N) -> Result<N, AccelerateError> {
+        let Some(dir) = &self.path else {
+            return Ok(module);
+        };
+        let file = module_file(name);
+        let mismatch = |detail: String| AccelerateError::ResumeMismatch {
+            rank: self.rank,
+            path: dir.clone(),
+            detail,
+            hint: "load the modules the checkpoint was saved with, under the names it used",
+        };
+        if !valid_module_name(name) || !dir.join(&file).is_file() {
+            return Err(mismatch(format!("it holds no module named {name:?}")));
+        }
+        load_weights(module, &dir.join(&file)).map_err(mismatch)
+    }
+
     /// The user object saved under `name`, or `None` if the checkpoint has none by that name.
     pub fn object<T: DeserializeOwned>(&self, name: &str) -> Result<Option<T>, AccelerateError> {
         let Some(value) = self.objects.get(name) else {
@@ -136,6 +186,35 @@ impl CheckpointInfo {
                 hint: "read it as the type it was saved as",
             })
     }
+}
+
+/// `module` with the weights of the safetensors file at `path`; the error says what does not
+/// fit.
+pub(crate) fn load_weights<M: Module>(mut module: M, path: &std::path::Path) -> Result<M, String> {
+    let name = path
+        .file_name()
+        .map_or_else(String::new, |n| n.to_string_lossy().into_owned());
+    let mut store = SafetensorsStore::from_file(path);
+    let applied = module.load_from(&mut store).map_err(|e| {
+        // Burn's message is a multi-line table; its first line says what went wrong.
+        let e = e.to_string();
+        let first = e
+            .lines()
+            .next()
+            .unwrap_or_default()
+            .trim_end_matches([':', ' '])
+            .to_string();
+        format!("{name} does not fit this model ({first})")
+    })?;
+    if !applied.errors.is_empty() || !applied.missing.is_empty() {
+        let missing: Vec<&str> = applied.missing.iter().map(|(p, _)| p.as_str()).collect();
+        return Err(format!(
+            "{name} does not fit this model (missing: [{}], errors: {:?})",
+            missing.join(", "),
+            applied.errors
+        ));
+    }
+    Ok(module)
 }
 
 /// The main process's part of `training_state.json`.

@@ -142,6 +142,23 @@ fn write_own_files<M: Module>(
         synced(&path)?,
     );
 
+    for (name, write) in &checkpoint.modules {
+        if !super::valid_module_name(name) {
+            return Err(format!(
+                "module name {name:?} is not a file name; hint: use letters, digits, - and _"
+            ));
+        }
+        let file = super::module_file(name);
+        let path = partial.join(&file);
+        write(&path).map_err(|e| format!("module {name:?}: {e}"))?;
+        add(
+            &file,
+            "weights of a module saved beside the model (safetensors)",
+            None,
+            synced(&path)?,
+        );
+    }
+
     if let Some(scheduler) = checkpoint.scheduler {
         let record = scheduler.record_at(updates).ok_or_else(|| {
             "the scheduler was stepped more than once past the latest update; hint: call \

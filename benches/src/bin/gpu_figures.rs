@@ -7,6 +7,7 @@
 //! gpu_figures digits [EPOCHS]          accuracy of the digits example (default 30 epochs)
 //! gpu_figures mlp SAMPLES [--burn-optimizer]    mlp_synthetic's throughput line
 //! gpu_figures kernels [MELEMS]         our cubecl kernels' GB/s (default 64 Mi elements)
+//! gpu_figures transformer [FLAGS]      the transformer_lm example (its flags, e.g. --steps 60)
 //! ```
 //!
 //! Precision comes from `ACCELERATE_MIXED_PRECISION`, as in the examples.
@@ -17,6 +18,9 @@ mod digits_example;
 #[allow(dead_code)]
 #[path = "../../../examples/mlp_synthetic.rs"]
 mod mlp_example;
+#[allow(dead_code)]
+#[path = "../../../examples/transformer_lm.rs"]
+mod transformer_example;
 
 use accelerate_burn::{Accelerator, DefaultBackend, ProcessState};
 use anyhow::{Context, bail};
@@ -47,8 +51,14 @@ fn main() -> anyhow::Result<()> {
                 .build()?;
             accelerate_benches::device_kernels::run(melems);
         }
+        Some("transformer") => {
+            use clap::Parser;
+            let flags = std::iter::once("transformer_lm".to_string()).chain(args[1..].to_vec());
+            transformer_example::train(&transformer_example::Args::parse_from(flags))?;
+        }
         _ => bail!(
-            "usage: gpu_figures digits [EPOCHS] | mlp SAMPLES [--burn-optimizer] | kernels [MELEMS]"
+            "usage: gpu_figures digits [EPOCHS] | mlp SAMPLES [--burn-optimizer] | kernels \
+             [MELEMS] | transformer [FLAGS]"
         ),
     }
     Ok(())

@@ -1,9 +1,10 @@
 //! `accelerate launch`: start the workers of a job on this machine and supervise them.
 
+use std::io::{BufRead, BufReader, IsTerminal};
 use std::path::PathBuf;
 use std::process::{Command, ExitCode, Stdio};
 use std::sync::atomic::AtomicUsize;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use accelerate_core::config_file::{self, LoadedConfig};
 use accelerate_core::env_vars;
@@ -12,6 +13,7 @@ use accelerate_core::state::ProcessEnv;
 use accelerate_core::{LaunchFlags, MixedPrecision};
 use anyhow::{Context, bail};
 use clap::Args;
+use indicatif::{ProgressBar, ProgressStyle};
 use signal_hook::consts::signal::{SIGHUP, SIGINT, SIGTERM};
 
 /// Start worker processes with the process contract set (RANK, WORLD_SIZE, LOCAL_RANK,
@@ -179,38 +181,130 @@ pub fn run(args: LaunchArgs) -> anyhow::Result<ExitCode> {
 }
 
 /// Builds a cargo example or binary of the workspace in the current directory and returns
-/// the path of its executable.
+/// the path of its executable. Cargo runs quietly (its warnings and errors still show) and
+/// its JSON messages drive our own progress line: a spinner on a terminal, else a line every
+/// 15 s, so a first build that compiles Burn for minutes never looks stuck.
 fn build(kind: &str, name: &str, args: &LaunchArgs) -> anyhow::Result<PathBuf> {
     let cargo = std::env::var("CARGO").unwrap_or_else(|_| "cargo".into());
     let mut cmd = Command::new(&cargo);
-    cmd.args(["build", "--message-format=json-render-diagnostics"])
-        .arg(format!("--{kind}"))
-        .arg(name)
-        .stdout(Stdio::piped());
+    cmd.args([
+        "build",
+        "--quiet",
+        "--message-format=json-render-diagnostics",
+    ])
+    .arg(format!("--{kind}"))
+    .arg(name)
+    .stdout(Stdio::piped());
     if args.release {
         cmd.arg("--release");
     }
     if let Some(features) = &args.features {
         cmd.args(["--features", features]);
     }
-    let output = cmd
-        .output()
+    let mut child = cmd
+        .spawn()
         .with_context(|| format!("running `{cargo} build --{kind} {name}`"))?;
-    if !output.status.success() {
+    let messages = child
+        .stdout
+        .take()
+        .context("reading cargo's messages (its standard output)")?;
+    let mut progress = BuildProgress::new(kind, name);
+    let mut executable = None;
+    for line in BufReader::new(messages).lines() {
+        let line = line.context("reading cargo's messages (its standard output)")?;
+        let Ok(message) = serde_json::from_str::<serde_json::Value>(&line) else {
+            continue;
+        };
+        if message["reason"] != "compiler-artifact" {
+            continue;
+        }
+        if message["fresh"] == false {
+            progress.compiled(message["target"]["name"].as_str().unwrap_or("?"));
+        }
+        let ours = message["target"]["name"] == name
+            && message["target"]["kind"]
+                .as_array()
+                .is_some_and(|kinds| kinds.iter().any(|k| k == kind));
+        if ours {
+            executable = message["executable"].as_str().map(PathBuf::from);
+        }
+    }
+    let status = child
+        .wait()
+        .with_context(|| format!("waiting for `{cargo} build --{kind} {name}`"))?;
+    progress.finish();
+    if !status.success() {
         bail!("`cargo build --{kind} {name}` failed (its errors are above)");
     }
-    let stdout = String::from_utf8_lossy(&output.stdout);
-    stdout
-        .lines()
-        .filter_map(|line| serde_json::from_str::<serde_json::Value>(line).ok())
-        .filter(|m| m["reason"] == "compiler-artifact" && m["target"]["name"] == name)
-        .filter(|m| {
-            m["target"]["kind"]
-                .as_array()
-                .is_some_and(|kinds| kinds.iter().any(|k| k == kind))
-        })
-        .find_map(|m| m["executable"].as_str().map(PathBuf::from))
-        .with_context(|| format!("cargo built no executable for the {kind} `{name}`"))
+    executable.with_context(|| format!("cargo built no executable for the {kind} `{name}`"))
+}
+
+/// What the user sees while cargo builds: a spinner with the crates compiled so far on a
+/// terminal, a line every 15 s otherwise, and one line at the end when anything was compiled.
+struct BuildProgress {
+    what: String,
+    bar: Option<ProgressBar>,
+    started: Instant,
+    last_line: Instant,
+    crates: u64,
+}
+
+impl BuildProgress {
+    fn new(kind: &str, name: &str) -> Self {
+        let what = format!("the {kind} `{name}`");
+        let bar = std::io::stderr().is_terminal().then(|| {
+            let bar = ProgressBar::new_spinner();
+            if let Ok(style) = ProgressStyle::with_template(&format!(
+                "{{spinner}} building {what}: {{pos}} crates compiled [{{elapsed}}] {{msg}}"
+            )) {
+                bar.set_style(style);
+            }
+            bar.enable_steady_tick(Duration::from_millis(200));
+            bar
+        });
+        let now = Instant::now();
+        Self {
+            what,
+            bar,
+            started: now,
+            last_line: now,
+            crates: 0,
+        }
+    }
+
+    fn compiled(&mut self, target: &str) {
+        self.crates += 1;
+        match &self.bar {
+            Some(bar) => {
+                bar.inc(1);
+                bar.set_message(target.to_string());
+            }
+            None if self.last_line.elapsed() >= Duration::from_secs(15) => {
+                self.last_line = Instant::now();
+                eprintln!(
+                    "building {}: {} crates compiled in {}s (latest: {target})",
+                    self.what,
+                    self.crates,
+                    self.started.elapsed().as_secs()
+                );
+            }
+            None => {}
+        }
+    }
+
+    fn finish(self) {
+        if let Some(bar) = &self.bar {
+            bar.finish_and_clear();
+        }
+        if self.crates > 0 {
+            eprintln!(
+                "built {} ({} crates compiled in {}s)",
+                self.what,
+                self.crates,
+                self.started.elapsed().as_secs()
+            );
+        }
+    }
 }
 
 /// Reads `--mixed-precision`.

@@ -1,0 +1,102 @@
+//! A decoder-only transformer language model: learned token and position embeddings, Burn's
+//! pre-LayerNorm transformer layers under a causal mask, a final LayerNorm, and an output
+//! layer tied to the token embedding (logits are hidden states times its transpose).
+
+use accelerate_burn::burn;
+use burn::config::Config;
+use burn::module::Module;
+use burn::nn::attention::generate_autoregressive_mask;
+use burn::nn::transformer::{
+    TransformerEncoder, TransformerEncoderConfig, TransformerEncoderInput,
+};
+use burn::nn::{Embedding, EmbeddingConfig, Initializer, LayerNorm, LayerNormConfig};
+use burn::tensor::activation::log_softmax;
+use burn::tensor::{Device, Int, Tensor};
+
+/// Shape of a [`TransformerLm`].
+#[derive(Config, Debug)]
+pub struct TransformerLmConfig {
+    /// Tokens in the vocabulary.
+    pub vocab: usize,
+    /// Longest sequence (learned positions).
+    pub context: usize,
+    /// Transformer layers.
+    pub layers: usize,
+    /// Width of the residual stream.
+    pub d_model: usize,
+    /// Attention heads per layer.
+    pub heads: usize,
+    /// Hidden width of each layer's MLP (GELU).
+    pub mlp: usize,
+}
+
+/// The model: see the module documentation.
+#[derive(Module, Debug)]
+pub struct TransformerLm {
+    tokens: Embedding,
+    positions: Embedding,
+    layers: TransformerEncoder,
+    norm: LayerNorm,
+}
+
+impl TransformerLmConfig {
+    /// Builds the model on `device`: embeddings drawn from N(0, 0.02) (the tied output layer
+    /// then starts near uniform), Burn's default initialisation elsewhere, no dropout.
+    pub fn init(&self, device: &Device) -> TransformerLm {
+        let small = Initializer::Normal {
+            mean: 0.0,
+            std: 0.02,
+        };
+        TransformerLm {
+            tokens: EmbeddingConfig::new(self.vocab, self.d_model)
+                .with_initializer(small.clone())
+                .init(device),
+            positions: EmbeddingConfig::new(self.context, self.d_model)
+                .with_initializer(small)
+                .init(device),
+            layers: TransformerEncoderConfig::new(self.d_model, self.mlp, self.heads, self.layers)
+                .with_dropout(0.0)
+                .with_norm_first(true)
+                .init(device),
+            norm: LayerNormConfig::new(self.d_model).init(device),
+        }
+    }
+
+    /// Parameters of a model of this shape.
+    pub fn parameters(&self) -> usize {
+        let (d, m) = (self.d_model, self.mlp);
+        let per_layer = 4 * (d * d + d) + (d * m + m) + (m * d + d) + 4 * d;
+        (self.vocab + self.context) * d + self.layers * per_layer + 2 * d
+    }
+}
+
+impl TransformerLm {
+    /// Logits `[batch, seq, vocab]` for the tokens `[batch, seq]` (seq at most the context).
+    pub fn forward(&self, tokens: Tensor<2, Int>) -> Tensor<3> {
+        let [batch, seq] = tokens.dims();
+        let device = tokens.device();
+        let positions = Tensor::<1, Int>::arange(0..seq as i64, &device).reshape([1, seq]);
+        let [vocab, d_model] = self.tokens.weight.val().dims();
+        let x = self.tokens.forward(tokens)
+            + self
+                .positions
+                .forward(positions)
+                .expand([batch, seq, d_model]);
+        let mask = generate_autoregressive_mask(batch, seq, &device);
+        let x = self
+            .layers
+            .forward(TransformerEncoderInput::new(x).mask_attn(mask));
+        let x = self.norm.forward(x).reshape([batch * seq, d_model]);
+        let logits = x.matmul(self.tokens.weight.val().transpose());
+        logits.reshape([batch, seq, vocab])
+    }
+
+    /// Each sequence's cross-entropy summed over its tokens, `[batch]` (in nats), against
+    /// `targets` `[batch, seq]`.
+    pub fn sequence_losses(&self, tokens: Tensor<2, Int>, targets: Tensor<2, Int>) -> Tensor<1> {
+        let [batch, seq] = targets.dims();
+        let log_probs = log_softmax(self.forward(tokens), 2);
+        let picked = log_probs.gather(2, targets.reshape([batch, seq, 1]));
+        picked.sum_dim(1).reshape([batch]).neg()
+    }
+}

@@ -1,0 +1,429 @@
+//! Trains a byte-level transformer language model on Shakespeare's plays: a plain Burn loop
+//! plus the Accelerator lines.
+//!
+//! ```text
+//! cargo run --example transformer_lm -- --steps 300
+//! accelerate launch -n 2 --example transformer_lm -- --steps 300
+//! ```
+//!
+//! Default model: context 128, 4 pre-LayerNorm layers, d_model 256, 4 heads, MLP 1024 (GELU),
+//! learned positions, output layer tied to the token embedding, no dropout. AdamW (lr 3e-4,
+//! betas 0.9/0.95, weight decay 0.1), 100 warm-up updates then a cosine down to lr/10, global
+//! gradient clipping at 1.0, 32 sequences per process. Every flag is listed by `--help`.
+//! Prints tokens/s and the training loss every `--log-every` updates, the validation loss and
+//! bits per byte every `--eval-every` updates and at the end (of the model and of an
+//! exponential moving average of its weights, `--ema-decay`), then a sampled continuation.
+//! With `--project-dir DIR`: CSV and TensorBoard logs in `DIR/logs`, a checkpoint at every
+//! evaluation (the last 2 kept), and a second start resumes from the latest one.
+
+use std::path::PathBuf;
+use std::time::{Duration, Instant};
+
+use accelerate_burn::burn;
+use accelerate_burn::metrics::{MeanMetric, MetricValue};
+use accelerate_burn::{
+    Accelerator, Checkpoint, DataLoader, DefaultBackend, MixedPrecision, PreparedDataLoader,
+    Tracker,
+};
+use accelerate_core::sampler::SplitMix64;
+use accelerate_examples::text::{self, TextBatch, TextBatcher, TextWindows};
+use accelerate_examples::transformer::{TransformerLm, TransformerLmConfig};
+use burn::module::Module;
+use burn::optim::AdamWConfig;
+use burn::tensor::activation::softmax;
+use burn::tensor::{Int, Tensor, TensorData};
+use clap::Parser;
+use indicatif::{ProgressBar, ProgressStyle};
+
+/// Updates excluded from the tokens/s figure (allocation, first-touch of buffers).
+const WARM_UP_UPDATES: u64 = 3;
+
+/// The example's settings (each one a flag).
+#[derive(Parser, Debug, Clone)]
+#[command(
+    about = "Trains a byte-level transformer language model on Shakespeare's plays",
+    args_override_self = true
+)]
+pub struct Args {
+    /// Optimizer updates to train for.
+    #[arg(long, default_value_t = 300)]
+    pub steps: u64,
+    /// Stop after this many updates in total, keeping the schedule of --steps (to train a long
+    /// run in pieces with --project-dir).
+    #[arg(long)]
+    pub stop_at: Option<u64>,
+    /// Sequence length (bytes).
+    #[arg(long, default_value_t = 128)]
+    pub context: usize,
+    /// Transformer layers.
+    #[arg(long, default_value_t = 4)]
+    pub layers: usize,
+    /// Width of the residual stream.
+    #[arg(long, default_value_t = 256)]
+    pub d_model: usize,
+    /// Attention heads.
+    #[arg(long, default_value_t = 4)]
+    pub heads: usize,
+    /// Hidden width of each layer's MLP.
+    #[arg(long, default_value_t = 1024)]
+    pub mlp: usize,
+    /// Sequences per process per update.
+    #[arg(long, default_value_t = 32)]
+    pub batch: usize,
+    /// Peak learning rate.
+    #[arg(long, default_value_t = 3e-4)]
+    pub lr: f64,
+    /// Updates of linear warm-up before the cosine decay.
+    #[arg(long, default_value_t = 100)]
+    pub warmup: u64,
+    /// AdamW's decoupled weight decay.
+    #[arg(long, default_value_t = 0.1)]
+    pub weight_decay: f32,
+    /// AdamW's beta 1.
+    #[arg(long, default_value_t = 0.9)]
+    pub beta1: f32,
+    /// AdamW's beta 2.
+    #[arg(long, default_value_t = 0.95)]
+    pub beta2: f32,
+    /// Largest global gradient norm (0: no clipping).
+    #[arg(long, default_value_t = 1.0)]
+    pub clip: f32,
+    /// Compute precision: no, bf16 or fp16 (default: ACCELERATE_MIXED_PRECISION, else no).
+    #[arg(long)]
+    pub mixed_precision: Option<String>,
+    /// Burn's AdamW (`AdamWConfig::init()`) instead of the fused update.
+    #[arg(long)]
+    pub burn_optimizer: bool,
+    /// Decay of the exponential moving average of the weights, evaluated beside the model.
+    #[arg(long, default_value_t = 0.99)]
+    pub ema_decay: f64,
+    /// Recompute memory-bound activations in the backward pass (lower peak memory).
+    #[arg(long)]
+    pub gradient_checkpointing: bool,
+    /// Logs, checkpoints and resume in this directory.
+    #[arg(long)]
+    pub project_dir: Option<PathBuf>,
+    /// Updates between evaluations (and checkpoints, with --project-dir).
+    #[arg(long, default_value_t = 100)]
+    pub eval_every: u64,
+    /// Validation sequences evaluated (from the start of the validation text).
+    #[arg(long, default_value_t = 256)]
+    pub eval_sequences: usize,
+    /// Updates between progress lines.
+    #[arg(long, default_value_t = 10)]
+    pub log_every: u64,
+    /// Bytes sampled after training (0: none).
+    #[arg(long, default_value_t = 200)]
+    pub sample_bytes: usize,
+    /// The text the sample continues.
+    #[arg(long, default_value = "HAMLET.\n")]
+    pub prompt: String,
+    /// Seed of the initial weights, the data order and the sample.
+    #[arg(long, default_value_t = 0)]
+    pub seed: u64,
+    /// Threads building batches.
+    #[arg(long, default_value_t = 2)]
+    pub num_workers: usize,
+}
+
+/// What a training run achieved.
+#[derive(Debug, Clone)]
+pub struct Report {
+    /// Optimizer updates applied in total (resumed ones included).
+    pub updates: u64,
+    /// Validation loss at the end.
+    pub validation: MetricValue,
+    /// Validation loss of the moving average of the weights at the end.
+    pub validation_ema: MetricValue,
+    /// Mean training loss per token over the last logging interval.
+    pub train_loss: f64,
+    /// Tokens per second over all processes (`NaN` when too few updates were timed).
+    pub tokens_per_second: f64,
+    /// Share of the timed training time spent waiting for a batch.
+    pub data_wait_share: f64,
+    /// Every parameter's bit pattern, in visit order.
+    pub parameters: Vec<u32>,
+}
+
+fn main() -> anyhow::Result<()> {
+    train(&Args::parse())?;
+    Ok(())
+}
+
+/// The learning rate of update `update` (from 0): linear warm-up, then a cosine to lr/10.
+pub fn learning_rate(args: &Args, update: u64) -> f64 {
+    if update < args.warmup {
+        return args.lr * (update + 1) as f64 / args.warmup as f64;
+    }
+    let decay = args.steps.saturating_sub(args.warmup).max(1) as f64;
+    let progress = ((update - args.warmup) as f64 / decay).min(1.0);
+    let floor = args.lr / 10.0;
+    floor + 0.5 * (args.lr - floor) * (1.0 + (std::f64::consts::PI * progress).cos())
+}
+
+/// Trains as `args` say, prints progress, and returns the [`Report`].
+pub fn train(args: &Args) -> anyhow::Result<Report> {
+    let (train_text, validation_text) = text::train_validation_split()?;
+    let mut builder = Accelerator::<DefaultBackend>::builder().seed(args.seed);
+    if let Some(precision) = &args.mixed_precision {
+        let precision: MixedPrecision = precision
+            .parse()
+            .map_err(|()| anyhow::anyhow!("--mixed-precision expects no, bf16 or fp16"))?;
+        builder = builder.mixed_precision(precision);
+    }
+    if args.gradient_checkpointing {
+        builder = builder.gradient_checkpointing(true);
+    }
+    if let Some(dir) = &args.project_dir {
+        builder = builder
+            .project_dir(dir)
+            .checkpoint_total_limit(2)
+            .log_with(&[Tracker::Csv, Tracker::TensorBoard]);
+    }
+    let acc = builder.build()?;
+
+    let config = TransformerLmConfig::new(
+        text::VOCAB,
+        args.context,
+        args.layers,
+        args.d_model,
+        args.heads,
+        args.mlp,
+    );
+    let model = config.init(&acc.device());
+    let train = DataLoader::builder(TextBatcher)
+        .batch_size(args.batch)
+        .shuffle(args.seed)
+        .num_workers(args.num_workers)
+        .build(TextWindows::new(train_text, args.context, None));
+    let validation = DataLoader::builder(TextBatcher)
+        .batch_size(args.batch)
+        .num_workers(args.num_workers)
+        .build(TextWindows::new(
+            validation_text,
+            args.context,
+            Some(args.eval_sequences),
+        ));
+    let adamw = AdamWConfig::new()
+        .with_beta_1(args.beta1)
+        .with_beta_2(args.beta2)
+        .with_weight_decay(args.weight_decay);
+    let (mut model, mut optim, train, validation) = if args.burn_optimizer {
+        acc.prepare((model, adamw.init(), train, validation))?
+    } else {
+        acc.prepare((model, adamw, train, validation))?
+    };
+    let mut ema = model.clone().no_grad();
+    if args.project_dir.is_some() {
+        let restored = acc.load_latest_checkpoint(model, &mut optim, None)?;
+        model = restored.model;
+        ema = restored.info.module("ema", ema)?;
+        if let Some(path) = restored.info.path {
+            acc.print(format!("resumed from {}", path.display()));
+        }
+    }
+    acc.print(format!(
+        "{} parameters, {} processes x {} sequences of {} bytes per update, {} in {:?}",
+        config.parameters(),
+        acc.num_processes(),
+        args.batch,
+        args.context,
+        acc.backend_name(),
+        acc.compute_dtype(),
+    ));
+
+    let bar = if acc.is_main_process() {
+        ProgressBar::new(args.steps)
+    } else {
+        ProgressBar::hidden()
+    };
+    bar.set_style(ProgressStyle::with_template(
+        "{bar:40} {pos}/{len} updates {msg}",
+    )?);
+    bar.set_position(optim.updates());
+    let tokens_per_update = (args.batch * args.context * acc.num_processes()) as f64;
+    let (mut timed, mut waited, mut timed_updates) = (Duration::ZERO, Duration::ZERO, 0u64);
+    let (mut interval_loss, mut interval_tokens, mut train_loss) = (0.0, 0.0, f64::NAN);
+    let mut validation_value = None;
+    let last = args.stop_at.unwrap_or(args.steps).min(args.steps);
+    'epochs: for epoch in train.epoch().. {
+        train.set_epoch(epoch);
+        let mut batches = train.iter();
+        loop {
+            if optim.updates() >= last {
+                break 'epochs;
+            }
+            let started = Instant::now();
+            let Some(batch) = batches.next() else { break };
+            let TextBatch { inputs, targets } = batch?;
+            let got_batch = started.elapsed();
+            let tokens = targets.dims().iter().product::<usize>() as u64;
+            let loss_sum = acc
+                .autocast(&model, |m, _| m.sequence_losses(inputs, targets))
+                .sum();
+            let mut grads = acc.backward_sum(loss_sum.clone(), tokens, &model)?;
+            if args.clip > 0.0 {
+                acc.clip_grad_norm(&model, &mut grads, args.clip)?;
+            }
+            let lr = learning_rate(args, optim.updates());
+            model = optim.step(lr, model, grads)?;
+            ema = acc.ema_update(ema, &model, args.ema_decay)?;
+            interval_loss += f64::from(loss_sum.into_scalar::<f32>());
+            interval_tokens += tokens as f64;
+            if optim.updates() > WARM_UP_UPDATES {
+                timed += started.elapsed();
+                waited += got_batch;
+                timed_updates += 1;
+            }
+            let updates = optim.updates();
+            bar.set_position(updates);
+            if updates % args.log_every == 0 || updates == last {
+                train_loss = interval_loss / interval_tokens;
+                (interval_loss, interval_tokens) = (0.0, 0.0);
+                let speed = tokens_per_update * timed_updates as f64 / timed.as_secs_f64();
+                let line = format!(
+                    "update {updates}/{}: train loss {train_loss:.4}, {speed:.0} tokens/s",
+                    args.steps
+                );
+                bar.set_message(format!("loss {train_loss:.3}, {speed:.0} tokens/s"));
+                bar.suspend(|| acc.print(&line));
+                acc.log(
+                    &[("train/loss", train_loss), ("train/tokens_per_s", speed)],
+                    updates,
+                )?;
+            }
+            if updates % args.eval_every == 0 || updates == last {
+                let value = evaluate(&acc, &model, &validation)?;
+                let averaged = evaluate(&acc, &ema, &validation)?;
+                bar.suspend(|| {
+                    acc.print(format!(
+                        "update {updates}: validation loss {:.4} ({:.3} bits per byte), with \
+                         the moving average {:.4}",
+                        value.value,
+                        value.bits(),
+                        averaged.value,
+                    ))
+                });
+                acc.log(
+                    &[
+                        ("validation/loss", value.value),
+                        ("validation/bpb", value.bits()),
+                        ("validation/ema_loss", averaged.value),
+                    ],
+                    updates,
+                )?;
+                validation_value = Some((value, averaged));
+                if args.project_dir.is_some() {
+                    acc.save_checkpoint(&Checkpoint::new(&model, &optim).module("ema", &ema))?;
+                }
+            }
+        }
+    }
+    bar.finish_and_clear();
+    let (validation, validation_ema) = match validation_value {
+        Some(values) => values,
+        None => (
+            evaluate(&acc, &model, &validation)?,
+            evaluate(&acc, &ema, &validation)?,
+        ),
+    };
+    let tokens_per_second = tokens_per_update * timed_updates as f64 / timed.as_secs_f64();
+    let data_wait_share = waited.as_secs_f64() / timed.as_secs_f64();
+    acc.print(format!(
+        "validation loss {:.4} ({:.3} bits per byte; moving average {:.4}) after {} updates; \
+         {tokens_per_second:.0} tokens/s, {:.2} % of it waiting for data; peak resident memory \
+         {}",
+        validation.value,
+        validation.bits(),
+        validation_ema.value,
+        optim.updates(),
+        100.0 * data_wait_share,
+        peak_resident_memory().map_or("unknown".into(), |kib| format!("{} MiB", kib / 1024)),
+    ));
+    if args.sample_bytes > 0 && acc.is_main_process() {
+        let sample = continue_text(&model, args, acc.device());
+        println!(
+            "sample:\n{}{}",
+            args.prompt,
+            String::from_utf8_lossy(&sample)
+        );
+    }
+    Ok(Report {
+        updates: optim.updates(),
+        validation,
+        validation_ema,
+        train_loss,
+        tokens_per_second,
+        data_wait_share,
+        parameters: parameter_bits(&model),
+    })
+}
+
+/// Validation loss per byte over the evaluated sequences of every process.
+fn evaluate(
+    acc: &Accelerator<DefaultBackend>,
+    model: &TransformerLm,
+    validation: &PreparedDataLoader<Vec<u8>, TextBatch>,
+) -> anyhow::Result<MetricValue> {
+    let mut loss = MeanMetric::new();
+    for batch in validation.iter() {
+        let TextBatch { inputs, targets } = batch?;
+        let [rows, context] = targets.dims();
+        let sums = acc.autocast(model, |m, _| m.sequence_losses(inputs, targets));
+        let tokens = Tensor::<1>::full([rows], context as f32, &acc.device());
+        loss.update_sums(acc, sums, tokens)?;
+    }
+    Ok(loss.compute(acc)?)
+}
+
+/// `args.sample_bytes` bytes continuing `args.prompt`, drawn at temperature 0.8.
+fn continue_text(model: &TransformerLm, args: &Args, device: burn::tensor::Device) -> Vec<u8> {
+    let mut bytes = args.prompt.as_bytes().to_vec();
+    let mut random = SplitMix64::new(args.seed);
+    for _ in 0..args.sample_bytes {
+        let window = &bytes[bytes.len().saturating_sub(args.context)..];
+        let tokens: Vec<i64> = window.iter().map(|&b| i64::from(b)).collect();
+        let seq = tokens.len();
+        let input = Tensor::<2, Int>::from_data(TensorData::new(tokens, [1, seq]), &device);
+        let last = model
+            .forward(input)
+            .narrow(1, seq - 1, 1)
+            .reshape([text::VOCAB]);
+        let probs: Vec<f32> = softmax(last.div_scalar(0.8), 0)
+            .into_data()
+            .iter::<f32>()
+            .collect();
+        let mut draw = (random.next_u64() >> 11) as f64 / (1u64 << 53) as f64;
+        let mut next = probs.len() - 1;
+        for (byte, p) in probs.iter().enumerate() {
+            draw -= f64::from(*p);
+            if draw < 0.0 {
+                next = byte;
+                break;
+            }
+        }
+        bytes.push(next as u8);
+    }
+    bytes.split_off(args.prompt.len())
+}
+
+/// This process's peak resident memory in KiB (Linux's `VmHWM`), if the system reports it.
+fn peak_resident_memory() -> Option<u64> {
+    let status = std::fs::read_to_string("/proc/self/status").ok()?;
+    let line = status.lines().find(|l| l.starts_with("VmHWM:"))?;
+    line.split_whitespace().nth(1)?.parse().ok()
+}
+
+fn parameter_bits(model: &TransformerLm) -> Vec<u32> {
+    use burn::module::{ModuleVisitor, Param};
+    struct Collect(Vec<u32>);
+    impl ModuleVisitor for Collect {
+        fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<D>>) {
+            self.0
+                .extend(param.val().into_data().iter::<f32>().map(f32::to_bits));
+        }
+    }
+    let mut collect = Collect(Vec::new());
+    model.visit(&mut collect);
+    collect.0
+}
