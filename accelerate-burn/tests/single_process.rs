@@ -798,10 +798,15 @@ fn summed_losses_weigh_every_row_of_a_window_alike() {
     let sizes = [1usize, 3, 20, 8];
     let all = items(32);
     let batch_of = |rows: &[Item], device: &Device| Rows.batch(rows.to_vec(), device);
+    // One initial model for every run: the device's random stream is shared with the tests
+    // running beside this one, so two `Net::new` need not draw the same weights.
+    let acc = accelerator(1);
+    let device = acc.device();
+    let initial = Net::new(&device);
     let run = |summed: bool| {
         let acc = accelerator(4);
         let device = acc.device();
-        let (mut model, mut optim) = acc.prepare((Net::new(&device), SgdConfig::new())).unwrap();
+        let (mut model, mut optim) = acc.prepare((initial.clone(), SgdConfig::new())).unwrap();
         let mut start = 0;
         for size in sizes {
             let (x, y) = batch_of(&all[start..start + size], &device);
@@ -817,9 +822,7 @@ fn summed_losses_weigh_every_row_of_a_window_alike() {
         assert_eq!(optim.updates(), 1);
         model.values()
     };
-    let acc = accelerator(1);
-    let device = acc.device();
-    let mut big = Net::new(&device);
+    let mut big = initial.clone();
     let grads = GradientsParams::from_grads(big.loss(batch_of(&all, &device)).backward(), &big);
     big = SgdConfig::new().init().step(0.1, big, grads);
 

@@ -125,19 +125,12 @@ impl<B: AcceleratorBackend> Accelerator<B> {
     /// over every item of the window on every rank: the reducer then averages over the ranks,
     /// so the factor is `world / items in the window across ranks`.
     fn per_item_factor(&self, local: u64) -> Result<f64, AccelerateError> {
-        let total: u64 = if self.comm.is_distributed() {
-            self.comm
-                .lock()
-                .all_gather_object(&local)?
-                .into_iter()
-                .fold(0u64, u64::saturating_add)
-        } else {
-            local
-        };
-        Ok(if total == 0 {
+        // Counts stay exact in f64 up to 2^53 items per window.
+        let [total] = self.sum_across_processes([local as f64])?;
+        Ok(if total == 0.0 {
             0.0
         } else {
-            self.state.world_size as f64 / total as f64
+            self.state.world_size as f64 / total
         })
     }
 
