@@ -9,7 +9,17 @@ mod transformer_example;
 
 use clap::Parser;
 use common::{SCENARIO, env_number, largest_difference, line, params, run};
-use transformer_example::{Args, learning_rate, train};
+use transformer_example::{Args, Report, learning_rate};
+
+/// Trains one run at a time: the device's random stream (weight initialisation) is shared by
+/// the whole test process, so runs side by side could draw each other's weights.
+fn train(args: &Args) -> anyhow::Result<Report> {
+    static ONE_AT_A_TIME: std::sync::Mutex<()> = std::sync::Mutex::new(());
+    let _alone = ONE_AT_A_TIME
+        .lock()
+        .unwrap_or_else(std::sync::PoisonError::into_inner);
+    transformer_example::train(args)
+}
 
 /// A model small enough to train for a few seconds in a test.
 fn small(extra: &[&str]) -> Args {
