@@ -341,7 +341,7 @@ pub fn train(args: &Args) -> anyhow::Result<Report> {
         peak_resident_memory().map_or("unknown".into(), |kib| format!("{} MiB", kib / 1024)),
     ));
     if args.sample_bytes > 0 && acc.is_main_process() {
-        let sample = continue_text(&model, args, acc.device());
+        let sample = continue_text(&model.valid(), args, acc.device().inner());
         println!(
             "sample:\n{}{}",
             args.prompt,
@@ -365,12 +365,16 @@ fn evaluate(
     model: &TransformerLm,
     validation: &PreparedDataLoader<Vec<u8>, TextBatch>,
 ) -> anyhow::Result<MetricValue> {
+    // Off the autodiff device: on it every forward records a graph that nothing consumes, and
+    // 256 sequences held 2.8 GiB of them at once.
+    let model = model.valid();
     let mut loss = MeanMetric::new();
     for batch in validation.iter() {
         let TextBatch { inputs, targets } = batch?;
+        let (inputs, targets) = (inputs.inner(), targets.inner());
         let [rows, context] = targets.dims();
-        let sums = acc.autocast(model, |m, _| m.sequence_losses(inputs, targets));
-        let tokens = Tensor::<1>::full([rows], context as f32, &acc.device());
+        let tokens = Tensor::<1>::full([rows], context as f32, &targets.device());
+        let sums = acc.autocast(&model, |m, _| m.sequence_losses(inputs, targets));
         loss.update_sums(acc, sums, tokens)?;
     }
     Ok(loss.compute(acc)?)

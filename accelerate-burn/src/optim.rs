@@ -16,17 +16,30 @@ use crate::training_loop::SharedLoop;
 /// the [`Gradients`] of a completed accumulation window.
 pub struct PreparedOptimizer {
     reducer: ReducerHandle,
+    /// Its model's slot in the training loop.
+    slot: usize,
     training: SharedLoop,
     comm: Comm,
 }
 
 impl PreparedOptimizer {
-    pub(crate) fn new(reducer: ReducerHandle, training: SharedLoop, comm: Comm) -> Self {
+    pub(crate) fn new(
+        reducer: ReducerHandle,
+        slot: usize,
+        training: SharedLoop,
+        comm: Comm,
+    ) -> Self {
         Self {
             reducer,
+            slot,
             training,
             comm,
         }
+    }
+
+    /// Its model's slot in the training loop.
+    pub(crate) fn slot(&self) -> usize {
+        self.slot
     }
 
     /// Applies `grads` (from [`Accelerator::backward`](crate::Accelerator::backward)) with
@@ -51,7 +64,7 @@ impl PreparedOptimizer {
         if matches!(grads.outcome, Outcome::NotDue | Outcome::Skipped) {
             return Ok(model);
         }
-        if grads.window != training.windows() || !training.take_update() {
+        if grads.window != training.windows(self.slot) || !training.take_update(self.slot) {
             return Err(AccelerateError::UnexpectedGradients { rank });
         }
         let mut cell = ModelCell(Some(model));
@@ -62,9 +75,9 @@ impl PreparedOptimizer {
         cell.0.ok_or(AccelerateError::UnexpectedGradients { rank })
     }
 
-    /// Optimizer updates applied so far.
+    /// Updates this optimizer applied so far.
     pub fn updates(&self) -> u64 {
-        self.training.lock().updates()
+        self.training.lock().updates(self.slot)
     }
 
     /// Burn's optimizer, for its records and settings (`None` for a fused optimizer).
@@ -110,6 +123,8 @@ impl PreparedOptimizer {
 pub struct PreparedScheduler {
     inner: ModuleLrScheduler,
     training: SharedLoop,
+    /// The slot of the optimizer whose updates it follows.
+    slot: usize,
     advanced: u64,
     lr: ModuleLearningRate,
     /// The record from before the latest advance: a checkpoint taken after
@@ -118,10 +133,11 @@ pub struct PreparedScheduler {
 }
 
 impl PreparedScheduler {
-    pub(crate) fn new(inner: ModuleLrScheduler, training: SharedLoop) -> Self {
+    pub(crate) fn new(inner: ModuleLrScheduler, training: SharedLoop, slot: usize) -> Self {
         Self {
             inner,
             training,
+            slot,
             advanced: 0,
             lr: ModuleLearningRate::default(),
             before_latest: None,
@@ -130,7 +146,7 @@ impl PreparedScheduler {
 
     /// The learning rate for the next optimizer update.
     pub fn step(&mut self) -> ModuleLearningRate {
-        let wanted = self.training.lock().updates() + 1;
+        let wanted = self.training.lock().updates(self.slot) + 1;
         while self.advanced < wanted {
             self.before_latest = Some(self.inner.to_record());
             self.lr = self.inner.step();

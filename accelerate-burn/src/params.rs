@@ -270,6 +270,50 @@ pub(crate) fn replace<M: Module>(model: M, replacement: Replacement) -> M {
     })
 }
 
+/// The id of `model`'s first float parameter (what tells prepared models apart).
+pub(crate) fn first_id<M: Module>(model: &M) -> Option<ParamId> {
+    struct First(Option<ParamId>);
+    impl ModuleVisitor for First {
+        fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<D>>) {
+            self.0.get_or_insert(param.id);
+        }
+    }
+    let mut first = First(None);
+    model.visit(&mut first);
+    first.0
+}
+
+/// `model` trained on `device`: its float parameters take the device's autodiff association
+/// and gradient-checkpointing strategy. Burn's `fork` keeps each tensor's own, so a model built
+/// on a plain device would train without gradients and one built on another autodiff device
+/// would keep that device's strategy (Burn panics when an operation mixes two strategies).
+pub(crate) fn adopt_device<M: Module>(model: M, device: &burn::tensor::Device) -> M {
+    struct Adopt(Option<burn::tensor::GradientCheckpointingStrategy>);
+    impl ModuleMapper for Adopt {
+        fn map_float<const D: usize>(&mut self, param: Param<Tensor<D>>) -> Param<Tensor<D>> {
+            let Some(strategy) = self.0 else {
+                return param;
+            };
+            let (id, tensor, mapper) = param.consume();
+            let tensor = if tensor.gradient_checkpointing_strategy() == Some(strategy) {
+                tensor
+            } else {
+                tensor.with_gradient_checkpointing_strategy(strategy)
+            };
+            Param::from_mapped_value(id, tensor, mapper)
+        }
+    }
+    let model = model.fork(device);
+    let model = if device.is_autodiff() {
+        // `train` enables autodiff on parameters that lack it, each requiring gradients as its
+        // module configured (frozen ones stay frozen).
+        model.train()
+    } else {
+        model
+    };
+    model.map(&mut Adopt(device.gradient_checkpointing_strategy()))
+}
+
 /// A flat f32 host buffer as a plain tensor of shape `[len]` on `device`.
 pub(crate) fn upload(values: Vec<f32>, device: &burn::tensor::Device) -> Tensor<1> {
     let len = values.len();

@@ -30,8 +30,24 @@ impl SharedLoop {
     }
 }
 
-/// Accumulation, loss scaling and the random stream of one training loop.
+/// Accumulation, loss scaling and the random stream of one training loop, with the window
+/// state of each prepared model (indexed by its slot: the order models first met `prepare` or
+/// `backward`). Every slot sees every training batch; slot 0's windows drive the random
+/// stream.
 pub(crate) struct TrainingLoop {
+    models: Vec<ModelLoop>,
+    /// The slot of the latest backward pass.
+    latest: usize,
+    accumulation_steps: usize,
+    /// The fp16 scaler each new slot starts from.
+    scaler: Option<DynamicLossScaler>,
+    /// Seed of the device's random stream (`None`: the stream is not managed).
+    seed: Option<u64>,
+    rank: usize,
+}
+
+/// One model's windows: what it accumulates, its loss scale and its updates.
+struct ModelLoop {
     accumulation: GradientAccumulation,
     /// Gradients summed over the micro-batches of the open window.
     window_sum: Option<ParamList>,
@@ -42,9 +58,19 @@ pub(crate) struct TrainingLoop {
     step_skipped: bool,
     /// Accumulation windows completed, skipped ones included.
     windows: u64,
-    /// Seed of the device's random stream (`None`: the stream is not managed).
-    seed: Option<u64>,
-    rank: usize,
+}
+
+impl ModelLoop {
+    fn new(steps: usize, scaler: Option<DynamicLossScaler>) -> Self {
+        Self {
+            accumulation: GradientAccumulation::new(steps),
+            window_sum: None,
+            window_kind: None,
+            scaler,
+            step_skipped: false,
+            windows: 0,
+        }
+    }
 }
 
 /// How a backward pass's loss is weighted within its accumulation window.
@@ -56,7 +82,7 @@ pub(crate) enum LossKind {
     Sum(u64),
 }
 
-/// The loop's part of a checkpoint.
+/// One slot's part of a checkpoint.
 pub(crate) struct LoopSnapshot {
     pub updates: u64,
     pub windows: u64,
@@ -71,42 +97,66 @@ impl TrainingLoop {
         rank: usize,
     ) -> Self {
         Self {
-            accumulation: GradientAccumulation::new(accumulation_steps),
-            window_sum: None,
-            window_kind: None,
+            models: vec![ModelLoop::new(accumulation_steps, scaler.clone())],
+            latest: 0,
+            accumulation_steps,
             scaler,
-            step_skipped: false,
-            windows: 0,
             seed,
             rank,
         }
     }
 
-    /// A training batch begins at `position` of its epoch (reported by the training loader).
+    /// `slot`'s state, made on first use (a model prepared after training began starts with
+    /// no updates and joins the windows at the next batch).
+    fn model(&mut self, slot: usize) -> &mut ModelLoop {
+        if slot >= self.models.len() {
+            self.models.resize_with(slot + 1, || {
+                ModelLoop::new(self.accumulation_steps, self.scaler.clone())
+            });
+        }
+        &mut self.models[slot]
+    }
+
+    fn peek(&self, slot: usize) -> Option<&ModelLoop> {
+        self.models.get(slot)
+    }
+
+    /// A training batch begins at `position` of its epoch (reported by the training loader):
+    /// every model's windows follow it.
     pub fn begin_batch(&mut self, position: BatchPosition) {
-        self.accumulation.begin_batch(position);
+        for model in &mut self.models {
+            model.accumulation.begin_batch(position);
+        }
     }
 
-    /// What the backward pass now running must do.
-    pub fn micro_step(&mut self) -> MicroStep {
-        self.accumulation.micro_step()
+    /// What the backward pass now running for `slot` must do.
+    pub fn micro_step(&mut self, slot: usize) -> MicroStep {
+        self.latest = slot;
+        self.model(slot).accumulation.micro_step()
     }
 
-    /// The loss scale to multiply the loss by (`None` without fp16).
-    pub fn loss_scale(&self) -> Option<f32> {
-        self.scaler.as_ref().map(DynamicLossScaler::scale)
+    /// The loss scale to multiply `slot`'s loss by (`None` without fp16).
+    pub fn loss_scale(&self, slot: usize) -> Option<f32> {
+        self.peek(slot)?
+            .scaler
+            .as_ref()
+            .map(DynamicLossScaler::scale)
     }
 
-    /// The factor that unscales gradients (`None` without fp16).
-    pub fn inv_scale(&self) -> Option<f32> {
-        self.scaler.as_ref().map(DynamicLossScaler::inv_scale)
+    /// The factor that unscales `slot`'s gradients (`None` without fp16).
+    pub fn inv_scale(&self, slot: usize) -> Option<f32> {
+        self.peek(slot)?
+            .scaler
+            .as_ref()
+            .map(DynamicLossScaler::inv_scale)
     }
 
-    /// Records how the micro-batch `step` weighs its loss; an error when the window's earlier
-    /// micro-batches were weighted the other way (then nothing is recorded).
-    pub fn weigh(&mut self, kind: LossKind, step: MicroStep) -> Result<(), String> {
-        let open = if step.first { None } else { self.window_kind };
-        self.window_kind = Some(match (open, kind) {
+    /// Records how `slot`'s micro-batch `step` weighs its loss; an error when the window's
+    /// earlier micro-batches were weighted the other way (then nothing is recorded).
+    pub fn weigh(&mut self, slot: usize, kind: LossKind, step: MicroStep) -> Result<(), String> {
+        let model = self.model(slot);
+        let open = if step.first { None } else { model.window_kind };
+        model.window_kind = Some(match (open, kind) {
             (None, kind) | (Some(LossKind::Mean), kind @ LossKind::Mean) => kind,
             (Some(LossKind::Sum(a)), LossKind::Sum(b)) => LossKind::Sum(a.saturating_add(b)),
             (Some(open), kind) => {
@@ -120,18 +170,24 @@ impl TrainingLoop {
         Ok(())
     }
 
-    /// The items of the window now completing when its losses were sums (`backward_sum`).
-    pub fn window_items(&self) -> Option<u64> {
-        match self.window_kind {
+    /// The items of `slot`'s window now completing when its losses were sums (`backward_sum`).
+    pub fn window_items(&self, slot: usize) -> Option<u64> {
+        match self.peek(slot)?.window_kind {
             Some(LossKind::Sum(items)) => Some(items),
             _ => None,
         }
     }
 
-    /// Adds `grads` to the open window's sum; returns the sum when `step` completes the
+    /// Adds `grads` to `slot`'s open window's sum; returns the sum when `step` completes the
     /// window. Sums are taken on the device, in visit order.
-    pub fn accumulate(&mut self, grads: ParamList, step: MicroStep) -> Option<ParamList> {
-        let summed = match self.window_sum.take() {
+    pub fn accumulate(
+        &mut self,
+        slot: usize,
+        grads: ParamList,
+        step: MicroStep,
+    ) -> Option<ParamList> {
+        let model = self.model(slot);
+        let summed = match model.window_sum.take() {
             Some(mut sum) if !step.first => {
                 for (total, grad) in sum.iter_mut().zip(grads) {
                     *total = match (total.take(), grad) {
@@ -146,86 +202,99 @@ impl TrainingLoop {
         if step.sync {
             Some(summed)
         } else {
-            self.window_sum = Some(summed);
+            model.window_sum = Some(summed);
             None
         }
     }
 
-    /// Counts a completed window and reseeds `device` for the next one; returns the window's
-    /// number (from 1).
-    pub fn complete_window(&mut self, device: &Device) -> u64 {
-        self.windows += 1;
-        if let Some(seed) = self.seed {
-            device.seed(window_seed(seed, self.rank, self.windows));
+    /// Counts a completed window of `slot`, reseeding `device` for the next one when it is
+    /// slot 0's; returns the slot's window number (from 1).
+    pub fn complete_window(&mut self, slot: usize, device: &Device) -> u64 {
+        let (seed, rank) = (self.seed, self.rank);
+        let model = self.model(slot);
+        model.windows += 1;
+        let windows = model.windows;
+        if let Some(seed) = seed.filter(|_| slot == 0) {
+            device.seed(window_seed(seed, rank, windows));
         }
-        self.windows
+        windows
     }
 
-    /// Feeds the window's overflow test to the fp16 scaler; true when the step is skipped
+    /// Feeds `slot`'s window's overflow test to its fp16 scaler; true when the step is skipped
     /// (on every rank alike: the test saw every rank's gradients).
-    pub fn record_overflow(&mut self, overflow: bool) -> bool {
-        self.step_skipped = self
+    pub fn record_overflow(&mut self, slot: usize, overflow: bool) -> bool {
+        let model = self.model(slot);
+        model.step_skipped = model
             .scaler
             .as_mut()
             .is_some_and(|scaler| scaler.update(overflow) == ScaledStep::Skip);
-        if self.step_skipped {
-            self.accumulation.skip_update();
+        if model.step_skipped {
+            model.accumulation.skip_update();
         }
-        self.step_skipped
+        model.step_skipped
     }
 
-    /// True when the latest completed window's step was skipped.
+    /// True when the latest backward pass's model skipped its latest completed window.
     pub fn step_skipped(&self) -> bool {
-        self.step_skipped
+        self.peek(self.latest).is_some_and(|m| m.step_skipped)
     }
 
-    /// Windows completed so far.
-    pub fn windows(&self) -> u64 {
-        self.windows
+    /// Windows `slot` completed so far.
+    pub fn windows(&self, slot: usize) -> u64 {
+        self.peek(slot).map_or(0, |m| m.windows)
     }
 
-    /// Claims the due update; false when there is none.
-    pub fn take_update(&mut self) -> bool {
-        self.accumulation.take_update()
+    /// Claims `slot`'s due update; false when there is none.
+    pub fn take_update(&mut self, slot: usize) -> bool {
+        self.model(slot).accumulation.take_update()
     }
 
-    /// Optimizer updates applied so far.
-    pub fn updates(&self) -> u64 {
-        self.accumulation.updates()
+    /// Optimizer updates `slot` applied so far.
+    pub fn updates(&self, slot: usize) -> u64 {
+        self.peek(slot).map_or(0, |m| m.accumulation.updates())
     }
 
-    /// Micro-batches summed in the open window.
+    /// Micro-batches summed in the open windows (the most of any slot).
     pub fn pending(&self) -> usize {
-        self.accumulation.pending()
+        self.models
+            .iter()
+            .map(|m| m.accumulation.pending())
+            .max()
+            .unwrap_or(0)
     }
 
     /// Micro-batches per update.
     pub fn accumulation_steps(&self) -> usize {
-        self.accumulation.steps()
+        self.accumulation_steps
     }
 
     /// True when the latest micro-batch completed a window.
     pub fn sync_gradients(&self) -> bool {
-        self.accumulation.sync_gradients()
+        self.peek(self.latest)
+            .is_none_or(|m| m.accumulation.sync_gradients())
     }
 
-    /// The loop's part of a checkpoint.
-    pub fn snapshot(&self) -> LoopSnapshot {
+    /// `slot`'s part of a checkpoint.
+    pub fn snapshot(&self, slot: usize) -> LoopSnapshot {
+        let model = self.peek(slot);
         LoopSnapshot {
-            updates: self.accumulation.updates(),
-            windows: self.windows,
-            scaler: self.scaler.as_ref().map(DynamicLossScaler::state),
+            updates: model.map_or(0, |m| m.accumulation.updates()),
+            windows: model.map_or(0, |m| m.windows),
+            scaler: model.and_then(|m| m.scaler.as_ref().map(DynamicLossScaler::state)),
         }
     }
 
-    /// Continues from a checkpoint's `snapshot`, reseeding `device` to where it stood.
-    pub fn restore(&mut self, snapshot: LoopSnapshot, device: &Device) {
-        self.accumulation.restore(snapshot.updates);
-        self.window_sum = None;
-        self.window_kind = None;
-        self.step_skipped = false;
-        self.windows = snapshot.windows;
-        match (self.scaler.as_mut(), snapshot.scaler) {
+    /// Continues `slot` from a checkpoint's `snapshot`; slot 0 also reseeds `device` to where
+    /// it stood.
+    pub fn restore(&mut self, slot: usize, snapshot: LoopSnapshot, device: &Device) {
+        let (seed, rank) = (self.seed, self.rank);
+        let model = self.model(slot);
+        model.accumulation.restore(snapshot.updates);
+        model.window_sum = None;
+        model.window_kind = None;
+        model.step_skipped = false;
+        model.windows = snapshot.windows;
+        match (model.scaler.as_mut(), snapshot.scaler) {
             (Some(scaler), Some(state)) => scaler.load_state(state),
             (None, None) => {}
             (now, _) => tracing::warn!(
@@ -235,8 +304,8 @@ impl TrainingLoop {
                 if now.is_some() { "fp16" } else { "not" },
             ),
         }
-        if let Some(seed) = self.seed {
-            device.seed(window_seed(seed, self.rank, self.windows));
+        if let Some(seed) = seed.filter(|_| slot == 0) {
+            device.seed(window_seed(seed, rank, snapshot.windows));
         }
     }
 }

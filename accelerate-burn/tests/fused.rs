@@ -356,7 +356,7 @@ fn parameters_added_after_prepare_are_an_error() {
 }
 
 #[test]
-fn a_burn_optimizer_beside_a_fused_one_is_an_error_not_a_silent_no_op() {
+fn a_second_optimizer_for_the_same_model_is_an_error_not_a_silent_no_op() {
     let acc = Accelerator::<DefaultBackend>::builder()
         .process_state(ProcessState::single())
         .build()
@@ -369,7 +369,7 @@ fn a_burn_optimizer_beside_a_fused_one_is_an_error_not_a_silent_no_op() {
         .err()
         .unwrap()
         .to_string();
-    assert!(err.contains("one optimizer per accelerator"), "{err}");
+    assert!(err.contains("already prepared for this model"), "{err}");
 }
 
 #[derive(Module, Debug)]

@@ -109,8 +109,10 @@ mod glibc {
     }
 
     /// A step's buffers are a few MiB (the 1024 x 1024 weight's gradient alone is 1,024 pages):
-    /// with glibc's defaults each step faults many of them in again (1,933-3,772 pages
-    /// observed); kept, a step faults at most a few dozen (0-45 observed). (`harness = false`: the steps must run on the main thread, whose heap
+    /// with glibc's defaults each step faults many of them in again (1,358-3,772 pages
+    /// observed: glibc's adaptive mmap threshold makes the count vary from run to run, so the
+    /// test asks for at least 512 to show the problem still exists); kept, a step faults at
+    /// most a few dozen (0-45 observed). (`harness = false`: the steps must run on the main thread, whose heap
     /// is the one the thresholds govern; see `accelerate_core::malloc_tuning`.)
     pub fn main() {
         if let Ok(optimizer) = std::env::var(CHILD) {
@@ -128,7 +130,7 @@ mod glibc {
                 "{optimizer}: {kept} page faults per step with freed memory kept"
             );
             assert!(
-                default >= 1024,
+                default >= 512,
                 "{optimizer}: glibc's defaults faulted only {default} pages per step: the test no \
                  longer shows the problem"
             );

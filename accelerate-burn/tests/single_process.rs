@@ -857,7 +857,11 @@ fn mean_and_summed_losses_cannot_share_a_window() {
 /// recomputation is the same arithmetic, so training is bit-identical with and without it.
 #[test]
 fn gradient_checkpointing_trains_bit_identically() {
-    let run = |checkpointing: bool| {
+    // One initial model for both runs, built on a plain autodiff device (Burn's default
+    // strategy): prepare gives its parameters the prepared device's strategy, and drawing it
+    // once keeps other tests' use of the shared random stream out of the comparison.
+    let initial = Net::new(&Device::default().autodiff());
+    let run = |initial: Net, checkpointing: bool| {
         let acc = Accelerator::<DefaultBackend>::builder()
             .process_state(ProcessState::single())
             .seed(11)
@@ -873,7 +877,7 @@ fn gradient_checkpointing_trains_bit_identically() {
             checkpointing
         );
         let (mut model, mut optim, train) = acc
-            .prepare((Net::new(&device), AdamWConfig::new(), loader(64, 8)))
+            .prepare((initial, AdamWConfig::new(), loader(64, 8)))
             .unwrap();
         for batch in train.iter() {
             let grads = acc.backward(model.loss(batch.unwrap()), &model).unwrap();
@@ -881,7 +885,11 @@ fn gradient_checkpointing_trains_bit_identically() {
         }
         model.bits()
     };
-    assert_eq!(run(true), run(false));
+    let (with, without) = (run(initial.clone(), true), run(initial.clone(), false));
+    assert_ne!(with, initial.bits(), "the runs trained");
+    assert_eq!(with, without);
+    // A model built on a plain device (no autodiff) trains alike once prepared.
+    assert_eq!(run(initial.valid(), true), without);
 }
 
 /// One, two and three workers build the same batches, in the same order, bit for bit.
@@ -970,4 +978,94 @@ fn a_moving_average_updates_saves_and_resumes_beside_the_model() {
         .unwrap_err()
         .to_string();
     assert!(bad.contains("not a file name"), "{bad}");
+}
+
+/// Two models, each with its own prepared optimizer (Burn's SGD and the fused AdamW), trained
+/// in one loop with windows of 2: each keeps windows of its own (the second backward pass of a
+/// batch does not advance the first model's window), each ends bit for bit where it ends
+/// trained alone, and a checkpoint holding both resumes both bit for bit.
+#[test]
+fn two_models_with_their_own_optimizers_train_as_if_alone_and_resume_together() {
+    use accelerate_burn::{Checkpoint, PreparedOptimizer};
+    let device = Device::default().autodiff();
+    let (first, second) = (Net::new(&device), Net::new(&device));
+    let epochs = 2;
+    let step = |acc: &Accelerator<DefaultBackend>,
+                model: Net,
+                optim: &mut PreparedOptimizer,
+                batch: (Tensor<2>, Tensor<2>)| {
+        let grads = acc.backward(model.loss(batch), &model).unwrap();
+        optim.step(1e-2, model, grads).unwrap()
+    };
+    let alone = |initial: Net, fused: bool| {
+        let acc = accelerator(2);
+        let (mut model, mut optim, train) = if fused {
+            acc.prepare((initial, AdamWConfig::new(), loader(40, 4)))
+        } else {
+            acc.prepare((initial, SgdConfig::new().init(), loader(40, 4)))
+        }
+        .unwrap();
+        for epoch in 0..epochs {
+            train.set_epoch(epoch);
+            for batch in train.iter() {
+                model = step(&acc, model, &mut optim, batch.unwrap());
+            }
+        }
+        (model.bits(), optim.updates())
+    };
+    // `Save(n, dir)`: save into `dir` after n updates and stop; `Resume(dir)`: continue from it.
+    enum Run<'a> {
+        Whole,
+        Save(u64, &'a std::path::Path),
+        Resume(&'a std::path::Path),
+    }
+    let together = |run: Run<'_>| {
+        let acc = accelerator(2);
+        let train = acc.prepare_data_loader(loader(40, 4)).unwrap();
+        let (mut a, mut optim_a) = acc
+            .prepare((first.clone(), SgdConfig::new().init()))
+            .unwrap();
+        let (mut b, mut optim_b) = acc.prepare((second.clone(), AdamWConfig::new())).unwrap();
+        assert!(acc.prepare((b.clone(), SgdConfig::new())).is_err());
+        if let Run::Resume(dir) = run {
+            let restored = acc.load_state(dir, a, &mut optim_a, None).unwrap();
+            a = restored.model;
+            b = acc
+                .load_pair(&restored.info, "second", b, &mut optim_b)
+                .unwrap();
+            let err = acc
+                .load_pair(&restored.info, "third", b.clone(), &mut optim_b)
+                .unwrap_err()
+                .to_string();
+            assert!(err.contains("as \"third\""), "{err}");
+        }
+        for epoch in train.epoch()..epochs {
+            train.set_epoch(epoch);
+            for batch in train.iter() {
+                let batch = batch.unwrap();
+                a = step(&acc, a, &mut optim_a, batch.clone());
+                b = step(&acc, b, &mut optim_b, batch);
+                if let Run::Save(updates, dir) = run
+                    && optim_a.updates() == updates
+                    && acc.sync_gradients()
+                {
+                    let checkpoint = Checkpoint::new(&a, &optim_a).pair("second", &b, &optim_b);
+                    acc.save_state(dir, &checkpoint).unwrap();
+                    return None;
+                }
+            }
+        }
+        Some(((a.bits(), optim_a.updates()), (b.bits(), optim_b.updates())))
+    };
+    let (alone_a, alone_b) = (alone(first.clone(), false), alone(second.clone(), true));
+    assert_eq!(alone_a.1, 10, "2 epochs of 10 batches in windows of 2");
+    let uninterrupted = together(Run::Whole).unwrap();
+    assert_eq!(uninterrupted, (alone_a, alone_b));
+
+    let tmp = tempfile::tempdir().unwrap();
+    let dir = tmp.path().join("ckpt");
+    assert!(together(Run::Save(3, &dir)).is_none());
+    assert!(dir.join("second").join("model.safetensors").is_file());
+    let resumed = together(Run::Resume(&dir)).unwrap();
+    assert_eq!(resumed, uninterrupted);
 }

@@ -8,6 +8,7 @@
 //! crash in the middle of a save leaves the previous checkpoint as the latest one and nothing
 //! half-written that could be mistaken for a checkpoint.
 
+use std::collections::BTreeMap;
 use std::fs::File;
 use std::io::Write;
 use std::path::{Path, PathBuf};
@@ -72,6 +73,21 @@ pub struct RankState {
     pub scaler: Option<ScalerState>,
     /// Where the training loader stood.
     pub loader: Option<LoaderState>,
+    /// The loop state of each other model trained beside the main one, by the name it was
+    /// saved under.
+    #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
+    pub models: BTreeMap<String, ModelLoopState>,
+}
+
+/// The loop state of one model and its optimizer (checkpoints with several).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct ModelLoopState {
+    /// Its optimizer's updates.
+    pub updates: u64,
+    /// Its accumulation windows completed (including skipped fp16 steps).
+    pub windows: u64,
+    /// Its fp16 loss scaler.
+    pub scaler: Option<ScalerState>,
 }
 
 /// A training loader's position in its data.
@@ -230,7 +246,7 @@ pub fn commit(dir: &Path, partial: &Path, manifest: &Manifest) -> Result<(), Che
 }
 
 /// Syncs a directory's entries (a rename is durable only once its directory is synced).
-fn sync_dir(dir: &Path) -> Result<(), CheckpointError> {
+pub fn sync_dir(dir: &Path) -> Result<(), CheckpointError> {
     let path = if dir.as_os_str().is_empty() {
         Path::new(".")
     } else {

@@ -6,23 +6,42 @@
 //! standard error.
 //!
 //! ```text
-//! cargo bench -p accelerate-benches --bench overhead [-- ROUNDS] [fused]
+//! cargo bench -p accelerate-benches --bench overhead [-- ROUNDS] [fused] [transformer]
 //! ```
 //!
-//! With `fused`, the accelerated loop uses the fused AdamW over flat parameters.
+//! With `fused`, the accelerated loop uses the fused AdamW over flat parameters. With
+//! `transformer`, the model is the transformer example's default (8 sequences of 128 bytes
+//! per step) instead of the MLP (batch 128).
 
 use std::time::Instant;
 
-use accelerate_benches::StepBench;
+use accelerate_benches::{BenchModel, StepBench};
 
 fn main() {
+    let transformer = std::env::args().any(|a| a == "transformer");
+    let fused = std::env::args().any(|a| a == "fused");
+    if transformer {
+        let bench = StepBench::transformer(8, fused);
+        measure(bench, (60, 3), "transformer 4x256, 8 x 128 bytes", fused);
+    } else {
+        let bench = StepBench::with_options(128, accelerate_burn::MixedPrecision::No, fused);
+        measure(bench, (300, 10), "batch 128, MLP 784-1024-1024-10", fused);
+    }
+}
+
+/// Runs both loops `warm_up` times, then `ROUNDS` times (default `default_rounds`)
+/// interleaved, and prints the means and the paired difference.
+fn measure<M: BenchModel>(
+    mut bench: StepBench<M>,
+    (default_rounds, warm_up): (usize, usize),
+    what: &str,
+    fused: bool,
+) {
     let rounds: usize = std::env::args()
         .skip(1)
         .find_map(|a| a.parse().ok())
-        .unwrap_or(300);
-    let fused = std::env::args().any(|a| a == "fused");
-    let mut bench = StepBench::with_options(128, accelerate_burn::MixedPrecision::No, fused);
-    for _ in 0..10 {
+        .unwrap_or(default_rounds);
+    for _ in 0..warm_up {
         bench.plain_step();
         bench.accelerated_step();
     }
@@ -60,7 +79,7 @@ fn main() {
     let se = sd / (diffs.len() as f64).sqrt();
     let (p, a) = (mean(&plain), mean(&accelerated));
     println!(
-        "rounds: {rounds} (batch 128, MLP 784-1024-1024-10, AdamW{})",
+        "rounds: {rounds} ({what}, AdamW{})",
         if fused {
             ", accelerated loop fused"
         } else {

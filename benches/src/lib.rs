@@ -1,5 +1,6 @@
 //! Shared set-up for the accelerate-rs benchmarks: one training step of `mlp_synthetic`'s model
-//! written as a plain Burn loop and as the accelerated loop, on identical inputs.
+//! (or the transformer example's) written as a plain Burn loop and as the accelerated loop, on
+//! identical inputs.
 //!
 //! ```
 //! use accelerate_benches::StepBench;
@@ -15,11 +16,14 @@ pub mod device_kernels;
 
 use accelerate_burn::burn;
 use accelerate_burn::{
-    Accelerator, DefaultBackend, FusedOptimizer, MixedPrecision, PreparedOptimizer, ProcessState,
+    Accelerator, Caster, DefaultBackend, FusedOptimizer, MixedPrecision, PreparedOptimizer,
+    ProcessState,
 };
 use accelerate_examples::synthetic::{CLASSES, FEATURES};
+use accelerate_examples::transformer::{TransformerLm, TransformerLmConfig};
 use accelerate_examples::{Mlp, MlpConfig};
 use accelerate_kernels::optim::AdamHyper;
+use burn::module::Module;
 use burn::optim::{AdamWConfig, GradientsParams, ModuleOptimizer};
 use burn::tensor::{Device, Distribution, Int, Tensor};
 
@@ -32,16 +36,56 @@ pub const BURN_ADAMW: AdamHyper = AdamHyper {
     decoupled: true,
 };
 
-/// Two copies of the benchmark model, one per loop, and a fixed batch.
-pub struct StepBench {
-    acc: Accelerator<DefaultBackend>,
-    plain: Option<(Mlp, ModuleOptimizer)>,
-    accelerated: Option<(Mlp, PreparedOptimizer)>,
-    x: Tensor<2>,
-    y: Tensor<1, Int>,
+/// A model the step benchmarks train, with its fixed batch.
+pub trait BenchModel: Module {
+    /// The batch every step uses.
+    type Batch: Clone;
+
+    /// The mean loss of `batch`, with float inputs cast by `caster` when given (autocast).
+    fn bench_loss(&self, batch: Self::Batch, caster: Option<&Caster>) -> Tensor<1>;
 }
 
-impl StepBench {
+impl BenchModel for Mlp {
+    type Batch = (Tensor<2>, Tensor<1, Int>);
+
+    fn bench_loss(&self, (x, y): Self::Batch, caster: Option<&Caster>) -> Tensor<1> {
+        let x = match caster {
+            Some(caster) => caster.input(x),
+            None => x,
+        };
+        self.forward_loss(x, y).loss
+    }
+}
+
+impl BenchModel for TransformerLm {
+    type Batch = (Tensor<2, Int>, Tensor<2, Int>);
+
+    fn bench_loss(&self, (inputs, targets): Self::Batch, _: Option<&Caster>) -> Tensor<1> {
+        let tokens = targets.dims().iter().product::<usize>();
+        self.sequence_losses(inputs, targets)
+            .sum()
+            .div_scalar(tokens as f64)
+    }
+}
+
+/// Two copies of the benchmark model, one per loop, and a fixed batch.
+pub struct StepBench<M: BenchModel = Mlp> {
+    acc: Accelerator<DefaultBackend>,
+    plain: Option<(M, ModuleOptimizer)>,
+    accelerated: Option<(M, PreparedOptimizer)>,
+    batch: M::Batch,
+}
+
+fn bench_accelerator(precision: MixedPrecision) -> Accelerator<DefaultBackend> {
+    Accelerator::<DefaultBackend>::builder()
+        .process_state(ProcessState::single())
+        .mixed_precision(precision)
+        .seed(0)
+        .build()
+        .expect("the default backend runs on this machine")
+}
+
+impl StepBench<Mlp> {
     /// Models 784-1024-1024-10 with AdamW and a random batch of `batch` samples.
     pub fn new(batch: usize) -> Self {
         Self::with_precision(batch, MixedPrecision::No)
@@ -54,17 +98,39 @@ impl StepBench {
 
     /// The same, with the accelerated loop using the fused AdamW when `fused`.
     pub fn with_options(batch: usize, precision: MixedPrecision, fused: bool) -> Self {
-        let acc = Accelerator::<DefaultBackend>::builder()
-            .process_state(ProcessState::single())
-            .mixed_precision(precision)
-            .seed(0)
-            .build()
-            .expect("the default backend runs on this machine");
+        let acc = bench_accelerator(precision);
         let device: Device = acc.device();
         let model = MlpConfig::new(FEATURES, vec![1024, 1024], CLASSES).init(&device);
         let x = Tensor::random([batch, FEATURES], Distribution::Default, &device);
         let y =
             Tensor::<1, Int>::random([batch], Distribution::Uniform(0.0, CLASSES as f64), &device);
+        Self::prepared(acc, model, (x, y), fused)
+    }
+}
+
+impl StepBench<TransformerLm> {
+    /// The transformer example's default model (context 128, 4 layers, d_model 256) with
+    /// AdamW and a random batch of `sequences` byte sequences; the accelerated loop uses the
+    /// fused AdamW when `fused`.
+    pub fn transformer(sequences: usize, fused: bool) -> Self {
+        let acc = bench_accelerator(MixedPrecision::No);
+        let device: Device = acc.device();
+        let context = 128;
+        let model = TransformerLmConfig::new(256, context, 4, 256, 4, 1024).init(&device);
+        let bytes = |device: &Device| {
+            Tensor::<2, Int>::random(
+                [sequences, context],
+                Distribution::Uniform(0.0, 256.0),
+                device,
+            )
+        };
+        let batch = (bytes(&device), bytes(&device));
+        Self::prepared(acc, model, batch, fused)
+    }
+}
+
+impl<M: BenchModel> StepBench<M> {
+    fn prepared(acc: Accelerator<DefaultBackend>, model: M, batch: M::Batch, fused: bool) -> Self {
         let plain = (model.clone(), AdamWConfig::new().init());
         let accelerated = if fused {
             let adamw = FusedOptimizer::adamw(&AdamWConfig::new()).expect("AdamW is fused");
@@ -77,8 +143,7 @@ impl StepBench {
             acc,
             plain: Some(plain),
             accelerated: Some(accelerated),
-            x,
-            y,
+            batch,
         }
     }
 
@@ -88,7 +153,7 @@ impl StepBench {
             .plain
             .take()
             .expect("state is put back after each step");
-        let loss = model.forward_loss(self.x.clone(), self.y.clone()).loss;
+        let loss = model.bench_loss(self.batch.clone(), None);
         let grads = GradientsParams::from_grads(loss.backward(), &model);
         let model = optim.step(1e-3, model, grads);
         self.plain = Some((model, optim));
@@ -107,11 +172,10 @@ impl StepBench {
             .accelerated
             .take()
             .expect("state is put back after each step");
-        let (x, y) = (self.x.clone(), self.y.clone());
+        let batch = self.batch.clone();
         let loss = self
             .acc
-            .autocast(&model, |m, c| m.forward_loss(c.input(x), y))
-            .loss;
+            .autocast(&model, |m, c| m.bench_loss(batch, Some(c)));
         let grads = self
             .acc
             .backward(loss, &model)

@@ -247,7 +247,7 @@ impl<B: AcceleratorBackend> AcceleratorBuilder<B> {
             links: LoaderLinks::default(),
             compute_dtype,
             comm: Comm::new(group),
-            reducer: Mutex::new(None),
+            reducers: Mutex::new(Vec::new()),
             trigger: AtomicBool::new(false),
             checkpoints: self.checkpoints,
             metrics: Metrics {

@@ -66,6 +66,33 @@ impl<B: AcceleratorBackend> Accelerator<B> {
         )
     }
 
+    /// Restores the model and optimizer saved under `name` with
+    /// [`Checkpoint::pair`](crate::Checkpoint::pair) in the checkpoint `info` describes (what
+    /// [`load_state`](Self::load_state) or [`load_latest_checkpoint`](Self::load_latest_checkpoint)
+    /// returned): returns `model` with its saved weights, and loads `optimizer` and its loop
+    /// counters. On a fresh start (no checkpoint was loaded) returns `model` as it is. Every
+    /// process must call it.
+    ///
+    /// ```text
+    /// let restored = acc.load_latest_checkpoint(generator, &mut g_optim, None)?;
+    /// let generator = restored.model;
+    /// let critic = acc.load_pair(&restored.info, "critic", critic, &mut c_optim)?;
+    /// ```
+    pub fn load_pair<M: Module>(
+        &self,
+        info: &CheckpointInfo,
+        name: &str,
+        model: M,
+        optimizer: &mut PreparedOptimizer,
+    ) -> Result<M, AccelerateError> {
+        match &info.path {
+            Some(dir) => {
+                checkpoint::load::load_pair(&self.checkpoint_context(), dir, name, model, optimizer)
+            }
+            None => Ok(model),
+        }
+    }
+
     /// The project's automatically named checkpoints (needs
     /// [`project_dir`](crate::AcceleratorBuilder::project_dir)).
     fn rotation(&self) -> Result<CheckpointRotation, AccelerateError> {
@@ -87,7 +114,7 @@ impl<B: AcceleratorBackend> Accelerator<B> {
         checkpoint: &Checkpoint<'_, M>,
     ) -> Result<PathBuf, AccelerateError> {
         let rotation = self.rotation()?;
-        let updates = self.updates();
+        let updates = checkpoint.optimizer_updates();
         let dir = self.save_state(rotation.path_for(updates), checkpoint)?;
         if self.is_main_process() {
             rotation

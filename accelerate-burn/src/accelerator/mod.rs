@@ -61,19 +61,28 @@ pub struct Accelerator<B: AcceleratorBackend> {
     links: LoaderLinks,
     /// The process group, shared with the reducer and prepared optimizer.
     comm: Comm,
-    /// The reducer `backward` feeds.
-    reducer: Mutex<Option<ReducerSlot>>,
+    /// The reducers `backward` feeds, one per model; a reducer's index is its model's slot in
+    /// the training loop.
+    reducers: Mutex<Vec<ReducerSlot>>,
     trigger: AtomicBool,
     checkpoints: CheckpointSettings,
     metrics: Metrics,
     _backend: PhantomData<B>,
 }
 
-/// The reducer of the prepared model, or one made by `backward` for a model prepared without
+/// The reducer of a prepared model, or one made by `backward` for a model prepared without
 /// an optimizer (its gradients go to the user's own optimizer).
 struct ReducerSlot {
     handle: ReducerHandle,
     prepared: bool,
+}
+
+impl ReducerSlot {
+    /// The id of the model's first float parameter: what tells models apart in `backward`
+    /// (checkpoint loads change ids in the reducer's layout, so it is read from there).
+    fn first_param(&self) -> Option<burn::module::ParamId> {
+        self.handle.lock().layout().entries.first().map(|e| e.id)
+    }
 }
 
 /// Where automatically named checkpoints go and what may be resumed.
@@ -181,12 +190,13 @@ impl<B: AcceleratorBackend> Accelerator<B> {
         items.prepare(self)
     }
 
-    /// Places `model` on this process's device with its own autodiff graph. With several
+    /// Places `model` on this process's device with its own autodiff graph, in the device's
+    /// gradient-checkpointing strategy whatever device it was built on. With several
     /// processes, first checks that every process built the same model (float parameter
     /// shapes, in visit order; a mismatch is an error on every rank), then gives every process
     /// rank 0's parameter values and ids, so all start identical.
     pub fn prepare_model<M: Module>(&self, model: M) -> Result<M, AccelerateError> {
-        let model = model.fork(&self.device);
+        let model = params::adopt_device(model, &self.device);
         if !self.state.is_distributed() {
             return Ok(model);
         }
@@ -264,37 +274,59 @@ impl<B: AcceleratorBackend> Accelerator<B> {
         })
     }
 
-    /// Makes `reducer` the one `backward` feeds (one prepared optimizer per accelerator).
+    /// Makes `reducer` the one `backward` feeds for its model: in place of a reducer that
+    /// `backward` made for the model without an optimizer, else in a new slot.
     fn install(
         &self,
         reducer: Box<dyn GradientReducer>,
     ) -> Result<PreparedOptimizer, AccelerateError> {
-        let mut slot = self.reducer.lock().unwrap_or_else(PoisonError::into_inner);
-        if slot.as_ref().is_some_and(|s| s.prepared) {
-            return Err(AccelerateError::Misuse {
-                rank: self.state.rank,
-                what: "an optimizer was already prepared on this accelerator, and backward feeds \
-                       only one"
-                    .into(),
-                hint: "prepare one optimizer per accelerator",
-            });
-        }
+        let first = reducer.layout().entries.first().map(|e| e.id);
+        let mut slots = self.reducers.lock().unwrap_or_else(PoisonError::into_inner);
         let handle = ReducerHandle::new(reducer);
-        *slot = Some(ReducerSlot {
+        let slot = ReducerSlot {
             handle: handle.clone(),
             prepared: true,
-        });
+        };
+        let index = match slots.iter().position(|s| s.first_param() == first) {
+            Some(index) if slots[index].prepared => {
+                return Err(AccelerateError::Misuse {
+                    rank: self.state.rank,
+                    what: "an optimizer was already prepared for this model".into(),
+                    hint: "prepare each model with one optimizer (other models may have their \
+                           own)",
+                });
+            }
+            Some(index) => {
+                slots[index] = slot;
+                index
+            }
+            None => {
+                slots.push(slot);
+                slots.len() - 1
+            }
+        };
         Ok(PreparedOptimizer::new(
             handle,
+            index,
             self.training.clone(),
             self.comm.clone(),
         ))
     }
 
     /// Wraps a Burn learning-rate scheduler so that it advances once per optimizer update, not
-    /// once per micro-batch.
+    /// once per micro-batch (the updates of the first prepared optimizer; with several, see
+    /// [`prepare_scheduler_for`](Self::prepare_scheduler_for)).
     pub fn prepare_scheduler(&self, scheduler: impl Into<ModuleLrScheduler>) -> PreparedScheduler {
-        PreparedScheduler::new(scheduler.into(), self.training.clone())
+        PreparedScheduler::new(scheduler.into(), self.training.clone(), 0)
+    }
+
+    /// Wraps a Burn learning-rate scheduler that advances once per update of `optimizer`.
+    pub fn prepare_scheduler_for(
+        &self,
+        optimizer: &PreparedOptimizer,
+        scheduler: impl Into<ModuleLrScheduler>,
+    ) -> PreparedScheduler {
+        PreparedScheduler::new(scheduler.into(), self.training.clone(), optimizer.slot())
     }
 
     /// Prepares a training loader: batches arrive on [`device`](Self::device), this process

@@ -69,11 +69,11 @@ impl<B: AcceleratorBackend> Accelerator<B> {
         kind: LossKind,
         model: &M,
     ) -> Result<Gradients, AccelerateError> {
-        let handle = self.reducer_for(model)?;
+        let (handle, slot) = self.reducer_for(model)?;
         let mut training = self.training.lock();
-        let step = training.micro_step();
+        let step = training.micro_step(slot);
         training
-            .weigh(kind, step)
+            .weigh(slot, kind, step)
             .map_err(|what| AccelerateError::Misuse {
                 rank: self.state.rank,
                 what,
@@ -86,7 +86,7 @@ impl<B: AcceleratorBackend> Accelerator<B> {
         if kind == LossKind::Mean && step.window_len > 1 {
             loss = loss.div_scalar(step.window_len as f64);
         }
-        if let Some(scale) = training.loss_scale() {
+        if let Some(scale) = training.loss_scale(slot) {
             loss = loss.mul_scalar(scale);
         }
         let grads = GradientsParams::from_grads(loss.backward(), model);
@@ -99,10 +99,10 @@ impl<B: AcceleratorBackend> Accelerator<B> {
                     rank: self.state.rank,
                     detail,
                 })?;
-        let Some(mut summed) = training.accumulate(list, step) else {
+        let Some(mut summed) = training.accumulate(slot, list, step) else {
             return Ok(Gradients::new(Outcome::NotDue, 0, handle.id));
         };
-        if let Some(local) = training.window_items() {
+        if let Some(local) = training.window_items(slot) {
             let factor = self.per_item_factor(local)?;
             for grad in summed.iter_mut() {
                 if let Some(g) = grad.take() {
@@ -110,11 +110,11 @@ impl<B: AcceleratorBackend> Accelerator<B> {
                 }
             }
         }
-        let window = training.complete_window(&self.device);
-        let reduced = reducer.reduce(summed, &self.comm, training.inv_scale())?;
+        let window = training.complete_window(slot, &self.device);
+        let reduced = reducer.reduce(summed, &self.comm, training.inv_scale(slot))?;
         // The overflow test saw every rank's gradients (averages keep inf and NaN), so every
         // rank decides the same here without another collective.
-        if training.record_overflow(reduced.overflow) {
+        if training.record_overflow(slot, reduced.overflow) {
             reducer.discard();
             return Ok(Gradients::new(Outcome::Skipped, window, handle.id));
         }
@@ -134,20 +134,29 @@ impl<B: AcceleratorBackend> Accelerator<B> {
         })
     }
 
-    /// The reducer of the prepared optimizer; without one, a reducer (no optimizer) for
-    /// `model`, so that `backward` also serves a loop that steps an optimizer of its own.
-    fn reducer_for<M: Module>(&self, model: &M) -> Result<ReducerHandle, AccelerateError> {
-        let mut slot = self.reducer.lock().unwrap_or_else(PoisonError::into_inner);
-        if let Some(slot) = slot.as_ref() {
-            return Ok(slot.handle.clone());
+    /// The reducer of `model` and its slot: the prepared optimizer's whose parameters `model`
+    /// holds; with none, a reducer (no optimizer) made for `model`, so that `backward` also
+    /// serves a loop that steps an optimizer of its own.
+    fn reducer_for<M: Module>(&self, model: &M) -> Result<(ReducerHandle, usize), AccelerateError> {
+        let first = params::first_id(model);
+        let mut slots = self.reducers.lock().unwrap_or_else(PoisonError::into_inner);
+        if let Some(index) = slots.iter().position(|s| s.first_param() == first) {
+            return Ok((slots[index].handle.clone(), index));
+        }
+        // One reducer and a model of its shapes under other ids: the same model rebuilt (or
+        // not the one `prepare` returned); its reducer says which parameter differs.
+        if let [only] = slots.as_slice()
+            && only.handle.lock().layout().shapes() == ParamLayout::of(model).shapes()
+        {
+            return Ok((only.handle.clone(), 0));
         }
         let reducer = reducer::build(self.reducer_spec(model)?, OptimizerChoice::None, &self.comm)?;
         let handle = ReducerHandle::new(reducer);
-        *slot = Some(ReducerSlot {
+        slots.push(ReducerSlot {
             handle: handle.clone(),
             prepared: false,
         });
-        Ok(handle)
+        Ok((handle, slots.len() - 1))
     }
 
     /// Clips `grads` so that their global L2 norm, over every parameter of the prepared model
@@ -239,15 +248,17 @@ impl<B: AcceleratorBackend> Accelerator<B> {
         self.compute_dtype
     }
 
-    /// True when the latest completed window's optimizer step was skipped because a gradient
-    /// overflowed (fp16 only); the optimizer and scheduler did not move.
+    /// True when the latest completed window's optimizer step (of the model of the latest
+    /// backward pass) was skipped because a gradient overflowed (fp16 only); the optimizer and
+    /// scheduler did not move.
     pub fn optimizer_step_was_skipped(&self) -> bool {
         self.training.lock().step_skipped()
     }
 
-    /// The current fp16 loss scale (`None` without fp16).
+    /// The current fp16 loss scale of the first prepared model (`None` without fp16); each
+    /// prepared model has its own.
     pub fn loss_scale(&self) -> Option<f32> {
-        self.training.lock().loss_scale()
+        self.training.lock().loss_scale(0)
     }
 
     /// Time spent so far averaging gradients across processes (zero with one process), to
@@ -262,8 +273,9 @@ impl<B: AcceleratorBackend> Accelerator<B> {
         self.training.lock().sync_gradients()
     }
 
-    /// Optimizer updates applied so far.
+    /// Updates the first prepared optimizer applied so far (each
+    /// [`PreparedOptimizer::updates`](crate::PreparedOptimizer::updates) counts its own).
     pub fn updates(&self) -> u64 {
-        self.training.lock().updates()
+        self.training.lock().updates(0)
     }
 }

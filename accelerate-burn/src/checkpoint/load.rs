@@ -5,7 +5,7 @@
 use std::path::Path;
 
 use accelerate_core::CheckpointError;
-use accelerate_core::checkpoint::{self, RankState};
+use accelerate_core::checkpoint::{self, ManifestFile, RankState};
 use burn::lr_scheduler::LrSchedulerRecord;
 use burn::module::Module;
 
@@ -72,58 +72,15 @@ fn load_own_part<M: Module>(
     let own = rank_file(if same_world { rank } else { 0 });
     let saved: RankState = checkpoint::read_json(&dir.join(&own)).map_err(unreadable)?;
 
-    let hint = "build the model the checkpoint was saved from";
-    let model = super::load_weights(model, &dir.join(MODEL_FILE))
-        .map_err(|detail| mismatch(detail, hint))?;
-    let layout = ParamLayout::of(&model);
-    if layout.entries.len() != training.param_ids.len() {
-        return Err(mismatch(
-            format!(
-                "the model has {} float parameters, the checkpoint {}",
-                layout.entries.len(),
-                training.param_ids.len()
-            ),
-            hint,
-        ));
-    }
-    let model = params::replace(
+    let model = restore_model_and_optimizer(
+        dir,
+        &manifest.files,
         model,
-        Replacement {
-            values: Vec::new(),
-            ids: training.param_ids.clone(),
-        },
-    );
-    let layout = layout.with_ids(&training.param_ids);
-
-    {
-        let mut reducer = optimizer.reducer().lock();
-        if let Some(saved_kind) = training.optimizer.as_deref()
-            && saved_kind != reducer.kind()
-        {
-            return Err(mismatch(
-                format!(
-                    "it holds the state of a {saved_kind} optimizer and this run prepared a {} \
-                     one",
-                    reducer.kind()
-                ),
-                "prepare the optimizer the checkpoint was saved with (`fused`: Burn's config or \
-                 FusedOptimizer::...; `burn`: config.init())",
-            ));
-        }
-        reducer
-            .load(LoadSource {
-                dir,
-                files: &manifest.files,
-                values: params::values(&model),
-                layout,
-            })
-            .map_err(|detail| {
-                mismatch(
-                    detail,
-                    "resume with the optimizer the checkpoint was saved with",
-                )
-            })?;
-    }
+        optimizer,
+        &training.param_ids,
+        training.optimizer.as_deref(),
+    )
+    .map_err(|(detail, hint)| mismatch(detail, hint))?;
     match (scheduler, training.scheduler) {
         (Some(scheduler), true) => {
             let record = LrSchedulerRecord::load(dir.join(SCHEDULER_FILE)).map_err(|e| {
@@ -144,6 +101,7 @@ fn load_own_part<M: Module>(
     }
 
     ctx.training.lock().restore(
+        optimizer.slot(),
         LoopSnapshot {
             updates: saved.updates,
             windows: saved.windows,
@@ -161,4 +119,148 @@ fn load_own_part<M: Module>(
     info.updates = saved.updates;
     info.objects = training.objects;
     Ok(Restored { model, info })
+}
+
+/// `model` with the weights saved in `dir` (the checkpoint, or a pair's directory in it) under
+/// the saved `param_ids`, and `optimizer`'s reducer continuing from the state in `files`
+/// (names relative to `dir`); on failure, what does not fit and a hint.
+fn restore_model_and_optimizer<M: Module>(
+    dir: &Path,
+    files: &[ManifestFile],
+    model: M,
+    optimizer: &mut PreparedOptimizer,
+    param_ids: &[u64],
+    saved_kind: Option<&str>,
+) -> Result<M, (String, &'static str)> {
+    let hint = "build the model the checkpoint was saved from";
+    let model = super::load_weights(model, &dir.join(MODEL_FILE)).map_err(|d| (d, hint))?;
+    let layout = ParamLayout::of(&model);
+    if layout.entries.len() != param_ids.len() {
+        return Err((
+            format!(
+                "the model has {} float parameters, the checkpoint {}",
+                layout.entries.len(),
+                param_ids.len()
+            ),
+            hint,
+        ));
+    }
+    let model = params::replace(
+        model,
+        Replacement {
+            values: Vec::new(),
+            ids: param_ids.to_vec(),
+        },
+    );
+    let layout = layout.with_ids(param_ids);
+
+    let mut reducer = optimizer.reducer().lock();
+    if let Some(saved_kind) = saved_kind
+        && saved_kind != reducer.kind()
+    {
+        return Err((
+            format!(
+                "it holds the state of a {saved_kind} optimizer and this run prepared a {} one",
+                reducer.kind()
+            ),
+            "prepare the optimizer the checkpoint was saved with (`fused`: Burn's config or \
+             FusedOptimizer::...; `burn`: config.init())",
+        ));
+    }
+    reducer
+        .load(LoadSource {
+            dir,
+            files,
+            values: params::values(&model),
+            layout,
+        })
+        .map_err(|detail| {
+            (
+                detail,
+                "resume with the optimizer the checkpoint was saved with",
+            )
+        })?;
+    Ok(model)
+}
+
+/// Restores the model and optimizer saved under `name` with [`super::Checkpoint::pair`] in
+/// `dir`, and their loop counters (see [`crate::Accelerator::load_pair`]).
+pub(crate) fn load_pair<M: Module>(
+    ctx: &Context<'_>,
+    dir: &Path,
+    name: &str,
+    model: M,
+    optimizer: &mut PreparedOptimizer,
+) -> Result<M, AccelerateError> {
+    let loaded = load_own_pair(ctx, dir, name, model, optimizer);
+    let outcome = loaded.as_ref().map(drop).map_err(ToString::to_string);
+    let agreed = ctx.agree(dir, "loading a model saved with its optimizer", outcome);
+    let model = loaded?;
+    agreed?;
+    Ok(model)
+}
+
+fn load_own_pair<M: Module>(
+    ctx: &Context<'_>,
+    dir: &Path,
+    name: &str,
+    model: M,
+    optimizer: &mut PreparedOptimizer,
+) -> Result<M, AccelerateError> {
+    let rank = ctx.state.rank;
+    let mismatch = |detail: String, hint: &'static str| AccelerateError::ResumeMismatch {
+        rank,
+        path: dir.to_path_buf(),
+        detail,
+        hint,
+    };
+    let unreadable = |source: CheckpointError| AccelerateError::CheckpointUnreadable {
+        rank,
+        path: dir.to_path_buf(),
+        source,
+    };
+    let manifest = checkpoint::read_manifest(dir).map_err(unreadable)?;
+    let training: TrainingState =
+        checkpoint::read_json(&dir.join(TRAINING_STATE_FILE)).map_err(unreadable)?;
+    let same_world = manifest.world_size == ctx.state.world_size;
+    let own = rank_file(if same_world { rank } else { 0 });
+    let saved: RankState = checkpoint::read_json(&dir.join(&own)).map_err(unreadable)?;
+    let (Some(pair), Some(state)) = (training.pairs.get(name), saved.models.get(name)) else {
+        let saved: Vec<&String> = training.pairs.keys().collect();
+        return Err(mismatch(
+            format!("it holds no model saved with its optimizer as {name:?} (it has {saved:?})"),
+            "load the pairs the checkpoint was saved with, under the names it used",
+        ));
+    };
+    let prefix = format!("{name}/");
+    let files: Vec<ManifestFile> = manifest
+        .files
+        .iter()
+        .filter_map(|f| {
+            let inner = f.name.strip_prefix(&prefix)?;
+            Some(ManifestFile {
+                name: inner.to_string(),
+                ..f.clone()
+            })
+        })
+        .collect();
+    let model = restore_model_and_optimizer(
+        &dir.join(name),
+        &files,
+        model,
+        optimizer,
+        &pair.param_ids,
+        Some(&pair.optimizer),
+    )
+    .map_err(|(detail, hint)| mismatch(format!("{name}: {detail}"), hint))?;
+    ctx.training.lock().restore(
+        optimizer.slot(),
+        LoopSnapshot {
+            updates: state.updates,
+            windows: state.windows,
+            scaler: state.scaler,
+        },
+        ctx.device,
+    );
+    Ok(model)
 }

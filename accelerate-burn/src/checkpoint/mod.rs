@@ -7,6 +7,8 @@
 //! shard), the scheduler record (`scheduler.bpk`), `training_state.json` (parameter ids,
 //! optimizer kind, user objects) from the main process, one `rank_<r>.json` per process (loop
 //! counters, fp16 scaler, where the training loader stands), and `manifest.json`, written last.
+//! Each other model saved with its optimizer has a directory of its own with its weights and
+//! optimizer files (`<name>/model.safetensors`, ...); its loop counters are in the rank files.
 //! Every rank writes into `<dir>.partial`; the directory is renamed into place only after all
 //! of them finished, so a crash mid-save never leaves something that loads (see
 //! [`accelerate_core::checkpoint`]).
@@ -77,6 +79,16 @@ pub struct Checkpoint<'a, M> {
     objects: Vec<(String, ObjectWriter<'a>)>,
     /// Other modules, each written to its own safetensors file by the main process.
     modules: Vec<(String, ModuleWriter<'a>)>,
+    /// Other models trained with their own prepared optimizers, each in its own directory.
+    pairs: Vec<PairPart<'a>>,
+}
+
+/// A model and its prepared optimizer saved under a name ([`Checkpoint::pair`]).
+pub(crate) struct PairPart<'a> {
+    pub name: String,
+    pub write_model: ModuleWriter<'a>,
+    pub param_ids: Vec<u64>,
+    pub optimizer: &'a PreparedOptimizer,
 }
 
 type ObjectWriter<'a> = Box<dyn Fn() -> Result<serde_json::Value, serde_json::Error> + 'a>;
@@ -91,7 +103,13 @@ impl<'a, M: Module> Checkpoint<'a, M> {
             scheduler: None,
             objects: Vec::new(),
             modules: Vec::new(),
+            pairs: Vec::new(),
         }
+    }
+
+    /// Updates of the checkpoint's optimizer (what names an automatic checkpoint).
+    pub(crate) fn optimizer_updates(&self) -> u64 {
+        self.optimizer.updates()
     }
 
     /// Also saves the learning-rate scheduler.
@@ -109,6 +127,28 @@ impl<'a, M: Module> Checkpoint<'a, M> {
             module.save_into(&mut store).map_err(|e| e.to_string())
         });
         self.modules.push((name.to_string(), writer));
+        self
+    }
+
+    /// Also saves another model trained with its own prepared optimizer (a GAN's second
+    /// network, a student beside its teacher) under `name` (letters, digits, `-`, `_`): its
+    /// weights, its optimizer's state and its loop counters, in the directory `name` of the
+    /// checkpoint. Restore it with [`Accelerator::load_pair`](crate::Accelerator::load_pair).
+    pub fn pair<N: Module>(
+        mut self,
+        name: &str,
+        model: &'a N,
+        optimizer: &'a PreparedOptimizer,
+    ) -> Self {
+        self.pairs.push(PairPart {
+            name: name.to_string(),
+            write_model: Box::new(move |path| {
+                let mut store = SafetensorsStore::from_file(path).overwrite(true);
+                model.save_into(&mut store).map_err(|e| e.to_string())
+            }),
+            param_ids: crate::params::ParamLayout::of(model).ids(),
+            optimizer,
+        });
         self
     }
 
@@ -230,6 +270,18 @@ struct TrainingState {
     scheduler: bool,
     /// User objects.
     objects: BTreeMap<String, serde_json::Value>,
+    /// The other models saved with their optimizers ([`Checkpoint::pair`]), by name.
+    #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
+    pairs: BTreeMap<String, PairState>,
+}
+
+/// What `training_state.json` says of one model saved with its optimizer.
+#[derive(Serialize, Deserialize)]
+struct PairState {
+    /// Ids of its float parameters, in visit order.
+    param_ids: Vec<u64>,
+    /// The reducer kind that wrote its optimizer state.
+    optimizer: String,
 }
 
 /// What the directory protocol needs of the accelerator.

@@ -5,12 +5,13 @@
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 
-use accelerate_core::checkpoint::{self, Manifest, ManifestFile, RankState};
+use accelerate_core::checkpoint::{self, Manifest, ManifestFile, ModelLoopState, RankState};
 use burn::module::Module;
 use burn::store::{ModuleSnapshot, SafetensorsStore};
 
 use super::{
-    Checkpoint, Context, MODEL_FILE, SCHEDULER_FILE, TRAINING_STATE_FILE, TrainingState, rank_file,
+    Checkpoint, Context, MODEL_FILE, PairState, SCHEDULER_FILE, TRAINING_STATE_FILE, TrainingState,
+    rank_file,
 };
 use crate::error::AccelerateError;
 use crate::params::ParamLayout;
@@ -70,7 +71,7 @@ pub(crate) fn save_state<M: Module>(
                 format_version: checkpoint::FORMAT_VERSION,
                 library_version: env!("CARGO_PKG_VERSION").to_string(),
                 world_size: ctx.state.world_size,
-                updates: ctx.training.lock().updates(),
+                updates: ctx.training.lock().updates(checkpoint.optimizer.slot()),
                 files: all_files.into_iter().flatten().collect(),
             };
             checkpoint::commit(dir, &partial, &manifest).map_err(|e| e.to_string())
@@ -98,7 +99,34 @@ fn write_own_files<M: Module>(
             bytes,
         });
     };
-    let snapshot = ctx.training.lock().snapshot();
+    let names: Vec<&str> = checkpoint.pairs.iter().map(|p| p.name.as_str()).collect();
+    if let Some(name) = names
+        .iter()
+        .enumerate()
+        .find_map(|(i, n)| (!super::valid_module_name(n) || names[..i].contains(n)).then_some(n))
+    {
+        return Err(format!(
+            "pair name {name:?} is not a file name or is used twice; hint: give each pair its \
+             own name of letters, digits, - and _"
+        ));
+    }
+    let (snapshot, models) = {
+        let training = ctx.training.lock();
+        let models = checkpoint
+            .pairs
+            .iter()
+            .map(|pair| {
+                let s = training.snapshot(pair.optimizer.slot());
+                let state = ModelLoopState {
+                    updates: s.updates,
+                    windows: s.windows,
+                    scaler: s.scaler,
+                };
+                (pair.name.clone(), state)
+            })
+            .collect();
+        (training.snapshot(checkpoint.optimizer.slot()), models)
+    };
     let updates = snapshot.updates;
     let state = RankState {
         rank,
@@ -108,6 +136,7 @@ fn write_own_files<M: Module>(
         seed: ctx.seed,
         scaler: snapshot.scaler,
         loader: ctx.links.saved_state(),
+        models,
     };
     let name = rank_file(rank);
     let bytes = checkpoint::write_json(&partial.join(&name), &state).map_err(|e| e.to_string())?;
@@ -125,6 +154,33 @@ fn write_own_files<M: Module>(
         }
         reducer.kind()
     };
+    let mut pairs = BTreeMap::new();
+    for pair in &checkpoint.pairs {
+        let dir = partial.join(&pair.name);
+        std::fs::create_dir_all(&dir).map_err(|e| format!("{}: {e}", dir.display()))?;
+        let mut reducer = pair.optimizer.reducer().lock();
+        for file in reducer.save(&dir, role)? {
+            let name = format!("{}/{}", pair.name, file.name);
+            add(&name, file.contents, file.rank, file.bytes);
+        }
+        if main {
+            let path = dir.join(MODEL_FILE);
+            (pair.write_model)(&path).map_err(|e| format!("{} weights: {e}", pair.name))?;
+            let name = format!("{}/{MODEL_FILE}", pair.name);
+            add(
+                &name,
+                "weights of a model trained beside the main one",
+                None,
+                synced(&path)?,
+            );
+            let state = PairState {
+                param_ids: pair.param_ids.clone(),
+                optimizer: reducer.kind().to_string(),
+            };
+            pairs.insert(pair.name.clone(), state);
+        }
+        checkpoint::sync_dir(&dir).map_err(|e| e.to_string())?;
+    }
     if !main {
         return Ok(files);
     }
@@ -187,6 +243,7 @@ fn write_own_files<M: Module>(
         optimizer: Some(kind.to_string()),
         scheduler: checkpoint.scheduler.is_some(),
         objects,
+        pairs,
     };
     let path = partial.join(TRAINING_STATE_FILE);
     let bytes = checkpoint::write_json(&path, &training).map_err(|e| e.to_string())?;

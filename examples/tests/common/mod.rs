@@ -36,11 +36,26 @@ pub fn parameters<M: Module>(model: &M) -> Vec<f32> {
 
 /// Prints `model`'s parameters as hex bit patterns on a `PARAMS` line (read by [`params`]).
 pub fn print_params<M: Module>(model: &M) {
+    print_params_as("PARAMS", model);
+}
+
+/// Prints `model`'s parameters as hex bit patterns on a line starting with `label` (read by
+/// [`params_labelled`]).
+pub fn print_params_as<M: Module>(label: &str, model: &M) {
     let bits: Vec<String> = parameters(model)
         .iter()
         .map(|v| format!("{:08x}", v.to_bits()))
         .collect();
-    println!("PARAMS {}", bits.join(","));
+    println!("{label} {}", bits.join(","));
+}
+
+/// The parameters a worker printed with [`print_params_as`] under `label`.
+pub fn params_labelled(output: &Output, label: &str) -> Vec<f32> {
+    line(output, &format!("{label} "))
+        .trim()
+        .split(',')
+        .map(|h| f32::from_bits(u32::from_str_radix(h, 16).unwrap()))
+        .collect()
 }
 
 /// Runs `scenario` on `world` processes (or one process without launcher variables) and
