@@ -246,6 +246,9 @@ pub fn train(args: &Args) -> anyhow::Result<Report> {
     let (mut interval_loss, mut interval_tokens, mut train_loss) = (0.0, 0.0, f64::NAN);
     let mut validation_value = None;
     let last = args.stop_at.unwrap_or(args.steps).min(args.steps);
+    // Model, optimizer state, corpus and loader threads are in place: what the peak adds to
+    // this is the training step's (and evaluation's) own memory.
+    let before_training = resident_memory();
     'epochs: for epoch in train.epoch().. {
         train.set_epoch(epoch);
         let mut batches = train.iter();
@@ -338,7 +341,15 @@ pub fn train(args: &Args) -> anyhow::Result<Report> {
         validation_ema.value,
         optim.updates(),
         100.0 * data_wait_share,
-        peak_resident_memory().map_or("unknown".into(), |kib| format!("{} MiB", kib / 1024)),
+        match (peak_resident_memory(), before_training) {
+            (Some(peak), Some(before)) => format!(
+                "{} MiB ({} MiB above the {} MiB held before the first step)",
+                peak / 1024,
+                peak.saturating_sub(before) / 1024,
+                before / 1024
+            ),
+            _ => "unknown".into(),
+        },
     ));
     if args.sample_bytes > 0 && acc.is_main_process() {
         let sample = continue_text(&model.valid(), args, acc.device().inner());
@@ -413,8 +424,17 @@ fn continue_text(model: &TransformerLm, args: &Args, device: burn::tensor::Devic
 
 /// This process's peak resident memory in KiB (Linux's `VmHWM`), if the system reports it.
 fn peak_resident_memory() -> Option<u64> {
+    status_kib("VmHWM:")
+}
+
+/// This process's resident memory now, in KiB (Linux's `VmRSS`).
+fn resident_memory() -> Option<u64> {
+    status_kib("VmRSS:")
+}
+
+fn status_kib(field: &str) -> Option<u64> {
     let status = std::fs::read_to_string("/proc/self/status").ok()?;
-    let line = status.lines().find(|l| l.starts_with("VmHWM:"))?;
+    let line = status.lines().find(|l| l.starts_with(field))?;
     line.split_whitespace().nth(1)?.parse().ok()
 }
 

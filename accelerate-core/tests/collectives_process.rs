@@ -813,7 +813,11 @@ fn a_host_that_vanishes_is_reported_within_the_heartbeat_timeout() {
 /// Runs `scenario` under another launcher (`launcher` with its arguments; the ranks are this
 /// test binary) with none of our variables set; asserts it succeeded and returns its stdout.
 fn under_launcher(launcher: &mut Command, scenario: &str) -> String {
+    // The launchers' own temporary files (torchrun's torchelastic_* log directories, Open
+    // MPI's session directory) go here and leave with it.
+    let tmp = tempfile::tempdir().unwrap();
     let out = launcher
+        .env("TMPDIR", tmp.path())
         .arg(std::env::current_exe().unwrap())
         .args(["child", "--exact", "--nocapture", "--test-threads=1"])
         .env(SCENARIO, scenario)

@@ -275,7 +275,13 @@ fn torchrun_on_two_hosts_forms_one_group_and_trains() {
     };
     let token = format!("torchrun-{}", std::process::id());
     let torchrun = torchrun.display().to_string();
-    let extra = [("TORCHRUN", torchrun.as_str())];
+    // torchrun's log directories (torchelastic_*) go here and leave with it.
+    let tmp = tempfile::tempdir().unwrap();
+    let tmp_path = tmp.path().display().to_string();
+    let extra = [
+        ("TORCHRUN", torchrun.as_str()),
+        ("TMPDIR", tmp_path.as_str()),
+    ];
     let launchers: Vec<Child> = (0..2)
         .map(|m| hosts.start(m, TORCHRUN, "train", &token, &extra))
         .collect();
@@ -292,7 +298,12 @@ fn torchrun_on_two_hosts_without_a_token_is_refused_with_a_hint() {
         return;
     };
     let torchrun = torchrun.display().to_string();
-    let extra = [("TORCHRUN", torchrun.as_str())];
+    let tmp = tempfile::tempdir().unwrap();
+    let tmp_path = tmp.path().display().to_string();
+    let extra = [
+        ("TORCHRUN", torchrun.as_str()),
+        ("TMPDIR", tmp_path.as_str()),
+    ];
     let launchers: Vec<Child> = (0..2)
         .map(|m| hosts.start(m, TORCHRUN, "train", "", &extra))
         .collect();

@@ -5,7 +5,7 @@
 use std::path::Path;
 
 use accelerate_core::CheckpointError;
-use accelerate_core::checkpoint::{self, ManifestFile, RankState};
+use accelerate_core::checkpoint::{self, Manifest, ManifestFile, RankState};
 use burn::lr_scheduler::LrSchedulerRecord;
 use burn::module::Module;
 
@@ -43,19 +43,13 @@ fn load_own_part<M: Module>(
     scheduler: Option<&mut PreparedScheduler>,
 ) -> Result<Restored<M>, AccelerateError> {
     let rank = ctx.state.rank;
-    let mismatch = |detail: String, hint: &'static str| AccelerateError::ResumeMismatch {
-        rank,
-        path: dir.to_path_buf(),
-        detail,
-        hint,
-    };
-    let unreadable = |source: CheckpointError| AccelerateError::CheckpointUnreadable {
-        rank,
-        path: dir.to_path_buf(),
-        source,
-    };
-    let manifest = checkpoint::read_manifest(dir).map_err(unreadable)?;
-    let same_world = manifest.world_size == ctx.state.world_size;
+    let mismatch = mismatch(rank, dir);
+    let Saved {
+        manifest,
+        training,
+        saved,
+        same_world,
+    } = read_saved(ctx, dir)?;
     if !same_world && !ctx.resume_any_world_size {
         return Err(mismatch(
             format!(
@@ -67,10 +61,6 @@ fn load_own_part<M: Module>(
              its global position",
         ));
     }
-    let training: TrainingState =
-        checkpoint::read_json(&dir.join(TRAINING_STATE_FILE)).map_err(unreadable)?;
-    let own = rank_file(if same_world { rank } else { 0 });
-    let saved: RankState = checkpoint::read_json(&dir.join(&own)).map_err(unreadable)?;
 
     let model = restore_model_and_optimizer(
         dir,
@@ -207,24 +197,13 @@ fn load_own_pair<M: Module>(
     model: M,
     optimizer: &mut PreparedOptimizer,
 ) -> Result<M, AccelerateError> {
-    let rank = ctx.state.rank;
-    let mismatch = |detail: String, hint: &'static str| AccelerateError::ResumeMismatch {
-        rank,
-        path: dir.to_path_buf(),
-        detail,
-        hint,
-    };
-    let unreadable = |source: CheckpointError| AccelerateError::CheckpointUnreadable {
-        rank,
-        path: dir.to_path_buf(),
-        source,
-    };
-    let manifest = checkpoint::read_manifest(dir).map_err(unreadable)?;
-    let training: TrainingState =
-        checkpoint::read_json(&dir.join(TRAINING_STATE_FILE)).map_err(unreadable)?;
-    let same_world = manifest.world_size == ctx.state.world_size;
-    let own = rank_file(if same_world { rank } else { 0 });
-    let saved: RankState = checkpoint::read_json(&dir.join(&own)).map_err(unreadable)?;
+    let mismatch = mismatch(ctx.state.rank, dir);
+    let Saved {
+        manifest,
+        training,
+        saved,
+        ..
+    } = read_saved(ctx, dir)?;
     let (Some(pair), Some(state)) = (training.pairs.get(name), saved.models.get(name)) else {
         let saved: Vec<&String> = training.pairs.keys().collect();
         return Err(mismatch(
@@ -263,4 +242,45 @@ fn load_own_pair<M: Module>(
         ctx.device,
     );
     Ok(model)
+}
+
+/// What every load reads first.
+struct Saved {
+    manifest: Manifest,
+    /// The main process's `training_state.json`.
+    training: TrainingState,
+    /// This rank's loop state (rank 0's when the world size changed).
+    saved: RankState,
+    /// Whether the checkpoint was saved by as many processes as this job has.
+    same_world: bool,
+}
+
+fn read_saved(ctx: &Context<'_>, dir: &Path) -> Result<Saved, AccelerateError> {
+    let rank = ctx.state.rank;
+    let unreadable = |source: CheckpointError| AccelerateError::CheckpointUnreadable {
+        rank,
+        path: dir.to_path_buf(),
+        source,
+    };
+    let manifest = checkpoint::read_manifest(dir).map_err(unreadable)?;
+    let same_world = manifest.world_size == ctx.state.world_size;
+    let training = checkpoint::read_json(&dir.join(TRAINING_STATE_FILE)).map_err(unreadable)?;
+    let own = rank_file(if same_world { rank } else { 0 });
+    let saved = checkpoint::read_json(&dir.join(&own)).map_err(unreadable)?;
+    Ok(Saved {
+        manifest,
+        training,
+        saved,
+        same_world,
+    })
+}
+
+/// The error for a checkpoint in `dir` that does not fit what this run prepared.
+fn mismatch(rank: usize, dir: &Path) -> impl Fn(String, &'static str) -> AccelerateError + '_ {
+    move |detail, hint| AccelerateError::ResumeMismatch {
+        rank,
+        path: dir.to_path_buf(),
+        detail,
+        hint,
+    }
 }

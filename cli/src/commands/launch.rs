@@ -195,6 +195,12 @@ fn build(kind: &str, name: &str, args: &LaunchArgs) -> anyhow::Result<PathBuf> {
     .arg(format!("--{kind}"))
     .arg(name)
     .stdout(Stdio::piped());
+    // Without a package, cargo resolves features over every member of the workspace (benches
+    // and their dev-dependencies too), which differ from what `cargo run -p accelerate-cli`
+    // resolved, so the first launch compiled Burn a second time (40 crates, 6 minutes here).
+    if let Some(package) = package_of(&cargo, kind, name) {
+        cmd.args(["--package", &package]);
+    }
     if args.release {
         cmd.arg("--release");
     }
@@ -237,6 +243,38 @@ fn build(kind: &str, name: &str, args: &LaunchArgs) -> anyhow::Result<PathBuf> {
         bail!("`cargo build --{kind} {name}` failed (its errors are above)");
     }
     executable.with_context(|| format!("cargo built no executable for the {kind} `{name}`"))
+}
+
+/// The workspace package that has the `kind` target `name`, when exactly one has it (else
+/// cargo's own search and error messages apply).
+fn package_of(cargo: &str, kind: &str, name: &str) -> Option<String> {
+    let output = Command::new(cargo)
+        .args(["metadata", "--no-deps", "--format-version", "1"])
+        .stderr(Stdio::null())
+        .output()
+        .ok()
+        .filter(|o| o.status.success())?;
+    let metadata: serde_json::Value = serde_json::from_slice(&output.stdout).ok()?;
+    packages_with_target(&metadata, kind, name)
+}
+
+/// The one package in cargo's `metadata` with the `kind` target `name`.
+fn packages_with_target(metadata: &serde_json::Value, kind: &str, name: &str) -> Option<String> {
+    let mut owners = metadata["packages"].as_array()?.iter().filter(|package| {
+        package["targets"].as_array().is_some_and(|targets| {
+            targets.iter().any(|target| {
+                target["name"] == name
+                    && target["kind"]
+                        .as_array()
+                        .is_some_and(|kinds| kinds.iter().any(|k| k == kind))
+            })
+        })
+    });
+    let owner = owners.next()?;
+    if owners.next().is_some() {
+        return None;
+    }
+    owner["name"].as_str().map(str::to_string)
 }
 
 /// What the user sees while cargo builds: a spinner with the crates compiled so far on a
@@ -298,9 +336,10 @@ impl BuildProgress {
         }
         if self.crates > 0 {
             eprintln!(
-                "built {} ({} crates compiled in {}s)",
+                "built {} ({} crate{} compiled in {}s)",
                 self.what,
                 self.crates,
+                if self.crates == 1 { "" } else { "s" },
                 self.started.elapsed().as_secs()
             );
         }
@@ -312,4 +351,33 @@ fn parse_precision(value: &str) -> Result<MixedPrecision, String> {
     value
         .parse()
         .map_err(|()| format!("{value:?}: expected no, fp16 or bf16"))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::packages_with_target;
+
+    #[test]
+    fn the_package_that_owns_an_example_is_found_and_an_ambiguous_name_is_left_to_cargo() {
+        let metadata = serde_json::json!({ "packages": [
+            { "name": "accelerate-cli", "targets": [{ "name": "accelerate", "kind": ["bin"] }] },
+            { "name": "accelerate-examples", "targets": [
+                { "name": "digits", "kind": ["example"] },
+                { "name": "accelerate_examples", "kind": ["lib"] },
+            ]},
+            { "name": "other", "targets": [{ "name": "digits", "kind": ["bin"] }] },
+        ]});
+        let owner = |kind, name| packages_with_target(&metadata, kind, name);
+        assert_eq!(
+            owner("example", "digits").as_deref(),
+            Some("accelerate-examples")
+        );
+        assert_eq!(owner("bin", "digits").as_deref(), Some("other"));
+        assert_eq!(owner("example", "absent"), None);
+        let twice = serde_json::json!({ "packages": [
+            { "name": "a", "targets": [{ "name": "x", "kind": ["example"] }] },
+            { "name": "b", "targets": [{ "name": "x", "kind": ["example"] }] },
+        ]});
+        assert_eq!(packages_with_target(&twice, "example", "x"), None);
+    }
 }
