@@ -28,11 +28,22 @@ pub(crate) fn load_state<M: Module>(
     scheduler: Option<&mut PreparedScheduler>,
 ) -> Result<Restored<M>, AccelerateError> {
     let loaded = load_own_part(ctx, dir, model, optimizer, scheduler);
+    agreed(ctx, dir, "loading the checkpoint", loaded)
+}
+
+/// This rank's `loaded`, once every rank has said how its own load went: a failure anywhere
+/// fails every rank (naming the ranks), so none trains on with a half-restored state.
+fn agreed<T>(
+    ctx: &Context<'_>,
+    dir: &Path,
+    stage: &'static str,
+    loaded: Result<T, AccelerateError>,
+) -> Result<T, AccelerateError> {
     let outcome = loaded.as_ref().map(drop).map_err(ToString::to_string);
-    let agreed = ctx.agree(dir, "loading the checkpoint", outcome);
-    let restored = loaded?;
+    let agreed = ctx.agree(dir, stage, outcome);
+    let loaded = loaded?;
     agreed?;
-    Ok(restored)
+    Ok(loaded)
 }
 
 fn load_own_part<M: Module>(
@@ -183,11 +194,7 @@ pub(crate) fn load_pair<M: Module>(
     optimizer: &mut PreparedOptimizer,
 ) -> Result<M, AccelerateError> {
     let loaded = load_own_pair(ctx, dir, name, model, optimizer);
-    let outcome = loaded.as_ref().map(drop).map_err(ToString::to_string);
-    let agreed = ctx.agree(dir, "loading a model saved with its optimizer", outcome);
-    let model = loaded?;
-    agreed?;
-    Ok(model)
+    agreed(ctx, dir, "loading a model saved with its optimizer", loaded)
 }
 
 fn load_own_pair<M: Module>(
