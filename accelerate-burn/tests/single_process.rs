@@ -980,10 +980,11 @@ fn a_moving_average_updates_saves_and_resumes_beside_the_model() {
     assert!(bad.contains("not a file name"), "{bad}");
 }
 
-/// Two models, each with its own prepared optimizer (Burn's SGD and the fused AdamW), trained
-/// in one loop with windows of 2: each keeps windows of its own (the second backward pass of a
-/// batch does not advance the first model's window), each ends bit for bit where it ends
-/// trained alone, and a checkpoint holding both resumes both bit for bit.
+/// Two models, each with its own prepared optimizer (Burn's SGD and the fused AdamW, the
+/// second with a learning-rate schedule of its own), trained in one loop with windows of 2:
+/// each keeps windows of its own (the second backward pass of a batch does not advance the
+/// first model's window), each ends bit for bit where it ends trained alone, and a checkpoint
+/// holding both (and the second's scheduler) resumes both bit for bit.
 #[test]
 fn two_models_with_their_own_optimizers_train_as_if_alone_and_resume_together() {
     use accelerate_burn::{Checkpoint, PreparedOptimizer};
@@ -993,10 +994,13 @@ fn two_models_with_their_own_optimizers_train_as_if_alone_and_resume_together() 
     let step = |acc: &Accelerator<DefaultBackend>,
                 model: Net,
                 optim: &mut PreparedOptimizer,
-                batch: (Tensor<2>, Tensor<2>)| {
+                batch: (Tensor<2>, Tensor<2>),
+                lr: f64| {
         let grads = acc.backward(model.loss(batch), &model).unwrap();
-        optim.step(1e-2, model, grads).unwrap()
+        optim.step(lr, model, grads).unwrap()
     };
+    // The second model's learning rate follows a schedule of its own optimizer's updates.
+    let schedule = || LinearLrSchedulerConfig::new(1e-2, 1e-3, 10).init().unwrap();
     let alone = |initial: Net, fused: bool| {
         let acc = accelerator(2);
         let (mut model, mut optim, train) = if fused {
@@ -1005,10 +1009,12 @@ fn two_models_with_their_own_optimizers_train_as_if_alone_and_resume_together() 
             acc.prepare((initial, SgdConfig::new().init(), loader(40, 4)))
         }
         .unwrap();
+        let mut scheduler = acc.prepare_scheduler(schedule());
         for epoch in 0..epochs {
             train.set_epoch(epoch);
             for batch in train.iter() {
-                model = step(&acc, model, &mut optim, batch.unwrap());
+                let lr = if fused { scheduler.step().base() } else { 1e-2 };
+                model = step(&acc, model, &mut optim, batch.unwrap(), lr);
             }
         }
         (model.bits(), optim.updates())
@@ -1027,14 +1033,16 @@ fn two_models_with_their_own_optimizers_train_as_if_alone_and_resume_together() 
             .unwrap();
         let (mut b, mut optim_b) = acc.prepare((second.clone(), AdamWConfig::new())).unwrap();
         assert!(acc.prepare((b.clone(), SgdConfig::new())).is_err());
+        let mut scheduler_b = acc.prepare_scheduler_for(&optim_b, schedule());
         if let Run::Resume(dir) = run {
             let restored = acc.load_state(dir, a, &mut optim_a, None).unwrap();
             a = restored.model;
+            let scheduler = Some(&mut scheduler_b);
             b = acc
-                .load_pair(&restored.info, "second", b, &mut optim_b)
+                .load_pair(&restored.info, "second", b, &mut optim_b, scheduler)
                 .unwrap();
             let err = acc
-                .load_pair(&restored.info, "third", b.clone(), &mut optim_b)
+                .load_pair(&restored.info, "third", b.clone(), &mut optim_b, None)
                 .unwrap_err()
                 .to_string();
             assert!(err.contains("as \"third\""), "{err}");
@@ -1043,13 +1051,19 @@ fn two_models_with_their_own_optimizers_train_as_if_alone_and_resume_together() 
             train.set_epoch(epoch);
             for batch in train.iter() {
                 let batch = batch.unwrap();
-                a = step(&acc, a, &mut optim_a, batch.clone());
-                b = step(&acc, b, &mut optim_b, batch);
+                a = step(&acc, a, &mut optim_a, batch.clone(), 1e-2);
+                let lr = scheduler_b.step().base();
+                b = step(&acc, b, &mut optim_b, batch, lr);
                 if let Run::Save(updates, dir) = run
                     && optim_a.updates() == updates
                     && acc.sync_gradients()
                 {
-                    let checkpoint = Checkpoint::new(&a, &optim_a).pair("second", &b, &optim_b);
+                    let checkpoint = Checkpoint::new(&a, &optim_a).pair_with_scheduler(
+                        "second",
+                        &b,
+                        &optim_b,
+                        &scheduler_b,
+                    );
                     acc.save_state(dir, &checkpoint).unwrap();
                     return None;
                 }
@@ -1066,6 +1080,7 @@ fn two_models_with_their_own_optimizers_train_as_if_alone_and_resume_together() 
     let dir = tmp.path().join("ckpt");
     assert!(together(Run::Save(3, &dir)).is_none());
     assert!(dir.join("second").join("model.safetensors").is_file());
+    assert!(dir.join("second").join("scheduler.bpk").is_file());
     let resumed = together(Run::Resume(&dir)).unwrap();
     assert_eq!(resumed, uninterrupted);
 }

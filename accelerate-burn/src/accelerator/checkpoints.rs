@@ -69,14 +69,15 @@ impl<B: AcceleratorBackend> Accelerator<B> {
     /// Restores the model and optimizer saved under `name` with
     /// [`Checkpoint::pair`](crate::Checkpoint::pair) in the checkpoint `info` describes (what
     /// [`load_state`](Self::load_state) or [`load_latest_checkpoint`](Self::load_latest_checkpoint)
-    /// returned): returns `model` with its saved weights, and loads `optimizer` and its loop
-    /// counters. On a fresh start (no checkpoint was loaded) returns `model` as it is. Every
-    /// process must call it.
+    /// returned): returns `model` with its saved weights, and loads `optimizer`, its loop
+    /// counters and `scheduler` (saved with
+    /// [`pair_with_scheduler`](crate::Checkpoint::pair_with_scheduler)). On a fresh start (no
+    /// checkpoint was loaded) returns `model` as it is. Every process must call it.
     ///
     /// ```text
     /// let restored = acc.load_latest_checkpoint(generator, &mut g_optim, None)?;
     /// let generator = restored.model;
-    /// let critic = acc.load_pair(&restored.info, "critic", critic, &mut c_optim)?;
+    /// let critic = acc.load_pair(&restored.info, "critic", critic, &mut c_optim, None)?;
     /// ```
     pub fn load_pair<M: Module>(
         &self,
@@ -84,11 +85,15 @@ impl<B: AcceleratorBackend> Accelerator<B> {
         name: &str,
         model: M,
         optimizer: &mut PreparedOptimizer,
+        scheduler: Option<&mut PreparedScheduler>,
     ) -> Result<M, AccelerateError> {
         match &info.path {
-            Some(dir) => {
-                checkpoint::load::load_pair(&self.checkpoint_context(), dir, name, model, optimizer)
-            }
+            Some(dir) => checkpoint::load::load_pair(
+                &self.checkpoint_context(),
+                dir,
+                name,
+                (model, optimizer, scheduler),
+            ),
             None => Ok(model),
         }
     }

@@ -82,24 +82,8 @@ fn load_own_part<M: Module>(
         training.optimizer.as_deref(),
     )
     .map_err(|(detail, hint)| mismatch(detail, hint))?;
-    match (scheduler, training.scheduler) {
-        (Some(scheduler), true) => {
-            let record = LrSchedulerRecord::load(dir.join(SCHEDULER_FILE)).map_err(|e| {
-                mismatch(
-                    format!("{SCHEDULER_FILE}: {e}"),
-                    "resume with the scheduler the checkpoint was saved with",
-                )
-            })?;
-            scheduler.restore(record, saved.updates);
-        }
-        (Some(_), false) => {
-            return Err(mismatch(
-                "a scheduler was given but the checkpoint has none".into(),
-                "pass None, or save with Checkpoint::scheduler",
-            ));
-        }
-        (None, _) => {}
-    }
+    restore_scheduler(dir, scheduler, training.scheduler, saved.updates)
+        .map_err(|(detail, hint)| mismatch(detail, hint))?;
 
     ctx.training.lock().restore(
         optimizer.slot(),
@@ -190,10 +174,9 @@ pub(crate) fn load_pair<M: Module>(
     ctx: &Context<'_>,
     dir: &Path,
     name: &str,
-    model: M,
-    optimizer: &mut PreparedOptimizer,
+    (model, optimizer, scheduler): (M, &mut PreparedOptimizer, Option<&mut PreparedScheduler>),
 ) -> Result<M, AccelerateError> {
-    let loaded = load_own_pair(ctx, dir, name, model, optimizer);
+    let loaded = load_own_pair(ctx, dir, name, (model, optimizer, scheduler));
     agreed(ctx, dir, "loading a model saved with its optimizer", loaded)
 }
 
@@ -201,8 +184,7 @@ fn load_own_pair<M: Module>(
     ctx: &Context<'_>,
     dir: &Path,
     name: &str,
-    model: M,
-    optimizer: &mut PreparedOptimizer,
+    (model, optimizer, scheduler): (M, &mut PreparedOptimizer, Option<&mut PreparedScheduler>),
 ) -> Result<M, AccelerateError> {
     let mismatch = mismatch(ctx.state.rank, dir);
     let Saved {
@@ -239,6 +221,8 @@ fn load_own_pair<M: Module>(
         Some(&pair.optimizer),
     )
     .map_err(|(detail, hint)| mismatch(format!("{name}: {detail}"), hint))?;
+    restore_scheduler(&dir.join(name), scheduler, pair.scheduler, state.updates)
+        .map_err(|(detail, hint)| mismatch(format!("{name}: {detail}"), hint))?;
     ctx.training.lock().restore(
         optimizer.slot(),
         LoopSnapshot {
@@ -289,5 +273,32 @@ fn mismatch(rank: usize, dir: &Path) -> impl Fn(String, &'static str) -> Acceler
         path: dir.to_path_buf(),
         detail,
         hint,
+    }
+}
+
+/// Continues `scheduler` from the record in `dir` (`saved`: whether the checkpoint has one),
+/// taken after `updates` updates; on failure, what does not fit and a hint.
+fn restore_scheduler(
+    dir: &Path,
+    scheduler: Option<&mut PreparedScheduler>,
+    saved: bool,
+    updates: u64,
+) -> Result<(), (String, &'static str)> {
+    match (scheduler, saved) {
+        (Some(scheduler), true) => {
+            let record = LrSchedulerRecord::load(dir.join(SCHEDULER_FILE)).map_err(|e| {
+                (
+                    format!("{SCHEDULER_FILE}: {e}"),
+                    "resume with the scheduler the checkpoint was saved with",
+                )
+            })?;
+            scheduler.restore(record, updates);
+            Ok(())
+        }
+        (Some(_), false) => Err((
+            "a scheduler was given but the checkpoint has none".into(),
+            "pass None, or save with Checkpoint::scheduler (Checkpoint::pair_with_scheduler)",
+        )),
+        (None, _) => Ok(()),
     }
 }

@@ -89,6 +89,7 @@ pub(crate) struct PairPart<'a> {
     pub write_model: ModuleWriter<'a>,
     pub param_ids: Vec<u64>,
     pub optimizer: &'a PreparedOptimizer,
+    pub scheduler: Option<&'a PreparedScheduler>,
 }
 
 type ObjectWriter<'a> = Box<dyn Fn() -> Result<serde_json::Value, serde_json::Error> + 'a>;
@@ -148,8 +149,25 @@ impl<'a, M: Module> Checkpoint<'a, M> {
             }),
             param_ids: crate::params::ParamLayout::of(model).ids(),
             optimizer,
+            scheduler: None,
         });
         self
+    }
+
+    /// [`pair`](Self::pair) with the learning-rate scheduler that follows `optimizer`
+    /// (`acc.prepare_scheduler_for(&optimizer, ...)`), saved in the pair's directory.
+    pub fn pair_with_scheduler<N: Module>(
+        self,
+        name: &str,
+        model: &'a N,
+        optimizer: &'a PreparedOptimizer,
+        scheduler: &'a PreparedScheduler,
+    ) -> Self {
+        let mut checkpoint = self.pair(name, model, optimizer);
+        if let Some(pair) = checkpoint.pairs.last_mut() {
+            pair.scheduler = Some(scheduler);
+        }
+        checkpoint
     }
 
     /// Also saves `value` under `name` (read it back with [`CheckpointInfo::object`]). The main
@@ -282,6 +300,9 @@ struct PairState {
     param_ids: Vec<u64>,
     /// The reducer kind that wrote its optimizer state.
     optimizer: String,
+    /// True when its scheduler's record was saved.
+    #[serde(default)]
+    scheduler: bool,
 }
 
 /// What the directory protocol needs of the accelerator.

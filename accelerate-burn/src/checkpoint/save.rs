@@ -14,6 +14,7 @@ use super::{
     rank_file,
 };
 use crate::error::AccelerateError;
+use crate::optim::PreparedScheduler;
 use crate::params::ParamLayout;
 use crate::reducer::SaveRole;
 
@@ -173,9 +174,21 @@ fn write_own_files<M: Module>(
                 None,
                 synced(&path)?,
             );
+            if let Some(scheduler) = pair.scheduler {
+                let updates = pair.optimizer.updates();
+                let path = save_scheduler(scheduler, updates, &dir)?;
+                let name = format!("{}/{SCHEDULER_FILE}", pair.name);
+                add(
+                    &name,
+                    "learning-rate scheduler record (burnpack)",
+                    None,
+                    synced(&path)?,
+                );
+            }
             let state = PairState {
                 param_ids: pair.param_ids.clone(),
                 optimizer: reducer.kind().to_string(),
+                scheduler: pair.scheduler.is_some(),
             };
             pairs.insert(pair.name.clone(), state);
         }
@@ -216,15 +229,7 @@ fn write_own_files<M: Module>(
     }
 
     if let Some(scheduler) = checkpoint.scheduler {
-        let record = scheduler.record_at(updates).ok_or_else(|| {
-            "the scheduler was stepped more than once past the latest update; hint: call \
-             sched.step() once per optimizer update"
-                .to_string()
-        })?;
-        let path = partial.join(SCHEDULER_FILE);
-        record
-            .save(&path)
-            .map_err(|e| format!("scheduler record: {e}"))?;
+        let path = save_scheduler(scheduler, updates, partial)?;
         add(
             SCHEDULER_FILE,
             "learning-rate scheduler record (burnpack)",
@@ -259,4 +264,22 @@ fn write_own_files<M: Module>(
 /// Syncs a file Burn wrote and returns its size.
 fn synced(path: &Path) -> Result<u64, String> {
     checkpoint::sync_file(path).map_err(|e| e.to_string())
+}
+
+/// Writes `scheduler`'s record after `updates` updates into `dir`; returns the file's path.
+fn save_scheduler(
+    scheduler: &PreparedScheduler,
+    updates: u64,
+    dir: &Path,
+) -> Result<PathBuf, String> {
+    let record = scheduler.record_at(updates).ok_or_else(|| {
+        "the scheduler was stepped more than once past the latest update; hint: call \
+         sched.step() once per optimizer update"
+            .to_string()
+    })?;
+    let path = dir.join(SCHEDULER_FILE);
+    record
+        .save(&path)
+        .map_err(|e| format!("scheduler record: {e}"))?;
+    Ok(path)
 }
