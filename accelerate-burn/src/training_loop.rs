@@ -6,9 +6,10 @@
 
 use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
 
+use accelerate_core::checkpoint::ModelLoopState;
 use accelerate_core::sampler::SplitMix64;
 use accelerate_core::{
-    BatchPosition, DynamicLossScaler, GradientAccumulation, MicroStep, ScaledStep, ScalerState,
+    BatchPosition, DynamicLossScaler, GradientAccumulation, MicroStep, ScaledStep,
 };
 use burn::tensor::Device;
 
@@ -80,13 +81,6 @@ pub(crate) enum LossKind {
     Mean,
     /// A sum over this many items: each item of a window weighs the same.
     Sum(u64),
-}
-
-/// One slot's part of a checkpoint.
-pub(crate) struct LoopSnapshot {
-    pub updates: u64,
-    pub windows: u64,
-    pub scaler: Option<ScalerState>,
 }
 
 impl TrainingLoop {
@@ -275,9 +269,9 @@ impl TrainingLoop {
     }
 
     /// `slot`'s part of a checkpoint.
-    pub fn snapshot(&self, slot: usize) -> LoopSnapshot {
+    pub fn snapshot(&self, slot: usize) -> ModelLoopState {
         let model = self.peek(slot);
-        LoopSnapshot {
+        ModelLoopState {
             updates: model.map_or(0, |m| m.accumulation.updates()),
             windows: model.map_or(0, |m| m.windows),
             scaler: model.and_then(|m| m.scaler.as_ref().map(DynamicLossScaler::state)),
@@ -286,7 +280,7 @@ impl TrainingLoop {
 
     /// Continues `slot` from a checkpoint's `snapshot`; slot 0 also reseeds `device` to where
     /// it stood.
-    pub fn restore(&mut self, slot: usize, snapshot: LoopSnapshot, device: &Device) {
+    pub fn restore(&mut self, slot: usize, snapshot: ModelLoopState, device: &Device) {
         let (seed, rank) = (self.seed, self.rank);
         let model = self.model(slot);
         model.accumulation.restore(snapshot.updates);

@@ -5,7 +5,7 @@
 use std::path::Path;
 
 use accelerate_core::CheckpointError;
-use accelerate_core::checkpoint::{self, Manifest, ManifestFile, RankState};
+use accelerate_core::checkpoint::{self, Manifest, ManifestFile, ModelLoopState, RankState};
 use burn::lr_scheduler::LrSchedulerRecord;
 use burn::module::Module;
 
@@ -17,7 +17,6 @@ use crate::error::AccelerateError;
 use crate::optim::{PreparedOptimizer, PreparedScheduler};
 use crate::params::{self, ParamLayout, Replacement};
 use crate::reducer::LoadSource;
-use crate::training_loop::LoopSnapshot;
 
 /// Restores the state saved in `dir` (see [`crate::Accelerator::load_state`]).
 pub(crate) fn load_state<M: Module>(
@@ -87,7 +86,7 @@ fn load_own_part<M: Module>(
 
     ctx.training.lock().restore(
         optimizer.slot(),
-        LoopSnapshot {
+        ModelLoopState {
             updates: saved.updates,
             windows: saved.windows,
             scaler: saved.scaler,
@@ -223,15 +222,9 @@ fn load_own_pair<M: Module>(
     .map_err(|(detail, hint)| mismatch(format!("{name}: {detail}"), hint))?;
     restore_scheduler(&dir.join(name), scheduler, pair.scheduler, state.updates)
         .map_err(|(detail, hint)| mismatch(format!("{name}: {detail}"), hint))?;
-    ctx.training.lock().restore(
-        optimizer.slot(),
-        LoopSnapshot {
-            updates: state.updates,
-            windows: state.windows,
-            scaler: state.scaler,
-        },
-        ctx.device,
-    );
+    ctx.training
+        .lock()
+        .restore(optimizer.slot(), state.clone(), ctx.device);
     Ok(model)
 }
 

@@ -95,6 +95,14 @@ pub(crate) struct PairPart<'a> {
 type ObjectWriter<'a> = Box<dyn Fn() -> Result<serde_json::Value, serde_json::Error> + 'a>;
 type ModuleWriter<'a> = Box<dyn Fn(&std::path::Path) -> Result<(), String> + 'a>;
 
+/// Writes `module`'s weights to a safetensors file when the save runs.
+fn module_writer<N: Module>(module: &N) -> ModuleWriter<'_> {
+    Box::new(move |path| {
+        let mut store = SafetensorsStore::from_file(path).overwrite(true);
+        module.save_into(&mut store).map_err(|e| e.to_string())
+    })
+}
+
 impl<'a, M: Module> Checkpoint<'a, M> {
     /// A checkpoint of `model` and `optimizer`.
     pub fn new(model: &'a M, optimizer: &'a PreparedOptimizer) -> Self {
@@ -123,11 +131,7 @@ impl<'a, M: Module> Checkpoint<'a, M> {
     /// an EMA copy, a frozen teacher, a second network. Read it back with
     /// [`CheckpointInfo::module`]. The main process's module is saved.
     pub fn module<N: Module>(mut self, name: &str, module: &'a N) -> Self {
-        let writer: ModuleWriter<'a> = Box::new(move |path| {
-            let mut store = SafetensorsStore::from_file(path).overwrite(true);
-            module.save_into(&mut store).map_err(|e| e.to_string())
-        });
-        self.modules.push((name.to_string(), writer));
+        self.modules.push((name.to_string(), module_writer(module)));
         self
     }
 
@@ -143,10 +147,7 @@ impl<'a, M: Module> Checkpoint<'a, M> {
     ) -> Self {
         self.pairs.push(PairPart {
             name: name.to_string(),
-            write_model: Box::new(move |path| {
-                let mut store = SafetensorsStore::from_file(path).overwrite(true);
-                model.save_into(&mut store).map_err(|e| e.to_string())
-            }),
+            write_model: module_writer(model),
             param_ids: crate::params::ParamLayout::of(model).ids(),
             optimizer,
             scheduler: None,

@@ -5,7 +5,7 @@
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 
-use accelerate_core::checkpoint::{self, Manifest, ManifestFile, ModelLoopState, RankState};
+use accelerate_core::checkpoint::{self, Manifest, ManifestFile, RankState};
 use burn::module::Module;
 use burn::store::{ModuleSnapshot, SafetensorsStore};
 
@@ -116,15 +116,7 @@ fn write_own_files<M: Module>(
         let models = checkpoint
             .pairs
             .iter()
-            .map(|pair| {
-                let s = training.snapshot(pair.optimizer.slot());
-                let state = ModelLoopState {
-                    updates: s.updates,
-                    windows: s.windows,
-                    scaler: s.scaler,
-                };
-                (pair.name.clone(), state)
-            })
+            .map(|pair| (pair.name.clone(), training.snapshot(pair.optimizer.slot())))
             .collect();
         (training.snapshot(checkpoint.optimizer.slot()), models)
     };
@@ -175,7 +167,7 @@ fn write_own_files<M: Module>(
                 synced(&path)?,
             );
             if let Some(scheduler) = pair.scheduler {
-                let updates = pair.optimizer.updates();
+                let updates = state.models.get(&pair.name).map_or(0, |m| m.updates);
                 let path = save_scheduler(scheduler, updates, &dir)?;
                 let name = format!("{}/{SCHEDULER_FILE}", pair.name);
                 add(
@@ -185,12 +177,12 @@ fn write_own_files<M: Module>(
                     synced(&path)?,
                 );
             }
-            let state = PairState {
+            let saved = PairState {
                 param_ids: pair.param_ids.clone(),
                 optimizer: reducer.kind().to_string(),
                 scheduler: pair.scheduler.is_some(),
             };
-            pairs.insert(pair.name.clone(), state);
+            pairs.insert(pair.name.clone(), saved);
         }
         checkpoint::sync_dir(&dir).map_err(|e| e.to_string())?;
     }
