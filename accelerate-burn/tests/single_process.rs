@@ -106,13 +106,17 @@ fn accelerator(accumulation: usize) -> Accelerator<DefaultBackend> {
         .unwrap()
 }
 
-fn assert_close(a: &[f32], b: &[f32], tol: f32) {
-    assert_eq!(a.len(), b.len());
-    let worst = a
-        .iter()
+/// The largest absolute difference between two parameter lists.
+fn largest_difference(a: &[f32], b: &[f32]) -> f32 {
+    a.iter()
         .zip(b)
         .map(|(x, y)| (x - y).abs())
-        .fold(0.0_f32, f32::max);
+        .fold(0.0_f32, f32::max)
+}
+
+fn assert_close(a: &[f32], b: &[f32], tol: f32) {
+    assert_eq!(a.len(), b.len());
+    let worst = largest_difference(a, b);
     assert!(worst <= tol, "largest difference {worst} > {tol}");
 }
 
@@ -221,12 +225,7 @@ fn a_short_last_window_is_weighted_by_its_real_size() {
     }
     assert_eq!(optim.updates(), 2);
     assert_close(&model.values(), &reference.values(), 1e-6);
-    let gap = model
-        .values()
-        .iter()
-        .zip(halved.values())
-        .map(|(a, b)| (a - b).abs())
-        .fold(0.0_f32, f32::max);
+    let gap = largest_difference(&model.values(), &halved.values());
     assert!(
         gap > 1e-4,
         "the /N weighting should differ visibly, gap {gap}"
@@ -828,11 +827,7 @@ fn summed_losses_weigh_every_row_of_a_window_alike() {
 
     assert_close(&run(true), &big.values(), 1e-6);
     let per_micro_batch = run(false);
-    let worst = per_micro_batch
-        .iter()
-        .zip(big.values())
-        .map(|(a, b)| (a - b).abs())
-        .fold(0.0_f32, f32::max);
+    let worst = largest_difference(&per_micro_batch, &big.values());
     assert!(
         worst > 1e-3,
         "the per-micro-batch mean differs by only {worst}"
