@@ -227,11 +227,7 @@ fn build(kind: &str, name: &str, args: &LaunchArgs) -> anyhow::Result<PathBuf> {
         if message["fresh"] == false {
             progress.compiled(message["target"]["name"].as_str().unwrap_or("?"));
         }
-        let ours = message["target"]["name"] == name
-            && message["target"]["kind"]
-                .as_array()
-                .is_some_and(|kinds| kinds.iter().any(|k| k == kind));
-        if ours {
+        if is_target(&message["target"], kind, name) {
             executable = message["executable"].as_str().map(PathBuf::from);
         }
     }
@@ -255,26 +251,29 @@ fn package_of(cargo: &str, kind: &str, name: &str) -> Option<String> {
         .ok()
         .filter(|o| o.status.success())?;
     let metadata: serde_json::Value = serde_json::from_slice(&output.stdout).ok()?;
-    packages_with_target(&metadata, kind, name)
+    package_with_target(&metadata, kind, name)
 }
 
 /// The one package in cargo's `metadata` with the `kind` target `name`.
-fn packages_with_target(metadata: &serde_json::Value, kind: &str, name: &str) -> Option<String> {
+fn package_with_target(metadata: &serde_json::Value, kind: &str, name: &str) -> Option<String> {
     let mut owners = metadata["packages"].as_array()?.iter().filter(|package| {
-        package["targets"].as_array().is_some_and(|targets| {
-            targets.iter().any(|target| {
-                target["name"] == name
-                    && target["kind"]
-                        .as_array()
-                        .is_some_and(|kinds| kinds.iter().any(|k| k == kind))
-            })
-        })
+        package["targets"]
+            .as_array()
+            .is_some_and(|targets| targets.iter().any(|t| is_target(t, kind, name)))
     });
     let owner = owners.next()?;
     if owners.next().is_some() {
         return None;
     }
     owner["name"].as_str().map(str::to_string)
+}
+
+/// True when cargo's JSON description of a `target` is the `kind` target `name`.
+fn is_target(target: &serde_json::Value, kind: &str, name: &str) -> bool {
+    target["name"] == name
+        && target["kind"]
+            .as_array()
+            .is_some_and(|kinds| kinds.iter().any(|k| k == kind))
 }
 
 /// What the user sees while cargo builds: a spinner with the crates compiled so far on a
@@ -355,7 +354,7 @@ fn parse_precision(value: &str) -> Result<MixedPrecision, String> {
 
 #[cfg(test)]
 mod tests {
-    use super::packages_with_target;
+    use super::package_with_target;
 
     #[test]
     fn the_package_that_owns_an_example_is_found_and_an_ambiguous_name_is_left_to_cargo() {
@@ -367,7 +366,7 @@ mod tests {
             ]},
             { "name": "other", "targets": [{ "name": "digits", "kind": ["bin"] }] },
         ]});
-        let owner = |kind, name| packages_with_target(&metadata, kind, name);
+        let owner = |kind, name| package_with_target(&metadata, kind, name);
         assert_eq!(
             owner("example", "digits").as_deref(),
             Some("accelerate-examples")
@@ -378,6 +377,6 @@ mod tests {
             { "name": "a", "targets": [{ "name": "x", "kind": ["example"] }] },
             { "name": "b", "targets": [{ "name": "x", "kind": ["example"] }] },
         ]});
-        assert_eq!(packages_with_target(&twice, "example", "x"), None);
+        assert_eq!(package_with_target(&twice, "example", "x"), None);
     }
 }
