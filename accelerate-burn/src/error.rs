@@ -43,6 +43,11 @@ pub enum AccelerateError {
     #[error(transparent)]
     Comm(#[from] accelerate_core::CommError),
 
+    /// NCCL could not be loaded, agreed on or run (the message names the rank and the hint).
+    #[cfg(unix)]
+    #[error(transparent)]
+    Nccl(#[from] accelerate_core::nccl::NcclError),
+
     /// The processes did not build the same model.
     #[error("rank {rank}: {detail}. hint: every process must build the same model")]
     ModelMismatch {

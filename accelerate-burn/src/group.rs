@@ -8,6 +8,7 @@ use std::time::{Duration, Instant};
 use accelerate_core::comm::ProcessGroup;
 
 use crate::error::AccelerateError;
+use crate::nccl::DeviceCollectives;
 
 /// The process group of one accelerator, shared with its reducer and prepared optimizer.
 #[derive(Clone)]
@@ -17,6 +18,8 @@ pub(crate) struct Comm {
     spent_ns: Arc<AtomicU64>,
     rank: usize,
     world_size: usize,
+    /// NCCL on this process's GPU, when the job agreed to use it.
+    device: Option<DeviceCollectives>,
 }
 
 impl Comm {
@@ -27,7 +30,19 @@ impl Comm {
             spent_ns: Arc::new(AtomicU64::new(0)),
             rank,
             world_size,
+            device: None,
         }
+    }
+
+    /// The group, with NCCL's collectives on the GPU for the reducers to use.
+    pub fn with_device_collectives(mut self, device: Option<DeviceCollectives>) -> Self {
+        self.device = device;
+        self
+    }
+
+    /// NCCL's collectives on this process's GPU, when the job uses them.
+    pub fn device_collectives(&self) -> Option<&DeviceCollectives> {
+        self.device.as_ref()
     }
 
     /// The group, locked (a panic elsewhere cannot leave it half-updated: a failed
@@ -49,8 +64,14 @@ impl Comm {
     /// Runs `communicate` on the locked group and adds its duration to
     /// [`communication_time`](Self::communication_time).
     pub fn timed<R>(&self, communicate: impl FnOnce(&mut ProcessGroup) -> R) -> R {
+        self.timed_device(|| communicate(&mut self.lock()))
+    }
+
+    /// Runs `communicate` (collectives that do not use the host group: NCCL's) and adds its
+    /// duration to [`communication_time`](Self::communication_time).
+    pub fn timed_device<R>(&self, communicate: impl FnOnce() -> R) -> R {
         let started = Instant::now();
-        let result = communicate(&mut self.lock());
+        let result = communicate();
         let spent = u64::try_from(started.elapsed().as_nanos()).unwrap_or(u64::MAX);
         self.spent_ns.fetch_add(spent, Ordering::Relaxed);
         result

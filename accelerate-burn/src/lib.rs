@@ -70,7 +70,9 @@
 //! | `wgpu` | Burn's wgpu backend | Vulkan / Metal / DX12; f16 where the adapter has it |
 //! | `cuda` | Burn's CUDA backend | local rank `r` uses `cuda(r)` |
 
-#![forbid(unsafe_code)]
+// Deny rather than forbid: the `nccl` feature's device module (raw CUDA contexts, streams and
+// device addresses handed to NCCL) is the one place allowed unsafe code.
+#![deny(unsafe_code)]
 
 mod accelerator;
 pub mod backend;
@@ -83,6 +85,7 @@ pub mod fused;
 mod group;
 mod loader_link;
 pub mod metrics;
+mod nccl;
 mod optim;
 mod params;
 mod precision;
@@ -103,7 +106,9 @@ pub use precision::{Autocast, Caster};
 pub use reducer::{Gradients, GradientsStatus};
 
 pub use accelerate_core::comm::Reduction;
-pub use accelerate_core::{AcceleratorConfig, MixedPrecision, ProcessState, ScalerConfig, Tracker};
+pub use accelerate_core::{
+    AcceleratorConfig, MixedPrecision, NcclMode, ProcessState, ScalerConfig, Tracker,
+};
 /// The Burn this crate is built on, re-exported so users match its version.
 pub use burn;
 

@@ -9,94 +9,17 @@ use accelerate_burn::{
 use burn::data::dataloader::batcher::Batcher;
 use burn::data::dataset::InMemDataset;
 use burn::lr_scheduler::linear::LinearLrSchedulerConfig;
-use burn::module::{Module, ModuleVisitor, Param};
-use burn::nn::{Linear, Relu};
+use burn::module::Module;
+use burn::nn::Linear;
 use burn::optim::decay::WeightDecayConfig;
 use burn::optim::momentum::MomentumConfig;
 use burn::optim::{AdamConfig, AdamWConfig, ModuleOptimizer, SgdConfig};
-use burn::tensor::{Device, Tensor, TensorData};
+use burn::tensor::Device;
 
-#[derive(Module, Debug)]
-struct Net {
-    hidden: Linear,
-    out: Linear,
-    act: Relu,
-}
+#[path = "support/tiny_net.rs"]
+mod tiny_net;
 
-/// A linear layer with fixed pseudo-random values (no draw from the process-wide generator,
-/// which tests running in parallel share).
-fn linear(inputs: usize, outputs: usize, salt: usize, device: &Device) -> Linear {
-    let value = |i: usize| ((i * 2654435761 + salt * 97) % 1000) as f32 / 1000.0 - 0.5;
-    let weight: Vec<f32> = (0..inputs * outputs)
-        .map(|i| value(i) / (inputs as f32).sqrt())
-        .collect();
-    let bias: Vec<f32> = (0..outputs).map(|i| value(i + 7) * 0.1).collect();
-    Linear {
-        weight: Param::from_tensor(Tensor::from_data(
-            TensorData::new(weight, [inputs, outputs]),
-            device,
-        )),
-        bias: Some(Param::from_tensor(Tensor::from_data(
-            TensorData::new(bias, [outputs]),
-            device,
-        ))),
-    }
-}
-
-impl Net {
-    fn new(device: &Device) -> Self {
-        Self {
-            hidden: linear(8, 32, 1, device),
-            out: linear(32, 2, 2, device),
-            act: Relu::new(),
-        }
-    }
-
-    fn loss(&self, (x, y): (Tensor<2>, Tensor<2>)) -> Tensor<1> {
-        (self.out.forward(self.act.forward(self.hidden.forward(x))) - y)
-            .square()
-            .mean()
-    }
-}
-
-fn values<M: Module>(model: &M) -> Vec<f32> {
-    struct Collect(Vec<f32>);
-    impl ModuleVisitor for Collect {
-        fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<D>>) {
-            self.0.extend(param.val().into_data().iter::<f32>());
-        }
-    }
-    let mut c = Collect(Vec::new());
-    model.visit(&mut c);
-    c.0
-}
-
-type Item = ([f32; 8], [f32; 2]);
-
-#[derive(Clone)]
-struct Rows;
-
-impl Batcher<Item, (Tensor<2>, Tensor<2>)> for Rows {
-    fn batch(&self, items: Vec<Item>, device: &Device) -> (Tensor<2>, Tensor<2>) {
-        let n = items.len();
-        let x: Vec<f32> = items.iter().flat_map(|(x, _)| *x).collect();
-        let y: Vec<f32> = items.iter().flat_map(|(_, y)| *y).collect();
-        (
-            Tensor::from_data(TensorData::new(x, [n, 8]), device),
-            Tensor::from_data(TensorData::new(y, [n, 2]), device),
-        )
-    }
-}
-
-fn data() -> Vec<Item> {
-    (0..96)
-        .map(|i| {
-            let x: [f32; 8] = std::array::from_fn(|j| ((i * 7 + j * 3) % 11) as f32 / 5.0 - 1.0);
-            let y = [x[0] * 2.0 - x[3], x[5] + 0.5 * x[1] * x[2]];
-            (x, y)
-        })
-        .collect()
-}
+use tiny_net::{Net, Rows, data, linear, values};
 
 /// Trains 3 epochs (36 updates) with `optimizer`, a linear schedule and clipping at 0.5;
 /// returns the parameters and the norms `clip_grad_norm` reported.
@@ -113,7 +36,7 @@ fn train<S: accelerate_burn::OptimizerSource>(
     let loader = DataLoader::builder(Rows)
         .batch_size(8)
         .shuffle(1)
-        .build(InMemDataset::new(data()));
+        .build(InMemDataset::new(data(96)));
     let (mut model, mut optim, train) = acc.prepare((model, optimizer, loader))?;
     let schedule = LinearLrSchedulerConfig::new(2e-2, 1e-3, 36)
         .init()
@@ -340,7 +263,7 @@ fn parameters_added_after_prepare_are_an_error() {
         .unwrap();
     let fused = FusedOptimizer::sgd(&SgdConfig::new()).unwrap();
     let (model, mut optim) = acc.prepare((Net::new(&acc.device()), fused)).unwrap();
-    let batch = Rows.batch(data()[..4].to_vec(), &acc.device());
+    let batch = Rows.batch(data(96)[..4].to_vec(), &acc.device());
     let grads = acc.backward(model.loss(batch.clone()), &model).unwrap();
     let model = optim.step(0.1, model, grads).unwrap();
     // The user swaps a layer for a new one (new parameters) after prepare.
@@ -395,7 +318,7 @@ fn train_with_unused<S: accelerate_burn::OptimizerSource>(
     let unused_before = values(&model.unused);
     let (mut model, mut optim) = acc.prepare((model, optimizer)).unwrap();
     for i in 0..4 {
-        let batch = Rows.batch(data()[i * 8..(i + 1) * 8].to_vec(), &device);
+        let batch = Rows.batch(data(96)[i * 8..(i + 1) * 8].to_vec(), &device);
         let grads = acc.backward(model.net.loss(batch), &model).unwrap();
         model = optim.step(1e-2, model, grads).unwrap();
     }

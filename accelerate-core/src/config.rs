@@ -24,6 +24,8 @@ pub const ENV_GRADIENT_COMMUNICATION: &str = env_vars::GRADIENT_COMMUNICATION;
 pub const ENV_ZERO_STAGE: &str = env_vars::ZERO_STAGE;
 /// Environment variable for [`AcceleratorConfig::gradient_checkpointing`].
 pub const ENV_GRADIENT_CHECKPOINTING: &str = env_vars::GRADIENT_CHECKPOINTING;
+/// Environment variable for [`AcceleratorConfig::nccl`].
+pub const ENV_NCCL: &str = env_vars::NCCL;
 /// Environment variable for [`AcceleratorConfig::gradient_bucket_bytes`], in MiB.
 pub const ENV_GRADIENT_BUCKET_MB: &str = env_vars::GRADIENT_BUCKET_MB;
 
@@ -71,6 +73,50 @@ impl std::str::FromStr for MixedPrecision {
     }
 }
 
+/// Whether gradients go through NCCL (`ACCELERATE_NCCL`, or the builder's `strict_nccl`).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum NcclMode {
+    /// NCCL when every rank can load it (cuda backend, `nccl` feature); otherwise the host
+    /// path, with one warning on the main process (default).
+    #[default]
+    Auto,
+    /// Never NCCL: the host path.
+    Off,
+    /// NCCL or an error naming the ranks that cannot use it.
+    Require,
+}
+
+impl NcclMode {
+    /// The spelling `ACCELERATE_NCCL` uses.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Self::Auto => "auto",
+            Self::Off => "off",
+            Self::Require => "require",
+        }
+    }
+}
+
+impl std::fmt::Display for NcclMode {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.as_str())
+    }
+}
+
+impl std::str::FromStr for NcclMode {
+    type Err = ();
+
+    fn from_str(s: &str) -> Result<Self, ()> {
+        match s.trim().to_ascii_lowercase().as_str() {
+            "auto" => Ok(Self::Auto),
+            "off" | "false" | "0" | "no" => Ok(Self::Off),
+            "require" | "required" | "strict" => Ok(Self::Require),
+            _ => Err(()),
+        }
+    }
+}
+
 /// The resolved configuration of an accelerated training loop.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct AcceleratorConfig {
@@ -93,6 +139,10 @@ pub struct AcceleratorConfig {
     /// activations instead of keeping them from the forward pass (Burn's balanced strategy on
     /// the prepared device; default off).
     pub gradient_checkpointing: bool,
+    /// Whether the cuda backend averages gradients with NCCL (default `auto`: when every
+    /// process can load libnccl; see [`crate::nccl`]).
+    #[serde(default)]
+    pub nccl: NcclMode,
 }
 
 impl Default for AcceleratorConfig {
@@ -105,6 +155,7 @@ impl Default for AcceleratorConfig {
             gradient_communication: MixedPrecision::No,
             zero_stage: 0,
             gradient_checkpointing: false,
+            nccl: NcclMode::Auto,
         }
     }
 }
@@ -126,6 +177,8 @@ pub struct ConfigOverrides {
     pub zero_stage: Option<u8>,
     /// See [`AcceleratorConfig::gradient_checkpointing`].
     pub gradient_checkpointing: Option<bool>,
+    /// See [`AcceleratorConfig::nccl`].
+    pub nccl: Option<NcclMode>,
 }
 
 impl ConfigOverrides {
@@ -241,6 +294,11 @@ impl ConfigOverrides {
             )?
             .unwrap_or(defaults.gradient_checkpointing),
         };
+        let nccl = match self.nccl {
+            Some(mode) => mode,
+            None => env_parse(env, ENV_NCCL, "auto, off or require", |v| v.parse().ok())?
+                .unwrap_or_default(),
+        };
         Ok(AcceleratorConfig {
             gradient_accumulation_steps,
             seed,
@@ -249,6 +307,7 @@ impl ConfigOverrides {
             gradient_communication,
             zero_stage,
             gradient_checkpointing,
+            nccl,
         })
     }
 }

@@ -57,6 +57,11 @@ pub const ALL_REDUCE_ALGORITHM: &str = "ACCELERATE_ALL_REDUCE_ALGORITHM";
 pub const SHM_SLOT_BYTES: &str = "ACCELERATE_SHM_SLOT_BYTES";
 /// Bytes of one ring segment.
 pub const RING_SEGMENT_BYTES: &str = "ACCELERATE_RING_SEGMENT_BYTES";
+/// Whether gradients go through NCCL on the cuda backend: `auto` (default), `off` or
+/// `require` (workers).
+pub const NCCL: &str = "ACCELERATE_NCCL";
+/// The libnccl file (or its directory) to load, instead of searching for one.
+pub const NCCL_LIBRARY: &str = "ACCELERATE_NCCL_LIBRARY";
 /// Whether the accelerator keeps freed memory in the process (glibc's malloc thresholds):
 /// `true`/`false` (default true).
 pub const MALLOC_TUNING: &str = "ACCELERATE_MALLOC_TUNING";

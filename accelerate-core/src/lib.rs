@@ -32,6 +32,7 @@
 //! - [`distributed_sampler`]: each rank's batches of an epoch, padding and resume cursor.
 //! - [`checkpoint`]: checkpoint directories: manifest, per-rank state, atomic commit, rotation.
 //! - [`comm`]: the process group and its collectives (rendezvous, shared memory, TCP).
+//! - `nccl` (Unix): finding libnccl, and agreeing whether a job reduces with it (no GPU needed).
 //! - [`tracking`]: metrics to CSV and TensorBoard event files (main process).
 //! - `launch` (Unix): starting and supervising the workers of one machine.
 
@@ -47,6 +48,8 @@ pub mod error;
 pub mod launch;
 pub mod launch_settings;
 pub mod malloc_tuning;
+#[cfg(unix)]
+pub mod nccl;
 pub mod sampler;
 pub mod scaler;
 pub mod state;
@@ -55,7 +58,7 @@ pub mod tracking;
 pub use accumulation::{BatchPosition, GradientAccumulation, MicroStep};
 pub use checkpoint::{CheckpointError, CheckpointRotation, LoaderState, Manifest, RankState};
 pub use comm::{GroupOptions, ProcessGroup, Reduction};
-pub use config::{AcceleratorConfig, ConfigOverrides, MixedPrecision};
+pub use config::{AcceleratorConfig, ConfigOverrides, MixedPrecision, NcclMode};
 pub use config_file::{ConfigFile, ConfigFileError, LoadedConfig};
 pub use distributed_sampler::{
     DistributedSampler, RankBatch, SamplerConfig, SamplerCursor, SamplerError,

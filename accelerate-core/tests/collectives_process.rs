@@ -100,6 +100,31 @@ fn child() {
                     std::thread::sleep(Duration::from_secs(120));
                 }
             }
+            "nccl" => {
+                // The NCCL agreement: each rank loads libnccl as a worker would, rank 0's
+                // communicator id reaches every rank, or every rank takes the host path.
+                use accelerate_core::nccl::{self, NcclLibrary};
+                let mode = accelerate_core::ConfigOverrides::default()
+                    .resolve_with(&accelerate_core::state::ProcessEnv)
+                    .unwrap()
+                    .nccl;
+                let library = NcclLibrary::find(&accelerate_core::state::ProcessEnv);
+                if let Ok(library) = &library {
+                    println!("LIBRARY {} {}", library.version(), library.path().display());
+                }
+                let local = library.as_ref().map_err(|e| e.to_string());
+                match nccl::agree(&mut group, mode, local) {
+                    Ok(Some(id)) => {
+                        let hex: String = id.0.iter().map(|b| format!("{b:02x}")).collect();
+                        println!("NCCL {hex}");
+                    }
+                    Ok(None) => println!("HOST"),
+                    Err(e) => {
+                        eprintln!("ERROR {e}");
+                        std::process::exit(3);
+                    }
+                }
+            }
             other => panic!("unknown scenario {other}"),
         }
         group.barrier()
@@ -885,4 +910,107 @@ fn torchrun_restarts_the_workers_after_a_failure_and_the_job_finishes() {
         "{stdout}"
     );
     assert!(!stdout.contains("TRAINED in attempt 0"), "{stdout}");
+}
+
+/// NCCL's bootstrap socket on loopback.
+const LOOPBACK_NCCL: (&str, &str) = ("NCCL_SOCKET_IFNAME", "lo");
+
+/// libnccl as the workers will find it (the `nvidia-nccl-cu13` wheel of the torch environment
+/// on PATH under CI), or a skip.
+fn nccl_library_ready() -> bool {
+    match accelerate_core::nccl::NcclLibrary::find(&accelerate_core::state::ProcessEnv) {
+        Ok(_) => true,
+        Err(e) => {
+            assert!(
+                std::env::var_os("ACCELERATE_REQUIRE_TEST_TOOLS").is_none(),
+                "the NCCL tests need libnccl (.ci/run's torch environment has it): {e}"
+            );
+            eprintln!("skipped: no libnccl: {e}");
+            false
+        }
+    }
+}
+
+#[test]
+fn rank_zeros_nccl_id_reaches_every_rank_over_the_authenticated_group() {
+    if !nccl_library_ready() {
+        return;
+    }
+    // NCCL's bootstrap listens where NCCL_SOCKET_IFNAME says: loopback, like every test.
+    let results =
+        start("nccl", "tcp", 2, &[0, 1], &[LOOPBACK_NCCL]).finish(Duration::from_secs(60));
+    let ids: Vec<&str> = results
+        .iter()
+        .enumerate()
+        .map(|(rank, (code, stdout, stderr))| {
+            assert_eq!(*code, 0, "rank {rank}: {stdout}\n{stderr}");
+            assert!(stdout.contains("LIBRARY 2."), "rank {rank}: {stdout}");
+            let line = stdout
+                .lines()
+                .find(|l| l.starts_with("NCCL "))
+                .unwrap_or_else(|| panic!("rank {rank} did not choose NCCL: {stdout}\n{stderr}"));
+            &line[5..]
+        })
+        .collect();
+    // 128 bytes made by libnccl on rank 0 (its bootstrap address: not all zero), the same
+    // bytes on rank 1.
+    assert_eq!(ids[0].len(), 2 * accelerate_core::nccl::UNIQUE_ID_BYTES);
+    assert!(ids[0].chars().any(|c| c != '0'), "{}", ids[0]);
+    assert_eq!(ids[0], ids[1]);
+}
+
+#[test]
+fn a_rank_without_libnccl_takes_the_whole_job_to_the_host_path_or_fails_it_when_required() {
+    for mode in ["auto", "require"] {
+        let port = free_port();
+        let token = format!("test-{}-{port}", std::process::id());
+        let mode_env = ("ACCELERATE_NCCL", mode);
+        let missing = ("ACCELERATE_NCCL_LIBRARY", "/nonexistent/libnccl.so.2");
+        let job = Job {
+            children: vec![
+                spawn_rank(
+                    "nccl",
+                    "tcp",
+                    (0, 2),
+                    (port, &token),
+                    &[mode_env, LOOPBACK_NCCL],
+                ),
+                spawn_rank(
+                    "nccl",
+                    "tcp",
+                    (1, 2),
+                    (port, &token),
+                    &[mode_env, missing, LOOPBACK_NCCL],
+                ),
+            ],
+            token,
+            port,
+        };
+        let results = job.finish(Duration::from_secs(60));
+        for (rank, (code, stdout, stderr)) in results.iter().enumerate() {
+            if mode == "auto" {
+                assert_eq!(*code, 0, "rank {rank}: {stdout}\n{stderr}");
+                assert!(stdout.contains("HOST"), "rank {rank}: {stdout}");
+            } else {
+                assert_eq!(*code, 3, "rank {rank}: {stdout}\n{stderr}");
+                assert!(
+                    stderr.contains("NCCL is required")
+                        && stderr.contains("rank 1 cannot use it")
+                        && stderr.contains("/nonexistent/libnccl.so.2"),
+                    "rank {rank}: {stderr}"
+                );
+            }
+        }
+        if mode == "auto" {
+            // One warning, on the main process, naming the rank and what it lacked.
+            let warned = |s: &str| s.contains("WARN") && s.contains("not with NCCL");
+            assert!(warned(&results[0].2), "{}", results[0].2);
+            assert!(
+                results[0].2.contains("rank 1 cannot use it"),
+                "{}",
+                results[0].2
+            );
+            assert!(!warned(&results[1].2), "{}", results[1].2);
+        }
+    }
 }

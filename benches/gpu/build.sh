@@ -4,15 +4,16 @@
 # the device-kernel benchmark), stripped and xz-compressed into benches/gpu/bundle/ (ignored by
 # git). Carry that directory (with run.sh) to the GPU machine and run `bash run.sh`.
 #
-#   FEATURE=cuda (default) | wgpu   the backend to build for (wgpu: a dry run on lavapipe)
+#   FEATURE=nccl (default: cuda with NCCL) | cuda | wgpu   what to build for (wgpu: a dry run
+#                                   on lavapipe; only the nccl build has run.sh's NCCL rows)
 #   PROFILE=release (default) | dev  cargo profile (dev reuses a test build's cache)
 set -euo pipefail
 cd "$(dirname "$0")/../.."
-feature="${FEATURE:-cuda}"
+feature="${FEATURE:-nccl}"
 profile="${PROFILE:-release}"
 # Burn's cuda build downloads LLVM from the web; where only package registries are reachable,
 # the workplace script installs the same LLVM from PyPI first. Elsewhere nothing is needed.
-if [ "$feature" = cuda ] && [ -f ../shared/scripts/install-llvm-bundle.sh ]; then
+if [ "$feature" != wgpu ] && [ -f ../shared/scripts/install-llvm-bundle.sh ]; then
   bash ../shared/scripts/install-llvm-bundle.sh Cargo.lock
 fi
 cargo build --profile "$profile" --no-default-features -p accelerate-benches \

@@ -3,7 +3,9 @@
 # minutes and with nothing but bash, xz and the driver: digits accuracy, mlp_synthetic's step
 # time in fp32 / bf16 / fp16 (Burn's AdamW and the fused one), the transformer example's
 # tokens/s and peak device memory in fp32 / bf16 / fp16 with and without activation
-# checkpointing, and our cubecl kernels' GB/s.
+# checkpointing, our cubecl kernels' GB/s, and (nccl build) NCCL against the host path: the
+# parameters after 30 updates, the all-reduce's algbw/busbw, and the step time of
+# mlp_synthetic and the transformer with NCCL required vs off.
 #
 #   bash run.sh [BUNDLE_DIR]     (default: ./bundle beside this script)
 #   DIGITS_EPOCHS=30 MLP_SAMPLES=32000 KERNEL_MELEMS=64 LM_STEPS=60
@@ -76,3 +78,23 @@ done
 echo
 echo "## device kernels"
 timeout 90 "$bin" kernels "${KERNEL_MELEMS:-64}" 2>&1 | grep -E '^\||^device|^Error' || echo "kernels FAILED"
+
+if [ "$backend" = nccl ]; then
+  echo
+  echo "## NCCL (one process on one GPU: world size 1)"
+  timeout 120 "$bin" nccl 2>&1 | grep -E '^\||^Error' || echo "nccl parity FAILED"
+  echo
+  timeout 120 "$bin" nccl-allreduce 2>&1 | grep -E '^\||^Error' || echo "nccl-allreduce FAILED"
+  echo
+  echo "| run | NCCL required | host path |"
+  echo "|---|---|---|"
+  for optimizer in --burn-optimizer ""; do
+    label="${optimizer:-fused}"
+    with="$(ACCELERATE_NCCL=require first_match 'samples/s' 60 "$bin" mlp "$samples" $optimizer)"
+    without="$(ACCELERATE_NCCL=off first_match 'samples/s' 60 "$bin" mlp "$samples" $optimizer)"
+    echo "| mlp_synthetic, ${label#--} | $with | $without |"
+  done
+  with="$(ACCELERATE_NCCL=require first_match 'tokens/s' 240 "$bin" transformer --steps "$steps" --eval-every 1000 --sample-bytes 0)"
+  without="$(ACCELERATE_NCCL=off first_match 'tokens/s' 240 "$bin" transformer --steps "$steps" --eval-every 1000 --sample-bytes 0)"
+  echo "| transformer_lm, $steps updates | $with | $without |"
+fi

@@ -13,6 +13,8 @@
 
 #[cfg(feature = "device")]
 pub mod device_kernels;
+#[cfg(feature = "nccl")]
+pub mod nccl_bandwidth;
 
 use accelerate_burn::burn;
 use accelerate_burn::{

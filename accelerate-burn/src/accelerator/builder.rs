@@ -8,7 +8,8 @@ use std::sync::atomic::AtomicBool;
 
 use accelerate_core::comm::{GroupOptions, ProcessGroup};
 use accelerate_core::{
-    ConfigOverrides, DynamicLossScaler, MixedPrecision, ProcessState, ScalerConfig, Tracker,
+    ConfigOverrides, DynamicLossScaler, MixedPrecision, NcclMode, ProcessState, ScalerConfig,
+    Tracker,
 };
 use burn::tensor::DType;
 
@@ -105,6 +106,22 @@ impl<B: AcceleratorBackend> AcceleratorBuilder<B> {
         self
     }
 
+    /// Whether the cuda backend averages gradients on the GPUs with NCCL: `Auto` (default)
+    /// does when every process can load libnccl and there are several, else it warns once and
+    /// averages on the host; `Off` never; `Require` fails to build instead of falling back
+    /// (and uses NCCL even for one process). Wins over `ACCELERATE_NCCL`. Needs the `nccl`
+    /// feature.
+    pub fn nccl(mut self, mode: NcclMode) -> Self {
+        self.overrides.nccl = Some(mode);
+        self
+    }
+
+    /// Fails to build when gradients cannot be averaged with NCCL (`nccl(NcclMode::Require)`),
+    /// like [`strict_mixed_precision`](Self::strict_mixed_precision) for precisions.
+    pub fn strict_nccl(self) -> Self {
+        self.nccl(NcclMode::Require)
+    }
+
     /// Whether building the accelerator sets glibc's malloc thresholds so that buffers freed
     /// by one step are reused by the next instead of being faulted in again (default true;
     /// `ACCELERATE_MALLOC_TUNING=false` also turns it off; see
@@ -191,16 +208,21 @@ impl<B: AcceleratorBackend> AcceleratorBuilder<B> {
             self.keep_freed_memory,
             &accelerate_core::state::ProcessEnv,
         );
-        let group = if state.is_distributed() {
+        let (mut group, timeout) = if state.is_distributed() {
             let options = match self.group_options {
                 Some(options) => options,
                 None => GroupOptions::from_env()?,
             };
-            ProcessGroup::new(&state, &options)?
+            (ProcessGroup::new(&state, &options)?, options.timeout)
         } else {
-            ProcessGroup::single()
+            let options = self.group_options.unwrap_or_default();
+            (ProcessGroup::single(), options.timeout)
         };
         let mut device = B::device(state.local_rank)?.autodiff();
+        // After the device probe, so that a machine without the backend's driver gets that
+        // error, not one about NCCL.
+        let device_collectives =
+            crate::nccl::connect(&mut group, B::NAME, config.nccl, state.local_rank, timeout)?;
         if config.gradient_checkpointing {
             device = device.gradient_checkpointing();
         }
@@ -246,7 +268,7 @@ impl<B: AcceleratorBackend> AcceleratorBuilder<B> {
             training,
             links: LoaderLinks::default(),
             compute_dtype,
-            comm: Comm::new(group),
+            comm: Comm::new(group).with_device_collectives(device_collectives),
             reducers: Mutex::new(Vec::new()),
             trigger: AtomicBool::new(false),
             checkpoints: self.checkpoints,

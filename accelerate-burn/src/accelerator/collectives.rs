@@ -5,6 +5,7 @@
 
 use std::sync::atomic::Ordering;
 
+use accelerate_core::MixedPrecision;
 use accelerate_core::comm::Reduction;
 use accelerate_kernels::schedule::chunk_range;
 use burn::tensor::kind::Basic;
@@ -126,16 +127,34 @@ impl<B: AcceleratorBackend> Accelerator<B> {
     }
 
     /// `tensor` combined element-wise over every process with `reduction` (sum, mean, max
-    /// or min), on every process.
+    /// or min), on every process: on the GPUs where the job uses NCCL (in f32), else through
+    /// the host.
     pub fn reduce<const D: usize>(
         &self,
         tensor: Tensor<D>,
         reduction: Reduction,
     ) -> Result<Tensor<D>, AccelerateError> {
+        let (device, dims, dtype) = (tensor.device(), tensor.dims(), tensor.dtype());
+        if let Some(nccl) = self.comm.device_collectives() {
+            // On the GPUs (f32), where the job uses NCCL; the collective runs off autodiff and
+            // the result comes back to the caller's autodiff context as a constant.
+            let strategy = tensor.gradient_checkpointing_strategy();
+            let n = tensor.shape().num_elements();
+            let flat = tensor.inner().reshape([n]);
+            let reduced = nccl
+                .all_reduce(flat, reduction, MixedPrecision::No)?
+                .reshape(dims)
+                .cast(dtype);
+            return Ok(match strategy {
+                Some(strategy) => reduced
+                    .autodiff()
+                    .with_gradient_checkpointing_strategy(strategy),
+                None => reduced,
+            });
+        }
         if !self.state().is_distributed() {
             return Ok(tensor);
         }
-        let (device, dims, dtype) = (tensor.device(), tensor.dims(), tensor.dtype());
         let mut values: Vec<f32> = tensor.into_data().convert::<f32>().iter::<f32>().collect();
         self.comm.lock().all_reduce(&mut values, reduction)?;
         Ok(Tensor::<D>::from_data(TensorData::new(values, dims), &device).cast(dtype))

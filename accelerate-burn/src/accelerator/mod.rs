@@ -124,6 +124,12 @@ impl<B: AcceleratorBackend> Accelerator<B> {
         B::NAME
     }
 
+    /// Whether gradients are averaged on the GPUs with NCCL (decided at build, the same on
+    /// every process; see [`AcceleratorBuilder::nccl`](crate::AcceleratorBuilder::nccl)).
+    pub fn uses_nccl(&self) -> bool {
+        self.comm.device_collectives().is_some()
+    }
+
     /// The floating-point dtypes this process's device computes in.
     pub fn float_dtypes(&self) -> Vec<DType> {
         B::float_dtypes(&self.device)

@@ -2,8 +2,9 @@
 //! are averaged in buckets of at most `bucket_bytes`, in module visit order (each bucket one
 //! concatenated buffer, one all-reduce), in f32 or a half-precision wire. On a cubecl backend
 //! with a half-precision wire a bucket is narrowed and widened on the device, so only half
-//! precision crosses to the host. The update is Burn's optimizer's own `step`; its record is
-//! the checkpoint state.
+//! precision crosses to the host; where the job uses NCCL a bucket is averaged in place on the
+//! GPUs instead. The update is Burn's optimizer's own `step`; its record is the checkpoint
+//! state.
 
 use std::ops::Range;
 use std::path::Path;
@@ -82,8 +83,23 @@ impl BucketedReducer {
             }
         }
         let joined = Tensor::cat(parts, 0);
-        let (joined, overflow) = if self.device_kernels && self.wire.precision != MixedPrecision::No
-        {
+        let (joined, overflow) = if let Some(nccl) = comm.device_collectives() {
+            // In place on the GPUs, in the wire's precision (NCCL's own half types).
+            let precision = self.wire.precision;
+            let joined = comm.timed_device(|| nccl.all_reduce_mean(joined, precision))?;
+            match inv_scale {
+                Some(inv) => {
+                    let mut list = vec![Some(joined)];
+                    let overflow = unscale_on_device(&mut list, inv, self.device_kernels);
+                    let joined = list
+                        .pop()
+                        .flatten()
+                        .ok_or(AccelerateError::UnexpectedGradients { rank: comm.rank() })?;
+                    (joined, overflow)
+                }
+                None => (joined, false),
+            }
+        } else if self.device_kernels && self.wire.precision != MixedPrecision::No {
             self.reduce_on_device(joined, comm, inv_scale)?
         } else {
             // One host copy, which then becomes the averaged tensor's buffer.
@@ -191,7 +207,8 @@ impl GradientReducer for BucketedReducer {
         comm: &Comm,
         inv_scale: Option<f32>,
     ) -> Result<Reduced, AccelerateError> {
-        let overflow = if comm.is_distributed() {
+        // NCCL runs even for one process when it was required (that is how one GPU tests it).
+        let overflow = if comm.is_distributed() || comm.device_collectives().is_some() {
             let mut overflow = false;
             for range in self.buckets.clone() {
                 overflow |= self.reduce_bucket(&mut grads, range, comm, inv_scale)?;

@@ -321,6 +321,7 @@ pub(crate) fn build(
                 world: spec.world,
                 device_kernels: spec.device_kernels,
                 wire: config.gradient_communication,
+                device_collectives: comm.device_collectives().is_some(),
             };
             let reducer = FlatReducer::new(spec.layout, spec.values, optimizer, options, comm)?;
             return Ok(Box::new(reducer));

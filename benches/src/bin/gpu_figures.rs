@@ -8,6 +8,8 @@
 //! gpu_figures mlp SAMPLES [--burn-optimizer]    mlp_synthetic's throughput line
 //! gpu_figures kernels [MELEMS]         our cubecl kernels' GB/s (default 64 Mi elements)
 //! gpu_figures transformer [FLAGS]      the transformer_lm example (its flags, e.g. --steps 60)
+//! gpu_figures nccl                     NCCL vs the host path: parameters after 30 updates
+//! gpu_figures nccl-allreduce [MIB..]   NCCL all-reduce on the GPUs: algbw / busbw per size
 //! ```
 //!
 //! Precision comes from `ACCELERATE_MIXED_PRECISION`, as in the examples.
@@ -18,6 +20,10 @@ mod digits_example;
 #[allow(dead_code)]
 #[path = "../../../examples/mlp_synthetic.rs"]
 mod mlp_example;
+#[cfg(feature = "nccl")]
+#[allow(dead_code)]
+#[path = "../../../accelerate-burn/tests/nccl_gpu.rs"]
+mod nccl_parity;
 #[allow(dead_code)]
 #[path = "../../../examples/transformer_lm.rs"]
 mod transformer_example;
@@ -56,9 +62,34 @@ fn main() -> anyhow::Result<()> {
             let flags = std::iter::once("transformer_lm".to_string()).chain(args[1..].to_vec());
             transformer_example::train(&transformer_example::Args::parse_from(flags))?;
         }
+        #[cfg(feature = "nccl")]
+        Some("nccl") => {
+            if let Some(why) = nccl_parity::unavailable() {
+                bail!("cannot compare the NCCL path here: {why}");
+            }
+            println!(
+                "| path (30 updates, world size 1, NCCL required) | parameters whose bits differ |"
+            );
+            println!("|---|---|");
+            for row in nccl_parity::compare_paths()? {
+                println!("| {} | {} of {} |", row.name, row.differing, row.total);
+            }
+        }
+        #[cfg(feature = "nccl")]
+        Some("nccl-allreduce") => {
+            let sizes: Vec<usize> = if args.len() > 1 {
+                args[1..]
+                    .iter()
+                    .map(|a| number(Some(a), 0, "nccl-allreduce"))
+                    .collect::<anyhow::Result<_>>()?
+            } else {
+                vec![1, 16, 256, 1024]
+            };
+            accelerate_benches::nccl_bandwidth::run(&sizes)?;
+        }
         _ => bail!(
             "usage: gpu_figures digits [EPOCHS] | mlp SAMPLES [--burn-optimizer] | kernels \
-             [MELEMS] | transformer [FLAGS]"
+             [MELEMS] | transformer [FLAGS] | nccl | nccl-allreduce [MIB..]"
         ),
     }
     Ok(())

@@ -77,6 +77,7 @@ fn backends() -> String {
             let _ = writeln!(out, "device of local rank 0: unavailable: {e}");
         }
     }
+    let _ = writeln!(out, "{}", nccl_line(&ProcessEnv));
     let _ = writeln!(
         out,
         "MPI engine: {}",
@@ -87,6 +88,35 @@ fn backends() -> String {
         }
     );
     out
+}
+
+/// The libnccl a worker here would load (version, file, why there), and whether this build
+/// can use it.
+fn nccl_line(env: &(impl accelerate_core::state::EnvSource + ?Sized)) -> String {
+    let build = if cfg!(feature = "nccl") {
+        "the cuda backend averages gradients with it (ACCELERATE_NCCL=auto|off|require)"
+    } else {
+        "this build does not use it (build with --features nccl)"
+    };
+    match accelerate_core::nccl::NcclLibrary::find(env) {
+        Ok(library) => format!(
+            "NCCL: {} at {} (found through {}); {build}",
+            library.version(),
+            library.path().display(),
+            library.origin()
+        ),
+        Err(e) => {
+            let tried = match &e {
+                accelerate_core::nccl::NcclError::NotFound { tried } => tried.len(),
+                _ => 0,
+            };
+            format!(
+                "NCCL: not found (tried {tried} place{}; pip install nvidia-nccl-cu12, or \
+                 ACCELERATE_NCCL_LIBRARY=/path/to/libnccl.so.2); {build}",
+                if tried == 1 { "" } else { "s" }
+            )
+        }
+    }
 }
 
 /// The config file in effect and the configuration a process would resolve here.
@@ -222,6 +252,17 @@ mod tests {
         );
         assert!(b.contains("device of local rank 0"), "{b}");
         assert!(configuration().contains("resolved configuration"));
+    }
+
+    #[test]
+    fn the_nccl_line_says_what_was_found_or_how_to_get_it() {
+        let missing = [("ACCELERATE_NCCL_LIBRARY", "/nonexistent/libnccl.so.2")];
+        let line = nccl_line(&missing[..]);
+        assert!(
+            line.starts_with("NCCL: not found (tried 1 place;"),
+            "{line}"
+        );
+        assert!(line.contains("nvidia-nccl-cu12"), "{line}");
     }
 
     #[test]

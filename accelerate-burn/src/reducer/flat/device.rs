@@ -1,8 +1,13 @@
-//! The flat buffers on a cubecl device (wgpu, cuda; never sharded): the gradients are
-//! concatenated there, the update is our cubecl kernel, and the model's parameters become
-//! views of the flat parameter buffer, so a step moves nothing to the host but a 4-byte norm
-//! (with several processes, also the gradients the collectives average).
+//! The flat buffers on a cubecl device (wgpu, cuda): the gradients are concatenated there, the
+//! update is our cubecl kernel, and the model's parameters become views of the flat parameter
+//! buffer, so a step moves nothing to the host but a 4-byte norm. With several processes the
+//! gradients are averaged on the host, or, where the job uses NCCL, in place on the GPUs;
+//! there ZeRO-1 also stays on the device (reduce-scatter into this rank's shard, the update on
+//! the shard, all-gather of the parameters).
 
+use std::ops::Range;
+
+use accelerate_core::comm::Reduction;
 use burn::lr_scheduler::module_lr_scheduler::ModuleLearningRate;
 use burn::tensor::Tensor;
 
@@ -16,35 +21,54 @@ use crate::reducer::wire::Wire;
 /// Flat buffers as Burn tensors of shape `[len]` on the model's device (plain tensors: the
 /// kernels run on the backend itself, never through autodiff).
 pub(crate) struct DeviceFlat {
-    /// Master parameters (a new buffer after every update; the model views it).
+    /// Master parameters (a new buffer after every update; the model views it). Padded to a
+    /// multiple of the world size under ZeRO.
     params: Tensor<1>,
-    /// The gathered (and averaged) gradients of the pending step.
+    /// The gathered (and averaged) gradients of the pending step: all of them, or this
+    /// rank's shard under ZeRO.
     grads: Option<Tensor<1>>,
-    /// Optimizer state.
+    /// Optimizer state (over the shard under ZeRO).
     state: Vec<Tensor<1>>,
+    /// ZeRO-1 over NCCL: this rank's range of the padded buffers, and their padded length.
+    shard: Option<(Range<usize>, usize)>,
 }
 
 impl DeviceFlat {
-    /// Buffers starting from `trainable` (one tensor per segment, on the device).
-    pub fn new(trainable: Vec<Tensor<1>>, state_buffers: usize) -> Self {
-        let params = Tensor::cat(trainable.into_iter().map(params::as_f32).collect(), 0);
-        let len = params.shape().num_elements();
-        let device = params.device();
+    /// Buffers starting from `trainable` (one tensor per segment, on the device); `shard` for
+    /// ZeRO-1 (only where NCCL averages the gradients: sharded state needs device collectives).
+    pub fn new(
+        trainable: Vec<Tensor<1>>,
+        state_buffers: usize,
+        shard: Option<(Range<usize>, usize)>,
+    ) -> Self {
+        let mut parts: Vec<Tensor<1>> = trainable.into_iter().map(params::as_f32).collect();
+        let len: usize = parts.iter().map(|p| p.shape().num_elements()).sum();
+        let device = parts.first().map(Tensor::device).unwrap_or_default();
+        if let Some((_, padded)) = &shard
+            && *padded > len
+        {
+            parts.push(Tensor::zeros([*padded - len], &device));
+        }
+        let params = Tensor::cat(parts, 0);
+        let state_len = shard
+            .as_ref()
+            .map_or_else(|| params.shape().num_elements(), |(range, _)| range.len());
         let state = (0..state_buffers)
-            .map(|_| Tensor::<1>::zeros([len], &device))
+            .map(|_| Tensor::<1>::zeros([state_len], &device))
             .collect();
         Self {
             params,
             grads: None,
             state,
+            shard,
         }
     }
 
     /// Concatenates each segment's gradient into the flat gradient buffer (zeros where a
-    /// parameter got none).
+    /// parameter got none, and over the padding under ZeRO).
     pub fn gather(&mut self, plan: &FlatPlan, grads: impl Iterator<Item = Option<Tensor<1>>>) {
         let device = self.params.device();
-        let parts = plan
+        let mut parts: Vec<Tensor<1>> = plan
             .segments
             .iter()
             .zip(grads)
@@ -54,6 +78,11 @@ impl DeviceFlat {
                 None => Tensor::zeros([segment.len], &device),
             })
             .collect();
+        if let Some((_, padded)) = &self.shard
+            && *padded > plan.len
+        {
+            parts.push(Tensor::zeros([*padded - plan.len], &device));
+        }
         self.grads = Some(Tensor::cat(parts, 0));
     }
 
@@ -64,6 +93,22 @@ impl DeviceFlat {
         let Some(grads) = self.grads.take() else {
             return Err(AccelerateError::UnexpectedGradients { rank: comm.rank() });
         };
+        if let Some(nccl) = comm.device_collectives() {
+            let precision = wire.precision;
+            let averaged = match &self.shard {
+                None => comm.timed_device(|| nccl.all_reduce_mean(grads, precision))?,
+                Some((range, _)) => {
+                    comm.timed_device(|| nccl.reduce_scatter_mean(grads, range.len(), precision))?
+                }
+            };
+            let mut sum_sq = [averaged.clone().square().sum().into_scalar::<f32>()];
+            if self.shard.is_some() && comm.is_distributed() {
+                // Each rank measured its shard; infinities and NaN survive the sum.
+                comm.timed(|group| group.all_reduce(&mut sum_sq, Reduction::Sum))?;
+            }
+            self.grads = Some(averaged);
+            return Ok(f64::from(sum_sq[0]));
+        }
         if !comm.is_distributed() {
             let sum_sq = grads.clone().square().sum().into_scalar::<f32>();
             self.grads = Some(grads);
@@ -87,24 +132,45 @@ impl DeviceFlat {
         optimizer: &FusedOptimizer,
         lr: &ModuleLearningRate,
         grad_scale: f32,
-    ) {
+        comm: &Comm,
+    ) -> Result<(), AccelerateError> {
         use crate::device_kernels::{FusedPlan, PlannedSegment, UpdateRule};
 
-        let mut segments = Vec::with_capacity(plan.segments.len());
+        // The part of the buffers this rank updates: all of them, or its shard.
+        let range = self
+            .shard
+            .as_ref()
+            .map_or(0..plan.len, |(range, _)| range.clone());
+        let mut segments = Vec::with_capacity(plan.segments.len() + 1);
         for index in 0..plan.segments.len() {
+            // Every rank advances every segment's count (a shard boundary inside a segment
+            // must see one count).
             let update = plan.has_grad[index].then(|| {
                 plan.times[index] += 1;
                 (plan.times[index], plan.rate(index, lr))
             });
             let segment = &plan.segments[index];
+            let start = segment.offset.max(range.start);
+            let end = (segment.offset + segment.len).min(range.end);
+            if start < end {
+                segments.push(PlannedSegment {
+                    offset: start - range.start,
+                    len: end - start,
+                    update,
+                });
+            }
+        }
+        // The padding at the end of the last shard is carried over unchanged (zeros).
+        let tail = plan.len.max(range.start);
+        if tail < range.end {
             segments.push(PlannedSegment {
-                offset: segment.offset,
-                len: segment.len,
-                update,
+                offset: tail - range.start,
+                len: range.end - tail,
+                update: None,
             });
         }
         let Some(grads) = self.grads.take() else {
-            return;
+            return Ok(());
         };
         let rule = match (optimizer, optimizer.sgd_hyper()) {
             (FusedOptimizer::Adam { hyper, amsgrad }, _) => UpdateRule::Adam {
@@ -112,7 +178,7 @@ impl DeviceFlat {
                 amsgrad: *amsgrad,
             },
             (FusedOptimizer::Sgd { .. }, Some(hyper)) => UpdateRule::Sgd(hyper),
-            (FusedOptimizer::Sgd { .. }, None) => return,
+            (FusedOptimizer::Sgd { .. }, None) => return Ok(()),
         };
         let plan = FusedPlan {
             rule,
@@ -120,16 +186,32 @@ impl DeviceFlat {
             segments,
         };
         let state = std::mem::take(&mut self.state);
-        let (params, state) =
-            crate::device_kernels::fused_update(self.params.clone(), grads, state, plan);
-        self.params = params;
+        let params = match &self.shard {
+            None => self.params.clone(),
+            Some((range, _)) => self.params.clone().narrow(0, range.start, range.len()),
+        };
+        let (params, state) = crate::device_kernels::fused_update(params, grads, state, plan);
         self.state = state;
+        self.params = match (&self.shard, comm.device_collectives()) {
+            (Some(_), Some(nccl)) => comm.timed_device(|| nccl.all_gather(params))?,
+            _ => params,
+        };
+        Ok(())
     }
 
     /// Without a cubecl backend in the build the buffers are never put on a device (the
     /// reducer only does so when the backend has device kernels), so there is nothing to do.
     #[cfg(not(feature = "device-kernels"))]
-    pub fn step(&mut self, _: &mut FlatPlan, _: &FusedOptimizer, _: &ModuleLearningRate, _: f32) {}
+    pub fn step(
+        &mut self,
+        _: &mut FlatPlan,
+        _: &FusedOptimizer,
+        _: &ModuleLearningRate,
+        _: f32,
+        _: &Comm,
+    ) -> Result<(), AccelerateError> {
+        Ok(())
+    }
 
     /// Views of the flat parameter buffer, one per segment (no copy).
     pub fn values(&self, plan: &FlatPlan) -> Vec<Tensor<1>> {

@@ -134,6 +134,11 @@ impl HostFlat {
                 GradBuffer::Local(grads) => wire.all_reduce_mean(grads, group),
                 GradBuffer::Group(grads) => wire.all_reduce_mean_shared(grads, group),
             })?;
+        } else if self.sharded {
+            // One process's shard is everything (ZeRO kept for one GPU under required NCCL,
+            // on a model too large for the device buffers).
+            let n = self.shard_grads.len();
+            self.shard_grads.copy_from_slice(&self.grads[..n]);
         }
         let mut sum_sq = accelerate_kernels::sum_of_squares(self.averaged());
         if comm.is_distributed() && self.sharded {

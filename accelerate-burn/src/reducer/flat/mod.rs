@@ -135,6 +135,8 @@ pub(crate) struct FlatOptions {
     pub device_kernels: bool,
     /// The precision gradients travel in.
     pub wire: MixedPrecision,
+    /// The job averages gradients with NCCL on the GPUs: ZeRO-1 can stay on the device.
+    pub device_collectives: bool,
 }
 
 impl FlatReducer {
@@ -147,7 +149,9 @@ impl FlatReducer {
         options: FlatOptions,
         comm: &Comm,
     ) -> Result<Self, AccelerateError> {
-        let sharded = options.zero_stage >= 1 && options.world > 1;
+        // One process has nothing to shard, except where NCCL was required: the device ZeRO
+        // path then runs as it would over N GPUs (that is how one GPU tests it).
+        let sharded = options.zero_stage >= 1 && (options.world > 1 || options.device_collectives);
         let plan = FlatPlan::new(&layout, sharded, options.rank, options.world);
         // All-reduced whole, the gradients go in the group's shared buffer (every rank
         // allocates it here, at prepare, in the same order). On transports without shared
@@ -198,10 +202,13 @@ impl FlatReducer {
         }
         // The kernels index with 32 bits; larger buffers stay on the host path.
         let fits = plan.len > 0 && u32::try_from(plan.len).is_ok();
-        Ok(if options.device_kernels && !sharded && fits {
+        // ZeRO-1 shards stay on the device only where NCCL can scatter and gather them there.
+        let on_device = options.device_kernels && fits && (!sharded || options.device_collectives);
+        Ok(if on_device {
             Buffers::Device(Box::new(DeviceFlat::new(
                 trainable,
                 optimizer.state_buffers(),
+                sharded.then(|| (plan.shard.clone(), plan.padded)),
             )))
         } else {
             Buffers::Host(Box::new(HostFlat::new(
@@ -345,7 +352,7 @@ impl GradientReducer for FlatReducer {
                 host.values(&self.plan)
             }
             Buffers::Device(device) => {
-                device.step(&mut self.plan, &self.optimizer, &lr, grad_scale);
+                device.step(&mut self.plan, &self.optimizer, &lr, grad_scale, comm)?;
                 device.values(&self.plan)
             }
         };
