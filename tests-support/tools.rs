@@ -39,6 +39,12 @@ pub fn ready(tools: &[&str], root: bool, install: &str) -> bool {
     } else {
         format!("{} ({install})", missing.join(", "))
     };
+    skip(&what)
+}
+
+/// A test that cannot run here for lack of `what`: says so and returns false, or fails under
+/// CI, which provides everything the tests need (installed, and run as root).
+pub fn skip(what: &str) -> bool {
     assert!(
         std::env::var_os("ACCELERATE_REQUIRE_TEST_TOOLS").is_none(),
         "the tests need {what}: .ci/run installs it and runs as root"
