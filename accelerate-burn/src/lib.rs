@@ -76,6 +76,7 @@
 
 mod accelerator;
 pub mod backend;
+mod buffers;
 pub mod checkpoint;
 mod data;
 #[cfg(feature = "device-kernels")]

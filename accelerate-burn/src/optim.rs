@@ -6,6 +6,7 @@ use burn::lr_scheduler::module_lr_scheduler::{ModuleLearningRate, ModuleLrSchedu
 use burn::module::Module;
 use burn::optim::ModuleOptimizer;
 
+use crate::buffers::BufferSync;
 use crate::error::AccelerateError;
 use crate::group::Comm;
 use crate::reducer::{Gradients, ModelCell, Outcome, ReducerHandle};
@@ -20,6 +21,8 @@ pub struct PreparedOptimizer {
     slot: usize,
     training: SharedLoop,
     comm: Comm,
+    /// The model's running states (BatchNorm statistics), averaged at every update.
+    buffers: Option<BufferSync>,
 }
 
 impl PreparedOptimizer {
@@ -28,12 +31,14 @@ impl PreparedOptimizer {
         slot: usize,
         training: SharedLoop,
         comm: Comm,
+        buffers: Option<BufferSync>,
     ) -> Self {
         Self {
             reducer,
             slot,
             training,
             comm,
+            buffers,
         }
     }
 
@@ -61,18 +66,31 @@ impl PreparedOptimizer {
         if grads.reducer != self.reducer.id {
             return Err(AccelerateError::UnexpectedGradients { rank });
         }
-        if matches!(grads.outcome, Outcome::NotDue | Outcome::Skipped) {
-            return Ok(model);
+        let model = match grads.outcome {
+            Outcome::NotDue => return Ok(model),
+            // The window ended without an update (fp16 overflow on some rank, on every rank
+            // alike): the running states still agree again.
+            Outcome::Skipped => {
+                drop(training);
+                model
+            }
+            outcome => {
+                if grads.window != training.windows(self.slot) || !training.take_update(self.slot) {
+                    return Err(AccelerateError::UnexpectedGradients { rank });
+                }
+                let mut cell = ModelCell(Some(model));
+                self.reducer
+                    .lock()
+                    .step(lr.into(), outcome, &mut cell, &self.comm)?;
+                drop(training);
+                cell.0
+                    .ok_or(AccelerateError::UnexpectedGradients { rank })?
+            }
+        };
+        match &self.buffers {
+            Some(buffers) => buffers.average(model, &self.comm),
+            None => Ok(model),
         }
-        if grads.window != training.windows(self.slot) || !training.take_update(self.slot) {
-            return Err(AccelerateError::UnexpectedGradients { rank });
-        }
-        let mut cell = ModelCell(Some(model));
-        self.reducer
-            .lock()
-            .step(lr.into(), grads.outcome, &mut cell, &self.comm)?;
-        drop(training);
-        cell.0.ok_or(AccelerateError::UnexpectedGradients { rank })
     }
 
     /// Updates this optimizer applied so far.

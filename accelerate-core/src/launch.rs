@@ -24,8 +24,9 @@ use std::time::{Duration, Instant};
 
 use crate::state::DEFAULT_MASTER_PORT;
 
-/// What to start, and how.
-#[derive(Debug, Clone)]
+/// What to start, and how. Its `Debug` output hides the values of variables whose names say
+/// they hold a secret (`*TOKEN*`, `*SECRET*`, `*PASSWORD*`, `*KEY*`).
+#[derive(Clone)]
 pub struct LaunchConfig {
     /// The program each worker runs.
     pub program: PathBuf,
@@ -49,6 +50,42 @@ pub struct LaunchConfig {
     pub env: Vec<(String, String)>,
     /// How long stopped workers get between SIGTERM and SIGKILL.
     pub grace: Duration,
+}
+
+impl std::fmt::Debug for LaunchConfig {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let secret = |key: &str| {
+            let key = key.to_ascii_uppercase();
+            ["TOKEN", "SECRET", "PASSWORD", "KEY"]
+                .iter()
+                .any(|word| key.contains(word))
+        };
+        let env: Vec<(&str, &str)> = self
+            .env
+            .iter()
+            .map(|(k, v)| {
+                let shown = if secret(k) {
+                    crate::comm::secret::REDACTED
+                } else {
+                    v.as_str()
+                };
+                (k.as_str(), shown)
+            })
+            .collect();
+        f.debug_struct("LaunchConfig")
+            .field("program", &self.program)
+            .field("args", &self.args)
+            .field("num_processes", &self.num_processes)
+            .field("num_machines", &self.num_machines)
+            .field("machine_rank", &self.machine_rank)
+            .field("main_process_ip", &self.main_process_ip)
+            .field("main_process_port", &self.main_process_port)
+            .field("max_restarts", &self.max_restarts)
+            .field("log_dir", &self.log_dir)
+            .field("env", &env)
+            .field("grace", &self.grace)
+            .finish()
+    }
 }
 
 impl Default for LaunchConfig {
@@ -182,9 +219,26 @@ pub fn follow_launcher() {
         let Some(launcher) = std::env::var(crate::env_vars::LAUNCHER_PID)
             .ok()
             .and_then(|v| v.trim().parse::<i32>().ok())
+            .filter(|&pid| pid > 1)
         else {
             return;
         };
+        if nix::unistd::getppid().as_raw() != launcher {
+            // A process a worker started (it inherited the variable): the launcher is alive
+            // but not our parent, and this process is not ours to tie or end.
+            let alive = !matches!(
+                nix::sys::signal::kill(nix::unistd::Pid::from_raw(launcher), None),
+                Err(nix::errno::Errno::ESRCH)
+            );
+            if alive {
+                return;
+            }
+            tracing::error!(
+                launcher,
+                "the accelerate launcher that started this worker is gone; exiting"
+            );
+            std::process::exit(1);
+        }
         if let Err(e) = nix::sys::prctl::set_pdeathsig(nix::sys::signal::Signal::SIGKILL) {
             tracing::warn!("cannot tie this worker to its launcher: {e}");
             return;
@@ -354,7 +408,7 @@ impl LaunchConfig {
             Some(dir) => {
                 let path = dir.join(format!("rank_{rank}.log"));
                 let file = std::fs::create_dir_all(dir)
-                    .and_then(|()| File::create(&path))
+                    .and_then(|()| crate::output_file::create(&path))
                     .map_err(|source| LaunchError::Log { path, source })?;
                 Some(Arc::new(Mutex::new(file)))
             }
@@ -444,7 +498,7 @@ impl LaunchConfig {
                 signal_group(worker.child.id(), signal);
             }
         }
-        let deadline = Instant::now() + self.grace;
+        let deadline = crate::wait::deadline_after(self.grace);
         while Instant::now() < deadline
             && workers
                 .iter_mut()

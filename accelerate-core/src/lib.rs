@@ -33,8 +33,10 @@
 //! - [`checkpoint`]: checkpoint directories: manifest, per-rank state, atomic commit, rotation.
 //! - [`comm`]: the process group and its collectives (rendezvous, shared memory, TCP).
 //! - `nccl` (Unix): finding libnccl, and agreeing whether a job reduces with it (no GPU needed).
+//! - [`output_file`]: logs and metrics files, never written through a symbolic link.
 //! - [`tracking`]: metrics to CSV and TensorBoard event files (main process).
 //! - `launch` (Unix): starting and supervising the workers of one machine.
+//! - [`wait`]: configured waits, bounded, and deadlines that cannot overflow.
 
 pub mod accumulation;
 pub mod checkpoint;
@@ -50,10 +52,12 @@ pub mod launch_settings;
 pub mod malloc_tuning;
 #[cfg(unix)]
 pub mod nccl;
+pub mod output_file;
 pub mod sampler;
 pub mod scaler;
 pub mod state;
 pub mod tracking;
+pub mod wait;
 
 pub use accumulation::{BatchPosition, GradientAccumulation, MicroStep};
 pub use checkpoint::{CheckpointError, CheckpointRotation, LoaderState, Manifest, RankState};

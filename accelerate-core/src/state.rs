@@ -189,11 +189,11 @@ impl ProcessState {
     /// group will be MPI's, which needs no rendezvous address.
     fn validate(&self, mpi: bool) -> Result<(), StateError> {
         let vars = self.launcher_vars();
-        if self.world_size == 0 {
+        if self.world_size == 0 || self.world_size > MAX_WORLD_SIZE {
             return Err(StateError::invalid(
                 vars.world_size,
-                "0",
-                "must be at least 1",
+                self.world_size,
+                format!("must be from 1 to {MAX_WORLD_SIZE}"),
             ));
         }
         if self.rank >= self.world_size {
@@ -363,7 +363,7 @@ impl<E: EnvSource + ?Sized> Reader<'_, E> {
         };
         let (mut master_addr, mut master_port) = self.master()?;
         // torchrun restarts every worker under the same run id: each attempt is its own job.
-        let job_id = self.env.var("TORCHELASTIC_RUN_ID").map(|id| {
+        let mut job_id = self.env.var("TORCHELASTIC_RUN_ID").map(|id| {
             let attempt = self.env.var("TORCHELASTIC_RESTART_COUNT");
             format!("{id}.{}", attempt.as_deref().unwrap_or("0").trim())
         });
@@ -391,6 +391,14 @@ impl<E: EnvSource + ?Sized> Reader<'_, E> {
                 host
             });
             master_port = 0;
+        }
+        if let (Some(id), Some(store)) = (&mut job_id, &agent_store) {
+            // torchrun gives every job started with `--master-port` the run id `none`: two
+            // such jobs of one user on one host would share the private rendezvous file. The
+            // agent store's address is this launcher instance's own (two live stores cannot
+            // share a port), and the same for every rank of the job on every host.
+            id.push('@');
+            id.push_str(store);
         }
         Ok(ProcessState {
             rank,
@@ -571,6 +579,10 @@ impl<E: EnvSource + ?Sized> Reader<'_, E> {
     }
 }
 
+/// The most processes a job may have (about a million): world sizes and node lists beyond it
+/// are configuration errors, refused before anything is sized by them.
+pub const MAX_WORLD_SIZE: usize = 1 << 20;
+
 /// Rank 0's port for a SLURM job spanning hosts without `MASTER_PORT`: derived from the job
 /// and step ids, so that every rank computes the same one and jobs sharing a first node rarely
 /// meet; 20000-31999, below Linux's ephemeral ports. Without a job id, [`DEFAULT_MASTER_PORT`].
@@ -586,7 +598,9 @@ pub fn slurm_port(job_id: Option<String>, step_id: Option<String>) -> u16 {
     }
 }
 
-/// Expands SLURM's compressed tasks-per-node list: `"4(x2),3"` is `[4, 4, 3]`.
+/// Expands SLURM's compressed tasks-per-node list: `"4(x2),3"` is `[4, 4, 3]`. `None` for a
+/// list that does not parse or describes more than [`MAX_WORLD_SIZE`] nodes (it is never
+/// expanded beyond that).
 pub fn parse_slurm_tasks_per_node(list: &str) -> Option<Vec<usize>> {
     let mut out = Vec::new();
     for item in list.split(',') {
@@ -596,6 +610,9 @@ pub fn parse_slurm_tasks_per_node(list: &str) -> Option<Vec<usize>> {
             None => (item, 1),
         };
         let count = count.parse::<usize>().ok()?;
+        if repeat > MAX_WORLD_SIZE - out.len() {
+            return None;
+        }
         out.extend(std::iter::repeat_n(count, repeat));
     }
     (!out.is_empty()).then_some(out)
@@ -660,6 +677,27 @@ mod tests {
 
     /// What torchrun's agent sets: MASTER_PORT is its store; each attempt is its own job.
     #[test]
+    fn two_torchrun_jobs_with_master_ports_are_two_jobs() {
+        // torchrun sets TORCHELASTIC_RUN_ID=none whenever --master-port is given.
+        let job = |port: &str| {
+            parse(&[
+                ("RANK", "0"),
+                ("WORLD_SIZE", "2"),
+                ("LOCAL_RANK", "0"),
+                ("LOCAL_WORLD_SIZE", "2"),
+                ("MASTER_ADDR", "127.0.0.1"),
+                ("MASTER_PORT", port),
+                ("TORCHELASTIC_USE_AGENT_STORE", "True"),
+                ("TORCHELASTIC_RUN_ID", "none"),
+            ])
+            .unwrap()
+            .job_id
+        };
+        assert_ne!(job("29501"), job("29502"));
+        assert_eq!(job("29501"), job("29501"));
+    }
+
+    #[test]
     fn torchrun_agent_store_is_not_rank_0s_port() {
         let agent = |local: &str, attempt: &str| {
             parse(&[
@@ -679,12 +717,18 @@ mod tests {
         let one_host = agent("4", "0");
         assert_eq!(one_host.master_addr.as_deref(), Some("127.0.0.1"));
         assert_eq!(one_host.master_port, 0);
-        assert_eq!(one_host.job_id.as_deref(), Some("abc.0"));
+        assert_eq!(
+            one_host.job_id.as_deref(),
+            Some("abc.0@node0.cluster:29500")
+        );
         assert_eq!(one_host.agent_store.as_deref(), Some("node0.cluster:29500"));
         let two_hosts = agent("2", "3");
         assert_eq!(two_hosts.master_addr.as_deref(), Some("node0.cluster"));
         assert_eq!(two_hosts.master_port, 0);
-        assert_eq!(two_hosts.job_id.as_deref(), Some("abc.3"));
+        assert_eq!(
+            two_hosts.job_id.as_deref(),
+            Some("abc.3@node0.cluster:29500")
+        );
         // Without the agent store (older torchrun, static setups) MASTER_PORT is rank 0's.
         let plain = parse(&[
             ("RANK", "0"),
@@ -720,6 +764,14 @@ mod tests {
             ),
             (&[("RANK", "x"), ("WORLD_SIZE", "2")], "RANK"),
             (&[("RANK", "0"), ("WORLD_SIZE", "0")], "WORLD_SIZE"),
+            (
+                &[
+                    ("RANK", "0"),
+                    ("WORLD_SIZE", "18446744073709551615"),
+                    ("MASTER_ADDR", "h"),
+                ],
+                "WORLD_SIZE",
+            ),
             (&[("RANK", "0"), ("WORLD_SIZE", "2")], "MASTER_ADDR"),
             (
                 &[
@@ -950,6 +1002,9 @@ mod tests {
         assert_eq!(parse_slurm_tasks_per_node("4(x2),3"), Some(vec![4, 4, 3]));
         assert_eq!(parse_slurm_tasks_per_node("4(x"), None);
         assert_eq!(parse_slurm_tasks_per_node(""), None);
+        // Refused before anything is allocated for it.
+        assert_eq!(parse_slurm_tasks_per_node("4(x1000000000000)"), None);
+        assert_eq!(parse_slurm_tasks_per_node("4(x1048575),1,1"), None);
         assert_eq!(first_slurm_host("node1").as_deref(), Some("node1"));
         assert_eq!(first_slurm_host("a,b").as_deref(), Some("a"));
         assert_eq!(first_slurm_host("n[003,5]").as_deref(), Some("n003"));

@@ -6,7 +6,7 @@
 //! run start (`tensorboard --logdir <dir>` merges them by step). The event format is written
 //! by the `syntaxdot-summary` crate.
 
-use std::fs::{File, OpenOptions};
+use std::fs::File;
 use std::path::{Path, PathBuf};
 use std::time::Instant;
 
@@ -66,11 +66,7 @@ impl MetricsLogger {
         let csv = if trackers.contains(&Tracker::Csv) {
             let path = dir.join(CSV_FILE);
             let fresh = !path.exists();
-            let file = OpenOptions::new()
-                .create(true)
-                .append(true)
-                .open(&path)
-                .map_err(failed(&path))?;
+            let file = crate::output_file::append(&path).map_err(failed(&path))?;
             let mut writer = csv::Writer::from_writer(file);
             if fresh {
                 writer
@@ -93,7 +89,7 @@ impl MetricsLogger {
                 "events.out.tfevents.{micros}.accelerate-rs.{}",
                 std::process::id()
             ));
-            let file = File::create(&path).map_err(failed(&path))?;
+            let file = crate::output_file::create(&path).map_err(failed(&path))?;
             Some(SummaryWriter::new(file).map_err(failed(&path))?)
         } else {
             None

@@ -8,6 +8,7 @@ mod tools;
 
 use std::io::{BufRead, BufReader};
 use std::net::TcpListener;
+use std::path::Path;
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
@@ -17,6 +18,26 @@ use accelerate_core::comm::{GroupOptions, ProcessGroup, Reduction};
 use half::{bf16, f16};
 
 const SCENARIO: &str = "ACCELERATE_TEST_CHILD";
+
+/// `steps` checked all-reduces of 1000 values, rank 0 arriving `late` to each.
+fn train_steps(
+    group: &mut ProcessGroup,
+    steps: usize,
+    late: Duration,
+) -> Result<(), accelerate_core::CommError> {
+    for _ in 0..steps {
+        if group.rank() == 0 {
+            std::thread::sleep(late);
+        }
+        let mut grads = common::input::<f32>(group.rank(), 1000);
+        group.all_reduce(&mut grads, Reduction::Sum)?;
+        assert_eq!(
+            grads,
+            common::reduced::<f32>(group.world_size(), 1000, Reduction::Sum)
+        );
+    }
+    Ok(())
+}
 
 /// The body of a rank; exits the process with 0 on success, 3 on a collective error.
 #[test]
@@ -68,14 +89,35 @@ fn child() {
             }
             "train" => {
                 // What a training loop does: many same-sized all-reduces, checked.
-                for _ in 0..20 {
-                    let mut grads = common::input::<f32>(group.rank(), 1000);
-                    group.all_reduce(&mut grads, Reduction::Sum)?;
-                    assert_eq!(
-                        grads,
-                        common::reduced::<f32>(group.world_size(), 1000, Reduction::Sum)
-                    );
+                train_steps(&mut group, 20, Duration::ZERO)?;
+                println!("TRAINED");
+            }
+            "late_broadcast" => {
+                // Rank 1 "evaluates" for 20 s, far past the heartbeat, while rank 0 already
+                // sends it 64 MiB: rank 1's socket fills and its kernel advertises a zero
+                // window all that time, alive.
+                if group.rank() == 1 {
+                    std::thread::sleep(Duration::from_secs(20));
                 }
+                let len = 16 << 20;
+                let mut values: Vec<f32> = if group.rank() == 0 {
+                    (0..len).map(|i| (i % 1000) as f32).collect()
+                } else {
+                    vec![0.0; len]
+                };
+                group.broadcast(&mut values, 0)?;
+                assert!(
+                    values
+                        .iter()
+                        .enumerate()
+                        .all(|(i, &v)| v == (i % 1000) as f32)
+                );
+                println!("TRAINED");
+            }
+            "late_train" => {
+                // Rank 0 arrives 200 ms late to each of a few all-reduces: the others wait in
+                // the barrier long enough for its liveness checks to run.
+                train_steps(&mut group, 5, Duration::from_millis(200))?;
                 println!("TRAINED");
             }
             "fail_first_attempt" => {
@@ -503,6 +545,99 @@ fn attack(port: u16, how: &'static str, token: String) -> std::thread::JoinHandl
     })
 }
 
+/// The TCP ports process `pid` listens on (from `/proc`: its socket inodes, matched against
+/// the kernel's table of listening sockets).
+fn listening_ports(pid: u32) -> Vec<u16> {
+    let inodes: Vec<String> = std::fs::read_dir(format!("/proc/{pid}/fd"))
+        .map(|fds| {
+            fds.filter_map(Result::ok)
+                .filter_map(|fd| std::fs::read_link(fd.path()).ok())
+                .filter_map(|link| {
+                    let link = link.to_string_lossy().into_owned();
+                    Some(
+                        link.strip_prefix("socket:[")?
+                            .strip_suffix(']')?
+                            .to_string(),
+                    )
+                })
+                .collect()
+        })
+        .unwrap_or_default();
+    let table = std::fs::read_to_string("/proc/net/tcp").unwrap_or_default();
+    table
+        .lines()
+        .skip(1)
+        .filter_map(|line| {
+            let fields: Vec<&str> = line.split_whitespace().collect();
+            let (local, state, inode) = (fields.get(1)?, fields.get(3)?, fields.get(9)?);
+            let port = u16::from_str_radix(local.rsplit_once(':')?.1, 16).ok()?;
+            (*state == "0A" && inodes.iter().any(|i| i == inode)).then_some(port)
+        })
+        .collect()
+}
+
+/// 200 silent connections and a connect flood at rank 0's rendezvous port and at its peer
+/// listener while the group forms: the other rank still gets in, the job forms and trains.
+#[test]
+fn silent_connections_and_a_connect_flood_do_not_hold_the_set_up() {
+    let timeout = [("ACCELERATE_RENDEZVOUS_TIMEOUT", "60")];
+    let mut job = start("train", "tcp", 2, &[0], &timeout);
+    let rank0 = job.children[0].id();
+    let waited = Instant::now();
+    let ports = loop {
+        let ports = listening_ports(rank0);
+        if ports.len() >= 2 || waited.elapsed() > Duration::from_secs(20) {
+            break ports;
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    };
+    assert!(ports.contains(&job.port), "{ports:?}");
+    let peer_listener = ports.iter().copied().find(|&p| p != job.port);
+    let peer_listener = peer_listener.unwrap_or_else(|| panic!("no peer listener: {ports:?}"));
+    let targets = [job.port, peer_listener];
+    // Bounded connects: the peer listener accepts nothing until the rendezvous is over, so
+    // once its backlog is full the kernel stops answering.
+    let connect = |port: u16| {
+        let addr = std::net::SocketAddr::from(([127, 0, 0, 1], port));
+        std::net::TcpStream::connect_timeout(&addr, Duration::from_millis(200)).ok()
+    };
+    let silent: Vec<std::net::TcpStream> = targets
+        .iter()
+        .flat_map(|&port| (0..200).filter_map(move |_| connect(port)))
+        .collect();
+    assert!(
+        silent.len() >= 200,
+        "only {} connections opened",
+        silent.len()
+    );
+    let flood_until = Instant::now() + Duration::from_secs(5);
+    let flood = std::thread::spawn(move || {
+        let mut opened = 0u64;
+        while Instant::now() < flood_until {
+            for port in targets {
+                opened += u64::from(connect(port).is_some());
+            }
+        }
+        opened
+    });
+    std::thread::sleep(Duration::from_millis(200));
+    job.children.push(spawn_rank(
+        "train",
+        "tcp",
+        (1, 2),
+        (job.port, &job.token),
+        &timeout,
+    ));
+    let results = job.finish(Duration::from_secs(90));
+    assert!(flood.join().unwrap() > 100, "the flood never got going");
+    drop(silent);
+    for (rank, (code, stdout, stderr)) in results.iter().enumerate() {
+        assert_eq!(*code, 0, "rank {rank}: {stdout}\n{stderr}");
+        assert!(stdout.contains("FORMED tcp"), "rank {rank}: {stdout}");
+        assert!(stdout.contains("TRAINED"), "rank {rank}: {stdout}");
+    }
+}
+
 #[test]
 fn hostile_clients_delay_nobody_and_the_job_still_forms_and_trains() {
     for transport in ["tcp", "shm"] {
@@ -664,30 +799,44 @@ fn in_namespaces(namespaces: &[&str], script: &str, envs: &[(&str, String)]) -> 
     Some(cmd.spawn().unwrap())
 }
 
+/// What a rank started inside namespaces ([`in_namespaces`]) runs with: this test binary as
+/// `EXE`, `scenario`, rank `rank` of `world` on 127.0.0.1:`port`, and the job token.
+fn namespaced_rank_env(
+    scenario: &str,
+    (rank, world): (usize, usize),
+    (port, token): (u16, &str),
+) -> Vec<(&'static str, String)> {
+    vec![
+        (
+            "EXE",
+            std::env::current_exe().unwrap().display().to_string(),
+        ),
+        (SCENARIO, scenario.to_string()),
+        ("RANK", rank.to_string()),
+        ("WORLD_SIZE", world.to_string()),
+        ("LOCAL_RANK", rank.to_string()),
+        ("LOCAL_WORLD_SIZE", world.to_string()),
+        ("MASTER_ADDR", "127.0.0.1".into()),
+        ("MASTER_PORT", port.to_string()),
+        ("ACCELERATE_JOB_TOKEN", token.to_string()),
+        ("ACCELERATE_RENDEZVOUS_TIMEOUT", "30".into()),
+    ]
+}
+
 /// Rank 0 with its own /dev/shm of `size` (a private mount namespace: nothing to clean up,
 /// the mount ends with the process), rank 1 on the host's.
 fn job_with_private_shm(size: &str) -> Option<Vec<(i32, String, String)>> {
     let port = free_port();
     let token = format!("tmpfs-{}-{port}", std::process::id());
-    let exe = std::env::current_exe().unwrap().display().to_string();
     let script = format!(
         "mount -t tmpfs -o size={size} tmpfs /dev/shm && exec \"$EXE\" child --exact --nocapture \
          --test-threads=1"
     );
-    let envs = [
-        ("EXE", exe),
-        (SCENARIO, "train".to_string()),
-        ("RANK", "0".into()),
-        ("WORLD_SIZE", "2".into()),
-        ("LOCAL_RANK", "0".into()),
-        ("LOCAL_WORLD_SIZE", "2".into()),
-        ("MASTER_ADDR", "127.0.0.1".into()),
-        ("MASTER_PORT", port.to_string()),
-        ("ACCELERATE_JOB_TOKEN", token.clone()),
+    let mut envs = namespaced_rank_env("train", (0, 2), (port, &token));
+    envs.extend([
         ("ACCELERATE_SHM_SLOT_BYTES", (4 << 20).to_string()),
         ("ACCELERATE_RING_SEGMENT_BYTES", "65536".into()),
-        ("ACCELERATE_RENDEZVOUS_TIMEOUT", "30".into()),
-    ];
+    ]);
     let rank0 = in_namespaces(&["--mount", "--propagation", "private"], &script, &envs)?;
     let rank1 = spawn_rank(
         "train",
@@ -704,6 +853,61 @@ fn job_with_private_shm(size: &str) -> Option<Vec<(i32, String, String)>> {
         }
         .finish(Duration::from_secs(60)),
     )
+}
+
+/// A live rank 20 s late to a 64 MiB broadcast, with a 6 s heartbeat: rank 0 waits for it (its
+/// kernel acknowledges and answers zero-window probes) instead of declaring its host gone.
+#[test]
+fn a_rank_late_to_a_large_broadcast_is_waited_for_not_declared_dead() {
+    let job = start(
+        "late_broadcast",
+        "tcp",
+        2,
+        &[0, 1],
+        &[
+            ("ACCELERATE_HEARTBEAT_TIMEOUT", "6"),
+            ("ACCELERATE_TIMEOUT", "120"),
+        ],
+    );
+    let results = job.finish(Duration::from_secs(100));
+    for (rank, (code, stdout, stderr)) in results.iter().enumerate() {
+        assert_eq!(*code, 0, "rank {rank}: {stdout}\n{stderr}");
+        assert!(stdout.contains("TRAINED"), "rank {rank}: {stdout}");
+    }
+}
+
+/// Rank 1 in a PID namespace of its own (a second container of a pod: /dev/shm shared, pids
+/// not), rank 0 late to every collective: the ranks cannot see each other's pids, and the
+/// shared-memory job still trains instead of reporting a peer that exited.
+#[test]
+fn ranks_in_separate_pid_namespaces_train_over_shared_memory() {
+    let port = free_port();
+    let token = format!("pidns-{}-{port}", std::process::id());
+    let script = "exec \"$EXE\" child --exact --nocapture --test-threads=1";
+    let mut envs = namespaced_rank_env("late_train", (1, 2), (port, &token));
+    // What `spawn_rank` gives rank 0.
+    envs.extend([
+        ("ACCELERATE_TRANSPORT", "shm".into()),
+        ("ACCELERATE_TIMEOUT", "60".into()),
+        ("ACCELERATE_SHM_SLOT_BYTES", "65536".into()),
+        ("ACCELERATE_RING_SEGMENT_BYTES", "65536".into()),
+    ]);
+    // --mount-proc: /proc shows only the new namespace, as in a container.
+    let Some(rank1) = in_namespaces(&["--pid", "--fork", "--mount-proc"], script, &envs) else {
+        return;
+    };
+    let rank0 = spawn_rank("late_train", "shm", (0, 2), (port, &token), &[]);
+    let results = Job {
+        children: vec![rank0, rank1],
+        token,
+        port,
+    }
+    .finish(Duration::from_secs(90));
+    for (rank, (code, stdout, stderr)) in results.iter().enumerate() {
+        assert_eq!(*code, 0, "rank {rank}: {stdout}\n{stderr}");
+        assert!(stdout.contains("FORMED shm"), "rank {rank}: {stdout}");
+        assert!(stdout.contains("TRAINED"), "rank {rank}: {stdout}");
+    }
 }
 
 #[test]
@@ -841,8 +1045,14 @@ fn under_launcher(launcher: &mut Command, scenario: &str) -> String {
     // The launchers' own temporary files (torchrun's torchelastic_* log directories, Open
     // MPI's session directory) go here and leave with it.
     let tmp = tempfile::tempdir().unwrap();
-    let out = launcher
-        .env("TMPDIR", tmp.path())
+    succeeded(with_ranks(launcher, scenario, tmp.path()).output().unwrap())
+}
+
+/// `launcher` starting this test binary's `scenario` as its ranks, with none of our variables
+/// set and its temporary files in `tmp`.
+fn with_ranks<'a>(launcher: &'a mut Command, scenario: &str, tmp: &Path) -> &'a mut Command {
+    launcher
+        .env("TMPDIR", tmp)
         .arg(std::env::current_exe().unwrap())
         .args(["child", "--exact", "--nocapture", "--test-threads=1"])
         .env(SCENARIO, scenario)
@@ -850,8 +1060,12 @@ fn under_launcher(launcher: &mut Command, scenario: &str) -> String {
         .env_remove("ACCELERATE_JOB_TOKEN")
         .env_remove("MASTER_ADDR")
         .env_remove("MASTER_PORT")
-        .output()
-        .unwrap();
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+}
+
+/// The stdout of a launcher that must have succeeded.
+fn succeeded(out: std::process::Output) -> String {
     let stdout = String::from_utf8_lossy(&out.stdout).into_owned();
     let stderr = String::from_utf8_lossy(&out.stderr);
     assert!(out.status.success(), "{stdout}\n{stderr}");
@@ -884,6 +1098,47 @@ fn torchrun_starts_a_job_with_no_variable_set_by_hand() {
     );
     assert_eq!(stdout.matches("FORMED shm").count(), 2, "{stdout}");
     assert_eq!(stdout.matches("TRAINED").count(), 2, "{stdout}");
+}
+
+/// Two torchrun jobs of one user on one host, each started with `--master-port` (torchrun then
+/// names both runs `none`), at the same time: each forms its own group of 2 and trains.
+#[test]
+fn two_torchrun_jobs_with_master_ports_at_once_stay_apart() {
+    let Some(torchrun) = tools::torchrun() else {
+        return;
+    };
+    let tmp = tempfile::tempdir().unwrap();
+    // Two ports free now (both held until both are known, so they differ); each torchrun's
+    // agent binds its own for its store.
+    let held: Vec<TcpListener> = (0..2)
+        .map(|_| TcpListener::bind("127.0.0.1:0").unwrap())
+        .collect();
+    let ports: Vec<String> = held
+        .iter()
+        .map(|l| l.local_addr().unwrap().port().to_string())
+        .collect();
+    drop(held);
+    let jobs: Vec<_> = ports
+        .iter()
+        .map(|port| {
+            let mut command = Command::new(&torchrun);
+            command.args([
+                "--nproc-per-node",
+                "2",
+                "--master-port",
+                port,
+                "--no-python",
+            ]);
+            with_ranks(&mut command, "train", tmp.path())
+                .spawn()
+                .unwrap()
+        })
+        .collect();
+    for job in jobs {
+        let stdout = succeeded(job.wait_with_output().unwrap());
+        assert_eq!(stdout.matches("FORMED shm").count(), 2, "{stdout}");
+        assert_eq!(stdout.matches("TRAINED").count(), 2, "{stdout}");
+    }
 }
 
 /// torchrun with `--max-restarts`: a rank fails in the first attempt, the agent stops the

@@ -295,3 +295,44 @@ fn workers_end_when_the_launcher_is_killed() {
         assert!(!alive(pid), "worker {pid} outlived its SIGKILLed launcher");
     }
 }
+
+/// A process a worker starts (it inherits the worker's environment) reads the process state
+/// as any program would, and is neither tied to the launcher nor ended for not being its
+/// child. Runs only as that grandchild.
+#[test]
+fn grandchild() {
+    if std::env::var_os("ACCELERATE_TEST_GRANDCHILD").is_none() {
+        return;
+    }
+    let state = accelerate_core::ProcessState::from_env().unwrap();
+    println!("GRANDCHILD of rank {}", state.rank);
+}
+
+#[test]
+fn a_process_started_by_a_worker_runs_as_any_program() {
+    let exe = std::env::current_exe().unwrap();
+    // `; echo`: the shell forks the test binary instead of replacing itself with it.
+    let script = r#""$EXE" grandchild --exact --nocapture --test-threads=1; echo "exit $?""#;
+    let out = Command::new(env!("CARGO_BIN_EXE_accelerate"))
+        .args(["launch", "-n", "2", "--", "sh", "-c", script])
+        .env("EXE", exe)
+        .env("ACCELERATE_TEST_GRANDCHILD", "1")
+        .output()
+        .unwrap();
+    let (stdout, stderr) = (text(&out.stdout), text(&out.stderr));
+    assert!(out.status.success(), "{stdout}\n{stderr}");
+    for rank in 0..2 {
+        // The test harness prints its "test grandchild ... " on the same line.
+        assert!(
+            stdout
+                .lines()
+                .any(|l| l.starts_with(&format!("[rank {rank}] "))
+                    && l.ends_with(&format!("GRANDCHILD of rank {rank}"))),
+            "{stdout}\n{stderr}"
+        );
+        assert!(
+            stdout.contains(&format!("[rank {rank}] exit 0")),
+            "{stdout}\n{stderr}"
+        );
+    }
+}

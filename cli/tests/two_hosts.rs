@@ -33,6 +33,10 @@ fn worker() {
         .with_writer(std::io::stderr)
         .with_ansi(false)
         .init();
+    if scenario == "overwrite_store" {
+        overwrite_store();
+        return;
+    }
     let result = (|| -> Result<(), accelerate_core::CommError> {
         let state = accelerate_core::ProcessState::from_env().unwrap();
         let mut group = ProcessGroup::new(&state, &GroupOptions::from_env().unwrap())?;
@@ -100,6 +104,32 @@ fn worker() {
     if let Err(e) = result {
         eprintln!("ERROR {e}");
         std::process::exit(3);
+    }
+}
+
+/// A third party that reaches torchrun's store on host 0: writes an address of its choosing
+/// where rank 0 publishes its own, every millisecond for 60 s.
+fn overwrite_store() {
+    use accelerate_core::comm::torch_store::TorchStore;
+    let main_ip = std::env::var("MAIN_IP").unwrap();
+    let store = format!("{main_ip}:29500");
+    // torchrun names a run started with --master-port `none`; the job id adds the store.
+    let key = format!("accelerate-rs/none.0@{store}/rendezvous");
+    let until = Instant::now() + Duration::from_secs(60);
+    let mut store = loop {
+        match TorchStore::connect(&store, Instant::now() + Duration::from_secs(2)) {
+            Ok(store) => break store,
+            Err(_) if Instant::now() < until => std::thread::sleep(Duration::from_millis(10)),
+            Err(e) => panic!("torchrun's store never came up: {e}"),
+        }
+    };
+    println!("OVERWRITING {key}");
+    while Instant::now() < until {
+        if store.set(&key, b"10.9.9.9:29999 00").is_err() {
+            // The agent and its store are gone: the job ended.
+            return;
+        }
+        std::thread::sleep(Duration::from_millis(1));
     }
 }
 
@@ -263,47 +293,108 @@ fn two_hosts_of_two_processes_form_one_group_and_train() {
     both_trained(&hosts, launchers, Duration::from_secs(60), "tcp+shm");
 }
 
+/// torchrun for the tests here, and a directory of its own for its log directories
+/// (torchelastic_*), which leave with it.
+struct Torchrun {
+    path: String,
+    /// Held for its removal when the test ends.
+    _tmp: tempfile::TempDir,
+    tmp_path: String,
+}
+
+impl Torchrun {
+    /// `None` (the test skips, or fails under CI) when torchrun is not installed.
+    fn find() -> Option<Self> {
+        let path = tools::torchrun()?.display().to_string();
+        let tmp = tempfile::tempdir().unwrap();
+        let tmp_path = tmp.path().display().to_string();
+        Some(Self {
+            path,
+            _tmp: tmp,
+            tmp_path,
+        })
+    }
+
+    /// The variables `TORCHRUN` (see [`TORCHRUN`]) and `TMPDIR`.
+    fn env(&self) -> [(&str, &str); 2] {
+        [("TORCHRUN", &self.path), ("TMPDIR", &self.tmp_path)]
+    }
+}
+
 /// torchrun on each host (`--nnodes 2`), nothing set by hand but the job token: rank 0
 /// publishes its address in torchrun's store, and the group is the same as under our launcher.
 #[test]
 fn torchrun_on_two_hosts_forms_one_group_and_trains() {
-    let Some(torchrun) = tools::torchrun() else {
+    let Some(torchrun) = Torchrun::find() else {
         return;
     };
     let Some(hosts) = TwoHosts::new("torchrun") else {
         return;
     };
     let token = format!("torchrun-{}", std::process::id());
-    let torchrun = torchrun.display().to_string();
-    // torchrun's log directories (torchelastic_*) go here and leave with it.
-    let tmp = tempfile::tempdir().unwrap();
-    let tmp_path = tmp.path().display().to_string();
-    let extra = [
-        ("TORCHRUN", torchrun.as_str()),
-        ("TMPDIR", tmp_path.as_str()),
-    ];
+    let extra = torchrun.env();
     let launchers: Vec<Child> = (0..2)
         .map(|m| hosts.start(m, TORCHRUN, "train", &token, &extra))
         .collect();
     both_trained(&hosts, launchers, Duration::from_secs(90), "tcp+shm");
 }
 
+/// A third party overwriting rank 0's address in torchrun's store: the address carries no
+/// signature of the job token, so every rank refuses it, names the cause, and the job ends
+/// (no rank connects to the address written there, none waits for its timeout).
+#[test]
+fn torchrun_refuses_an_address_in_its_store_that_rank_0_did_not_sign() {
+    let Some(torchrun) = Torchrun::find() else {
+        return;
+    };
+    let Some(hosts) = TwoHosts::new("torchrun-forged") else {
+        return;
+    };
+    let token = format!("torchrun-forged-{}", std::process::id());
+    let [path, tmp] = torchrun.env();
+    let extra = [path, tmp, ("ACCELERATE_RENDEZVOUS_TIMEOUT", "60")];
+    // The third party runs on host 1, as any other host of the network could.
+    let mut intruder = hosts.start(1, "", "overwrite_store", &token, &extra);
+    let launchers: Vec<Child> = (0..2)
+        .map(|m| hosts.start(m, TORCHRUN, "train", &token, &extra))
+        .collect();
+    let started = Instant::now();
+    let results: Vec<_> = launchers
+        .into_iter()
+        .map(|l| finish(l, Duration::from_secs(90)))
+        .collect();
+    let _ = intruder.kill();
+    let intruder = intruder.wait_with_output().unwrap();
+    let took = started.elapsed();
+    assert!(
+        String::from_utf8_lossy(&intruder.stdout).contains("OVERWRITING"),
+        "{}",
+        String::from_utf8_lossy(&intruder.stderr)
+    );
+    for (machine, (code, stdout, stderr)) in results.iter().enumerate() {
+        assert_ne!(*code, 0, "machine {machine} trained: {stdout}");
+        assert!(!stdout.contains("TRAINED"), "machine {machine}: {stdout}");
+        assert!(
+            stderr.contains("not rank 0's address signed with this job's ACCELERATE_JOB_TOKEN"),
+            "machine {machine}: {stderr}"
+        );
+    }
+    // Refused at once, not at the 60 s rendezvous timeout.
+    assert!(took < Duration::from_secs(55), "took {took:?}");
+    assert_eq!(hosts.leftovers(0), "");
+    assert_eq!(hosts.leftovers(1), "");
+}
+
 /// Without a job token, a job torchrun spans over hosts refuses to start, saying why.
 #[test]
 fn torchrun_on_two_hosts_without_a_token_is_refused_with_a_hint() {
-    let Some(torchrun) = tools::torchrun() else {
+    let Some(torchrun) = Torchrun::find() else {
         return;
     };
     let Some(hosts) = TwoHosts::new("torchrun-notoken") else {
         return;
     };
-    let torchrun = torchrun.display().to_string();
-    let tmp = tempfile::tempdir().unwrap();
-    let tmp_path = tmp.path().display().to_string();
-    let extra = [
-        ("TORCHRUN", torchrun.as_str()),
-        ("TMPDIR", tmp_path.as_str()),
-    ];
+    let extra = torchrun.env();
     let launchers: Vec<Child> = (0..2)
         .map(|m| hosts.start(m, TORCHRUN, "train", "", &extra))
         .collect();

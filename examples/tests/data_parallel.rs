@@ -29,7 +29,7 @@ use burn::optim::{AdamWConfig, SgdConfig};
 use burn::tensor::{Device, Int, Tensor, TensorData};
 use common::{
     SCENARIO, env_number, largest_difference, line, param_bits, param_bits_in, parameters, params,
-    params_labelled, print_params, print_params_as, run,
+    params_labelled, print_params, print_params_as, run, run_child,
 };
 use slurm_cluster::SlurmCluster;
 
@@ -316,23 +316,15 @@ fn evaluate() -> anyhow::Result<()> {
 
 #[test]
 fn child() {
-    let Ok(scenario) = std::env::var(SCENARIO) else {
-        return;
-    };
-    let result = match scenario.as_str() {
+    run_child(|scenario| match scenario {
         "train" if std::env::var_os("TEST_HOST_KERNELS").is_some() => train::<HostKernels>(),
         "train" => train::<DefaultBackend>(),
         "fused" => fused(),
         "evaluate" => evaluate(),
         "overflow" => overflow(),
         "uneven" => uneven(),
-        other => panic!("unknown scenario {other}"),
-    };
-    if let Err(e) = result {
-        eprintln!("ERROR {e}");
-        std::process::exit(3);
-    }
-    std::process::exit(0);
+        other => anyhow::bail!("unknown scenario {other}"),
+    });
 }
 
 /// Tolerance 1e-6: a rank's gradient is the mean over its batch, and the all-reduce averages

@@ -2,7 +2,8 @@
 //! fp16 with a moving loss scale, dropout, gradient accumulation, AdamW and a schedule) and
 //! resumed from its checkpoint ends bit-identical to a run that never stopped, on 1 and 2
 //! processes; a process killed in the middle of a save leaves the previous checkpoint the
-//! latest; another world size is refused unless asked for.
+//! latest; another world size is refused unless asked for; a save never replaces a user's
+//! directory; after a resume from an older checkpoint, rotation keeps the new run's.
 
 mod common;
 
@@ -19,7 +20,7 @@ use accelerate_examples::digits::{self, DigitBatcher};
 use burn::data::dataset::InMemDataset;
 use burn::lr_scheduler::linear::LinearLrSchedulerConfig;
 use burn::optim::AdamWConfig;
-use common::{SCENARIO, env_number, line, param_bits, print_params, run};
+use common::{env_number, line, param_bits, print_params, run, run_child};
 use serde::{Serialize, Serializer};
 
 const SAMPLES: usize = 240;
@@ -39,8 +40,10 @@ impl Serialize for Bomb {
 }
 
 /// Trains 2 epochs; with `TEST_STOP=k`, saves a checkpoint after update k and exits; with
-/// `TEST_RESUME=1`, first loads the project's latest checkpoint; with `TEST_BOMB=k`, dies in
-/// the middle of the save after update k.
+/// `TEST_RESUME=1`, first loads the project's latest checkpoint (`TEST_RESUME_FROM=dir`: that
+/// one); with `TEST_BOMB=k`, dies in the middle of the save after update k; `TEST_SAVES=a,b`
+/// also saves after those updates; `TEST_SAVE_INTO=dir` saves with `save_state(dir)` instead
+/// of an automatically named checkpoint; `TEST_LIMIT=n` keeps n checkpoints (default 2).
 fn train() -> anyhow::Result<()> {
     let precision = match env("TEST_PRECISION").as_str() {
         "fp16" => MixedPrecision::Fp16,
@@ -57,7 +60,10 @@ fn train() -> anyhow::Result<()> {
             ..ScalerConfig::default()
         })
         .project_dir(env("TEST_DIR"))
-        .checkpoint_total_limit(2)
+        .checkpoint_total_limit(match env_number::<usize>("TEST_LIMIT") {
+            0 => 2,
+            n => n,
+        })
         .resume_with_different_world_size(env("TEST_ANY_WORLD") == "1")
         .zero_stage(u8::from(env("TEST_OPTIM") == "zero"))
         .build()?;
@@ -82,8 +88,12 @@ fn train() -> anyhow::Result<()> {
     let mut sched = acc.prepare_scheduler(schedule);
     let mut model = model;
     let (mut batches_seen, mut skipped) = (0u64, 0u64);
-    if env("TEST_RESUME") == "1" {
-        let restored = acc.load_latest_checkpoint(model, &mut optim, Some(&mut sched))?;
+    let resume_from = env("TEST_RESUME_FROM");
+    if env("TEST_RESUME") == "1" || !resume_from.is_empty() {
+        let restored = match resume_from.as_str() {
+            "" => acc.load_latest_checkpoint(model, &mut optim, Some(&mut sched))?,
+            dir => acc.load_state(dir, model, &mut optim, Some(&mut sched))?,
+        };
         model = restored.model;
         batches_seen = restored.info.object("batches_seen")?.unwrap_or(0);
         println!("RESUMED {} {batches_seen}", restored.info.updates);
@@ -92,6 +102,11 @@ fn train() -> anyhow::Result<()> {
         env_number::<u64>("TEST_STOP"),
         env_number::<u64>("TEST_BOMB"),
     );
+    let saves: Vec<u64> = env("TEST_SAVES")
+        .split(',')
+        .filter_map(|n| n.parse().ok())
+        .collect();
+    let save_into = env("TEST_SAVE_INTO");
     for epoch in train.epoch()..2 {
         train.set_epoch(epoch);
         for batch in train.iter() {
@@ -110,7 +125,7 @@ fn train() -> anyhow::Result<()> {
                 continue;
             }
             let updates = optim.updates();
-            if updates == stop || updates == bomb {
+            if updates == stop || updates == bomb || saves.contains(&updates) {
                 let checkpoint = Checkpoint::new(&model, &optim)
                     .scheduler(&sched)
                     .object("batches_seen", &batches_seen);
@@ -118,7 +133,10 @@ fn train() -> anyhow::Result<()> {
                     true => checkpoint.object("bomb", &Bomb),
                     false => checkpoint,
                 };
-                let dir = acc.save_checkpoint(&checkpoint)?;
+                let dir = match save_into.as_str() {
+                    "" => acc.save_checkpoint(&checkpoint)?,
+                    dir => acc.save_state(dir, &checkpoint)?,
+                };
                 println!("SAVED {}", dir.display());
                 if updates == stop {
                     return Ok(());
@@ -136,18 +154,10 @@ fn train() -> anyhow::Result<()> {
 
 #[test]
 fn child() {
-    let Ok(scenario) = std::env::var(SCENARIO) else {
-        return;
-    };
-    let result = match scenario.as_str() {
+    run_child(|scenario| match scenario {
         "train" => train(),
-        other => panic!("unknown scenario {other}"),
-    };
-    if let Err(e) = result {
-        eprintln!("ERROR {e}");
-        std::process::exit(3);
-    }
-    std::process::exit(0);
+        other => anyhow::bail!("unknown scenario {other}"),
+    });
 }
 
 fn stderr(output: &std::process::Output) -> String {
@@ -300,4 +310,109 @@ fn another_world_size_is_refused_unless_asked_for() {
     );
     assert_ok(&resumed);
     assert_eq!(line(&resumed[0], "SEEN "), "50");
+}
+
+#[test]
+fn a_save_never_replaces_a_users_directory_and_replaces_its_own_checkpoint() {
+    let tmp = tempfile::tempdir().unwrap();
+    let output = tmp.path().join("output");
+    std::fs::create_dir(&output).unwrap();
+    std::fs::write(output.join("train.log"), "the user's log").unwrap();
+    let into = ("TEST_SAVE_INTO", output.to_str().unwrap());
+    let refused = run_in(tmp.path(), 2, &[("TEST_STOP", "3"), into]);
+    for (rank, result) in refused.iter().enumerate() {
+        assert!(!result.status.success(), "rank {rank} saved");
+        let err = stderr(result);
+        assert!(
+            err.contains("holds files but no accelerate-rs manifest.json"),
+            "{err}"
+        );
+        assert!(err.contains(output.to_str().unwrap()), "{err}");
+    }
+    let names: Vec<_> = std::fs::read_dir(&output).unwrap().collect();
+    assert_eq!(names.len(), 1, "only the user's file: {names:?}");
+    assert_eq!(
+        std::fs::read_to_string(output.join("train.log")).unwrap(),
+        "the user's log"
+    );
+    assert!(!partial_dir(&output).exists());
+
+    // Into a directory of its own: saved, then replaced by a later save of the same name.
+    let ckpt = tmp.path().join("ckpt");
+    let into = ("TEST_SAVE_INTO", ckpt.to_str().unwrap());
+    assert_ok(&run_in(tmp.path(), 2, &[("TEST_STOP", "3"), into]));
+    assert_eq!(read_manifest(&ckpt).unwrap().updates, 3);
+    assert_ok(&run_in(tmp.path(), 2, &[("TEST_STOP", "5"), into]));
+    assert_eq!(read_manifest(&ckpt).unwrap().updates, 5);
+    let old = accelerate_core::checkpoint::old_dir(&ckpt);
+    assert!(!old.exists() && !partial_dir(&ckpt).exists());
+}
+
+#[test]
+fn after_a_resume_from_an_older_checkpoint_rotation_keeps_the_new_run() {
+    let tmp = tempfile::tempdir().unwrap();
+    let rotation = CheckpointRotation::new(tmp.path(), None);
+    assert_ok(&run_in(
+        tmp.path(),
+        2,
+        &[("TEST_SAVES", "3"), ("TEST_STOP", "6")],
+    ));
+    assert_eq!(rotation.latest(), Some(rotation.path_for(6)));
+    // The user goes back to update 3 (the run after it diverged) and saves after update 4,
+    // keeping one checkpoint: the new one stays, the abandoned run's checkpoint_6 goes.
+    let from = rotation.path_for(3).display().to_string();
+    let resumed = run_in(
+        tmp.path(),
+        2,
+        &[
+            ("TEST_RESUME_FROM", from.as_str()),
+            ("TEST_STOP", "4"),
+            ("TEST_LIMIT", "1"),
+        ],
+    );
+    assert_ok(&resumed);
+    assert!(line(&resumed[0], "RESUMED ").starts_with("3 "));
+    let kept: Vec<u64> = rotation.list().into_iter().map(|(n, _)| n).collect();
+    assert_eq!(kept, vec![4]);
+    assert!(!rotation.path_for(6).exists());
+    let latest = run_in(tmp.path(), 2, &[("TEST_RESUME", "1"), ("TEST_STOP", "5")]);
+    assert_ok(&latest);
+    assert!(line(&latest[0], "RESUMED ").starts_with("4 "));
+}
+
+#[test]
+fn a_save_killed_between_its_two_renames_resumes_the_previous_checkpoint() {
+    let tmp = tempfile::tempdir().unwrap();
+    let rotation = CheckpointRotation::new(tmp.path(), None);
+    assert_ok(&run_in(tmp.path(), 2, &[("TEST_STOP", "3")]));
+    // What a kill between the renames of a save of checkpoint_3 leaves on a file system
+    // without an atomic exchange: the previous checkpoint moved aside, the new one complete
+    // but still partial.
+    let dir = rotation.path_for(3);
+    let old = accelerate_core::checkpoint::old_dir(&dir);
+    std::fs::rename(&dir, &old).unwrap();
+    std::fs::create_dir(partial_dir(&dir)).unwrap();
+    for entry in std::fs::read_dir(&old).unwrap() {
+        let entry = entry.unwrap();
+        if entry.file_type().unwrap().is_file() {
+            std::fs::copy(entry.path(), partial_dir(&dir).join(entry.file_name())).unwrap();
+        }
+    }
+    assert_eq!(rotation.latest(), Some(old.clone()));
+    // Resuming takes the previous checkpoint; the next rotation (one kept) removes it and
+    // the crashed save's partial directory.
+    let resumed = run_in(
+        tmp.path(),
+        2,
+        &[
+            ("TEST_RESUME", "1"),
+            ("TEST_SAVES", "5"),
+            ("TEST_LIMIT", "1"),
+        ],
+    );
+    assert_ok(&resumed);
+    assert!(line(&resumed[0], "RESUMED ").starts_with("3 "));
+    let kept: Vec<u64> = rotation.list().into_iter().map(|(n, _)| n).collect();
+    assert_eq!(kept, vec![5]);
+    assert!(!old.exists() && !partial_dir(&dir).exists());
 }

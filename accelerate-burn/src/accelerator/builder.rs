@@ -32,6 +32,7 @@ pub struct AcceleratorBuilder<B: AcceleratorBackend> {
     checkpoint_limit_zero: bool,
     trackers: Vec<Tracker>,
     keep_freed_memory: bool,
+    sync_buffers: bool,
     _backend: PhantomData<B>,
 }
 
@@ -47,6 +48,7 @@ impl<B: AcceleratorBackend> Default for AcceleratorBuilder<B> {
             checkpoint_limit_zero: false,
             trackers: Vec::new(),
             keep_freed_memory: true,
+            sync_buffers: true,
             _backend: PhantomData,
         }
     }
@@ -128,6 +130,17 @@ impl<B: AcceleratorBackend> AcceleratorBuilder<B> {
     /// [`accelerate_core::malloc_tuning`]).
     pub fn keep_freed_memory(mut self, keep: bool) -> Self {
         self.keep_freed_memory = keep;
+        self
+    }
+
+    /// Whether the running states of prepared models (BatchNorm's running mean and variance,
+    /// any `RunningState`) are averaged over the processes at every optimizer update, so
+    /// that every rank evaluates and saves the same statistics (default true). The average
+    /// of the running means is what one process keeps on the global batch; the running
+    /// variance averages the per-process batch variances (as DDP without SyncBatchNorm).
+    /// `false` leaves each process's statistics to its own batches.
+    pub fn sync_buffers(mut self, sync: bool) -> Self {
+        self.sync_buffers = sync;
         self
     }
 
@@ -272,6 +285,7 @@ impl<B: AcceleratorBackend> AcceleratorBuilder<B> {
             reducers: Mutex::new(Vec::new()),
             trigger: AtomicBool::new(false),
             checkpoints: self.checkpoints,
+            sync_buffers: self.sync_buffers,
             metrics: Metrics {
                 trackers: self.trackers,
                 logger: Mutex::new(None),

@@ -31,7 +31,11 @@ impl<B: AcceleratorBackend> Accelerator<B> {
     /// The model, scheduler and user objects come from the main process (data parallelism
     /// keeps them identical), the optimizer state as its reducer keeps it (every shard with
     /// ZeRO); each process adds its own loop state. Nothing appears at `dir` until every
-    /// process has written its part; an existing checkpoint at `dir` is replaced only then.
+    /// process has written its part; an existing checkpoint at `dir` is replaced only then, in
+    /// one atomic swap where the file system has it. A `dir` that holds anything but an
+    /// accelerate-rs checkpoint (a user's logs, an exported model) is never replaced: the save
+    /// fails with an error naming it, and nothing there is touched (Hugging Face Accelerate
+    /// writes into the directory; we refuse rather than mix or delete files).
     /// Saving in the middle of an accumulation window is an error (its partial gradient sum is
     /// not saved).
     pub fn save_state<M: Module>(
@@ -112,8 +116,10 @@ impl<B: AcceleratorBackend> Accelerator<B> {
         }
     }
 
-    /// Saves into `<project_dir>/checkpoints/checkpoint_<updates>` and then removes the oldest
-    /// checkpoints beyond the total limit. Returns the new checkpoint's directory.
+    /// Saves into `<project_dir>/checkpoints/checkpoint_<updates>` and then removes the
+    /// checkpoints committed longest ago beyond the total limit (never the new one: after a
+    /// resume from an older checkpoint, the abandoned run's go first). Returns the new
+    /// checkpoint's directory.
     pub fn save_checkpoint<M: Module>(
         &self,
         checkpoint: &Checkpoint<'_, M>,
@@ -121,15 +127,21 @@ impl<B: AcceleratorBackend> Accelerator<B> {
         let rotation = self.rotation()?;
         let updates = checkpoint.optimizer_updates();
         let dir = self.save_state(rotation.path_for(updates), checkpoint)?;
-        if self.is_main_process() {
-            rotation
-                .rotate()
-                .map_err(|source| AccelerateError::CheckpointUnreadable {
-                    rank: self.state.rank,
-                    path: rotation.root.clone(),
-                    source,
-                })?;
-        }
+        let rotated = match self.is_main_process() {
+            true => rotation.rotate(&dir).map(|removed| {
+                for path in removed {
+                    tracing::info!(path = %path.display(), "old checkpoint removed");
+                }
+            }),
+            false => Ok(()),
+        };
+        // Every rank returns the main process's outcome, so none trains on believing a
+        // rotation went well that failed.
+        self.checkpoint_context().agree(
+            &rotation.root,
+            "removing old checkpoints",
+            rotated.map_err(|e| e.to_string()),
+        )?;
         Ok(dir)
     }
 

@@ -26,6 +26,7 @@ pub use builder::AcceleratorBuilder;
 pub use prepare::{OptimizerSource, Prepare};
 
 use crate::backend::AcceleratorBackend;
+use crate::buffers::BufferSync;
 use crate::data::{DataLoader, LoaderRole, PreparedDataLoader};
 use crate::error::AccelerateError;
 use crate::fused::FusedOptimizer;
@@ -67,6 +68,8 @@ pub struct Accelerator<B: AcceleratorBackend> {
     trigger: AtomicBool,
     checkpoints: CheckpointSettings,
     metrics: Metrics,
+    /// Whether running states (BatchNorm statistics) are averaged at every update.
+    sync_buffers: bool,
     _backend: PhantomData<B>,
 }
 
@@ -229,7 +232,7 @@ impl<B: AcceleratorBackend> Accelerator<B> {
             OptimizerChoice::Burn(optim),
             &self.comm,
         )?;
-        self.install(reducer)
+        self.install(reducer, self.buffer_sync(model))
     }
 
     /// Prepares a fused optimizer for the prepared `model`: its trainable parameters, their
@@ -246,7 +249,7 @@ impl<B: AcceleratorBackend> Accelerator<B> {
             OptimizerChoice::Fused(optimizer),
             &self.comm,
         )?;
-        self.install(reducer)
+        self.install(reducer, self.buffer_sync(model))
     }
 
     /// The process group (for the self-test's checks).
@@ -280,11 +283,23 @@ impl<B: AcceleratorBackend> Accelerator<B> {
         })
     }
 
+    /// The running states of `model` (BatchNorm statistics) to average at every update; none
+    /// on one process, with [`sync_buffers(false)`](crate::AcceleratorBuilder::sync_buffers),
+    /// or off an autodiff device (where running states cannot be told from frozen
+    /// parameters).
+    fn buffer_sync<M: Module>(&self, model: &M) -> Option<BufferSync> {
+        if !self.state.is_distributed() || !self.sync_buffers || !self.device.is_autodiff() {
+            return None;
+        }
+        BufferSync::of(model)
+    }
+
     /// Makes `reducer` the one `backward` feeds for its model: in place of a reducer that
     /// `backward` made for the model without an optimizer, else in a new slot.
     fn install(
         &self,
         reducer: Box<dyn GradientReducer>,
+        buffers: Option<BufferSync>,
     ) -> Result<PreparedOptimizer, AccelerateError> {
         let first = reducer.layout().entries.first().map(|e| e.id);
         let mut slots = self.reducers.lock().unwrap_or_else(PoisonError::into_inner);
@@ -316,6 +331,7 @@ impl<B: AcceleratorBackend> Accelerator<B> {
             index,
             self.training.clone(),
             self.comm.clone(),
+            buffers,
         ))
     }
 
@@ -410,7 +426,7 @@ impl<B: AcceleratorBackend> Accelerator<B> {
 
     /// Writes `model`'s parameters to `dir/model.safetensors` on the main process (other
     /// processes write nothing) and returns the file's path. The file is written to a
-    /// temporary name and renamed, so a crash never leaves a truncated one; a plain Burn
+    /// temporary name, synced and renamed, so a crash never leaves a truncated one; a plain Burn
     /// program loads it with `burn::store::SafetensorsStore` and `load_from`.
     pub fn save_model<M: Module>(
         &self,
@@ -428,15 +444,16 @@ impl<B: AcceleratorBackend> Accelerator<B> {
             path: dir.to_path_buf(),
             source,
         })?;
-        let mut store = SafetensorsStore::from_file(&path).overwrite(true);
-        model
-            .save_into(&mut store)
-            .map_err(|e| AccelerateError::Io {
-                rank: self.state.rank,
-                action: "saving the model",
-                path: path.clone(),
-                source: std::io::Error::other(e.to_string()),
-            })?;
+        accelerate_core::checkpoint::replace_file(&path, |temporary| {
+            let mut store = SafetensorsStore::from_file(temporary).overwrite(true);
+            model.save_into(&mut store)
+        })
+        .map_err(|e| AccelerateError::Io {
+            rank: self.state.rank,
+            action: "saving the model",
+            path: path.clone(),
+            source: std::io::Error::other(e.to_string()),
+        })?;
         Ok(path)
     }
 }

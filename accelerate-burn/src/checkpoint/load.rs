@@ -26,6 +26,8 @@ pub(crate) fn load_state<M: Module>(
     optimizer: &mut PreparedOptimizer,
     scheduler: Option<&mut PreparedScheduler>,
 ) -> Result<Restored<M>, AccelerateError> {
+    // A save that crashed mid-swap left the previous checkpoint at `<dir>.old`.
+    let dir = &checkpoint::locate(dir);
     let loaded = load_own_part(ctx, dir, model, optimizer, scheduler);
     agreed(ctx, dir, "loading the checkpoint", loaded)
 }
@@ -186,6 +188,12 @@ fn load_own_pair<M: Module>(
     (model, optimizer, scheduler): (M, &mut PreparedOptimizer, Option<&mut PreparedScheduler>),
 ) -> Result<M, AccelerateError> {
     let mismatch = mismatch(ctx.state.rank, dir);
+    if !super::valid_module_name(name) {
+        return Err(mismatch(
+            format!("{name:?} is not a pair name (letters, digits, - and _)"),
+            "load the pairs the checkpoint was saved with, under the names it used",
+        ));
+    }
     let Saved {
         manifest,
         training,

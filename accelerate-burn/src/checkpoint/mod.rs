@@ -321,7 +321,7 @@ pub(crate) struct Context<'a> {
 impl Context<'_> {
     /// Every rank's outcome of `stage`, on every rank: the first failures (naming their ranks)
     /// become this rank's error too.
-    fn agree(
+    pub(crate) fn agree(
         &self,
         path: &std::path::Path,
         stage: &'static str,

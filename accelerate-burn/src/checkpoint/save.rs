@@ -73,9 +73,10 @@ pub(crate) fn save_state<M: Module>(
                 library_version: env!("CARGO_PKG_VERSION").to_string(),
                 world_size: ctx.state.world_size,
                 updates: ctx.training.lock().updates(checkpoint.optimizer.slot()),
+                sequence: 0,
                 files: all_files.into_iter().flatten().collect(),
             };
-            checkpoint::commit(dir, &partial, &manifest).map_err(|e| e.to_string())
+            checkpoint::commit(dir, &partial, manifest).map_err(|e| e.to_string())
         }
         false => Ok(()),
     };

@@ -322,7 +322,9 @@ mod cube {
     use burn_cubecl::CubeBackend;
     use burn_cubecl::tensor::CubeTensor;
 
-    use super::{NcclCall, NcclKernels};
+    use burn::tensor::DType;
+
+    use super::{NcclCall, NcclDataType, NcclKernels};
 
     type CudaServer = <cubecl::cuda::CudaRuntime as cubecl_runtime::runtime::Runtime>::Server;
 
@@ -351,6 +353,19 @@ mod cube {
     fn run(input: &CubeTensor, output: &CubeTensor, call: &NcclCall) -> Result<(), String> {
         if !input.is_contiguous() || !output.is_contiguous() {
             return Err("NCCL needs contiguous buffers".into());
+        }
+        // NCCL reads and writes `count` elements of the call's type: buffers of a wider type
+        // than they hold would be overrun.
+        let wanted = match call.dtype {
+            NcclDataType::F32 => DType::F32,
+            NcclDataType::F16 => DType::F16,
+            NcclDataType::Bf16 => DType::BF16,
+        };
+        if input.dtype != wanted || output.dtype != wanted {
+            return Err(format!(
+                "NCCL was asked for {wanted:?} elements, the buffers hold {:?} and {:?}",
+                input.dtype, output.dtype
+            ));
         }
         let client = &input.client;
         // The kernels that wrote the input (and zeroed the output) have finished.

@@ -104,6 +104,35 @@ fn mac(token: &[u8], label: &[u8], parts: &[&[u8]]) -> HmacSha256 {
     mac
 }
 
+/// Bytes of the signature of a published value ([`sign_published`]).
+pub const SIGNATURE_BYTES: usize = 32;
+
+/// The signature rank 0 puts beside a value it publishes where anyone who reaches the place
+/// may write (torchrun's store): HMAC-SHA256 with the job token over the key and the value.
+pub fn sign_published(token: &[u8], key: &str, value: &[u8]) -> [u8; SIGNATURE_BYTES] {
+    let len = (key.len() as u64).to_le_bytes();
+    mac(
+        token,
+        b"accelerate-rs published v1",
+        &[&len, key.as_bytes(), value],
+    )
+    .finalize()
+    .into_bytes()
+    .into()
+}
+
+/// Whether `signature` is the job's signature of `value` under `key` (in constant time).
+pub fn verify_published(token: &[u8], key: &str, value: &[u8], signature: &[u8]) -> bool {
+    let len = (key.len() as u64).to_le_bytes();
+    mac(
+        token,
+        b"accelerate-rs published v1",
+        &[&len, key.as_bytes(), value],
+    )
+    .verify_slice(signature)
+    .is_ok()
+}
+
 /// The server's challenge frame.
 pub fn challenge(nonce: &[u8; NONCE]) -> [u8; CHALLENGE_BYTES] {
     let mut out = [0u8; CHALLENGE_BYTES];
@@ -232,26 +261,80 @@ fn write_by(stream: &mut TcpStream, bytes: &[u8], deadline: Instant) -> std::io:
     stream.write_all(bytes)
 }
 
-/// The server's side of the handshake on a fresh connection: the authentic claim, or an error
-/// after which the caller closes the connection.
-pub fn serve(stream: &mut TcpStream, token: &[u8], deadline: Instant) -> Result<Claim, AuthError> {
+/// How long a server waits for the answer to its challenge: a rank answers in
+/// microseconds, so a connection silent this long is not one and gives its slot back.
+pub const ANSWER_DEADLINE: Duration = Duration::from_secs(2);
+
+/// A key both ends of one handshake derive from it and the job token, and nobody else can:
+/// what authenticates the messages that follow on that connection (the rendezvous lines), so
+/// that a relay between the two cannot change them. `Debug` never shows it.
+#[derive(Clone, PartialEq, Eq)]
+pub struct SessionKey([u8; TAG]);
+
+impl std::fmt::Debug for SessionKey {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("SessionKey(<redacted>)")
+    }
+}
+
+impl SessionKey {
+    /// The key of the handshake made of `challenge` and `answer`, under `token`.
+    pub fn derive(
+        token: &[u8],
+        challenge: &[u8; CHALLENGE_BYTES],
+        answer: &[u8; ANSWER_BYTES],
+    ) -> Self {
+        Self(
+            mac(token, b"accelerate-rs session v1", &[challenge, answer])
+                .finalize()
+                .into_bytes()
+                .into(),
+        )
+    }
+
+    /// The tag of the `counter`-th message `sender` sends on the connection.
+    pub fn tag(&self, sender: &[u8], counter: u64, message: &[u8]) -> [u8; TAG] {
+        mac(&self.0, sender, &[&counter.to_le_bytes(), message])
+            .finalize()
+            .into_bytes()
+            .into()
+    }
+
+    /// Whether `tag` is that of the `counter`-th message `sender` sent (in constant time).
+    pub fn verify(&self, sender: &[u8], counter: u64, message: &[u8], tag: &[u8]) -> bool {
+        mac(&self.0, sender, &[&counter.to_le_bytes(), message])
+            .verify_slice(tag)
+            .is_ok()
+    }
+}
+
+/// The server's side of the handshake on a fresh connection: the authentic claim and the
+/// connection's [`SessionKey`], or an error after which the caller closes the connection. The
+/// answer must come within [`ANSWER_DEADLINE`] (and `deadline`).
+pub fn serve(
+    stream: &mut TcpStream,
+    token: &[u8],
+    deadline: Instant,
+) -> Result<(Claim, SessionKey), AuthError> {
     stream.set_nonblocking(false)?;
     let challenge = challenge(&random_bytes()?);
     write_by(stream, &challenge, deadline)?;
     let mut frame = [0u8; ANSWER_BYTES];
-    read_exact_by(stream, &mut frame, deadline)?;
+    let answer_by = deadline.min(crate::wait::deadline_after(ANSWER_DEADLINE));
+    read_exact_by(stream, &mut frame, answer_by)?;
     let claim = verify_answer(token, &challenge, &frame)?;
     write_by(stream, &proof(token, &challenge, &frame), deadline)?;
-    Ok(claim)
+    Ok((claim, SessionKey::derive(token, &challenge, &frame)))
 }
 
-/// The client's side: answers the challenge with `claim` and checks the server's proof.
+/// The client's side: answers the challenge with `claim`, checks the server's proof, and
+/// returns the connection's [`SessionKey`].
 pub fn join(
     stream: &mut TcpStream,
     token: &[u8],
     claim: Claim,
     deadline: Instant,
-) -> Result<(), AuthError> {
+) -> Result<SessionKey, AuthError> {
     stream.set_nonblocking(false)?;
     let mut challenge = [0u8; CHALLENGE_BYTES];
     read_exact_by(stream, &mut challenge, deadline)?;
@@ -264,7 +347,8 @@ pub fn join(
         ErrorKind::UnexpectedEof | ErrorKind::ConnectionReset => AuthError::BadProof,
         _ => e.into(),
     })?;
-    verify_proof(token, &challenge, &answer, &frame)
+    verify_proof(token, &challenge, &answer, &frame)?;
+    Ok(SessionKey::derive(token, &challenge, &answer))
 }
 
 #[cfg(test)]
@@ -276,6 +360,26 @@ mod tests {
         rank: 3,
         world_size: 4,
     };
+
+    #[test]
+    fn a_published_value_verifies_only_unchanged_and_under_its_key() {
+        let signature = sign_published(b"secret", "k", b"10.0.0.1:5");
+        assert!(verify_published(b"secret", "k", b"10.0.0.1:5", &signature));
+        assert!(!verify_published(b"secret", "k", b"10.0.0.2:5", &signature));
+        assert!(!verify_published(
+            b"secret",
+            "other",
+            b"10.0.0.1:5",
+            &signature
+        ));
+        assert!(!verify_published(b"guess", "k", b"10.0.0.1:5", &signature));
+        assert!(!verify_published(
+            b"secret",
+            "k",
+            b"10.0.0.1:5",
+            &signature[..31]
+        ));
+    }
 
     #[test]
     fn the_right_token_verifies_and_a_wrong_one_or_a_replay_does_not() {

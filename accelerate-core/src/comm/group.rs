@@ -240,7 +240,7 @@ impl ProcessGroup {
                     "accelerate-rs/{}/rendezvous",
                     state.job_id.as_deref().unwrap_or("job")
                 ),
-                Instant::now() + options.rendezvous_timeout,
+                crate::wait::deadline_after(options.rendezvous_timeout),
             ),
             _ => JobSecret::resolve(
                 options.token.as_deref(),
@@ -570,6 +570,15 @@ impl ProcessGroup {
     /// reduces in place: on a shared-memory group every rank reads its peers' buffers directly,
     /// with no staging copy. Every rank must call this with the same `len`.
     pub fn shared_buffer<T: Element>(&mut self, len: usize) -> Result<SharedBuffer<T>, CommError> {
+        let bytes = len
+            .checked_mul(size_of::<T>())
+            .filter(|&b| isize::try_from(b).is_ok())
+            .ok_or_else(|| {
+                self.usage(
+                    OpKind::CreateBuffer,
+                    format!("{len} elements do not fit in memory"),
+                )
+            })?;
         let id = self.buffers;
         self.buffers += 1;
         let mut call = self.call(OpKind::CreateBuffer);
@@ -578,7 +587,7 @@ impl ProcessGroup {
         call.buffer = Some(id);
         let mut mapped = None;
         self.run(|e| {
-            mapped = e.create_shared(&call, len * size_of::<T>())?;
+            mapped = e.create_shared(&call, bytes)?;
             Ok(())
         })?;
         Ok(match mapped {

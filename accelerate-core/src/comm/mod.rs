@@ -2,6 +2,7 @@
 //! [`ProcessGroup`] API on top.
 //!
 //! - [`rendezvous`]: rank 0's TCP store; world size, settings and rank checks.
+//! - [`admission`]: how many connections are authenticated at once, and from one address.
 //! - [`auth`], [`secret`]: the job secret and the challenge-response every connection opens
 //!   with; [`torch_store`]: torchrun's store, where a job torchrun spans over hosts finds
 //!   rank 0.
@@ -40,6 +41,7 @@
 //! is noticed within milliseconds (connection closed, or its process gone), and the error names
 //! the call, this rank and the missing or failed ranks.
 
+pub mod admission;
 pub mod auth;
 pub mod call;
 pub mod collective;

@@ -56,8 +56,8 @@ impl FromStr for TransportChoice {
     }
 }
 
-/// How a process group forms and behaves.
-#[derive(Debug, Clone)]
+/// How a process group forms and behaves. Its `Debug` output never shows the token.
+#[derive(Clone)]
 pub struct GroupOptions {
     /// Longest wait of any collective (`ACCELERATE_TIMEOUT`, seconds; default 300).
     pub timeout: Duration,
@@ -89,6 +89,25 @@ pub struct GroupOptions {
     pub segment_bytes: usize,
 }
 
+impl std::fmt::Debug for GroupOptions {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("GroupOptions")
+            .field("timeout", &self.timeout)
+            .field("rendezvous_timeout", &self.rendezvous_timeout)
+            .field("heartbeat_timeout", &self.heartbeat_timeout)
+            .field("hierarchical", &self.hierarchical)
+            .field("transport", &self.transport)
+            .field("algorithm", &self.algorithm)
+            .field(
+                "token",
+                &self.token.as_ref().map(|_| crate::comm::secret::REDACTED),
+            )
+            .field("shm_slot_bytes", &self.shm_slot_bytes)
+            .field("segment_bytes", &self.segment_bytes)
+            .finish()
+    }
+}
+
 impl Default for GroupOptions {
     fn default() -> Self {
         Self {
@@ -107,6 +126,9 @@ impl Default for GroupOptions {
 
 /// Smallest slot accepted: a reduce-scatter slot holds a sub-block of every rank's part.
 const MIN_SLOT_BYTES: usize = 4096;
+/// Largest slot or ring segment accepted from the environment: 1 GiB, far past where larger
+/// chunks stop helping, and small enough that no segment size arithmetic can overflow.
+const MAX_SLOT_BYTES: usize = 1 << 30;
 
 impl GroupOptions {
     /// Defaults overridden by the process environment.
@@ -127,12 +149,15 @@ impl GroupOptions {
         let seconds = |key: &'static str| -> Result<Option<Duration>, ConfigError> {
             env.var(key)
                 .map(|v| {
-                    v.trim()
-                        .parse::<f64>()
-                        .ok()
-                        .filter(|s| s.is_finite() && *s > 0.0)
-                        .map(Duration::from_secs_f64)
-                        .ok_or_else(|| invalid(key, v, "a positive number of seconds"))
+                    crate::wait::seconds(&v)
+                        .filter(|s| !s.is_zero())
+                        .ok_or_else(|| {
+                            invalid(
+                                key,
+                                v,
+                                "a positive number of seconds, at most 2592000 (30 days)",
+                            )
+                        })
                 })
                 .transpose()
         };
@@ -142,8 +167,10 @@ impl GroupOptions {
                     v.trim()
                         .parse::<usize>()
                         .ok()
-                        .filter(|&b| b >= MIN_SLOT_BYTES)
-                        .ok_or_else(|| invalid(key, v, "a number of bytes, at least 4096"))
+                        .filter(|b| (MIN_SLOT_BYTES..=MAX_SLOT_BYTES).contains(b))
+                        .ok_or_else(|| {
+                            invalid(key, v, "a number of bytes from 4096 to 1073741824 (1 GiB)")
+                        })
                 })
                 .transpose()
         };
@@ -203,6 +230,8 @@ mod tests {
         assert_eq!(o.transport, TransportChoice::Tcp);
         assert_eq!(o.algorithm, AllReduceAlgorithm::Ring);
         assert_eq!(o.token.as_deref(), Some("t"));
+        let shown = format!("{o:?}");
+        assert!(shown.contains("token: Some(\"<redacted>\")"), "{shown}");
         assert_eq!(o.shm_slot_bytes, 65536);
         assert_eq!(o.rendezvous_timeout, Duration::from_secs(300));
         let err = GroupOptions::from_source(&[("ACCELERATE_TRANSPORT", "ib")][..])
@@ -216,5 +245,17 @@ mod tests {
             .unwrap_err()
             .to_string();
         assert!(err.starts_with("ACCELERATE_TIMEOUT (env) = 0"), "{err}");
+        // Values no job needs, which would panic or wrap further on, are refused by name.
+        for (key, value) in [
+            ("ACCELERATE_TIMEOUT", "1e20"),
+            ("ACCELERATE_HEARTBEAT_TIMEOUT", "inf"),
+            ("ACCELERATE_SHM_SLOT_BYTES", "18446744073709551615"),
+            ("ACCELERATE_RING_SEGMENT_BYTES", "4611686018427387904"),
+        ] {
+            let err = GroupOptions::from_source(&[(key, value)][..])
+                .unwrap_err()
+                .to_string();
+            assert!(err.starts_with(&format!("{key} (env) = {value}")), "{err}");
+        }
     }
 }

@@ -15,24 +15,26 @@
 use std::io::{ErrorKind, Read, Write};
 use std::net::{IpAddr, SocketAddr, TcpListener, TcpStream, ToSocketAddrs};
 use std::sync::Arc;
-use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::mpsc::{self, Sender};
 use std::time::{Duration, Instant};
 
 use serde::{Deserialize, Serialize};
 
-use super::auth::{self, AuthError, Claim, Purpose};
-use super::secret::JobSecret;
+use super::admission::{ACCEPTS_PER_PASS, Admission};
+use super::auth::{self, AuthError, Claim, Purpose, SessionKey};
+use super::secret::{JobSecret, SecretError};
 use crate::error::CommError;
 
+/// Hex digits of a line's tag.
+const TAG_HEX: usize = 64;
 /// Longest line of the rendezvous protocol a rank accepts from a client (a hello is ~200 B).
 pub const MAX_HELLO_BYTES: usize = 16 << 10;
 /// Longest answer a rank accepts from rank 0 (the peer table: about 150 B per rank).
 const MAX_REPLY_BYTES: usize = 64 << 20;
+/// How often rank 0 checks that torchrun's store still holds the address it published.
+const STORE_CHECK_INTERVAL: Duration = Duration::from_millis(200);
 /// How long one connection may take to authenticate and say hello.
 const HELLO_DEADLINE: Duration = Duration::from_secs(10);
-/// Connections rank 0 serves at once; more are closed at once (a flood delays nobody).
-const MAX_PENDING: usize = 64;
 
 /// The settings every rank of a group must share; compared at the rendezvous.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
@@ -167,8 +169,8 @@ pub struct RendezvousConfig {
 }
 
 /// The outcome: the peer table (indexed by rank), this rank's peer listener, whether the
-/// group uses shared memory, and the secret its links authenticate with.
-#[derive(Debug)]
+/// group uses shared memory, and the secret its links authenticate with (never shown by
+/// `Debug`).
 pub struct Rendezvous {
     /// Every rank, in rank order.
     pub peers: Vec<PeerInfo>,
@@ -178,6 +180,17 @@ pub struct Rendezvous {
     pub shared_memory: bool,
     /// The job secret.
     pub token: Vec<u8>,
+}
+
+impl std::fmt::Debug for Rendezvous {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Rendezvous")
+            .field("peers", &self.peers)
+            .field("listener", &self.listener)
+            .field("shared_memory", &self.shared_memory)
+            .field("token", &crate::comm::secret::REDACTED)
+            .finish()
+    }
 }
 
 /// This machine's identity: the host name and the kernel's boot id.
@@ -198,18 +211,83 @@ pub fn host_identity() -> String {
 struct Conn {
     stream: TcpStream,
     pending: Vec<u8>,
+    /// The handshake's key: every line carries its tag, so a relay cannot alter, drop,
+    /// reorder or replay a line (the peer table above all) without the receiver noticing.
+    session: SessionKey,
+    /// Which end this is.
+    side: Side,
+    /// Lines sent and received so far (each line's tag covers its number).
+    sent: u64,
+    received: u64,
 }
 
-impl Conn {
-    fn new(stream: TcpStream) -> Self {
-        Self {
-            stream,
-            pending: Vec::new(),
+/// The two ends of a rendezvous connection, as they sign their lines.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Side {
+    /// Rank 0.
+    Server,
+    /// Another rank.
+    Client,
+}
+
+impl Side {
+    fn label(self) -> &'static [u8] {
+        match self {
+            Side::Server => b"accelerate-rs rendezvous rank 0",
+            Side::Client => b"accelerate-rs rendezvous rank",
         }
     }
 
-    /// The next line, at most `max` bytes, complete before `deadline` however slowly it comes.
+    fn other(self) -> Self {
+        match self {
+            Side::Server => Side::Client,
+            Side::Client => Side::Server,
+        }
+    }
+}
+
+impl Conn {
+    fn new(stream: TcpStream, session: SessionKey, side: Side) -> Self {
+        Self {
+            stream,
+            pending: Vec::new(),
+            session,
+            side,
+            sent: 0,
+            received: 0,
+        }
+    }
+
+    /// The next line, at most `max` bytes, complete before `deadline` however slowly it comes,
+    /// with its tag checked and removed.
     fn read_line(&mut self, deadline: Instant, max: usize) -> std::io::Result<Vec<u8>> {
+        let line = self.read_raw_line(deadline, max.saturating_add(1 + 2 * TAG_HEX))?;
+        let unauthentic = || {
+            std::io::Error::new(
+                ErrorKind::InvalidData,
+                "a line this connection's handshake does not authenticate (altered, replayed or \
+                 out of order: something between the two ranks changed it)",
+            )
+        };
+        let split = line
+            .iter()
+            .rposition(|&b| b == b' ')
+            .ok_or_else(unauthentic)?;
+        let (message, tag) = (&line[..split], &line[split + 1..]);
+        let tag = super::secret::unhex(std::str::from_utf8(tag).map_err(|_| unauthentic())?)
+            .ok_or_else(unauthentic)?;
+        if !self
+            .session
+            .verify(self.side.other().label(), self.received, message, &tag)
+        {
+            return Err(unauthentic());
+        }
+        self.received += 1;
+        Ok(message.to_vec())
+    }
+
+    /// The next raw line, at most `max` bytes, complete before `deadline`.
+    fn read_raw_line(&mut self, deadline: Instant, max: usize) -> std::io::Result<Vec<u8>> {
         self.stream.set_nonblocking(false)?;
         loop {
             if let Some(end) = self.pending.iter().position(|&b| b == b'\n') {
@@ -252,9 +330,19 @@ impl Conn {
         serde_json::from_slice(&line).map_err(|e| std::io::Error::new(ErrorKind::InvalidData, e))
     }
 
-    fn send<T: Serialize>(&mut self, value: &T, deadline: Instant) -> std::io::Result<()> {
+    /// `value` as one line: its JSON, a space, and the tag of this side's next line.
+    fn frame<T: Serialize>(&mut self, value: &T) -> std::io::Result<Vec<u8>> {
         let mut line = serde_json::to_vec(value).map_err(std::io::Error::other)?;
+        let tag = self.session.tag(self.side.label(), self.sent, &line);
+        self.sent += 1;
+        line.push(b' ');
+        line.extend_from_slice(super::secret::hex(&tag).as_bytes());
         line.push(b'\n');
+        Ok(line)
+    }
+
+    fn send<T: Serialize>(&mut self, value: &T, deadline: Instant) -> std::io::Result<()> {
+        let line = self.frame(value)?;
         self.stream.set_nonblocking(false)?;
         let left = deadline.saturating_duration_since(Instant::now());
         self.stream
@@ -385,16 +473,21 @@ impl RendezvousConfig {
             .map_err(|e| self.err(format!("peer listener: {e}")))?;
         tracing::info!(%addr, world_size = self.world_size, "rank 0 serves the rendezvous");
 
-        let deadline = Instant::now() + self.timeout;
+        let deadline = crate::wait::deadline_after(self.timeout);
         let mut arrived: Vec<Option<(Hello, Option<Conn>)>> =
             (0..self.world_size).map(|_| None).collect();
         arrived[0] = Some((self.hello(listen), None));
         let mut refused: Vec<String> = Vec::new();
         let mut dropped = 0usize;
         let (arrivals, incoming) = mpsc::channel::<Arrival>();
-        let pending = Arc::new(AtomicUsize::new(0));
+        let admission = Admission::new();
         let token: Arc<[u8]> = Arc::from(token);
+        let mut next_store_check = Instant::now();
         while arrived.iter().any(Option::is_none) {
+            if Instant::now() >= next_store_check {
+                next_store_check = Instant::now() + STORE_CHECK_INTERVAL;
+                self.still_published(&token, addr, &mut arrived)?;
+            }
             if Instant::now() >= deadline {
                 let missing: Vec<String> = arrived
                     .iter()
@@ -429,7 +522,7 @@ impl RendezvousConfig {
                 );
                 return Err(self.err(reason));
             }
-            self.accept_all(&store, &arrivals, &pending, &token, deadline);
+            self.accept_some(&store, &arrivals, &admission, &token, deadline);
             match incoming.recv_timeout(Duration::from_millis(5)) {
                 Ok(Ok((hello, conn, from))) => {
                     if let Some((rank0, theirs)) = self.settings.difference(&hello.settings) {
@@ -520,6 +613,13 @@ impl RendezvousConfig {
         } else {
             false
         };
+        // Once more before the peer table goes out: ranks may have read a forged address.
+        if let Err(e) = self.still_published(&token, addr, &mut arrived) {
+            if shared_memory {
+                shm.remove(&token);
+            }
+            return Err(e);
+        }
         let welcome = Reply::Welcome {
             peers: peers.clone(),
             shared_memory,
@@ -538,16 +638,20 @@ impl RendezvousConfig {
         Ok((peers, listener, shared_memory))
     }
 
-    /// Accepts every waiting connection, each served on its own thread.
-    fn accept_all(
+    /// Accepts the waiting connections, at most [`ACCEPTS_PER_PASS`] and not past `deadline`
+    /// (a connect flood cannot keep rank 0 here), each admitted one served on its own thread.
+    fn accept_some(
         &self,
         store: &TcpListener,
         arrivals: &Sender<Arrival>,
-        pending: &Arc<AtomicUsize>,
+        admission: &Admission,
         token: &Arc<[u8]>,
         deadline: Instant,
     ) {
-        loop {
+        for _ in 0..ACCEPTS_PER_PASS {
+            if Instant::now() >= deadline {
+                return;
+            }
             let (stream, from) = match store.accept() {
                 Ok(conn) => conn,
                 Err(e) if e.kind() == ErrorKind::WouldBlock => return,
@@ -556,25 +660,22 @@ impl RendezvousConfig {
                     return;
                 }
             };
-            if pending.load(Ordering::Acquire) >= MAX_PENDING {
+            let Some(ticket) = admission.admit(from.ip()) else {
                 tracing::debug!(%from, "too many connections in flight; closed");
                 continue;
-            }
-            pending.fetch_add(1, Ordering::AcqRel);
-            let (arrivals, in_flight, token) = (arrivals.clone(), pending.clone(), token.clone());
+            };
+            let (arrivals, token) = (arrivals.clone(), token.clone());
             let by = deadline.min(Instant::now() + HELLO_DEADLINE);
-            let spawned = std::thread::Builder::new()
+            // A thread that cannot start drops its closure: the ticket and the connection go.
+            let _ = std::thread::Builder::new()
                 .name("accelerate-rendezvous-conn".into())
                 .spawn(move || {
                     let arrival = greet(stream, &token, by)
                         .map(|(hello, conn)| (hello, conn, from))
                         .map_err(|why| (from, why));
-                    in_flight.fetch_sub(1, Ordering::AcqRel);
+                    drop(ticket);
                     let _ = arrivals.send(arrival);
                 });
-            if spawned.is_err() {
-                pending.fetch_sub(1, Ordering::AcqRel);
-            }
         }
     }
 
@@ -637,6 +738,34 @@ impl RendezvousConfig {
     }
 
     /// Tells every rank that already said hello that the group will not form, and why.
+    /// Fails the rendezvous (telling every arrived rank why) when torchrun's store no longer
+    /// holds the address rank 0 published at `addr`.
+    fn still_published(
+        &self,
+        token: &[u8],
+        addr: SocketAddr,
+        arrived: &mut [Option<(Hello, Option<Conn>)>],
+    ) -> Result<(), CommError> {
+        match self.secret.check_published(token, addr) {
+            Ok(()) => Ok(()),
+            Err(e @ SecretError::Forged { .. }) => {
+                let reason = e.to_string();
+                self.refuse_all(
+                    arrived,
+                    &Reply::Refused {
+                        reason: reason.clone(),
+                    },
+                );
+                Err(self.err(reason))
+            }
+            // Unreachable store: the ranks that read it will say so.
+            Err(e) => {
+                tracing::debug!("checking torchrun's store: {e}");
+                Ok(())
+            }
+        }
+    }
+
     fn refuse_all(&self, arrived: &mut [Option<(Hello, Option<Conn>)>], reply: &Reply) {
         let by = Instant::now() + Duration::from_secs(1);
         for conn in arrived.iter_mut().flatten().filter_map(|(_, c)| c.as_mut()) {
@@ -649,7 +778,7 @@ impl RendezvousConfig {
         addr: SocketAddr,
         shm: &dyn SharedMemoryHooks,
     ) -> Result<Rendezvous, CommError> {
-        let deadline = Instant::now() + self.timeout;
+        let deadline = crate::wait::deadline_after(self.timeout);
         let mut last_error = String::from("no attempt");
         let (mut conn, token) = loop {
             let left = deadline.saturating_duration_since(Instant::now());
@@ -687,7 +816,7 @@ impl RendezvousConfig {
             };
             let by = deadline.min(Instant::now() + HELLO_DEADLINE);
             match auth::join(&mut stream, &token, claim, by) {
-                Ok(()) => break (Conn::new(stream), token),
+                Ok(session) => break (Conn::new(stream, session, Side::Client), token),
                 Err(AuthError::BadProof) if !self.secret.may_change() => {
                     return Err(self.err(format!(
                         "rank 0 did not accept this rank's job token, or the server at {addr} \
@@ -718,12 +847,20 @@ impl RendezvousConfig {
         // little more so that its explanation, not ours, is what we report.
         let answer_by = deadline + Duration::from_secs(5);
         loop {
-            let line = conn.read_line(answer_by, MAX_REPLY_BYTES).map_err(|e| {
-                self.err(format!(
-                    "rank 0 accepted this rank but gave no answer ({e}). hint: another rank is \
-                     probably missing"
-                ))
-            })?;
+            let line = match conn.read_line(answer_by, MAX_REPLY_BYTES) {
+                Ok(line) => line,
+                Err(e) => {
+                    // Rank 0 ends a rendezvous whose published address was overwritten before
+                    // it could tell the ranks still in their handshake: the store says why.
+                    if let Err(forged @ SecretError::Forged { .. }) = self.secret.current(addr) {
+                        return Err(self.err(forged.to_string()));
+                    }
+                    return Err(self.err(format!(
+                        "rank 0 accepted this rank but gave no answer ({e}). hint: another rank \
+                         is probably missing"
+                    )));
+                }
+            };
             let reply = decode_reply(&line, self.world_size)
                 .map_err(|e| self.err(format!("rank 0's answer is invalid: {e}")))?;
             match reply {
@@ -789,11 +926,11 @@ fn parse_cookie(hex: &str) -> Option<[u8; 16]> {
 /// Authenticates a new connection and reads its hello, all before `by`.
 fn greet(stream: TcpStream, token: &[u8], by: Instant) -> Result<(Hello, Conn), String> {
     let mut stream = stream;
-    let claim = auth::serve(&mut stream, token, by).map_err(|e| e.to_string())?;
+    let (claim, session) = auth::serve(&mut stream, token, by).map_err(|e| e.to_string())?;
     if claim.purpose != Purpose::Rendezvous {
         return Err("a peer-link handshake sent to the rendezvous".into());
     }
-    let mut conn = Conn::new(stream);
+    let mut conn = Conn::new(stream, session, Side::Server);
     let line = conn
         .read_line(by, MAX_HELLO_BYTES)
         .map_err(|e| format!("no hello: {e}"))?;
@@ -810,6 +947,70 @@ fn greet(stream: TcpStream, token: &[u8], by: Instant) -> Result<(Hello, Conn), 
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// Two ends of one connection on 127.0.0.1, sharing a session key as a handshake leaves
+    /// them.
+    fn connected() -> (Conn, Conn) {
+        let listener = TcpListener::bind("127.0.0.1:0").unwrap();
+        let client = TcpStream::connect(listener.local_addr().unwrap()).unwrap();
+        let (server, _) = listener.accept().unwrap();
+        let key = || {
+            SessionKey::derive(
+                b"token",
+                &[1; auth::CHALLENGE_BYTES],
+                &[2; auth::ANSWER_BYTES],
+            )
+        };
+        (
+            Conn::new(server, key(), Side::Server),
+            Conn::new(client, key(), Side::Client),
+        )
+    }
+
+    #[test]
+    fn a_relay_cannot_alter_or_replay_a_rendezvous_line() {
+        let (mut rank0, mut rank1) = connected();
+        let by = Instant::now() + Duration::from_secs(5);
+        let welcome = Reply::Welcome {
+            peers: vec![
+                PeerInfo {
+                    rank: 0,
+                    host: "h".into(),
+                    listen: "127.0.0.1:4000".parse().unwrap(),
+                },
+                PeerInfo {
+                    rank: 1,
+                    host: "h".into(),
+                    listen: "127.0.0.1:4001".parse().unwrap(),
+                },
+            ],
+            shared_memory: false,
+        };
+        rank0.send(&welcome, by).unwrap();
+        let line = rank1.read_line(by, MAX_REPLY_BYTES).unwrap();
+        assert!(decode_reply(&line, 2).is_ok());
+
+        // The peer table pointed elsewhere on the way: refused.
+        let framed = rank0.frame(&welcome).unwrap();
+        let text = String::from_utf8(framed.clone()).unwrap();
+        let altered = text.replace("127.0.0.1:4001", "127.0.0.1:6666");
+        rank0.stream.write_all(altered.as_bytes()).unwrap();
+        let err = rank1.read_line(by, MAX_REPLY_BYTES).unwrap_err();
+        assert!(err.to_string().contains("does not authenticate"), "{err}");
+        // The genuine line is still accepted in its place; the same line again is not.
+        rank0.stream.write_all(&framed).unwrap();
+        rank1.read_line(by, MAX_REPLY_BYTES).unwrap();
+        rank0.stream.write_all(&framed).unwrap();
+        assert!(rank1.read_line(by, MAX_REPLY_BYTES).is_err());
+        // A line rank 1 signed cannot be passed off as rank 0's.
+        let (mut rank0, mut rank1) = connected();
+        let own = rank1.frame(&welcome).unwrap();
+        rank1.stream.write_all(&own).unwrap();
+        let mut echo = rank0.read_raw_line(by, MAX_REPLY_BYTES).unwrap();
+        echo.push(b'\n');
+        rank0.stream.write_all(&echo).unwrap();
+        assert!(rank1.read_line(by, MAX_REPLY_BYTES).is_err());
+    }
 
     #[test]
     fn replies_with_a_wrong_peer_table_are_refused() {

@@ -9,7 +9,9 @@
 //!   removes the file once the group formed or failed.
 //! - A job spanning hosts without a token refuses to start: nothing both hosts know is secret.
 //!   Under torchrun such a job finds rank 0's address (never the secret) in torchrun's store
-//!   ([`super::torch_store`]).
+//!   ([`super::torch_store`]), signed with the job token: anyone who reaches the store can
+//!   write there, so an address without the job's signature is refused, and rank 0 checks
+//!   while the group forms that its own is still the one there.
 
 use std::fs::{DirBuilder, OpenOptions};
 use std::io::{Read, Write};
@@ -21,7 +23,7 @@ use std::time::Instant;
 
 use sha2::{Digest, Sha256};
 
-use super::auth::random_bytes;
+use super::auth::{random_bytes, sign_published, verify_published};
 use super::torch_store::{StoreError, TorchStore};
 use crate::env_vars;
 
@@ -29,8 +31,9 @@ use crate::env_vars;
 const MAX_SECRET_BYTES: u64 = 1024;
 
 /// The job's secret, and where the other ranks find what rank 0 chose: the secret (when no
-/// token was given) and the rendezvous port (when it is 0: rank 0 picks one).
-#[derive(Debug, Clone)]
+/// token was given) and the rendezvous port (when it is 0: rank 0 picks one). Its `Debug`
+/// output never shows the token.
+#[derive(Clone)]
 pub struct JobSecret {
     /// `ACCELERATE_JOB_TOKEN` (or a token given in code).
     given: Option<Vec<u8>>,
@@ -40,6 +43,19 @@ pub struct JobSecret {
     store: Option<StoreBoard>,
 }
 
+impl std::fmt::Debug for JobSecret {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("JobSecret")
+            .field("given", &self.given.as_ref().map(|_| REDACTED))
+            .field("file", &self.file)
+            .field("store", &self.store)
+            .finish()
+    }
+}
+
+/// What `Debug` output shows instead of a secret.
+pub const REDACTED: &str = "<redacted>";
+
 /// A key in torchrun's store and the connection to it.
 #[derive(Debug, Clone)]
 struct StoreBoard {
@@ -48,6 +64,13 @@ struct StoreBoard {
 }
 
 impl StoreBoard {
+    /// What rank 0 writes under the key: its address and the job's signature of it.
+    fn signed(&self, token: &[u8], listen: SocketAddr) -> Vec<u8> {
+        let addr = listen.to_string();
+        let signature = sign_published(token, &self.key, addr.as_bytes());
+        format!("{addr} {}", hex(&signature)).into_bytes()
+    }
+
     fn with<T>(
         &self,
         f: impl FnOnce(&mut TorchStore) -> Result<T, StoreError>,
@@ -93,6 +116,20 @@ pub enum SecretError {
     /// torchrun's store could not be used.
     #[error(transparent)]
     Store(#[from] StoreError),
+    /// torchrun's store holds an address under the job's key that rank 0 did not sign.
+    #[error(
+        "torchrun's store holds {found} under {key}, which is not rank 0's address signed with \
+         this job's {var}: another process that reaches the store wrote it, so the job does not \
+         start. hint: let only the job's hosts reach torchrun's store port (a firewall, a \
+         private network)",
+        var = env_vars::JOB_TOKEN
+    )]
+    Forged {
+        /// The key in the store.
+        key: String,
+        /// What is there.
+        found: String,
+    },
     /// The secret file or its directory is unusable.
     #[error("{path}: {reason}")]
     File {
@@ -218,9 +255,29 @@ impl JobSecret {
             write_private(path, format!("{port}\n{secret}").as_bytes())?;
         }
         if let Some(board) = &self.store {
-            board.with(|store| store.set(&board.key, listen.to_string().as_bytes()))?;
+            let value = board.signed(&token, listen);
+            board.with(|store| store.set(&board.key, &value))?;
         }
         Ok(token)
+    }
+
+    /// Rank 0's side, while the group forms: an error when torchrun's store no longer holds
+    /// the address rank 0 published at `listen` (someone who reaches the store overwrote it).
+    pub fn check_published(&self, token: &[u8], listen: SocketAddr) -> Result<(), SecretError> {
+        let Some(board) = &self.store else {
+            return Ok(());
+        };
+        let value = board.with(|store| store.try_get(&board.key))?;
+        if value.as_deref() == Some(board.signed(token, listen).as_slice()) {
+            return Ok(());
+        }
+        Err(SecretError::Forged {
+            key: board.key.clone(),
+            found: value.map_or_else(
+                || "nothing".into(),
+                |v| format!("{:?}", String::from_utf8_lossy(&v)),
+            ),
+        })
     }
 
     /// Another rank's side: the secret and where rank 0 listens, as they are now (`None` while
@@ -231,16 +288,21 @@ impl JobSecret {
             let Some(value) = board.with(|store| store.try_get(&board.key))? else {
                 return Ok(None);
             };
-            let listen = String::from_utf8_lossy(&value)
-                .parse::<SocketAddr>()
-                .map_err(|_| SecretError::File {
-                    path: board.key.clone(),
-                    reason: format!(
-                        "torchrun's store holds {:?} there, not rank 0's address",
-                        String::from_utf8_lossy(&value)
-                    ),
-                })?;
-            return Ok(self.given.clone().map(|token| (token, listen)));
+            let Some(token) = self.given.clone() else {
+                return Ok(None);
+            };
+            let forged = || SecretError::Forged {
+                key: board.key.clone(),
+                found: format!("{:?}", String::from_utf8_lossy(&value)),
+            };
+            let text = std::str::from_utf8(&value).map_err(|_| forged())?;
+            let (addr, signature) = text.split_once(' ').ok_or_else(forged)?;
+            let signature = unhex(signature).ok_or_else(forged)?;
+            if !verify_published(&token, &board.key, addr.as_bytes(), &signature) {
+                return Err(forged());
+            }
+            let listen = addr.parse::<SocketAddr>().map_err(|_| forged())?;
+            return Ok(Some((token, listen)));
         }
         let Some(path) = &self.file else {
             return Ok(self.given.clone().map(|token| (token, rank0)));
@@ -305,6 +367,17 @@ pub fn public_name(secret: &[u8], addr: &str) -> String {
 /// Lower-case hex of `bytes`.
 pub fn hex(bytes: &[u8]) -> String {
     bytes.iter().map(|b| format!("{b:02x}")).collect()
+}
+
+/// The bytes of lowercase or uppercase hex text; `None` for anything else.
+pub(crate) fn unhex(text: &str) -> Option<Vec<u8>> {
+    if !text.len().is_multiple_of(2) || !text.is_ascii() {
+        return None;
+    }
+    (0..text.len())
+        .step_by(2)
+        .map(|i| u8::from_str_radix(&text[i..i + 2], 16).ok())
+        .collect()
 }
 
 /// Whether `addr` (a host name or an IP) is an address of this machine: one can listen there.

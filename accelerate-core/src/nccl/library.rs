@@ -185,7 +185,8 @@ pub fn candidates(env: &(impl EnvSource + ?Sized)) -> Vec<Candidate> {
         }
     }
     if let Some(dirs) = env.var("LD_LIBRARY_PATH") {
-        for dir in std::env::split_paths(&dirs) {
+        // Relative entries name whatever directory the job was started in: never searched.
+        for dir in std::env::split_paths(&dirs).filter(|d| d.is_absolute()) {
             for path in in_dir(&dir) {
                 if path.is_file() {
                     push(path, "LD_LIBRARY_PATH".into());
@@ -215,7 +216,7 @@ fn python_roots(env: &(impl EnvSource + ?Sized)) -> Vec<(PathBuf, String)> {
     // A virtual environment used without activation: its bin directory on PATH (how torchrun
     // and CI run), recognised by the python next to it.
     if let Some(path) = env.var("PATH") {
-        for dir in std::env::split_paths(&path) {
+        for dir in std::env::split_paths(&path).filter(|d| d.is_absolute()) {
             if (dir.join("python3").exists() || dir.join("python").exists())
                 && let Some(root) = dir.parent()
             {
@@ -264,6 +265,35 @@ fn wheel_libraries(root: &Path) -> Vec<PathBuf> {
         .collect()
 }
 
+/// Why the library at `path` must not be loaded: it, or the directory holding it, can be
+/// replaced by another user (world-writable, a directory without the sticky bit). `None` for
+/// a bare file name (the dynamic loader's own, system-managed search) or a safe file.
+fn writable_by_others(path: &Path) -> Option<String> {
+    use std::os::unix::fs::PermissionsExt;
+    if path.parent().is_none_or(|p| p.as_os_str().is_empty()) {
+        return None;
+    }
+    let mode = |p: &Path| std::fs::metadata(p).ok().map(|m| m.permissions().mode());
+    const OTHERS_WRITE: u32 = 0o002;
+    const STICKY: u32 = 0o1000;
+    if mode(path).is_some_and(|m| m & OTHERS_WRITE != 0) {
+        return Some(
+            "the file is writable by every user, so anyone could have replaced it; hint: \
+             chmod o-w it, or use another copy"
+                .into(),
+        );
+    }
+    let dir = path.parent()?;
+    if mode(dir).is_some_and(|m| m & OTHERS_WRITE != 0 && m & STICKY == 0) {
+        return Some(format!(
+            "its directory {} is writable by every user, so anyone could have replaced it; \
+             hint: chmod o-w the directory, or use another copy",
+            dir.display()
+        ));
+    }
+    None
+}
+
 /// libnccl, loaded: its path, its version and the functions we call.
 pub struct NcclLibrary {
     path: PathBuf,
@@ -308,6 +338,9 @@ impl NcclLibrary {
             path: path.to_path_buf(),
             reason,
         };
+        if let Some(reason) = writable_by_others(path) {
+            return Err(failed(reason));
+        }
         // SAFETY: loading runs libnccl's initialisers, which only set up its own state (NCCL
         // reads its environment lazily, at the first communicator).
         let library =
@@ -477,6 +510,22 @@ impl std::fmt::Debug for UniqueId {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_library_anyone_could_replace_is_not_loaded() {
+        use std::os::unix::fs::PermissionsExt;
+        let tmp = tempfile::tempdir().unwrap();
+        let lib = tmp.path().join("libnccl.so.2");
+        std::fs::write(&lib, b"not really a library").unwrap();
+        std::fs::set_permissions(&lib, std::fs::Permissions::from_mode(0o666)).unwrap();
+        let err = NcclLibrary::load(&lib, "test").unwrap_err().to_string();
+        assert!(err.contains("writable by every user"), "{err}");
+        std::fs::set_permissions(&lib, std::fs::Permissions::from_mode(0o644)).unwrap();
+        std::fs::set_permissions(tmp.path(), std::fs::Permissions::from_mode(0o777)).unwrap();
+        let err = NcclLibrary::load(&lib, "test").unwrap_err().to_string();
+        assert!(err.contains("its directory"), "{err}");
+        std::fs::set_permissions(tmp.path(), std::fs::Permissions::from_mode(0o700)).unwrap();
+    }
 
     #[test]
     fn version_codes_decode_both_schemes() {

@@ -10,8 +10,8 @@
 //!
 //! // Rank 1 has no libnccl: under `auto` the whole job takes the host path, with a warning.
 //! let statuses = [
-//!     RankStatus { mode: NcclMode::Auto, unavailable: None },
-//!     RankStatus { mode: NcclMode::Auto, unavailable: Some("libnccl not found".into()) },
+//!     RankStatus { mode: NcclMode::Auto, unavailable: None, version: Some("2.21.5".into()) },
+//!     RankStatus { mode: NcclMode::Auto, unavailable: Some("libnccl not found".into()), version: None },
 //! ];
 //! assert!(matches!(accelerate_core::nccl::decide(&statuses), Decision::Host { warn: true, .. }));
 //! ```
@@ -132,6 +132,10 @@ pub struct RankStatus {
     pub mode: NcclMode,
     /// Why it cannot use NCCL (`None`: it can).
     pub unavailable: Option<String>,
+    /// The version of the libnccl it loaded: every rank must run the same one (NCCL's wire
+    /// protocol may change between releases, and mixed versions hang or fail at run time).
+    #[serde(default)]
+    pub version: Option<String>,
 }
 
 /// The path the whole job takes, the same on every rank.
@@ -180,7 +184,24 @@ pub fn decide(statuses: &[RankStatus]) -> Decision {
     let missing: Vec<(usize, String)> = statuses
         .iter()
         .enumerate()
-        .filter_map(|(rank, s)| s.unavailable.clone().map(|reason| (rank, reason)))
+        .filter_map(|(rank, s)| {
+            if let Some(reason) = &s.unavailable {
+                return Some((rank, reason.clone()));
+            }
+            // Rank 0's version is the job's.
+            (s.version != first.version).then(|| {
+                let name = |v: &Option<String>| v.clone().unwrap_or_else(|| "unknown".into());
+                (
+                    rank,
+                    format!(
+                        "it loaded libnccl {}, rank 0 loaded {}; hint: give every host the same \
+                         NCCL (ACCELERATE_NCCL_LIBRARY names it)",
+                        name(&s.version),
+                        name(&first.version)
+                    ),
+                )
+            })
+        })
         .collect();
     if missing.is_empty() {
         return Decision::Nccl;
@@ -209,6 +230,7 @@ pub fn agree(
     let status = RankStatus {
         mode,
         unavailable: local.as_ref().err().cloned(),
+        version: local.as_ref().ok().map(|l| l.version().to_string()),
     };
     let statuses: Vec<RankStatus> = group.all_gather_object(&status)?;
     match decide(&statuses) {
@@ -270,7 +292,28 @@ mod tests {
         RankStatus {
             mode,
             unavailable: unavailable.map(String::from),
+            version: unavailable.is_none().then(|| "2.21.5".into()),
         }
+    }
+
+    #[test]
+    fn ranks_with_different_nccl_versions_do_not_use_nccl_together() {
+        let mut other = status(NcclMode::Require, None);
+        other.version = Some("2.19.3".into());
+        match decide(&[status(NcclMode::Require, None), other.clone()]) {
+            Decision::Fail(e @ NcclError::Unavailable { .. }) => {
+                let text = e.to_string();
+                assert!(text.contains("rank 1"), "{text}");
+                assert!(
+                    text.contains("libnccl 2.19.3, rank 0 loaded 2.21.5"),
+                    "{text}"
+                );
+            }
+            other => panic!("{other:?}"),
+        }
+        other.mode = NcclMode::Auto;
+        let auto = [status(NcclMode::Auto, None), other];
+        assert!(matches!(decide(&auto), Decision::Host { warn: true, .. }));
     }
 
     #[test]

@@ -146,12 +146,12 @@ pub fn run(args: LaunchArgs) -> anyhow::Result<ExitCode> {
             .map_or("none".to_string(), |l| l.path.display().to_string()),
     )];
     env.extend(settings.worker_env());
-    if !(args.grace_period.is_finite() && args.grace_period >= 0.0) {
+    let Some(grace) = accelerate_core::wait::seconds(&args.grace_period.to_string()) else {
         bail!(
-            "--grace-period {} is not a number of seconds",
+            "--grace-period {} is not a number of seconds from 0 to 2592000 (30 days)",
             args.grace_period
         );
-    }
+    };
     let config = LaunchConfig {
         program,
         args: program_args,
@@ -163,7 +163,7 @@ pub fn run(args: LaunchArgs) -> anyhow::Result<ExitCode> {
         max_restarts: settings.max_restarts,
         log_dir: args.log_dir,
         env,
-        grace: Duration::from_secs_f64(args.grace_period),
+        grace,
     };
     // Ctrl-C, and what `timeout`, systemd, Slurm's scancel, Kubernetes (SIGTERM) and a closed
     // terminal (SIGHUP) send: each stops the workers with the same signal.

@@ -13,6 +13,20 @@ use burn::tensor::Tensor;
 /// The variable naming the scenario a child process runs.
 pub const SCENARIO: &str = "ACCELERATE_TEST_CHILD";
 
+/// The body of a test file's `child` test: runs the scenario that [`SCENARIO`] names with
+/// `run` (nothing when it is unset, as under a plain `cargo test`), then exits the process: 0
+/// on success, 3 after printing `ERROR <e>` on stderr.
+pub fn run_child(run: impl FnOnce(&str) -> anyhow::Result<()>) {
+    let Ok(scenario) = std::env::var(SCENARIO) else {
+        return;
+    };
+    if let Err(e) = run(&scenario) {
+        eprintln!("ERROR {e}");
+        std::process::exit(3);
+    }
+    std::process::exit(0);
+}
+
 /// The number in variable `key` (a scenario's setting), 0 when unset or unparsable.
 pub fn env_number<T: std::str::FromStr + Default>(key: &str) -> T {
     std::env::var(key)

@@ -200,8 +200,9 @@ impl FlatReducer {
                 ),
             });
         }
-        // The kernels index with 32 bits; larger buffers stay on the host path.
-        let fits = plan.len > 0 && u32::try_from(plan.len).is_ok();
+        // The kernels index with 32 bits; larger buffers (ZeRO's padding included) stay on
+        // the host path.
+        let fits = plan.len > 0 && u32::try_from(plan.padded.max(plan.len)).is_ok();
         // ZeRO-1 shards stay on the device only where NCCL can scatter and gather them there.
         let on_device = options.device_kernels && fits && (!sharded || options.device_collectives);
         Ok(if on_device {
@@ -252,10 +253,18 @@ impl FlatReducer {
                     file.optimizer, self.optimizer
                 ));
             }
-            if file.segments != self.plan.segments {
+            if file.segments != self.plan.segments || file.len != self.plan.len {
                 return Err(
                     "the checkpoint's fused optimizer state was saved for other parameters".into(),
                 );
+            }
+            if file.times.len() != self.plan.times.len() {
+                return Err(format!(
+                    "the checkpoint's fused optimizer state counts steps of {} parameter groups, \
+                     this model has {}: the file is corrupt",
+                    file.times.len(),
+                    self.plan.times.len()
+                ));
             }
         }
         if let Some(first) = files.first() {
@@ -264,14 +273,32 @@ impl FlatReducer {
         let mut state = Vec::new();
         for name in self.optimizer.buffer_names() {
             let mut full = vec![0.0f32; self.plan.padded.max(self.plan.len)];
+            // Every element of the parameters must come from some shard: a gap would start
+            // those parameters' moments from zero without a word.
+            let mut covered = Vec::with_capacity(files.len());
             for file in &files {
                 let values = file.buffers.get(*name).ok_or_else(|| {
                     format!("the checkpoint's fused optimizer state has no `{name}` buffer")
                 })?;
-                let end = (file.shard_start + values.len()).min(full.len());
+                let end = file
+                    .shard_start
+                    .saturating_add(values.len())
+                    .min(full.len());
                 if file.shard_start < end {
                     full[file.shard_start..end].copy_from_slice(&values[..end - file.shard_start]);
+                    covered.push(file.shard_start..end);
                 }
+            }
+            covered.sort_by_key(|range| range.start);
+            let reach = covered.iter().try_fold(0usize, |reach, range| {
+                (range.start <= reach).then_some(reach.max(range.end))
+            });
+            if reach.is_none_or(|reach| reach < self.plan.len) {
+                return Err(format!(
+                    "the checkpoint's fused optimizer shards do not cover all {} values of \
+                     `{name}`: a shard file is missing or corrupt",
+                    self.plan.len
+                ));
             }
             state.push(full[self.plan.shard.clone()].to_vec());
         }

@@ -21,7 +21,11 @@ impl<L: Link> MessageEngine<L> {
     ) -> Result<(), CommError> {
         let (n, rank) = (self.world_size(), self.rank());
         let elem = dtype.size();
-        let window = (self.segment_bytes / elem).max(1) * elem * n;
+        // Saturating: a segment larger than any buffer makes one window of the whole buffer.
+        let window = (self.segment_bytes / elem)
+            .max(1)
+            .saturating_mul(elem)
+            .saturating_mul(n);
         let deadline = self.deadline();
         for part in buf.chunks_mut(window) {
             self.ring_reduce_scatter_in_place(call, part, dtype, op, deadline)?;

@@ -84,7 +84,7 @@ impl<L: Link> MessageEngine<L> {
     }
 
     pub(super) fn deadline(&self) -> Instant {
-        Instant::now() + self.timeout
+        crate::wait::deadline_after(self.timeout)
     }
 
     pub(super) fn send(

@@ -12,3 +12,4 @@ pub mod local;
 pub mod mpi;
 pub mod shm;
 pub mod tcp;
+mod tcp_info;

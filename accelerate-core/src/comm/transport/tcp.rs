@@ -2,9 +2,14 @@
 //!
 //! The higher rank of each pair connects to the lower one's listener (advertised through the
 //! rendezvous) and opens with the job's challenge-response ([`crate::comm::auth`]),
-//! which also authenticates its rank, so a stray connection is closed. Idle connections are
-//! probed by the kernel (keepalive, and a limit on unacknowledged data), so a host that
-//! vanished is reported within the heartbeat timeout.
+//! which also authenticates its rank, so a stray connection is closed. A host that vanished
+//! is reported within the heartbeat timeout: idle connections are probed by the kernel
+//! (keepalive), and a rank that waits checks, about once a second, whether data it sent has
+//! gone unacknowledged for that long (`TCP_INFO`). A peer that is alive but not reading (late
+//! to a large broadcast, busy evaluating) still acknowledges what it received and answers
+//! the kernel's zero-window probes, so it is waited for, up to the collective timeout: there
+//! is no `TCP_USER_TIMEOUT`, which since Linux 5.11 also aborts a connection whose receiver
+//! advertised a zero window for that long.
 //!
 //! Data moves on the caller's thread, as Open MPI's TCP transport does: sockets are
 //! non-blocking, a send writes straight from the caller's buffer and keeps only what the kernel
@@ -26,6 +31,7 @@ use std::time::{Duration, Instant};
 
 use nix::poll::{PollFd, PollFlags, PollTimeout};
 
+use crate::comm::admission::{ACCEPTS_PER_PASS, Admission};
 use crate::comm::auth::{self, AuthError, Claim, Purpose};
 use crate::comm::call::{HEADER_BYTES, Header};
 use crate::comm::link::{Link, LinkError};
@@ -37,8 +43,8 @@ use crate::error::CommError;
 const DRAIN_TIMEOUT: Duration = Duration::from_secs(30);
 /// How long one incoming connection may take to authenticate.
 const HANDSHAKE_DEADLINE: Duration = Duration::from_secs(10);
-/// Incoming connections authenticated at once; more are closed at once.
-const MAX_PENDING: usize = 64;
+/// How often a waiting rank checks that what it sent is being acknowledged.
+const DELIVERY_CHECK: Duration = Duration::from_secs(1);
 /// How long a read that finds nothing keeps retrying before it sleeps in `poll`: a peer's
 /// reply usually lands within tens of microseconds, and waking from `poll` costs a scheduler
 /// round trip (several microseconds, more on a virtual machine) on every message.
@@ -91,6 +97,8 @@ pub struct TcpLink {
     rank: usize,
     peers: Vec<Option<Peer>>,
     heartbeat: Duration,
+    /// When the delivery of sent data was last checked.
+    checked_delivery: Instant,
     /// How long an empty read retries before sleeping.
     spin: Spin,
 }
@@ -164,29 +172,7 @@ impl TcpLink {
             world_size: world_size as u32,
         };
         for peer in table.iter().filter(|p| p.rank < rank) {
-            let context = || format!("connecting to rank {} at {}", peer.rank, peer.listen);
-            let mut stream = loop {
-                match TcpStream::connect_timeout(&peer.listen, Duration::from_secs(2)) {
-                    Ok(s) => break s,
-                    Err(e) if Instant::now() < deadline => {
-                        tracing::debug!(peer = peer.rank, "connect failed, retrying: {e}");
-                        std::thread::sleep(Duration::from_millis(20));
-                    }
-                    Err(e) => return Err(CommError::io(rank, context(), e)),
-                }
-            };
-            auth::join(&mut stream, token, claim, deadline).map_err(|e| CommError::Io {
-                rank,
-                context: context(),
-                detail: match e {
-                    AuthError::BadProof => format!(
-                        "{e}: the rendezvous advertised a listener that is not rank {}'s",
-                        peer.rank
-                    ),
-                    e => format!("authentication failed: {e}"),
-                },
-            })?;
-            streams[peer.rank] = Some(stream);
+            streams[peer.rank] = Some(join_peer(rank, peer, token, claim, deadline)?);
         }
         accept_higher(rank, world_size, listener, token, deadline, &mut streams)?;
         let peers = streams
@@ -205,6 +191,7 @@ impl TcpLink {
             rank,
             peers,
             heartbeat,
+            checked_delivery: Instant::now(),
             spin: Spin::new(if local_ranks <= cores {
                 SPIN
             } else {
@@ -226,6 +213,58 @@ impl TcpLink {
     }
 }
 
+/// Connects to the lower rank `peer` and authenticates, retrying on connection and I/O errors
+/// until `deadline`: a listener busy with a flood closes a connection before its challenge,
+/// and that is no reason to fail the group. A wrong proof is final (the listener is not
+/// `peer`'s).
+fn join_peer(
+    rank: usize,
+    peer: &PeerInfo,
+    token: &[u8],
+    claim: Claim,
+    deadline: Instant,
+) -> Result<TcpStream, CommError> {
+    let context = || format!("connecting to rank {} at {}", peer.rank, peer.listen);
+    loop {
+        let left = deadline.saturating_duration_since(Instant::now());
+        let attempt = TcpStream::connect_timeout(
+            &peer.listen,
+            left.clamp(Duration::from_millis(1), Duration::from_secs(2)),
+        )
+        .map_err(AuthError::from)
+        .and_then(|mut stream| {
+            let by = deadline.min(Instant::now() + HANDSHAKE_DEADLINE);
+            // No session key on peer links: their frames are checked against the call, not
+            // authenticated (the README's Security section says what that leaves open).
+            auth::join(&mut stream, token, claim, by).map(|_| stream)
+        });
+        let e = match attempt {
+            Ok(stream) => return Ok(stream),
+            Err(AuthError::BadProof) => {
+                return Err(CommError::Io {
+                    rank,
+                    context: context(),
+                    detail: format!(
+                        "{}: the rendezvous advertised a listener that is not rank {}'s",
+                        AuthError::BadProof,
+                        peer.rank
+                    ),
+                });
+            }
+            Err(e) => e,
+        };
+        if Instant::now() >= deadline {
+            return Err(CommError::Io {
+                rank,
+                context: context(),
+                detail: format!("gave up at the set-up deadline: {e}"),
+            });
+        }
+        tracing::debug!(peer = peer.rank, "connecting failed, retrying: {e}");
+        std::thread::sleep(Duration::from_millis(20));
+    }
+}
+
 /// Accepts the connections of every higher rank, authenticating each on its own thread so
 /// that a silent or garbage connection delays nobody; connections that fail are closed and
 /// logged at debug level.
@@ -241,9 +280,10 @@ fn accept_higher(
         .set_nonblocking(true)
         .map_err(|e| CommError::io(rank, "peer listener", e))?;
     let (done, arrivals) = mpsc::channel::<(usize, TcpStream)>();
-    let pending = Arc::new(std::sync::atomic::AtomicUsize::new(0));
+    let admission = Admission::new();
     let token: Arc<[u8]> = Arc::from(token);
     let mut expected = world_size - 1 - rank;
+    let mut accepted_in_a_row = 0usize;
     while expected > 0 {
         while let Ok((peer, stream)) = arrivals.try_recv() {
             if streams[peer].is_none() {
@@ -254,21 +294,40 @@ fn accept_higher(
         if expected == 0 {
             break;
         }
+        // Checked here too, not only when nobody is waiting: a connect flood never leaves the
+        // listener idle.
+        if Instant::now() >= deadline {
+            let missing: Vec<usize> = (rank + 1..world_size)
+                .filter(|r| streams[*r].is_none())
+                .collect();
+            return Err(CommError::Timeout {
+                call: "setup (tcp connections)".into(),
+                rank,
+                world_size,
+                missing,
+                elapsed_s: 0.0,
+            });
+        }
+        if accepted_in_a_row >= ACCEPTS_PER_PASS {
+            // Let the handshakes in flight finish and report before taking more.
+            accepted_in_a_row = 0;
+            std::thread::sleep(Duration::from_millis(1));
+        }
         match listener.accept() {
             Ok((stream, from)) => {
-                use std::sync::atomic::Ordering;
-                if pending.load(Ordering::Acquire) >= MAX_PENDING {
+                accepted_in_a_row += 1;
+                let Some(ticket) = admission.admit(from.ip()) else {
                     tracing::debug!(%from, "too many peer connections in flight; closed");
                     continue;
-                }
-                pending.fetch_add(1, Ordering::AcqRel);
-                let (done, in_flight, token) = (done.clone(), pending.clone(), token.clone());
+                };
+                let (done, token) = (done.clone(), token.clone());
                 let by = deadline.min(Instant::now() + HANDSHAKE_DEADLINE);
-                let spawned = std::thread::Builder::new()
+                // A thread that cannot start drops its closure: the ticket and the stream go.
+                let _ = std::thread::Builder::new()
                     .name("accelerate-tcp-accept".into())
                     .spawn(move || {
                         let mut stream = stream;
-                        match auth::serve(&mut stream, &token, by) {
+                        match auth::serve(&mut stream, &token, by).map(|(claim, _)| claim) {
                             Ok(claim)
                                 if claim.purpose == Purpose::PeerLink
                                     && claim.world_size as usize == world_size
@@ -282,25 +341,11 @@ fn accept_higher(
                             }
                             Err(e) => tracing::debug!(%from, "peer connection closed: {e}"),
                         }
-                        in_flight.fetch_sub(1, Ordering::AcqRel);
+                        drop(ticket);
                     });
-                if spawned.is_err() {
-                    pending.fetch_sub(1, Ordering::AcqRel);
-                }
             }
             Err(e) if e.kind() == ErrorKind::WouldBlock => {
-                if Instant::now() >= deadline {
-                    let missing: Vec<usize> = (rank + 1..world_size)
-                        .filter(|r| streams[*r].is_none())
-                        .collect();
-                    return Err(CommError::Timeout {
-                        call: "setup (tcp connections)".into(),
-                        rank,
-                        world_size,
-                        missing,
-                        elapsed_s: 0.0,
-                    });
-                }
+                accepted_in_a_row = 0;
                 std::thread::sleep(Duration::from_millis(2));
             }
             Err(e) => return Err(CommError::io(rank, "accepting a peer", e)),
@@ -309,9 +354,11 @@ fn accept_higher(
     Ok(())
 }
 
-/// Asks the kernel to probe an idle connection and to give up on unacknowledged data, both
-/// within `heartbeat`: a host that vanished without closing its sockets shows up as a failed
-/// read or write instead of a wait for the long collective timeout.
+/// Asks the kernel to probe an idle connection within `heartbeat`: a host that vanished
+/// without closing its sockets shows up as a failed read instead of a wait for the long
+/// collective timeout. Unacknowledged data is watched by the transport itself
+/// ([`TcpLink::check_delivery`]), not with `TCP_USER_TIMEOUT`, which would also abort a live
+/// receiver's zero window.
 fn set_heartbeat(stream: &TcpStream, heartbeat: Duration) -> nix::Result<()> {
     use nix::sys::socket::{setsockopt, sockopt};
     let secs = heartbeat.as_secs().clamp(4, u64::from(u32::MAX / 1000)) as u32;
@@ -319,8 +366,7 @@ fn set_heartbeat(stream: &TcpStream, heartbeat: Duration) -> nix::Result<()> {
     // Idle for a third, then four probes a sixth apart: the whole budget.
     setsockopt(stream, sockopt::TcpKeepIdle, &(secs / 3).max(1))?;
     setsockopt(stream, sockopt::TcpKeepInterval, &(secs / 6).max(1))?;
-    setsockopt(stream, sockopt::TcpKeepCount, &4)?;
-    setsockopt(stream, sockopt::TcpUserTimeout, &(secs * 1000))
+    setsockopt(stream, sockopt::TcpKeepCount, &4)
 }
 
 fn spawn_peer(
@@ -354,6 +400,12 @@ impl TcpLink {
         if left.is_zero() {
             return Err(LinkError::Timeout);
         }
+        self.check_delivery();
+        if let Some(e) = reading.and_then(|i| self.peers[i].as_ref()?.failed.clone()) {
+            return Err(e);
+        }
+        // Short enough for the delivery check to run about once a second while we wait.
+        let left = left.min(DELIVERY_CHECK);
         let heartbeat = self.heartbeat;
         let mut who = Vec::with_capacity(self.peers.len());
         let mut fds = Vec::with_capacity(self.peers.len());
@@ -393,6 +445,33 @@ impl TcpLink {
             }
         }
         Ok(())
+    }
+
+    /// Marks lost every peer to which data has gone unacknowledged for the heartbeat timeout
+    /// (its host is gone or the network is cut); at most once per [`DELIVERY_CHECK`].
+    fn check_delivery(&mut self) {
+        if self.checked_delivery.elapsed() < DELIVERY_CHECK {
+            return;
+        }
+        self.checked_delivery = Instant::now();
+        let heartbeat = self.heartbeat;
+        for peer in self.peers.iter_mut().flatten() {
+            if peer.failed.is_some() {
+                continue;
+            }
+            let Some(delivery) = super::tcp_info::delivery(&peer.stream) else {
+                continue;
+            };
+            if delivery.unacked > 0 && delivery.since_last_ack >= heartbeat {
+                peer.failed = Some(LinkError::Lost(format!(
+                    "no sign of life from its host {} for {} s (what this rank sent there is \
+                     unacknowledged): the host is down or the network between is cut \
+                     (ACCELERATE_HEARTBEAT_TIMEOUT)",
+                    peer.addr,
+                    delivery.since_last_ack.as_secs()
+                )));
+            }
+        }
     }
 
     /// Hands the kernel what it takes now of every peer's leftovers, without waiting.

@@ -18,8 +18,8 @@
 //! path touches another core's cache line (reading a peer's line after every call would cost
 //! two cross-core misses, a fifth of a 4 KiB all-reduce). The watchdogs compare the lines. A
 //! reader takes a history entry only when its sequence word reads the same before and after
-//! the call words (a seqlock): the writer zeroes it, writes the words, then publishes the
-//! sequence with `Release`. An entry is overwritten [`HISTORY`] calls later; an entry already
+//! the call words (a seqlock): the writer zeroes it, fences (`Release`), writes the words,
+//! then publishes the sequence with `Release`. An entry is overwritten [`HISTORY`] calls later; an entry already
 //! overwritten is simply not compared.
 #![allow(unsafe_code)]
 
@@ -126,6 +126,10 @@ impl Board {
         let entry = CALLS + (call.seq as usize % HISTORY) * ENTRY;
         let seq = self.word(self.mine, entry);
         seq.store(0, Ordering::Relaxed);
+        // The seqlock's writer fence: a reader that sees any of the new words (and then its
+        // Acquire fence) also sees the zeroed sequence, so it never takes new words under the
+        // old sequence. Without it a weakly ordered CPU (ARM) may publish the words first.
+        fence(Ordering::Release);
         for (i, w) in call.pack().iter().enumerate() {
             self.word(self.mine, entry + 8 * (i + 1))
                 .store(*w, Ordering::Relaxed);

@@ -191,7 +191,14 @@ macro_rules! callback {
             // buffers of `len` elements of `datatype`.
             let (input, inout) = unsafe {
                 ffi::MPI_Type_size(*datatype, &mut size);
-                let bytes = usize::try_from(size).unwrap_or(0) * usize::try_from(*len).unwrap_or(0);
+                let bytes = usize::try_from(size)
+                    .unwrap_or(0)
+                    .saturating_mul(usize::try_from(*len).unwrap_or(0));
+                // MPI may pass null buffers for zero elements, and a slice may never be built
+                // from a null pointer, even an empty one.
+                if bytes == 0 || input.is_null() || inout.is_null() {
+                    return;
+                }
                 (
                     std::slice::from_raw_parts(input.cast::<u8>().cast_const(), bytes),
                     std::slice::from_raw_parts_mut(inout.cast::<u8>(), bytes),

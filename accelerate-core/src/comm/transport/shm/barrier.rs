@@ -94,9 +94,15 @@ impl ShmEngine {
         };
         if now >= *next_liveness {
             *next_liveness = now + LIVENESS_INTERVAL;
+            let own_namespace = pid_namespace();
             for peer in missing() {
                 let pid = self.region.pid(peer).load(Ordering::Acquire);
-                if pid != 0 && !process_alive(pid) {
+                // A peer in another PID namespace (another container of the pod sharing
+                // /dev/shm) has a pid this process cannot look up: the collective timeout and
+                // the peer's own abort word answer for it instead.
+                let comparable = own_namespace != 0
+                    && self.region.pid_namespace(peer).load(Ordering::Relaxed) == own_namespace;
+                if pid != 0 && comparable && !process_alive(pid) {
                     return Err(CommError::PeerLost {
                         call: call.to_string(),
                         rank: self.rank,
@@ -171,6 +177,12 @@ fn sleep_on(_word: &std::sync::atomic::AtomicU32, _seen: u32, _nap: Duration) {
 
 #[cfg(not(target_os = "linux"))]
 fn wake_all(_word: &std::sync::atomic::AtomicU32) {}
+
+/// This process's PID namespace: the inode of `/proc/self/ns/pid`, 0 where it cannot be read.
+pub(super) fn pid_namespace() -> u64 {
+    use std::os::unix::fs::MetadataExt;
+    std::fs::metadata("/proc/self/ns/pid").map_or(0, |m| m.ino())
+}
 
 /// True while process `pid` exists and is not a zombie.
 pub(super) fn process_alive(pid: u64) -> bool {

@@ -136,7 +136,9 @@ pub(crate) fn open_private(path: &Path, write: bool, len: usize) -> std::io::Res
 /// Whether this rank can open the segment at `path` for `world_size` ranks (it exists, is
 /// ours, private and big enough).
 pub fn can_open(path: &Path, world_size: usize, slot_bytes: usize) -> bool {
-    open_private(path, false, Region::size(world_size, slot_bytes)).is_ok()
+    Region::size(world_size, slot_bytes)
+        .and_then(|len| open_private(path, false, len))
+        .is_ok()
 }
 
 /// How the rendezvous creates, checks and removes a group's segment.
@@ -161,7 +163,8 @@ impl SharedMemoryHooks for SegmentHooks {
             stale::sweep(dir, stale::STALE_AFTER);
         }
         let context = || format!("creating {}", path.display());
-        let file = create_private(&path, Region::size(self.world_size, self.slot_bytes))
+        let file = Region::size(self.world_size, self.slot_bytes)
+            .and_then(|len| create_private(&path, len))
             .map_err(|e| CommError::io(self.rank, context(), e))?;
         let cookie: [u8; 16] = crate::comm::auth::random_bytes()
             .map_err(|e| CommError::io(self.rank, context(), std::io::Error::other(e)))?;
@@ -180,8 +183,9 @@ impl SharedMemoryHooks for SegmentHooks {
 
     fn check(&self, token: &[u8], cookie: &[u8; 16]) -> Option<String> {
         let path = segment_path(token, &self.addr);
-        let len = Region::size(self.world_size, self.slot_bytes);
-        let file = match open_private(&path, false, len) {
+        let opened = Region::size(self.world_size, self.slot_bytes)
+            .and_then(|len| open_private(&path, false, len));
+        let file = match opened {
             Ok(file) => file,
             Err(e) => return Some(format!("{}: {e}", path.display())),
         };
@@ -225,10 +229,14 @@ impl ShmEngine {
         slot_bytes: usize,
         timeout: Duration,
     ) -> Result<Self, CommError> {
-        let file = open_private(path, true, Region::size(world_size, slot_bytes))
+        let file = Region::size(world_size, slot_bytes)
+            .and_then(|len| open_private(path, true, len))
             .map_err(|e| CommError::io(rank, format!("opening {}", path.display()), e))?;
         let region = Region::map(&file, world_size, slot_bytes)
             .map_err(|e| CommError::io(rank, format!("mapping {}", path.display()), e))?;
+        region
+            .pid_namespace(rank)
+            .store(barrier::pid_namespace(), Ordering::Relaxed);
         region
             .pid(rank)
             .store(u64::from(std::process::id()), Ordering::Release);

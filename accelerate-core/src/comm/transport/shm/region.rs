@@ -13,6 +13,7 @@
 //! | offset | field | written by | read by |
 //! |---|---|---|---|
 //! | 0 | `pid` | its rank, once at set-up | peers' liveness checks |
+//! | 8 | `pid_namespace` | its rank, once at set-up, before `pid` | peers, to know whether `pid` is theirs to check |
 //! | 64 | `arrived` (barrier counter) | its rank, `Release` | all ranks, `Acquire` |
 //! | 128 | `call[2]` (4 words each, by call parity) | its rank, before `arrived` | all ranks, after `arrived` |
 //! | 192 | `doorbell` (rank 0's block only, a futex) | any rank that arrives while someone sleeps | sleeping ranks |
@@ -36,6 +37,7 @@ use memmap2::{Mmap, MmapMut};
 /// Bytes of one rank's control block.
 pub const CONTROL_BYTES: usize = 512;
 const PID: usize = 0;
+const PID_NAMESPACE: usize = 8;
 const ARRIVED: usize = 64;
 const CALL: usize = 128;
 const DOORBELL: usize = 192;
@@ -57,9 +59,24 @@ pub struct Region {
 }
 
 impl Region {
-    /// Total bytes of a segment for `ranks` ranks and slots of `slot_bytes`.
-    pub fn size(ranks: usize, slot_bytes: usize) -> usize {
-        ranks * CONTROL_BYTES + ranks * 2 * slot_bytes
+    /// Total bytes of a segment for `ranks` ranks and slots of `slot_bytes`; an error where
+    /// that overflows (a world size or slot size no machine has), so that no slot offset can
+    /// wrap past the mapping.
+    pub fn size(ranks: usize, slot_bytes: usize) -> std::io::Result<usize> {
+        ranks
+            .checked_mul(CONTROL_BYTES)
+            .zip(ranks.checked_mul(2).and_then(|s| s.checked_mul(slot_bytes)))
+            .and_then(|(control, slots)| control.checked_add(slots))
+            .filter(|&len| isize::try_from(len).is_ok())
+            .ok_or_else(|| {
+                std::io::Error::new(
+                    std::io::ErrorKind::InvalidInput,
+                    format!(
+                        "a segment for {ranks} ranks with slots of {slot_bytes} bytes does not fit \
+                         in memory; hint: lower ACCELERATE_SHM_SLOT_BYTES"
+                    ),
+                )
+            })
     }
 
     /// Maps `file`, which must be [`Region::size`] bytes long.
@@ -67,15 +84,12 @@ impl Region {
         // SAFETY: the file is a private /dev/shm segment of this group; it is never truncated
         // while mapped (its size is set once, before any rank maps it), so the mapping stays
         // valid for the lifetime of `map`.
+        let expected = Self::size(ranks, slot_bytes)?;
         let map = unsafe { MmapMut::map_mut(file)? };
-        if map.len() < Self::size(ranks, slot_bytes) {
+        if map.len() < expected {
             return Err(std::io::Error::new(
                 std::io::ErrorKind::InvalidData,
-                format!(
-                    "the segment has {} bytes, {} expected",
-                    map.len(),
-                    Self::size(ranks, slot_bytes)
-                ),
+                format!("the segment has {} bytes, {expected} expected", map.len()),
             ));
         }
         Ok(Self {
@@ -119,6 +133,13 @@ impl Region {
     /// Rank `rank`'s process id.
     pub fn pid(&self, rank: usize) -> &AtomicU64 {
         self.word(rank, PID)
+    }
+
+    /// Rank `rank`'s PID namespace (the inode of its `/proc/self/ns/pid`; 0 when unknown):
+    /// its pid means something to this process only when the namespaces match. Written
+    /// before the pid.
+    pub fn pid_namespace(&self, rank: usize) -> &AtomicU64 {
+        self.word(rank, PID_NAMESPACE)
     }
 
     /// Rank `rank`'s barrier counter.

@@ -3,6 +3,7 @@
 
 use std::path::PathBuf;
 use std::sync::Arc;
+use std::sync::atomic::Ordering;
 
 use accelerate_kernels::reduce::{reduce_bytes, scale_bytes};
 use accelerate_kernels::{DType, ReduceOp};
@@ -14,9 +15,12 @@ use crate::comm::engine::{Engine, chunk_bytes};
 use crate::error::CommError;
 
 impl ShmEngine {
+    /// The name of `rank`'s file of buffer `id`; it ends with that rank's pid, so that a file
+    /// left by a crash is swept once its creator is gone (see `stale`).
     fn buffer_path(&self, id: u32, rank: usize) -> PathBuf {
+        let pid = self.region.pid(rank).load(Ordering::Acquire);
         let mut name = self.base.clone().into_os_string();
-        name.push(format!("-b{id}-r{rank}"));
+        name.push(format!("-b{id}-r{rank}-p{pid}"));
         PathBuf::from(name)
     }
 

@@ -3,7 +3,8 @@
 //! SIGKILL) leaves the file behind. Whoever creates a segment or an MPI progress board first
 //! removes this user's files of that kind whose creator is gone: the creator's pid is the
 //! file's first word (rank 0's control block, line 0 of a board), written right after the
-//! file is created; 0 means it died before.
+//! file is created (0 means it died before), or, for a rank's shared buffer
+//! (`<segment>-b<id>-r<rank>-p<pid>`, plain data), the end of its name.
 
 use std::os::unix::fs::{FileExt, MetadataExt};
 use std::path::Path;
@@ -13,18 +14,40 @@ use std::time::{Duration, SystemTime};
 /// still running in this pid namespace, and a margin for creators in another one.
 pub const STALE_AFTER: Duration = Duration::from_secs(600);
 
-/// Whether `name` is one of ours with a creator pid in its first word: a segment
-/// (`accelerate-rs-` and 16 hex digits) or an MPI progress board (`accelerate-rs-mpi-` and 32).
-fn has_creator(name: &str) -> bool {
+/// Where a file of ours names its creator.
+#[derive(Debug, PartialEq, Eq)]
+enum Creator {
+    /// In its first word: a segment (`accelerate-rs-` and 16 hex digits) or an MPI progress
+    /// board (`accelerate-rs-mpi-` and 32).
+    FirstWord,
+    /// In its name: a shared buffer, `accelerate-rs-<16 hex>-b<id>-r<rank>-p<pid>`.
+    Named(u64),
+}
+
+/// Whether `name` is one of ours that names its creator, and where.
+fn creator_of(name: &str) -> Option<Creator> {
     let hex = |s: &str, n: usize| s.len() == n && s.bytes().all(|b| b.is_ascii_hexdigit());
-    match name.strip_prefix("accelerate-rs-") {
-        Some(rest) => {
-            hex(rest, 16)
-                || rest
-                    .strip_prefix("mpi-")
-                    .is_some_and(|board| hex(board, 32))
+    let digits = |s: &str| !s.is_empty() && s.bytes().all(|b| b.is_ascii_digit());
+    let rest = name.strip_prefix("accelerate-rs-")?;
+    if hex(rest, 16)
+        || rest
+            .strip_prefix("mpi-")
+            .is_some_and(|board| hex(board, 32))
+    {
+        return Some(Creator::FirstWord);
+    }
+    let (segment, buffer) = rest.split_at_checked(16)?;
+    let parts: Vec<&str> = buffer.strip_prefix("-b")?.split(['-']).collect();
+    match parts.as_slice() {
+        [id, rank, pid]
+            if hex(segment, 16)
+                && digits(id)
+                && rank.strip_prefix('r').is_some_and(digits)
+                && pid.strip_prefix('p').is_some_and(digits) =>
+        {
+            pid[1..].parse().ok().map(Creator::Named)
         }
-        None => false,
+        _ => None,
     }
 }
 
@@ -38,10 +61,9 @@ pub fn sweep(dir: &Path, older_than: Duration) -> usize {
     let now = SystemTime::now();
     let mut removed = 0;
     for entry in entries.flatten() {
-        let name = entry.file_name();
-        if !name.to_str().is_some_and(has_creator) {
+        let Some(kind) = entry.file_name().to_str().and_then(creator_of) else {
             continue;
-        }
+        };
         let path = entry.path();
         let Ok(meta) = std::fs::symlink_metadata(&path) else {
             continue;
@@ -54,11 +76,16 @@ pub fn sweep(dir: &Path, older_than: Duration) -> usize {
         if !meta.is_file() || meta.uid() != euid || !old {
             continue;
         }
-        let mut word = [0u8; 8];
-        let creator = std::fs::File::open(&path)
-            .and_then(|f| f.read_exact_at(&mut word, 0))
-            .map(|()| u64::from_le_bytes(word))
-            .unwrap_or(0);
+        let creator = match kind {
+            Creator::Named(pid) => pid,
+            Creator::FirstWord => {
+                let mut word = [0u8; 8];
+                std::fs::File::open(&path)
+                    .and_then(|f| f.read_exact_at(&mut word, 0))
+                    .map(|()| u64::from_le_bytes(word))
+                    .unwrap_or(0)
+            }
+        };
         if (creator == 0 || !super::barrier::process_alive(creator))
             && std::fs::remove_file(&path).is_ok()
         {
@@ -97,6 +124,12 @@ mod tests {
             file(d, "accelerate-rs-0000000000000000", 0, old),
             file(
                 d,
+                &format!("accelerate-rs-0123456789abcdef-b3-r1-p{dead}"),
+                me,
+                old,
+            ),
+            file(
+                d,
                 &format!("accelerate-rs-mpi-{}", "ab".repeat(16)),
                 dead,
                 old,
@@ -106,6 +139,12 @@ mod tests {
             file(d, "accelerate-rs-1123456789abcdef", me, old),
             file(d, "accelerate-rs-2123456789abcdef", dead, Duration::ZERO),
             file(d, "accelerate-rs-0123456789abcdef-b0-r1", dead, old),
+            file(
+                d,
+                &format!("accelerate-rs-0123456789abcdef-b0-r1-p{me}"),
+                dead,
+                old,
+            ),
             file(d, "someone-elses-0123456789abcdef", dead, old),
         ];
         assert_eq!(sweep(d, STALE_AFTER), gone.len());

@@ -1,0 +1,125 @@
+//! Durable writes: every file a checkpoint or `save_model` writes is synced before anything
+//! points at it, and a file that replaces another goes through a temporary name and a rename,
+//! so a crash leaves the old file or the new one, never a truncated one.
+
+use std::fs::File;
+use std::io::Write;
+use std::path::{Path, PathBuf};
+
+use serde::{Deserialize, Serialize};
+
+use super::{CheckpointError, io};
+
+/// Writes `bytes` to `path` and syncs it to disk; returns the size.
+pub fn write_synced(path: &Path, bytes: &[u8]) -> Result<u64, CheckpointError> {
+    let mut file = File::create(path).map_err(io("creating", path))?;
+    file.write_all(bytes).map_err(io("writing", path))?;
+    file.sync_all().map_err(io("syncing", path))?;
+    Ok(bytes.len() as u64)
+}
+
+/// Syncs a file written by someone else (Burn's writers) and returns its size.
+pub fn sync_file(path: &Path) -> Result<u64, CheckpointError> {
+    let file = File::open(path).map_err(io("opening", path))?;
+    file.sync_all().map_err(io("syncing", path))?;
+    Ok(file
+        .metadata()
+        .map_err(io("reading the size of", path))?
+        .len())
+}
+
+/// Serialises `value` as pretty JSON into `path`, synced; returns the size.
+pub fn write_json<T: Serialize>(path: &Path, value: &T) -> Result<u64, CheckpointError> {
+    let bytes = serde_json::to_vec_pretty(value).map_err(|source| CheckpointError::Json {
+        path: path.to_path_buf(),
+        source,
+    })?;
+    write_synced(path, &bytes)
+}
+
+/// Reads a JSON file written by [`write_json`].
+pub fn read_json<T: for<'de> Deserialize<'de>>(path: &Path) -> Result<T, CheckpointError> {
+    let bytes = std::fs::read(path).map_err(io("reading", path))?;
+    serde_json::from_slice(&bytes).map_err(|source| CheckpointError::Json {
+        path: path.to_path_buf(),
+        source,
+    })
+}
+
+/// Syncs a directory's entries (a rename is durable only once its directory is synced).
+pub fn sync_dir(dir: &Path) -> Result<(), CheckpointError> {
+    let path = if dir.as_os_str().is_empty() {
+        Path::new(".")
+    } else {
+        dir
+    };
+    File::open(path)
+        .and_then(|d| d.sync_all())
+        .map_err(io("syncing", path))
+}
+
+/// Replaces `path` with what `write` puts into a temporary file beside it: `write` is given
+/// the temporary path, the file is synced and renamed over `path`, and the directory synced.
+/// On any failure the temporary file is removed and `path` is as it was. Returns the size.
+pub fn replace_file<E: std::fmt::Display>(
+    path: &Path,
+    write: impl FnOnce(&Path) -> Result<(), E>,
+) -> Result<u64, CheckpointError> {
+    let temporary = temporary_beside(path);
+    let written = write(&temporary)
+        .map_err(|e| CheckpointError::Io {
+            action: "writing",
+            path: temporary.clone(),
+            source: std::io::Error::other(e.to_string()),
+        })
+        .and_then(|()| sync_file(&temporary))
+        .and_then(|bytes| {
+            std::fs::rename(&temporary, path).map_err(io("renaming into place", &temporary))?;
+            Ok(bytes)
+        });
+    match written {
+        Ok(bytes) => {
+            sync_dir(path.parent().unwrap_or(Path::new(".")))?;
+            Ok(bytes)
+        }
+        Err(e) => {
+            // Ours alone: the name carries this process's id.
+            let _ = std::fs::remove_file(&temporary);
+            Err(e)
+        }
+    }
+}
+
+/// `.<name>.<pid>.tmp` beside `path`: hidden, and private to this process.
+fn temporary_beside(path: &Path) -> PathBuf {
+    let mut name = std::ffi::OsString::from(".");
+    name.push(path.file_name().unwrap_or_default());
+    name.push(format!(".{}.tmp", std::process::id()));
+    path.with_file_name(name)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_replaced_file_is_the_old_one_or_the_new_one() {
+        let tmp = tempfile::tempdir().unwrap();
+        let path = tmp.path().join("model.safetensors");
+        std::fs::write(&path, b"old").unwrap();
+        let bytes = replace_file(&path, |p| std::fs::write(p, b"new!")).unwrap();
+        assert_eq!(bytes, 4);
+        assert_eq!(std::fs::read(&path).unwrap(), b"new!");
+        // A writer that fails leaves the previous file and no temporary one.
+        let err = replace_file(&path, |p| {
+            std::fs::write(p, b"half")?;
+            Err::<(), _>(std::io::Error::other("disk full"))
+        })
+        .unwrap_err()
+        .to_string();
+        assert!(err.contains("disk full"), "{err}");
+        assert_eq!(std::fs::read(&path).unwrap(), b"new!");
+        let names: Vec<_> = std::fs::read_dir(tmp.path()).unwrap().collect();
+        assert_eq!(names.len(), 1, "{names:?}");
+    }
+}

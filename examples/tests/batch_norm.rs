@@ -1,0 +1,191 @@
+//! BatchNorm on several processes, with real processes on 127.0.0.1: the running statistics
+//! are the same bits on every rank after every optimizer update and in the checkpoint, and
+//! evaluation gives the same accuracy everywhere; with `.sync_buffers(false)` they drift
+//! apart (what the averaging prevents).
+
+mod common;
+
+use accelerate_burn::burn;
+use accelerate_burn::{Accelerator, Checkpoint, DataLoader, DefaultBackend};
+use accelerate_examples::digits::{self, DigitBatcher};
+use burn::data::dataset::InMemDataset;
+use burn::module::Module;
+use burn::nn::loss::CrossEntropyLossConfig;
+use burn::nn::{BatchNorm, BatchNormConfig, Linear, LinearConfig, Relu};
+use burn::optim::AdamWConfig;
+use burn::store::{ModuleSnapshot, SafetensorsStore};
+use burn::tensor::{Device, Int, Tensor};
+use common::{line, run, run_child};
+
+/// A classifier with a batch norm between its two layers.
+#[derive(Module, Debug)]
+struct BnNet {
+    hidden: Linear,
+    norm: BatchNorm,
+    activation: Relu,
+    out: Linear,
+}
+
+impl BnNet {
+    fn new(device: &Device) -> Self {
+        Self {
+            hidden: LinearConfig::new(digits::PIXELS, 32).init(device),
+            norm: BatchNormConfig::new(32).init(device),
+            activation: Relu::new(),
+            out: LinearConfig::new(32, digits::CLASSES).init(device),
+        }
+    }
+
+    fn forward(&self, x: Tensor<2>) -> Tensor<2> {
+        let x = self
+            .activation
+            .forward(self.norm.forward(self.hidden.forward(x)));
+        self.out.forward(x)
+    }
+
+    fn loss(&self, x: Tensor<2>, targets: Tensor<1, Int>) -> Tensor<1> {
+        let logits = self.forward(x);
+        CrossEntropyLossConfig::new()
+            .init(&logits.device())
+            .forward(logits, targets)
+    }
+
+    /// The running mean and variance, as bit patterns (pending updates folded in).
+    fn statistics(&self) -> String {
+        let model = self.valid();
+        let mut bits: Vec<String> = Vec::new();
+        for state in [&model.norm.running_mean, &model.norm.running_var] {
+            for v in state.value().into_data().iter::<f32>() {
+                bits.push(format!("{:08x}", v.to_bits()));
+            }
+        }
+        bits.join(",")
+    }
+}
+
+/// Trains one epoch on each rank's shard (windows of 2 micro-batches), printing the running
+/// statistics after every update, then evaluates on the held-out images and saves a
+/// checkpoint into `TEST_DIR/ckpt`.
+fn train() -> anyhow::Result<()> {
+    let acc = Accelerator::<DefaultBackend>::builder()
+        .seed(5)
+        .gradient_accumulation_steps(2)
+        .sync_buffers(std::env::var("TEST_SYNC_BUFFERS").as_deref() != Ok("0"))
+        .build()?;
+    let (train_set, test_set) = digits::train_test_split()?;
+    let loader = DataLoader::builder(DigitBatcher)
+        .batch_size(16)
+        .shuffle(9)
+        .build(InMemDataset::new(train_set.into_iter().take(320).collect()));
+    let model = BnNet::new(&acc.device());
+    let (mut model, mut optim, loader) = acc.prepare((model, AdamWConfig::new().init(), loader))?;
+    loader.set_epoch(0);
+    for batch in loader.iter() {
+        let batch = batch?;
+        let loss = model.loss(batch.images, batch.targets);
+        let grads = acc.backward(loss, &model)?;
+        model = optim.step(1e-2, model, grads)?;
+        if acc.sync_gradients() {
+            println!("STATS {} {}", optim.updates(), model.statistics());
+        }
+    }
+    // Evaluation off the autodiff device: the running statistics normalise.
+    let eval = model.valid();
+    let images: Vec<f32> = test_set
+        .iter()
+        .flat_map(|d| d.pixels)
+        .map(|p| p / 16.0)
+        .collect();
+    let device = eval.hidden.weight.val().device();
+    let n = test_set.len();
+    let x = Tensor::<2>::from_data(
+        burn::tensor::TensorData::new(images, [n, digits::PIXELS]),
+        &device,
+    );
+    let predicted = eval.forward(x).argmax(1).into_data();
+    let correct = predicted
+        .iter::<i64>()
+        .zip(&test_set)
+        .filter(|(p, d)| *p == i64::from(d.label))
+        .count();
+    println!("ACCURACY {correct}/{n}");
+    println!("FINAL {}", model.statistics());
+    let dir = std::path::Path::new(&std::env::var("TEST_DIR")?).join("ckpt");
+    acc.save_state(&dir, &Checkpoint::new(&model, &optim))?;
+    Ok(())
+}
+
+#[test]
+fn child() {
+    run_child(|scenario| match scenario {
+        "train" => train(),
+        other => anyhow::bail!("unknown scenario {other}"),
+    });
+}
+
+fn stats_lines(output: &std::process::Output) -> Vec<String> {
+    String::from_utf8_lossy(&output.stdout)
+        .lines()
+        .map(|l| l.strip_prefix("test child ... ").unwrap_or(l))
+        .filter(|l| l.starts_with("STATS "))
+        .map(String::from)
+        .collect()
+}
+
+fn run_bn(sync: bool) -> (tempfile::TempDir, Vec<std::process::Output>) {
+    let tmp = tempfile::tempdir().unwrap();
+    let env = [
+        ("TEST_DIR", tmp.path().display().to_string()),
+        (
+            "TEST_SYNC_BUFFERS",
+            if sync { "1" } else { "0" }.to_string(),
+        ),
+    ];
+    let outputs = run("train", 2, &env);
+    for (rank, output) in outputs.iter().enumerate() {
+        assert!(
+            output.status.success(),
+            "rank {rank}: {}",
+            String::from_utf8_lossy(&output.stderr)
+        );
+    }
+    (tmp, outputs)
+}
+
+#[test]
+fn running_statistics_agree_on_every_rank_after_every_update_and_in_the_checkpoint() {
+    let (tmp, outputs) = run_bn(true);
+    let (rank0, rank1) = (stats_lines(&outputs[0]), stats_lines(&outputs[1]));
+    // 320 samples, 160 a rank, 10 batches of 16, windows of 2: 5 updates.
+    assert_eq!(rank0.len(), 5, "{rank0:?}");
+    assert_eq!(
+        rank0, rank1,
+        "the running statistics differ between the ranks"
+    );
+    assert_eq!(
+        line(&outputs[0], "ACCURACY "),
+        line(&outputs[1], "ACCURACY ")
+    );
+    assert_eq!(line(&outputs[0], "FINAL "), line(&outputs[1], "FINAL "));
+
+    // The checkpoint's weights hold those statistics.
+    let device = Device::default();
+    let mut saved = BnNet::new(&device);
+    let mut store = SafetensorsStore::from_file(tmp.path().join("ckpt").join("model.safetensors"));
+    saved.load_from(&mut store).unwrap();
+    assert_eq!(saved.statistics(), line(&outputs[0], "FINAL "));
+
+    // The statistics moved: they are not the initial zeros and ones.
+    let initial = BnNet::new(&device).statistics();
+    assert_ne!(line(&outputs[0], "FINAL "), initial);
+}
+
+#[test]
+fn without_sync_buffers_each_rank_keeps_its_own_statistics() {
+    let (_tmp, outputs) = run_bn(false);
+    assert_ne!(
+        line(&outputs[0], "FINAL "),
+        line(&outputs[1], "FINAL "),
+        "the ranks' statistics agree although nothing averaged them"
+    );
+}
