@@ -913,7 +913,8 @@ impl RendezvousConfig {
 }
 
 fn parse_cookie(hex: &str) -> Option<[u8; 16]> {
-    if hex.len() != 32 || !hex.is_ascii() {
+    // Hex digits only: `from_str_radix` alone would also take a sign.
+    if hex.len() != 32 || !hex.bytes().all(|b| b.is_ascii_hexdigit()) {
         return None;
     }
     let mut out = [0u8; 16];
@@ -1032,5 +1033,16 @@ mod tests {
         assert!(decode_reply(b"{", 2).is_err());
         assert_eq!(parse_cookie(&"ab".repeat(16)), Some([0xab; 16]));
         assert_eq!(parse_cookie("zz"), None);
+    }
+
+    proptest::proptest! {
+        /// A cookie from rank 0 that is not 32 hex digits is refused, never a panic (multi-byte
+        /// characters included: the slicing is by byte).
+        #[test]
+        fn cookies_never_panic(text in "\\PC{0,40}") {
+            if let Some(cookie) = parse_cookie(&text) {
+                proptest::prop_assert_eq!(super::super::secret::hex(&cookie), text.to_ascii_lowercase());
+            }
+        }
     }
 }

@@ -311,9 +311,7 @@ impl JobSecret {
             return Ok(None);
         };
         let text = String::from_utf8_lossy(&contents);
-        let (port, secret) = text.split_once('\n').unwrap_or((&text, ""));
-        let port = port.trim().parse::<u16>().ok().filter(|&p| p != 0);
-        let Some(port) = port else {
+        let Some((port, secret)) = parse_job_file(&text) else {
             return Err(file_error(
                 path,
                 "not a job file (no port). hint: remove it",
@@ -321,13 +319,13 @@ impl JobSecret {
         };
         let token = match &self.given {
             Some(token) => token.clone(),
-            None if secret.trim().is_empty() => {
+            None if secret.is_empty() => {
                 return Err(file_error(
                     path,
                     "not a job file (no secret). hint: remove it",
                 ));
             }
-            None => secret.trim().as_bytes().to_vec(),
+            None => secret.as_bytes().to_vec(),
         };
         Ok(Some((token, SocketAddr::new(rank0.ip(), port))))
     }
@@ -369,9 +367,18 @@ pub fn hex(bytes: &[u8]) -> String {
     bytes.iter().map(|b| format!("{b:02x}")).collect()
 }
 
+/// A job file's port (rank 0's, never 0) and secret (empty when the token was given): its
+/// first line and the rest, trimmed. `None` without a port.
+fn parse_job_file(text: &str) -> Option<(u16, &str)> {
+    let (port, secret) = text.split_once('\n').unwrap_or((text, ""));
+    let port = port.trim().parse::<u16>().ok().filter(|&p| p != 0)?;
+    Some((port, secret.trim()))
+}
+
 /// The bytes of lowercase or uppercase hex text; `None` for anything else.
 pub(crate) fn unhex(text: &str) -> Option<Vec<u8>> {
-    if !text.len().is_multiple_of(2) || !text.is_ascii() {
+    // Hex digits only: `from_str_radix` alone would also take a sign.
+    if !text.len().is_multiple_of(2) || !text.bytes().all(|b| b.is_ascii_hexdigit()) {
         return None;
     }
     (0..text.len())
@@ -548,5 +555,31 @@ mod tests {
             );
             secret.remove();
         }
+    }
+
+    proptest::proptest! {
+        /// Whatever a job file holds (another program's, a truncated one), reading it never
+        /// panics, and what it yields is a port and a trimmed secret.
+        #[test]
+        fn job_files_never_panic(text in "\\PC{0,80}") {
+            if let Some((port, secret)) = parse_job_file(&text) {
+                proptest::prop_assert!(port != 0);
+                proptest::prop_assert_eq!(secret, secret.trim());
+            }
+        }
+
+        #[test]
+        fn hex_reads_back_and_never_panics(bytes in proptest::collection::vec(proptest::prelude::any::<u8>(), 0..40), junk in "\\PC{0,40}") {
+            proptest::prop_assert_eq!(unhex(&hex(&bytes)), Some(bytes));
+            let _ = unhex(&junk);
+        }
+    }
+
+    #[test]
+    fn a_job_file_gives_its_port_and_secret() {
+        assert_eq!(parse_job_file("4242\nabc\n"), Some((4242, "abc")));
+        assert_eq!(parse_job_file("4242"), Some((4242, "")));
+        assert_eq!(parse_job_file("0\nabc"), None);
+        assert_eq!(parse_job_file("x\nabc"), None);
     }
 }

@@ -99,3 +99,59 @@ struct FusedStateHeader {
     times: Vec<i32>,
     buffers: Vec<(String, usize)>,
 }
+
+#[cfg(test)]
+mod tests {
+    use burn::optim::AdamWConfig;
+    use proptest::prelude::*;
+
+    use super::*;
+
+    fn valid() -> FusedStateFile {
+        FusedStateFile {
+            optimizer: FusedOptimizer::adamw(&AdamWConfig::new()).unwrap(),
+            segments: vec![Segment {
+                id: 7,
+                path: "layer.weight".into(),
+                shape: vec![2, 3],
+                offset: 0,
+                len: 6,
+            }],
+            len: 6,
+            shard_start: 0,
+            times: vec![3],
+            buffers: [("m", 6), ("v", 6)]
+                .into_iter()
+                .map(|(name, n)| (name.to_string(), (0..n).map(|i| i as f32).collect()))
+                .collect(),
+        }
+    }
+
+    #[test]
+    fn a_state_file_reads_back_as_written() {
+        let file = valid();
+        assert_eq!(FusedStateFile::from_bytes(&file.to_bytes()), Ok(file));
+    }
+
+    proptest! {
+        /// A state file damaged on disk (or not one at all) is an error, never a panic.
+        #[test]
+        fn random_bytes_never_panic(bytes in proptest::collection::vec(any::<u8>(), 0..512)) {
+            let _ = FusedStateFile::from_bytes(&bytes);
+        }
+
+        #[test]
+        fn damaged_state_files_never_panic(
+            flips in proptest::collection::vec((any::<usize>(), any::<u8>()), 0..8),
+            cut in any::<usize>(),
+        ) {
+            let mut bytes = valid().to_bytes();
+            let n = bytes.len();
+            for (i, x) in flips {
+                bytes[i % n] ^= x;
+            }
+            bytes.truncate(cut % (n + 1));
+            let _ = FusedStateFile::from_bytes(&bytes);
+        }
+    }
+}
