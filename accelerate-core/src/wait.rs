@@ -19,7 +19,12 @@ pub const MAX_WAIT: Duration = Duration::from_secs(30 * 24 * 3600);
 /// `text` as a number of seconds from 0 to [`MAX_WAIT`]; `None` for anything else (negative,
 /// not finite, not a number, or longer).
 pub fn seconds(text: &str) -> Option<Duration> {
-    let value: f64 = text.trim().parse().ok()?;
+    seconds_f64(text.trim().parse().ok()?)
+}
+
+/// `value` seconds, from 0 to [`MAX_WAIT`]; `None` for anything else (negative, not finite, or
+/// longer).
+pub fn seconds_f64(value: f64) -> Option<Duration> {
     (value.is_finite() && (0.0..=MAX_WAIT.as_secs_f64()).contains(&value))
         .then(|| Duration::from_secs_f64(value))
 }

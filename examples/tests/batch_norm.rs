@@ -15,7 +15,7 @@ use burn::nn::{BatchNorm, BatchNormConfig, Linear, LinearConfig, Relu};
 use burn::optim::AdamWConfig;
 use burn::store::{ModuleSnapshot, SafetensorsStore};
 use burn::tensor::{Device, Int, Tensor};
-use common::{line, run, run_child};
+use common::{line, lines, run, run_child};
 
 /// A classifier with a batch norm between its two layers.
 #[derive(Module, Debug)]
@@ -123,15 +123,6 @@ fn child() {
     });
 }
 
-fn stats_lines(output: &std::process::Output) -> Vec<String> {
-    String::from_utf8_lossy(&output.stdout)
-        .lines()
-        .map(|l| l.strip_prefix("test child ... ").unwrap_or(l))
-        .filter(|l| l.starts_with("STATS "))
-        .map(String::from)
-        .collect()
-}
-
 fn run_bn(sync: bool) -> (tempfile::TempDir, Vec<std::process::Output>) {
     let tmp = tempfile::tempdir().unwrap();
     let env = [
@@ -155,7 +146,7 @@ fn run_bn(sync: bool) -> (tempfile::TempDir, Vec<std::process::Output>) {
 #[test]
 fn running_statistics_agree_on_every_rank_after_every_update_and_in_the_checkpoint() {
     let (tmp, outputs) = run_bn(true);
-    let (rank0, rank1) = (stats_lines(&outputs[0]), stats_lines(&outputs[1]));
+    let (rank0, rank1) = (lines(&outputs[0], "STATS "), lines(&outputs[1], "STATS "));
     // 320 samples, 160 a rank, 10 batches of 16, windows of 2: 5 updates.
     assert_eq!(rank0.len(), 5, "{rank0:?}");
     assert_eq!(

@@ -11,7 +11,8 @@ use std::path::{Path, PathBuf};
 
 use super::{
     CHECKPOINT_PREFIX, CheckpointError, MANIFEST_FILE, Manifest, OLD_SUFFIX, PARTIAL_MARKER,
-    PARTIAL_SUFFIX, check_files, io, read_json, read_manifest, sync_dir, write_json, write_synced,
+    PARTIAL_SUFFIX, check_files, check_names, io, read_json, read_manifest, sync_dir, write_json,
+    write_synced,
 };
 
 /// The directory a save of `dir` writes into before it is committed.
@@ -73,8 +74,7 @@ pub(super) fn found_at(path: &Path) -> Result<Found, CheckpointError> {
     if entries.next().is_none() {
         return Ok(Found::Ours);
     }
-    let manifest = path.join(MANIFEST_FILE);
-    if manifest.is_file() && read_json::<Manifest>(&manifest).is_ok() {
+    if read_json::<Manifest>(&path.join(MANIFEST_FILE)).is_ok() {
         return Ok(Found::Ours);
     }
     if path.join(PARTIAL_MARKER).is_file() {
@@ -125,6 +125,7 @@ pub fn begin_save(dir: &Path) -> Result<PathBuf, CheckpointError> {
 /// it last and swaps the directory into place, replacing an older checkpoint of the same name
 /// only once the new one is complete.
 pub fn commit(dir: &Path, partial: &Path, mut manifest: Manifest) -> Result<(), CheckpointError> {
+    check_names(partial, &manifest)?;
     check_files(partial, &manifest)?;
     manifest.sequence = next_sequence(dir);
     write_json(&partial.join(MANIFEST_FILE), &manifest)?;
@@ -167,7 +168,10 @@ fn remove_leftover(path: &Path) {
 /// The directory a load of `dir` should read: `dir`, or `dir.old` when `dir` is absent and
 /// `dir.old` holds a complete checkpoint (a save that crashed between its two renames).
 pub fn locate(dir: &Path) -> PathBuf {
-    if found_at(dir).is_ok_and(|found| found == Found::Nothing) {
+    // Only whether `dir` exists: reading its manifest is the load's part (and rotation's,
+    // which would otherwise read every checkpoint's twice).
+    let absent = matches!(std::fs::symlink_metadata(dir), Err(e) if e.kind() == std::io::ErrorKind::NotFound);
+    if absent {
         let old = old_dir(dir);
         if read_manifest(&old).is_ok() {
             return old;

@@ -247,14 +247,26 @@ pub fn is_safe_file_name(name: &str) -> bool {
         })
 }
 
+/// Fails unless every name `manifest` lists is a file inside `dir` ([`is_safe_file_name`],
+/// and not the manifest itself).
+fn check_names(dir: &Path, manifest: &Manifest) -> Result<(), CheckpointError> {
+    match manifest
+        .files
+        .iter()
+        .find(|f| !is_safe_file_name(&f.name) || f.name == MANIFEST_FILE)
+    {
+        Some(file) => Err(CheckpointError::UnsafeName {
+            path: dir.to_path_buf(),
+            name: file.name.clone(),
+        }),
+        None => Ok(()),
+    }
+}
+
+/// Fails unless every file `manifest` lists (its names already checked) is in `dir` with its
+/// recorded size, and none is a symbolic link.
 fn check_files(dir: &Path, manifest: &Manifest) -> Result<(), CheckpointError> {
     for file in &manifest.files {
-        if !is_safe_file_name(&file.name) || file.name == MANIFEST_FILE {
-            return Err(CheckpointError::UnsafeName {
-                path: dir.to_path_buf(),
-                name: file.name.clone(),
-            });
-        }
         // Not followed: a link in a checkpoint points outside it.
         let path = dir.join(&file.name);
         if std::fs::symlink_metadata(&path).is_ok_and(|m| m.file_type().is_symlink()) {
@@ -316,15 +328,6 @@ pub fn decode_manifest(dir: &Path, bytes: &[u8]) -> Result<Manifest, CheckpointE
             found: manifest.format_version,
         });
     }
-    if let Some(file) = manifest
-        .files
-        .iter()
-        .find(|f| !is_safe_file_name(&f.name) || f.name == MANIFEST_FILE)
-    {
-        return Err(CheckpointError::UnsafeName {
-            path: dir.to_path_buf(),
-            name: file.name.clone(),
-        });
-    }
+    check_names(dir, &manifest)?;
     Ok(manifest)
 }

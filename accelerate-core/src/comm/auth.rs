@@ -110,27 +110,27 @@ pub const SIGNATURE_BYTES: usize = 32;
 /// The signature rank 0 puts beside a value it publishes where anyone who reaches the place
 /// may write (torchrun's store): HMAC-SHA256 with the job token over the key and the value.
 pub fn sign_published(token: &[u8], key: &str, value: &[u8]) -> [u8; SIGNATURE_BYTES] {
-    let len = (key.len() as u64).to_le_bytes();
-    mac(
-        token,
-        b"accelerate-rs published v1",
-        &[&len, key.as_bytes(), value],
-    )
-    .finalize()
-    .into_bytes()
-    .into()
+    published_mac(token, key, value)
+        .finalize()
+        .into_bytes()
+        .into()
 }
 
 /// Whether `signature` is the job's signature of `value` under `key` (in constant time).
 pub fn verify_published(token: &[u8], key: &str, value: &[u8], signature: &[u8]) -> bool {
+    published_mac(token, key, value)
+        .verify_slice(signature)
+        .is_ok()
+}
+
+/// The MAC both [`sign_published`] and [`verify_published`] compute.
+fn published_mac(token: &[u8], key: &str, value: &[u8]) -> HmacSha256 {
     let len = (key.len() as u64).to_le_bytes();
     mac(
         token,
         b"accelerate-rs published v1",
         &[&len, key.as_bytes(), value],
     )
-    .verify_slice(signature)
-    .is_ok()
 }
 
 /// The server's challenge frame.
@@ -294,7 +294,7 @@ impl SessionKey {
 
     /// The tag of the `counter`-th message `sender` sends on the connection.
     pub fn tag(&self, sender: &[u8], counter: u64, message: &[u8]) -> [u8; TAG] {
-        mac(&self.0, sender, &[&counter.to_le_bytes(), message])
+        self.mac(sender, counter, message)
             .finalize()
             .into_bytes()
             .into()
@@ -302,9 +302,12 @@ impl SessionKey {
 
     /// Whether `tag` is that of the `counter`-th message `sender` sent (in constant time).
     pub fn verify(&self, sender: &[u8], counter: u64, message: &[u8], tag: &[u8]) -> bool {
+        self.mac(sender, counter, message).verify_slice(tag).is_ok()
+    }
+
+    /// The MAC both [`tag`](Self::tag) and [`verify`](Self::verify) compute.
+    fn mac(&self, sender: &[u8], counter: u64, message: &[u8]) -> HmacSha256 {
         mac(&self.0, sender, &[&counter.to_le_bytes(), message])
-            .verify_slice(tag)
-            .is_ok()
     }
 }
 

@@ -913,15 +913,7 @@ impl RendezvousConfig {
 }
 
 fn parse_cookie(hex: &str) -> Option<[u8; 16]> {
-    // Hex digits only: `from_str_radix` alone would also take a sign.
-    if hex.len() != 32 || !hex.bytes().all(|b| b.is_ascii_hexdigit()) {
-        return None;
-    }
-    let mut out = [0u8; 16];
-    for (i, byte) in out.iter_mut().enumerate() {
-        *byte = u8::from_str_radix(&hex[2 * i..2 * i + 2], 16).ok()?;
-    }
-    Some(out)
+    super::secret::unhex(hex)?.try_into().ok()
 }
 
 /// Authenticates a new connection and reads its hello, all before `by`.

@@ -146,7 +146,7 @@ pub fn run(args: LaunchArgs) -> anyhow::Result<ExitCode> {
             .map_or("none".to_string(), |l| l.path.display().to_string()),
     )];
     env.extend(settings.worker_env());
-    let Some(grace) = accelerate_core::wait::seconds(&args.grace_period.to_string()) else {
+    let Some(grace) = accelerate_core::wait::seconds_f64(args.grace_period) else {
         bail!(
             "--grace-period {} is not a number of seconds from 0 to 2592000 (30 days)",
             args.grace_period

@@ -111,16 +111,26 @@ pub fn run(scenario: &str, world: usize, env: &[(&str, String)]) -> Vec<Output> 
         .collect()
 }
 
+/// The rest of the first line a worker printed starting with `prefix`.
 pub fn line(output: &Output, prefix: &str) -> String {
-    let stdout = String::from_utf8_lossy(&output.stdout);
-    let stderr = String::from_utf8_lossy(&output.stderr);
-    // The test harness prints "test child ... " in front of the first line.
-    stdout
+    lines(output, prefix).into_iter().next().unwrap_or_else(|| {
+        panic!(
+            "no {prefix} line in:\n{}\n{}",
+            String::from_utf8_lossy(&output.stdout),
+            String::from_utf8_lossy(&output.stderr)
+        )
+    })
+}
+
+/// The rest of every line a worker printed starting with `prefix`, in order.
+pub fn lines(output: &Output, prefix: &str) -> Vec<String> {
+    String::from_utf8_lossy(&output.stdout)
         .lines()
+        // The test harness prints "test child ... " in front of the first line.
         .map(|l| l.strip_prefix("test child ... ").unwrap_or(l))
-        .find_map(|l| l.strip_prefix(prefix))
-        .unwrap_or_else(|| panic!("no {prefix} line in:\n{stdout}\n{stderr}"))
-        .to_string()
+        .filter_map(|l| l.strip_prefix(prefix))
+        .map(String::from)
+        .collect()
 }
 
 /// The largest absolute difference between two parameter lists of the same length.

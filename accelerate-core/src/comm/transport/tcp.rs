@@ -463,13 +463,11 @@ impl TcpLink {
                 continue;
             };
             if delivery.unacked > 0 && delivery.since_last_ack >= heartbeat {
-                peer.failed = Some(LinkError::Lost(format!(
-                    "no sign of life from its host {} for {} s (what this rank sent there is \
-                     unacknowledged): the host is down or the network between is cut \
-                     (ACCELERATE_HEARTBEAT_TIMEOUT)",
+                peer.failed = Some(host_vanished(
                     peer.addr,
-                    delivery.since_last_ack.as_secs()
-                )));
+                    delivery.since_last_ack,
+                    "what this rank sent there is unacknowledged",
+                ));
             }
         }
     }
@@ -651,16 +649,20 @@ fn describe_loss(addr: SocketAddr, heartbeat: Duration) -> impl Fn(std::io::Erro
             e.kind(),
             ErrorKind::TimedOut | ErrorKind::HostUnreachable | ErrorKind::NetworkUnreachable
         );
-        LinkError::Lost(if vanished {
-            format!(
-                "no sign of life from its host {addr} for {} s ({e}): the host is down or the \
-                 network between is cut (ACCELERATE_HEARTBEAT_TIMEOUT)",
-                heartbeat.as_secs()
-            )
-        } else {
-            format!("connection to {addr}: {e}")
-        })
+        match vanished {
+            true => host_vanished(addr, heartbeat, e),
+            false => LinkError::Lost(format!("connection to {addr}: {e}")),
+        }
     }
+}
+
+/// The peer at `addr` showed no sign of life for `silent` (`why`: what showed it).
+fn host_vanished(addr: SocketAddr, silent: Duration, why: impl std::fmt::Display) -> LinkError {
+    LinkError::Lost(format!(
+        "no sign of life from its host {addr} for {} s ({why}): the host is down or the \
+         network between is cut (ACCELERATE_HEARTBEAT_TIMEOUT)",
+        silent.as_secs()
+    ))
 }
 
 impl Drop for TcpLink {
