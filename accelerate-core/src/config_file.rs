@@ -151,12 +151,17 @@ pub fn discover(env: &(impl EnvSource + ?Sized)) -> Result<Option<LoadedConfig>,
     Ok(None)
 }
 
+/// Longest config file read (ours are a few hundred bytes).
+const MAX_CONFIG_BYTES: u64 = 1 << 20;
+
 /// Reads `path`, as Accelerate's YAML when it ends in `.yaml`/`.yml`, else as our TOML.
 pub fn read(path: &Path) -> Result<LoadedConfig, ConfigFileError> {
-    let text = std::fs::read_to_string(path).map_err(|e| ConfigFileError {
-        path: path.to_path_buf(),
-        line: None,
-        message: e.to_string(),
+    let text = crate::input_file::read_text_at_most(path, MAX_CONFIG_BYTES).map_err(|e| {
+        ConfigFileError {
+            path: path.to_path_buf(),
+            line: None,
+            message: e.to_string(),
+        }
     })?;
     let yaml = path.extension().is_some_and(|e| e == "yaml" || e == "yml");
     if yaml {
@@ -350,6 +355,22 @@ pub fn write(path: &Path, file: &ConfigFile) -> Result<(), ConfigFileError> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// A config path that is not a config (a huge file, a device) is an error naming it,
+    /// not a read without end.
+    #[test]
+    fn an_oversized_config_file_is_refused_naming_it() {
+        let tmp = tempfile::tempdir().unwrap();
+        let path = tmp.path().join("huge.toml");
+        std::fs::write(&path, vec![b'#'; (MAX_CONFIG_BYTES + 1) as usize]).unwrap();
+        let err = read(&path).unwrap_err().to_string();
+        assert!(
+            err.contains("huge.toml") && err.contains("1048576 bytes"),
+            "{err}"
+        );
+        let err = read(Path::new("/dev/zero")).unwrap_err().to_string();
+        assert!(err.contains("/dev/zero"), "{err}");
+    }
 
     const HF_YAML: &str = "\
 compute_environment: LOCAL_MACHINE

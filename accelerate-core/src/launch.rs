@@ -321,6 +321,18 @@ impl LaunchConfig {
                 "--num-processes must be at least 1".into(),
             ));
         }
+        if self
+            .num_processes
+            .checked_mul(self.num_machines)
+            .is_none_or(|world| world > crate::state::MAX_WORLD_SIZE)
+        {
+            return Err(LaunchError::Config(format!(
+                "{} processes on each of {} machines is more than the {} ranks a job may have",
+                self.num_processes,
+                self.num_machines,
+                crate::state::MAX_WORLD_SIZE
+            )));
+        }
         if self.num_machines == 0 || self.machine_rank >= self.num_machines {
             return Err(LaunchError::Config(format!(
                 "--machine-rank {} must be below --num-machines {}",
@@ -605,5 +617,19 @@ mod tests {
             ..LaunchConfig::default()
         };
         assert!(bad.validate().is_err());
+        // From a config file or a flag: a world no job has, or one whose rank numbers overflow,
+        // is refused before any worker is spawned or allocated for.
+        for (num_processes, num_machines) in
+            [(usize::MAX, 2), ((1 << 20) + 1, 1), (1 << 11, 1 << 10)]
+        {
+            let bad = LaunchConfig {
+                num_processes,
+                num_machines,
+                main_process_port: 29500,
+                ..LaunchConfig::default()
+            };
+            let err = bad.validate().unwrap_err().to_string();
+            assert!(err.contains("ranks a job may have"), "{err}");
+        }
     }
 }

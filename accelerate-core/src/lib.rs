@@ -33,6 +33,7 @@
 //! - [`checkpoint`]: checkpoint directories: manifest, per-rank state, atomic commit, rotation.
 //! - [`comm`]: the process group and its collectives (rendezvous, shared memory, TCP).
 //! - `nccl` (Unix): finding libnccl, and agreeing whether a job reduces with it (no GPU needed).
+//! - [`input_file`]: config files and manifests, read up to a size limit.
 //! - [`output_file`]: logs and metrics files, never written through a symbolic link.
 //! - [`tracking`]: metrics to CSV and TensorBoard event files (main process).
 //! - `launch` (Unix): starting and supervising the workers of one machine.
@@ -46,6 +47,7 @@ pub mod config_file;
 pub mod distributed_sampler;
 pub mod env_vars;
 pub mod error;
+pub mod input_file;
 #[cfg(unix)]
 pub mod launch;
 pub mod launch_settings;

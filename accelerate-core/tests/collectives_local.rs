@@ -147,3 +147,29 @@ fn usage_errors_are_reported_before_any_communication() {
     let err = group.broadcast(&mut [0.0_f32; 2], 7).unwrap_err();
     assert!(err.to_string().contains("root 7"), "{err}");
 }
+
+/// A rank announcing the largest value an object may be, in a group of five: padded for every
+/// rank the gather would need 1.25 GiB, so every honest rank refuses it, naming that rank,
+/// without allocating it.
+#[test]
+fn an_object_gather_too_large_once_padded_is_refused_naming_the_rank() {
+    let announced = accelerate_core::comm::MAX_OBJECT_BYTES as u64;
+    on_threads(5, &options(AllReduceAlgorithm::Ring), |group| {
+        if group.rank() == 4 {
+            // Rank 4 speaks the gather's first step itself, announcing the length.
+            let mut lens = vec![0u8; 8 * 5];
+            group
+                .all_gather_raw(&announced.to_le_bytes(), &mut lens)
+                .unwrap();
+            return;
+        }
+        let err = group
+            .all_gather_object(&String::from("small"))
+            .unwrap_err()
+            .to_string();
+        assert!(
+            err.contains("rank 4's value of 268435456 bytes") && err.contains("1073741824"),
+            "{err}"
+        );
+    });
+}

@@ -1,7 +1,8 @@
 //! BatchNorm on several processes, with real processes on 127.0.0.1: the running statistics
 //! are the same bits on every rank after every optimizer update and in the checkpoint, and
 //! evaluation gives the same accuracy everywhere; with `.sync_buffers(false)` they drift
-//! apart (what the averaging prevents).
+//! apart (what the averaging prevents); a model stepped by an optimizer of the user's own
+//! agrees once `acc.sync_buffers` is called.
 
 mod common;
 
@@ -115,10 +116,38 @@ fn train() -> anyhow::Result<()> {
     Ok(())
 }
 
+/// Trains a model prepared without an optimizer, stepped by Burn's own optimizer on the
+/// averaged gradients, printing the statistics before and after `acc.sync_buffers`.
+fn train_own_optimizer() -> anyhow::Result<()> {
+    let acc = Accelerator::<DefaultBackend>::builder().seed(5).build()?;
+    let (train_set, _) = digits::train_test_split()?;
+    let loader = DataLoader::builder(DigitBatcher)
+        .batch_size(16)
+        .shuffle(9)
+        .build(InMemDataset::new(train_set.into_iter().take(160).collect()));
+    let loader = acc.prepare_data_loader(loader)?;
+    let mut model = acc.prepare_model(BnNet::new(&acc.device()))?;
+    let mut optim = AdamWConfig::new().init();
+    loader.set_epoch(0);
+    for batch in loader.iter() {
+        let batch = batch?;
+        let loss = model.loss(batch.images, batch.targets);
+        let grads = acc.backward(loss, &model)?;
+        if let Some(grads) = grads.to_params() {
+            model = optim.step(1e-2, model, grads);
+        }
+    }
+    println!("BEFORE {}", model.statistics());
+    let model = acc.sync_buffers(model)?;
+    println!("AFTER {}", model.statistics());
+    Ok(())
+}
+
 #[test]
 fn child() {
     run_child(|scenario| match scenario {
         "train" => train(),
+        "own_optimizer" => train_own_optimizer(),
         other => anyhow::bail!("unknown scenario {other}"),
     });
 }
@@ -179,4 +208,25 @@ fn without_sync_buffers_each_rank_keeps_its_own_statistics() {
         line(&outputs[1], "FINAL "),
         "the ranks' statistics agree although nothing averaged them"
     );
+}
+
+#[test]
+fn a_model_with_its_own_optimizer_agrees_once_sync_buffers_is_called() {
+    let tmp = tempfile::tempdir().unwrap();
+    let outputs = run(
+        "own_optimizer",
+        2,
+        &[("TEST_DIR", tmp.path().display().to_string())],
+    );
+    for (rank, output) in outputs.iter().enumerate() {
+        assert!(
+            output.status.success(),
+            "rank {rank}: {}",
+            String::from_utf8_lossy(&output.stderr)
+        );
+    }
+    // Nothing of ours steps this model: the ranks' statistics differ until the call.
+    assert_ne!(line(&outputs[0], "BEFORE "), line(&outputs[1], "BEFORE "));
+    assert_eq!(line(&outputs[0], "AFTER "), line(&outputs[1], "AFTER "));
+    assert_ne!(line(&outputs[0], "AFTER "), line(&outputs[0], "BEFORE "));
 }

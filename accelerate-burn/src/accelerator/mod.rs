@@ -283,6 +283,20 @@ impl<B: AcceleratorBackend> Accelerator<B> {
         })
     }
 
+    /// Averages `model`'s running states (BatchNorm statistics) over the processes now and
+    /// returns the model with them. Prepared optimizers do this at every update; call it for a
+    /// model whose optimizer is your own (its gradients through
+    /// [`Gradients::to_params`](crate::Gradients::to_params)), or to evaluate or save in the
+    /// middle of an accumulation window. Every process must call it at the same point. The
+    /// model as it is on one process, with [`sync_buffers(false)`](crate::AcceleratorBuilder::sync_buffers),
+    /// or when it has no running states.
+    pub fn sync_buffers<M: Module>(&self, model: M) -> Result<M, AccelerateError> {
+        match self.buffer_sync(&model) {
+            Some(buffers) => buffers.average(model, &self.comm),
+            None => Ok(model),
+        }
+    }
+
     /// The running states of `model` (BatchNorm statistics) to average at every update; none
     /// on one process, with [`sync_buffers(false)`](crate::AcceleratorBuilder::sync_buffers),
     /// or off an autodiff device (where running states cannot be told from frozen

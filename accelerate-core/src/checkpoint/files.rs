@@ -37,9 +37,13 @@ pub fn write_json<T: Serialize>(path: &Path, value: &T) -> Result<u64, Checkpoin
     write_synced(path, &bytes)
 }
 
-/// Reads a JSON file written by [`write_json`].
+/// Longest JSON file of a checkpoint read (a manifest lists a few dozen files).
+pub const MAX_JSON_BYTES: u64 = 64 << 20;
+
+/// Reads a JSON file written by [`write_json`] (at most [`MAX_JSON_BYTES`]).
 pub fn read_json<T: for<'de> Deserialize<'de>>(path: &Path) -> Result<T, CheckpointError> {
-    let bytes = std::fs::read(path).map_err(io("reading", path))?;
+    let bytes =
+        crate::input_file::read_at_most(path, MAX_JSON_BYTES).map_err(io("reading", path))?;
     serde_json::from_slice(&bytes).map_err(|source| CheckpointError::Json {
         path: path.to_path_buf(),
         source,
@@ -61,11 +65,13 @@ pub fn sync_dir(dir: &Path) -> Result<(), CheckpointError> {
 /// Replaces `path` with what `write` puts into a temporary file beside it: `write` is given
 /// the temporary path, the file is synced and renamed over `path`, and the directory synced.
 /// On any failure the temporary file is removed and `path` is as it was. Returns the size.
+/// The temporary file is created here first, exclusively, so a file of that name that is not
+/// ours is never written over or removed.
 pub fn replace_file<E: std::fmt::Display>(
     path: &Path,
     write: impl FnOnce(&Path) -> Result<(), E>,
 ) -> Result<u64, CheckpointError> {
-    let temporary = temporary_beside(path);
+    let temporary = create_temporary_beside(path)?;
     let written = write(&temporary)
         .map_err(|e| CheckpointError::Io {
             action: "writing",
@@ -83,19 +89,48 @@ pub fn replace_file<E: std::fmt::Display>(
             Ok(bytes)
         }
         Err(e) => {
-            // Ours alone: the name carries this process's id.
+            // Ours: created exclusively above.
             let _ = std::fs::remove_file(&temporary);
             Err(e)
         }
     }
 }
 
-/// `.<name>.<pid>.tmp` beside `path`: hidden, and private to this process.
-fn temporary_beside(path: &Path) -> PathBuf {
-    let mut name = std::ffi::OsString::from(".");
-    name.push(path.file_name().unwrap_or_default());
-    name.push(format!(".{}.tmp", std::process::id()));
-    path.with_file_name(name)
+/// Attempts at a free temporary name before giving up (each name holds this process's id,
+/// so only leftovers of an earlier process with the same id, or someone's own files, collide).
+const TEMPORARY_ATTEMPTS: u32 = 16;
+
+/// Creates `.<name>.<pid>.<n>.tmp` beside `path` (hidden, private to this process), with the
+/// first `n` whose name is free.
+fn create_temporary_beside(path: &Path) -> Result<PathBuf, CheckpointError> {
+    let mut last = None;
+    for attempt in 0..TEMPORARY_ATTEMPTS {
+        let mut name = std::ffi::OsString::from(".");
+        name.push(path.file_name().unwrap_or_default());
+        name.push(format!(".{}.{attempt}.tmp", std::process::id()));
+        let temporary = path.with_file_name(name);
+        match std::fs::OpenOptions::new()
+            .write(true)
+            .create_new(true)
+            .open(&temporary)
+        {
+            Ok(_) => return Ok(temporary),
+            Err(e) if e.kind() == std::io::ErrorKind::AlreadyExists => last = Some(temporary),
+            Err(e) => return Err(io("creating", &temporary)(e)),
+        }
+    }
+    Err(CheckpointError::Io {
+        action: "creating a temporary file beside",
+        path: path.to_path_buf(),
+        source: std::io::Error::new(
+            std::io::ErrorKind::AlreadyExists,
+            format!(
+                "{TEMPORARY_ATTEMPTS} temporary names are taken (the last: {}); they are not \
+                 ours to remove: move them away and save again",
+                last.map(|p| p.display().to_string()).unwrap_or_default()
+            ),
+        ),
+    })
 }
 
 #[cfg(test)]
@@ -121,5 +156,32 @@ mod tests {
         assert_eq!(std::fs::read(&path).unwrap(), b"new!");
         let names: Vec<_> = std::fs::read_dir(tmp.path()).unwrap().collect();
         assert_eq!(names.len(), 1, "{names:?}");
+    }
+
+    /// A user's file under the first temporary name is neither written nor removed: the next
+    /// free name is used; with every name taken, an error and nothing touched.
+    #[test]
+    fn a_file_under_the_temporary_name_is_left_alone() {
+        let tmp = tempfile::tempdir().unwrap();
+        let path = tmp.path().join("model.safetensors");
+        let theirs = |n: u32| {
+            tmp.path()
+                .join(format!(".model.safetensors.{}.{n}.tmp", std::process::id()))
+        };
+        std::fs::write(theirs(0), b"user's").unwrap();
+        replace_file(&path, |p| std::fs::write(p, b"new")).unwrap();
+        assert_eq!(std::fs::read(&path).unwrap(), b"new");
+        assert_eq!(std::fs::read(theirs(0)).unwrap(), b"user's");
+        for n in 1..TEMPORARY_ATTEMPTS {
+            std::fs::write(theirs(n), b"user's").unwrap();
+        }
+        let err = replace_file(&path, |p| std::fs::write(p, b"newer"))
+            .unwrap_err()
+            .to_string();
+        assert!(err.contains("not ours to remove"), "{err}");
+        assert_eq!(std::fs::read(&path).unwrap(), b"new");
+        for n in 0..TEMPORARY_ATTEMPTS {
+            assert_eq!(std::fs::read(theirs(n)).unwrap(), b"user's");
+        }
     }
 }

@@ -45,7 +45,9 @@ mod files;
 mod rotation;
 
 pub use commit::{begin_save, commit, locate, old_dir, partial_dir};
-pub use files::{read_json, replace_file, sync_dir, sync_file, write_json, write_synced};
+pub use files::{
+    MAX_JSON_BYTES, read_json, replace_file, sync_dir, sync_file, write_json, write_synced,
+};
 pub use rotation::CheckpointRotation;
 
 use std::collections::BTreeMap;
@@ -307,7 +309,8 @@ pub fn read_manifest(dir: &Path) -> Result<Manifest, CheckpointError> {
             ),
         });
     }
-    let bytes = std::fs::read(&path).map_err(io("reading", &path))?;
+    let bytes = crate::input_file::read_at_most(&path, files::MAX_JSON_BYTES)
+        .map_err(io("reading", &path))?;
     let manifest = decode_manifest(dir, &bytes)?;
     check_files(dir, &manifest)?;
     Ok(manifest)

@@ -26,6 +26,10 @@ use crate::state::ProcessState;
 /// Largest value [`ProcessGroup::broadcast_object`] and the object gathers carry, in bytes.
 pub const MAX_OBJECT_BYTES: usize = 256 << 20;
 
+/// Largest buffer an object gather receives (every rank's value padded to the longest), in
+/// bytes: one rank's large value times a large world is refused, not allocated.
+pub const MAX_GATHERED_OBJECT_BYTES: usize = 1 << 30;
+
 /// How [`ProcessGroup::all_reduce`] and [`ProcessGroup::reduce_scatter`] combine values.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Reduction {
@@ -722,14 +726,26 @@ impl ProcessGroup {
                 self.object_len(OpKind::AllGather, r, len)
             })
             .collect::<Result<_, _>>()?;
-        let longest = lens.iter().copied().max().unwrap_or(0);
+        let (longest_rank, longest) = lens
+            .iter()
+            .copied()
+            .enumerate()
+            .max_by_key(|&(_, len)| len)
+            .unwrap_or((0, 0));
         bytes.resize(longest, 0);
-        let total = longest.checked_mul(n).ok_or_else(|| {
-            self.usage(
-                OpKind::AllGather,
-                format!("{n} values of {longest} bytes overflow"),
-            )
-        })?;
+        let total = longest
+            .checked_mul(n)
+            .filter(|&total| total <= MAX_GATHERED_OBJECT_BYTES)
+            .ok_or_else(|| {
+                self.usage(
+                    OpKind::AllGather,
+                    format!(
+                        "rank {longest_rank}'s value of {longest} bytes, padded for each of {n} \
+                         ranks, exceeds the {MAX_GATHERED_OBJECT_BYTES} bytes an object gather \
+                         receives (gather smaller values, or use the typed collectives)"
+                    ),
+                )
+            })?;
         let mut all = vec![0u8; total];
         self.all_gather_bytes(&bytes, &mut all, None, longest)?;
         lens.iter()

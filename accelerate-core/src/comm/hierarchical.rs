@@ -32,20 +32,21 @@ use crate::error::CommError;
 const SMALL_BYTES: usize = 64 << 10;
 
 /// A view of a shared TCP link restricted to some ranks, renumbered from 0 in the order of
-/// `members` (so an engine over it sees a group of `members.len()` ranks).
-pub struct SubLink {
-    link: Arc<Mutex<TcpLink>>,
+/// `members` (so an engine over it sees a group of `members.len()` ranks). `L` is the TCP link
+/// in a job (any [`Link`] in the fuzz tests).
+pub struct SubLink<L = TcpLink> {
+    link: Arc<Mutex<L>>,
     members: Vec<usize>,
     me: usize,
 }
 
-impl SubLink {
-    fn lock(&self) -> std::sync::MutexGuard<'_, TcpLink> {
+impl<L> SubLink<L> {
+    fn lock(&self) -> std::sync::MutexGuard<'_, L> {
         self.link.lock().unwrap_or_else(PoisonError::into_inner)
     }
 }
 
-impl Link for SubLink {
+impl<L: Link> Link for SubLink<L> {
     fn rank(&self) -> usize {
         self.me
     }
@@ -90,11 +91,11 @@ impl Link for SubLink {
 
 /// Shared memory inside the host, TCP among the hosts' leaders or along rails, TCP between
 /// all for the rest.
-pub struct HierarchicalEngine {
-    flat: MessageEngine<SubLink>,
-    leaders: Option<MessageEngine<SubLink>>,
+pub struct HierarchicalEngine<L: Link = TcpLink> {
+    flat: MessageEngine<SubLink<L>>,
+    leaders: Option<MessageEngine<SubLink<L>>>,
     /// This rank's rail: the ranks of its local index on every host (equal hosts only).
-    rail: Option<MessageEngine<SubLink>>,
+    rail: Option<MessageEngine<SubLink<L>>>,
     local: Option<ShmEngine>,
     /// Ranks on this host.
     local_size: usize,
@@ -110,11 +111,11 @@ pub struct Layout {
     pub rank: usize,
 }
 
-impl HierarchicalEngine {
+impl<L: Link> HierarchicalEngine<L> {
     /// The engine of `rank` over `link` (every pair connected) and `local` (this host's
     /// shared-memory group, `None` when alone on its host).
     pub fn new(
-        link: TcpLink,
+        link: L,
         layout: &Layout,
         local: Option<ShmEngine>,
         timeout: Duration,
@@ -171,7 +172,7 @@ impl HierarchicalEngine {
     }
 }
 
-impl Engine for HierarchicalEngine {
+impl<L: Link> Engine for HierarchicalEngine<L> {
     fn name(&self) -> &'static str {
         "tcp+shm"
     }

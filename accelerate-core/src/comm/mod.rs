@@ -58,6 +58,6 @@ pub mod transport;
 
 pub use call::{CallDesc, OpKind};
 pub use collective::AllReduceAlgorithm;
-pub use group::{ProcessGroup, Reduction};
+pub use group::{MAX_GATHERED_OBJECT_BYTES, MAX_OBJECT_BYTES, ProcessGroup, Reduction};
 pub use options::{GroupOptions, TransportChoice};
 pub use shared_buffer::SharedBuffer;

@@ -60,14 +60,15 @@ pub enum StoreError {
     },
 }
 
-/// One connection to a PyTorch `TCPStore`.
+/// One connection to a PyTorch `TCPStore` (over any byte stream: a TCP connection in a job,
+/// scripted replies in the fuzz tests).
 #[derive(Debug)]
-pub struct TorchStore {
-    stream: TcpStream,
+pub struct TorchStore<S = TcpStream> {
+    stream: S,
     addr: String,
 }
 
-impl TorchStore {
+impl TorchStore<TcpStream> {
     /// Connects to the store at `addr` (`host:port`), retrying until `deadline` (the agent
     /// starts its store before its workers, but a restarted one may be a moment late).
     pub fn connect(addr: &str, deadline: Instant) -> Result<Self, StoreError> {
@@ -88,12 +89,14 @@ impl TorchStore {
             for target in &resolved {
                 match TcpStream::connect_timeout(target, left.min(Duration::from_secs(2))) {
                     Ok(stream) => {
-                        let mut store = Self {
-                            stream,
+                        let io = |e: std::io::Error| StoreError::Protocol {
                             addr: addr.to_string(),
+                            reason: e.to_string(),
                         };
-                        store.handshake()?;
-                        return Ok(store);
+                        stream.set_nodelay(true).map_err(io)?;
+                        stream.set_read_timeout(Some(IO_TIMEOUT)).map_err(io)?;
+                        stream.set_write_timeout(Some(IO_TIMEOUT)).map_err(io)?;
+                        return TorchStore::open(stream, addr);
                     }
                     Err(e) => last = format!("{target}: {e}"),
                 }
@@ -102,13 +105,29 @@ impl TorchStore {
         }
     }
 
-    fn handshake(&mut self) -> Result<(), StoreError> {
-        let io = |e: std::io::Error| self.protocol(e.to_string());
-        self.stream.set_nodelay(true).map_err(io)?;
-        self.stream.set_read_timeout(Some(IO_TIMEOUT)).map_err(io)?;
+    /// The address of this end of the connection: an address of this host from which the
+    /// store's host is reachable.
+    pub fn local_ip(&self) -> Result<IpAddr, StoreError> {
         self.stream
-            .set_write_timeout(Some(IO_TIMEOUT))
-            .map_err(io)?;
+            .local_addr()
+            .map(|a| a.ip())
+            .map_err(|e| self.protocol(e.to_string()))
+    }
+}
+
+impl<S: Read + Write> TorchStore<S> {
+    /// Opens the store protocol over `stream` (validation and a ping the store must echo);
+    /// `addr` names the store in errors.
+    fn open(stream: S, addr: &str) -> Result<Self, StoreError> {
+        let mut store = Self {
+            stream,
+            addr: addr.to_string(),
+        };
+        store.handshake()?;
+        Ok(store)
+    }
+
+    fn handshake(&mut self) -> Result<(), StoreError> {
         let nonce = u32::from_le_bytes(
             random_bytes().map_err(|e| self.protocol(format!("no random nonce: {e}")))?,
         );
@@ -124,15 +143,6 @@ impl TorchStore {
             )));
         }
         Ok(())
-    }
-
-    /// The address of this end of the connection: an address of this host from which the
-    /// store's host is reachable.
-    pub fn local_ip(&self) -> Result<IpAddr, StoreError> {
-        self.stream
-            .local_addr()
-            .map(|a| a.ip())
-            .map_err(|e| self.protocol(e.to_string()))
     }
 
     /// Sets `key` to `value`.
@@ -227,5 +237,92 @@ mod tests {
         let err =
             TorchStore::connect(&addr, Instant::now() + Duration::from_millis(300)).unwrap_err();
         assert!(err.to_string().contains(&addr), "{err}");
+    }
+
+    /// A store that answers with scripted bytes: the ping's nonce (echoed, or not), then
+    /// whatever the case says, then end of stream.
+    struct ScriptedStore {
+        echo: bool,
+        replies: Vec<u8>,
+        read: std::io::Cursor<Vec<u8>>,
+    }
+
+    impl Read for ScriptedStore {
+        fn read(&mut self, buf: &mut [u8]) -> std::io::Result<usize> {
+            self.read.read(buf)
+        }
+    }
+
+    impl Write for ScriptedStore {
+        fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
+            // The hello is the one write that ends with a ping (10 bytes).
+            if buf.len() == 10 && buf[5] == query::PING && self.read.get_ref().is_empty() {
+                let mut answer = if self.echo {
+                    buf[6..10].to_vec()
+                } else {
+                    Vec::new()
+                };
+                answer.extend_from_slice(&self.replies);
+                self.read = std::io::Cursor::new(answer);
+            }
+            Ok(buf.len())
+        }
+        fn flush(&mut self) -> std::io::Result<()> {
+            Ok(())
+        }
+    }
+
+    fn ask(echo: bool, replies: Vec<u8>) -> Result<Option<Vec<u8>>, StoreError> {
+        let stream = ScriptedStore {
+            echo,
+            replies,
+            read: std::io::Cursor::new(Vec::new()),
+        };
+        TorchStore::open(stream, "store:1")?.try_get("accelerate-rs/addr")
+    }
+
+    /// A genuine exchange reads the value back.
+    #[test]
+    fn a_scripted_store_answers_like_pytorchs() {
+        let mut replies = vec![READY];
+        replies.extend_from_slice(&5u64.to_le_bytes());
+        replies.extend_from_slice(b"value");
+        assert_eq!(ask(true, replies).unwrap(), Some(b"value".to_vec()));
+        assert_eq!(ask(true, vec![1]).unwrap(), None);
+        assert!(ask(false, vec![READY]).is_err());
+    }
+
+    proptest::proptest! {
+        #![proptest_config(proptest::prelude::ProptestConfig {
+            failure_persistence: None,
+            ..proptest::prelude::ProptestConfig::default()
+        })]
+
+        /// Whatever a store (or whoever answers at its address) replies: an error or a value
+        /// no longer than any this job sets, never a panic or a large allocation; a
+        /// well-formed reply with a mutated length is read exactly or refused.
+        #[test]
+        fn store_replies_never_panic(
+            echo in proptest::prelude::any::<bool>(),
+            random in proptest::collection::vec(proptest::prelude::any::<u8>(), 0..64),
+            len in proptest::prelude::any::<u64>(),
+            value in proptest::collection::vec(proptest::prelude::any::<u8>(), 0..80),
+        ) {
+            if let Ok(Some(v)) = ask(echo, random) {
+                proptest::prop_assert!(v.len() as u64 <= MAX_VALUE_BYTES);
+            }
+            let mut replies = vec![READY];
+            replies.extend_from_slice(&len.to_le_bytes());
+            replies.extend_from_slice(&value);
+            match ask(echo, replies) {
+                Ok(Some(v)) => {
+                    proptest::prop_assert!(echo);
+                    proptest::prop_assert_eq!(v.len() as u64, len);
+                    proptest::prop_assert_eq!(&v[..], &value[..v.len()]);
+                }
+                Ok(None) => proptest::prop_assert!(false, "READY read as absent"),
+                Err(_) => proptest::prop_assert!(!echo || len > value.len() as u64),
+            }
+        }
     }
 }

@@ -359,9 +359,15 @@ fn accept_higher(
 /// collective timeout. Unacknowledged data is watched by the transport itself
 /// ([`TcpLink::check_delivery`]), not with `TCP_USER_TIMEOUT`, which would also abort a live
 /// receiver's zero window.
+/// The longest keepalive idle time and interval Linux accepts (`MAX_TCP_KEEPIDLE`).
+const MAX_KEEPALIVE_SECS: u64 = 32_767;
+
 fn set_heartbeat(stream: &TcpStream, heartbeat: Duration) -> nix::Result<()> {
     use nix::sys::socket::{setsockopt, sockopt};
-    let secs = heartbeat.as_secs().clamp(4, u64::from(u32::MAX / 1000)) as u32;
+    // Linux refuses an idle time or interval above 32,767 s (EINVAL). Longer heartbeats probe
+    // at that limit: a live peer answers probes whatever it is doing, so probing sooner only
+    // notices a cut link sooner.
+    let secs = heartbeat.as_secs().clamp(4, 3 * MAX_KEEPALIVE_SECS) as u32;
     setsockopt(stream, sockopt::KeepAlive, &true)?;
     // Idle for a third, then four probes a sixth apart: the whole budget.
     setsockopt(stream, sockopt::TcpKeepIdle, &(secs / 3).max(1))?;
@@ -701,6 +707,26 @@ mod tests {
         spin.hit();
         assert_eq!(spin.budget(), SPIN);
         assert_eq!(spin.budget(), SPIN);
+    }
+
+    /// Every heartbeat the options accept (up to 30 days) sets up a connection: keepalive
+    /// values stay within what Linux takes.
+    #[test]
+    fn any_accepted_heartbeat_sets_up_keepalive() {
+        let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        let stream = TcpStream::connect(listener.local_addr().unwrap()).unwrap();
+        for secs in [
+            0,
+            4,
+            30,
+            98_301,
+            98_302,
+            100_000,
+            crate::wait::MAX_WAIT.as_secs(),
+        ] {
+            set_heartbeat(&stream, Duration::from_secs(secs))
+                .unwrap_or_else(|e| panic!("heartbeat {secs} s: {e}"));
+        }
     }
 
     #[test]

@@ -214,4 +214,66 @@ mod tests {
         };
         assert_eq!((peer, theirs), (0, format!("called {ours}")));
     }
+
+    fn op_of(code: u8) -> ReduceOp {
+        [ReduceOp::Sum, ReduceOp::Max, ReduceOp::Min][usize::from(code % 3)]
+    }
+
+    proptest::proptest! {
+        #![proptest_config(proptest::prelude::ProptestConfig {
+            failure_persistence: None,
+            ..proptest::prelude::ProptestConfig::default()
+        })]
+
+        /// Up to 8 ranks, each making one of two random calls: the reduced checks agree exactly
+        /// when the ranks' checks are equal (the encoding loses nothing to f32 rounding), and
+        /// the all-gather that follows names a rank whose call differs.
+        #[test]
+        fn the_agreement_sees_exactly_the_ranks_that_differ(
+            words in proptest::array::uniform2(proptest::array::uniform4(
+                proptest::prelude::any::<u64>())),
+            assignment in proptest::collection::vec(proptest::prelude::any::<bool>(), 1..8),
+            code in 0u8..3,
+        ) {
+            let op = op_of(code);
+            // Words no call packs to stand for a call of another build: any u64s.
+            let calls = words.map(|w| CallDesc::unpack(w).unwrap_or(all_reduce(w[1], w[2], op)));
+            let world = assignment.len();
+            let mine: Vec<CallDesc> = assignment.iter().map(|&b| calls[usize::from(b)]).collect();
+            let checks: Vec<[f32; CHECK_FLOATS]> = mine.iter().map(|c| encode(c, world, op)).collect();
+            let same = checks.iter().all(|c| c == &checks[0]);
+            proptest::prop_assert_eq!(agreed(&reduce(&checks, op), world, op), same);
+            let packed: Vec<u8> = mine.iter().flat_map(|c| c.pack().map(u64::to_le_bytes).concat()).collect();
+            for (rank, call) in mine.iter().enumerate() {
+                if let CommError::Mismatch { peer, .. } = mismatch(&packed, call, rank) {
+                    proptest::prop_assert!(peer < world);
+                    if peer != rank {
+                        proptest::prop_assert!(mine[peer] != *call);
+                    }
+                }
+            }
+        }
+
+        /// Whatever MPI hands back (any floats, any bytes, any length): a verdict or an error
+        /// naming a rank, never a panic; packed calls decode only to what packs back to them.
+        #[test]
+        fn the_agreement_decoders_never_panic(
+            check in proptest::collection::vec(proptest::prelude::any::<f32>(), 0..20),
+            calls in proptest::collection::vec(proptest::prelude::any::<u8>(), 0..200),
+            world in proptest::prelude::any::<usize>(),
+            rank in 0usize..8,
+            code in 0u8..3,
+            words in proptest::array::uniform4(proptest::prelude::any::<u64>()),
+        ) {
+            let op = op_of(code);
+            let _ = agreed(&check, world, op);
+            let ours = all_reduce(1, 2, op);
+            if let CommError::Mismatch { peer, .. } = mismatch(&calls, &ours, rank) {
+                proptest::prop_assert!(peer == rank || peer < calls.len() / 32);
+            }
+            if let Some(call) = CallDesc::unpack(words) {
+                proptest::prop_assert_eq!(call.pack(), words);
+            }
+        }
+    }
 }
