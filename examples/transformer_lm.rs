@@ -97,6 +97,10 @@ pub struct Args {
     /// Decay of the exponential moving average of the weights, evaluated beside the model.
     #[arg(long, default_value_t = 0.99)]
     pub ema_decay: f64,
+    /// Layer norms computed as burn-nn does (Burn's decomposition) instead of our fused CPU
+    /// kernels, for comparisons (each norm's outputs and gradients agree within 1e-5).
+    #[arg(long)]
+    pub burn_nn_norms: bool,
     /// Recompute memory-bound activations in the backward pass (lower peak memory).
     #[arg(long)]
     pub gradient_checkpointing: bool,
@@ -189,7 +193,8 @@ pub fn train(args: &Args) -> anyhow::Result<Report> {
         args.d_model,
         args.heads,
         args.mlp,
-    );
+    )
+    .with_fused(!args.burn_nn_norms);
     let model = config.init(&acc.device());
     let train = DataLoader::builder(TextBatcher)
         .batch_size(args.batch)

@@ -60,6 +60,7 @@
 //! - [`selftest`]: the checks `accelerate test` runs on every process.
 //! - [`fused`]: fused AdamW / Adam / SGD over flat parameters, and ZeRO-1.
 //! - [`checkpoint`]: `save_state` / `load_state` with exact resume, atomic saves, rotation.
+//! - [`nn`]: burn-nn modules (layer norm) with fused CPU kernels for training on Flex.
 //!
 //! # Feature flags
 //!
@@ -78,6 +79,8 @@ mod accelerator;
 pub mod backend;
 mod buffers;
 pub mod checkpoint;
+#[cfg(feature = "flex")]
+mod cpu_kernels;
 mod data;
 #[cfg(feature = "device-kernels")]
 mod device_kernels;
@@ -87,6 +90,7 @@ mod group;
 mod loader_link;
 pub mod metrics;
 mod nccl;
+pub mod nn;
 mod optim;
 mod params;
 mod precision;

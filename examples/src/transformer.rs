@@ -1,15 +1,20 @@
-//! A decoder-only transformer language model: learned token and position embeddings, Burn's
+//! A decoder-only transformer language model: learned token and position embeddings,
 //! pre-LayerNorm transformer layers under a causal mask, a final LayerNorm, and an output
 //! layer tied to the token embedding (logits are hidden states times its transpose).
+//!
+//! The layers and norms are `accelerate_burn::nn`'s (burn-nn's modules, records and results,
+//! with fused layer norms on the CPU); `fused: false` computes every norm as burn-nn does, for
+//! comparisons.
 
 use accelerate_burn::burn;
+use accelerate_burn::nn::{
+    LayerNorm, LayerNormConfig, TransformerEncoder, TransformerEncoderConfig,
+    TransformerEncoderInput,
+};
 use burn::config::Config;
 use burn::module::Module;
 use burn::nn::attention::generate_autoregressive_mask;
-use burn::nn::transformer::{
-    TransformerEncoder, TransformerEncoderConfig, TransformerEncoderInput,
-};
-use burn::nn::{Embedding, EmbeddingConfig, Initializer, LayerNorm, LayerNormConfig};
+use burn::nn::{Embedding, EmbeddingConfig, Initializer};
 use burn::tensor::activation::log_softmax;
 use burn::tensor::{Device, Int, Tensor};
 
@@ -28,6 +33,9 @@ pub struct TransformerLmConfig {
     pub heads: usize,
     /// Hidden width of each layer's MLP (GELU).
     pub mlp: usize,
+    /// Fused layer norms on the CPU (`false`: burn-nn's computation). Default: true
+    #[config(default = true)]
+    pub fused: bool,
 }
 
 /// The model: see the module documentation.
@@ -57,8 +65,11 @@ impl TransformerLmConfig {
             layers: TransformerEncoderConfig::new(self.d_model, self.mlp, self.heads, self.layers)
                 .with_dropout(0.0)
                 .with_norm_first(true)
+                .with_fused(self.fused)
                 .init(device),
-            norm: LayerNormConfig::new(self.d_model).init(device),
+            norm: LayerNormConfig::new(self.d_model)
+                .with_fused(self.fused)
+                .init(device),
         }
     }
 

@@ -1,6 +1,7 @@
 //! The transformer example, run as a test on a small configuration: it learns, a run stopped
-//! and resumed from its project directory ends bit-identical to one that never stopped, and
-//! two processes learn what one learns from the same global batches.
+//! and resumed from its project directory ends bit-identical to one that never stopped, two
+//! processes learn what one learns from the same global batches, and the fused layer norms
+//! train what burn-nn's do.
 
 mod common;
 #[allow(dead_code)]
@@ -73,6 +74,24 @@ fn the_small_transformer_learns_the_text() {
     );
     assert_eq!(report.validation.weight, 32.0 * 32.0);
     assert!(report.train_loss < 3.4, "train loss {}", report.train_loss);
+}
+
+/// The fused layer norms train what burn-nn's do: 60 updates of the small model, the same
+/// validation loss within 0.02 nats per byte (the bound for 300 updates of the default
+/// model), the same initial weights.
+#[test]
+fn fused_layer_norms_train_like_burn_nns() {
+    let extra = ["--steps", "60", "--eval-every", "1000"];
+    let fused = train(&small(&extra)).unwrap();
+    let burn_nn = train(&small(&[&extra[..], &["--burn-nn-norms"]].concat())).unwrap();
+    let gap = (fused.validation.value - burn_nn.validation.value).abs();
+    assert!(
+        gap < 0.02,
+        "fused {} against burn-nn's {}",
+        fused.validation.value,
+        burn_nn.validation.value
+    );
+    assert_eq!(fused.parameters.len(), burn_nn.parameters.len());
 }
 
 #[test]

@@ -6,6 +6,8 @@
 //! tests compare against on odd lengths.
 //!
 //! - [`norm`]: sum of squares and global L2 norm, f32 lanes with f64 block totals.
+//! - [`layer_norm`]: layer normalisation forward and backward, one parallel pass each,
+//!   the same bits on any number of threads.
 //! - [`scale`]: in-place scaling and the gradient-clipping coefficient.
 //! - [`amp`]: the fused unscale-and-check pass of dynamic loss scaling.
 //! - [`optim`]: fused, in-place AdamW / Adam / SGD updates (the formulas of Burn's optimizers).
@@ -32,6 +34,7 @@ pub mod convert;
 // Kernel launches take raw buffer handles; each unsafe block states the lengths it relies on.
 #[allow(unsafe_code)]
 pub mod cube;
+pub mod layer_norm;
 pub mod norm;
 pub mod optim;
 pub mod reduce;

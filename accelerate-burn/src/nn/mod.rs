@@ -1,0 +1,52 @@
+//! Drop-in replacements for burn-nn modules whose training step Burn's autodiff takes apart into
+//! many single-core passes, computed by our fused CPU kernels on the Flex backend (forward and
+//! backward in one parallel pass each) and by Burn's own operations on every other backend.
+//!
+//! Each module has burn-nn's config type, field names and record layout: a model switches with
+//! a `use` line, and a checkpoint saved with one loads into the other.
+//!
+//! - [`LayerNorm`] / [`LayerNormConfig`], and [`layer_norm`] for hand-built models.
+//! - [`TransformerEncoder`] / [`TransformerEncoderConfig`] / [`TransformerEncoderInput`]:
+//!   burn-nn's encoder with these layer norms (attention and the feed-forward network are
+//!   burn-nn's modules).
+//!
+//! ```
+//! use accelerate_burn::burn::tensor::{Device, Tensor};
+//! use accelerate_burn::nn::LayerNormConfig; // in place of burn::nn::LayerNormConfig
+//!
+//! let device = Device::default();
+//! let norm = LayerNormConfig::new(4).init(&device);
+//! let x = Tensor::<2>::from_floats([[1.0, 2.0, 3.0, 4.0]], &device);
+//! let y = norm.forward(x);
+//! let mean: f32 = y.clone().mean().into_scalar();
+//! assert!(mean.abs() < 1e-6);
+//! ```
+
+mod layer_norm;
+mod transformer;
+
+pub use layer_norm::{LayerNorm, LayerNormConfig, layer_norm};
+pub use transformer::{
+    TransformerEncoder, TransformerEncoderConfig, TransformerEncoderInput, TransformerEncoderLayer,
+};
+
+/// Whether `device` is Flex's (plain or under autodiff), where our CPU kernels run.
+#[cfg(feature = "flex")]
+pub(crate) fn on_flex(device: &burn::tensor::Device) -> bool {
+    matches!(
+        device.clone().inner().as_dispatch(),
+        burn::backend::DispatchDevice::Flex(_)
+    )
+}
+
+#[cfg(test)]
+mod tests {
+    /// The default device of a flex build, with and without autodiff, takes the fused path.
+    #[cfg(feature = "flex")]
+    #[test]
+    fn flex_devices_take_the_fused_kernels() {
+        let device = burn::tensor::Device::default();
+        assert!(super::on_flex(&device));
+        assert!(super::on_flex(&device.autodiff()));
+    }
+}

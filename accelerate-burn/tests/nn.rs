@@ -1,0 +1,223 @@
+//! `accelerate_burn::nn` against burn-nn: the same outputs and gradients within 1e-5 relative
+//! over a sweep of shapes, under autodiff and without, and checkpoints that load both ways.
+
+use accelerate_burn::burn;
+use accelerate_burn::nn;
+use burn::module::{Module, Param};
+use burn::store::{ModuleSnapshot, SafetensorsStore};
+use burn::tensor::{Device, Distribution, FloatDType, Tensor, TensorData};
+
+/// Largest element-wise difference relative to the larger magnitude (floored at 1, so values
+/// near zero are compared absolutely).
+fn assert_close(ours: TensorData, theirs: TensorData, tolerance: f32, what: &str) {
+    let (a, b) = (
+        ours.convert::<f32>().try_into_vec::<f32>().unwrap(),
+        theirs.convert::<f32>().try_into_vec::<f32>().unwrap(),
+    );
+    assert_eq!(a.len(), b.len(), "{what}: lengths");
+    for (i, (x, y)) in a.iter().zip(&b).enumerate() {
+        let scale = x.abs().max(y.abs()).max(1.0);
+        assert!(
+            (x - y).abs() <= tolerance * scale,
+            "{what}[{i}]: ours {x}, burn-nn's {y}"
+        );
+    }
+}
+
+/// Both modules with the same (random) gamma and beta, each its own parameters.
+fn pair(d_model: usize, bias: bool, device: &Device) -> (nn::LayerNorm, burn::nn::LayerNorm) {
+    let gamma = Tensor::<1>::random([d_model], Distribution::Uniform(0.5, 1.5), device).into_data();
+    let beta = Tensor::<1>::random([d_model], Distribution::Uniform(-0.5, 0.5), device).into_data();
+    let param =
+        |data: &TensorData| Param::from_tensor(Tensor::<1>::from_data(data.clone(), device));
+    let mut ours = nn::LayerNormConfig::new(d_model)
+        .with_bias(bias)
+        .init(device);
+    let mut theirs = burn::nn::LayerNormConfig::new(d_model)
+        .with_bias(bias)
+        .init(device);
+    ours.gamma = param(&gamma);
+    theirs.gamma = param(&gamma);
+    if bias {
+        ours.beta = Some(param(&beta));
+        theirs.beta = Some(param(&beta));
+    }
+    (ours, theirs)
+}
+
+#[test]
+fn layer_norm_outputs_and_gradients_equal_burn_nn() {
+    let device = Device::default().autodiff();
+    for (dims, bias) in [
+        ([1, 1, 1], true),
+        ([1, 1, 7], true),
+        ([2, 3, 16], false),
+        ([1, 5, 256], true),
+        ([4, 33, 17], true),
+        ([3, 70, 96], false),
+    ] {
+        let d_model = dims[2];
+        let (ours, theirs) = pair(d_model, bias, &device);
+        let input = Tensor::<3>::random(dims, Distribution::Normal(0.3, 2.0), &device);
+        let weights = Tensor::<3>::random(dims, Distribution::Normal(0.0, 1.0), &device);
+        let run = |forward: &dyn Fn(Tensor<3>) -> Tensor<3>| {
+            let x = input.clone().detach().require_grad();
+            let y = forward(x.clone());
+            // A loss whose gradient is not uniform, so every term of the backward pass counts.
+            let grads = (y.clone() * weights.clone()).sum().backward();
+            (y, x.grad(&grads).unwrap(), grads)
+        };
+        let (y_ours, dx_ours, g_ours) = run(&|x| ours.forward(x));
+        let (y_theirs, dx_theirs, g_theirs) = run(&|x| theirs.forward(x));
+        let what = format!("{dims:?} bias {bias}");
+        assert_close(
+            y_ours.into_data(),
+            y_theirs.into_data(),
+            1e-5,
+            &format!("{what} y"),
+        );
+        assert_close(
+            dx_ours.into_data(),
+            dx_theirs.into_data(),
+            1e-5,
+            &format!("{what} dx"),
+        );
+        let dgamma = |g, p: &Param<Tensor<1>>| p.val().grad(g).unwrap().into_data();
+        assert_close(
+            dgamma(&g_ours, &ours.gamma),
+            dgamma(&g_theirs, &theirs.gamma),
+            1e-5,
+            &format!("{what} dgamma"),
+        );
+        if let (Some(b_ours), Some(b_theirs)) = (&ours.beta, &theirs.beta) {
+            assert_close(
+                dgamma(&g_ours, b_ours),
+                dgamma(&g_theirs, b_theirs),
+                1e-5,
+                &format!("{what} dbeta"),
+            );
+        }
+    }
+}
+
+#[test]
+fn layer_norm_without_autodiff_and_in_half_precision_follows_burn_nn() {
+    let device = Device::default();
+    let (ours, theirs) = pair(64, true, &device);
+    let x = Tensor::<2>::random([9, 64], Distribution::Normal(0.0, 3.0), &device);
+    assert_close(
+        ours.forward(x.clone()).into_data(),
+        theirs.forward(x.clone()).into_data(),
+        1e-5,
+        "f32 without autodiff",
+    );
+    // Half precision: computed in f32 and rounded once, so within the type's precision of
+    // burn-nn's f32 result.
+    for (dtype, tolerance) in [(FloatDType::F16, 2e-3), (FloatDType::BF16, 1.6e-2)] {
+        if !device.supports_dtype(dtype) {
+            continue; // a GPU adapter without the type (lavapipe in CI has no f16 arithmetic)
+        }
+        let half = ours.forward(x.clone().cast(dtype));
+        assert_eq!(half.dtype(), dtype.into());
+        assert_close(
+            half.into_data(),
+            theirs.forward(x.clone()).into_data(),
+            tolerance,
+            &format!("{dtype:?}"),
+        );
+    }
+}
+
+/// The record layouts are the same: a checkpoint of either loads into the other.
+#[test]
+fn layer_norm_checkpoints_load_both_ways() {
+    let device = Device::default();
+    let tmp = tempfile::tempdir().unwrap();
+    let (ours, theirs) = pair(24, true, &device);
+    let x = Tensor::<2>::random([3, 24], Distribution::Normal(0.0, 1.0), &device);
+
+    let path = tmp.path().join("ours.safetensors");
+    ours.save_into(&mut SafetensorsStore::from_file(&path))
+        .unwrap();
+    let mut loaded = burn::nn::LayerNormConfig::new(24).init(&device);
+    loaded
+        .load_from(&mut SafetensorsStore::from_file(&path))
+        .unwrap();
+    assert_close(
+        loaded.forward(x.clone()).into_data(),
+        ours.forward(x.clone()).into_data(),
+        1e-5,
+        "ours into burn-nn",
+    );
+
+    let path = tmp.path().join("theirs.safetensors");
+    theirs
+        .save_into(&mut SafetensorsStore::from_file(&path))
+        .unwrap();
+    let mut loaded = nn::LayerNormConfig::new(24).init(&device);
+    loaded
+        .load_from(&mut SafetensorsStore::from_file(&path))
+        .unwrap();
+    assert_close(
+        loaded.forward(x.clone()).into_data(),
+        theirs.forward(x).into_data(),
+        1e-5,
+        "burn-nn into ours",
+    );
+    // Same number of parameters, same names.
+    assert_eq!(loaded.num_params(), theirs.num_params());
+}
+
+/// burn-nn's encoder (pre-norm and post-norm, causal mask) saved and loaded into ours: the same
+/// outputs and input gradients within 1e-5, under autodiff.
+#[test]
+fn transformer_encoders_load_burn_nn_weights_and_compute_the_same() {
+    use burn::nn::attention::generate_autoregressive_mask;
+    let device = Device::default().autodiff();
+    let tmp = tempfile::tempdir().unwrap();
+    for norm_first in [true, false] {
+        let theirs = burn::nn::transformer::TransformerEncoderConfig::new(32, 64, 4, 2)
+            .with_dropout(0.0)
+            .with_norm_first(norm_first)
+            .init(&device);
+        let path = tmp.path().join(format!("encoder-{norm_first}.safetensors"));
+        theirs
+            .save_into(&mut SafetensorsStore::from_file(&path))
+            .unwrap();
+        let mut ours = nn::TransformerEncoderConfig::new(32, 64, 4, 2)
+            .with_dropout(0.0)
+            .with_norm_first(norm_first)
+            .init(&device);
+        ours.load_from(&mut SafetensorsStore::from_file(&path))
+            .unwrap();
+        assert_eq!(ours.num_params(), theirs.num_params());
+
+        let input = Tensor::<3>::random([3, 10, 32], Distribution::Normal(0.0, 1.0), &device);
+        let mask = generate_autoregressive_mask(3, 10, &device);
+        let x = input.clone().require_grad();
+        let y_ours =
+            ours.forward(nn::TransformerEncoderInput::new(x.clone()).mask_attn(mask.clone()));
+        let dx_ours = x
+            .grad(&(y_ours.clone() * y_ours.clone()).sum().backward())
+            .unwrap();
+        let x = input.require_grad();
+        let y_theirs = theirs.forward(
+            burn::nn::transformer::TransformerEncoderInput::new(x.clone()).mask_attn(mask),
+        );
+        let dx_theirs = x
+            .grad(&(y_theirs.clone() * y_theirs.clone()).sum().backward())
+            .unwrap();
+        assert_close(
+            y_ours.into_data(),
+            y_theirs.into_data(),
+            1e-5,
+            "encoder output",
+        );
+        assert_close(
+            dx_ours.into_data(),
+            dx_theirs.into_data(),
+            1e-5,
+            "encoder dx",
+        );
+    }
+}
