@@ -221,3 +221,17 @@ fn transformer_encoders_load_burn_nn_weights_and_compute_the_same() {
         );
     }
 }
+
+#[test]
+#[should_panic(
+    expected = "layer_norm: gamma has 3 elements for an input whose last dimension is 4"
+)]
+fn a_layer_norm_of_the_wrong_width_says_so() {
+    let device = Device::default();
+    let _ = nn::layer_norm(
+        Tensor::<2>::zeros([2, 4], &device),
+        Tensor::<1>::ones([3], &device),
+        None,
+        1e-5,
+    );
+}

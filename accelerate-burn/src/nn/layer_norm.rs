@@ -80,12 +80,28 @@ impl LayerNorm {
 /// `burn::tensor::module::layer_norm` under burn-nn's `LayerNorm` (f16 computed in f32). On
 /// Flex, our fused kernel in f32 (half-precision inputs are widened for it and the result
 /// narrowed back); elsewhere, Burn's operations.
+///
+/// # Panics
+/// When `gamma` or `beta` does not have one element per entry of `x`'s last dimension (a
+/// shape error, as Burn's operations panic on).
 pub fn layer_norm<const D: usize>(
     x: Tensor<D>,
     gamma: Tensor<1>,
     beta: Option<Tensor<1>>,
     epsilon: f64,
 ) -> Tensor<D> {
+    let width = x.dims()[D - 1];
+    for (name, len) in [
+        ("gamma", Some(gamma.dims()[0])),
+        ("beta", beta.as_ref().map(|b| b.dims()[0])),
+    ] {
+        if let Some(len) = len {
+            assert_eq!(
+                len, width,
+                "layer_norm: {name} has {len} elements for an input whose last dimension is {width}"
+            );
+        }
+    }
     #[cfg(feature = "flex")]
     {
         let dtype = x.dtype();
