@@ -97,10 +97,11 @@ pub struct Args {
     /// Decay of the exponential moving average of the weights, evaluated beside the model.
     #[arg(long, default_value_t = 0.99)]
     pub ema_decay: f64,
-    /// Layer norms computed as burn-nn does (Burn's decomposition) instead of our fused CPU
-    /// kernels, for comparisons (each norm's outputs and gradients agree within 1e-5).
+    /// Layer norms, attention, GELU and the loss computed as burn-nn and Burn do instead of
+    /// our fused CPU kernels, for comparisons (each op's outputs and gradients agree within
+    /// 1e-5).
     #[arg(long)]
-    pub burn_nn_norms: bool,
+    pub burn_nn_modules: bool,
     /// Recompute memory-bound activations in the backward pass (lower peak memory).
     #[arg(long)]
     pub gradient_checkpointing: bool,
@@ -194,7 +195,7 @@ pub fn train(args: &Args) -> anyhow::Result<Report> {
         args.heads,
         args.mlp,
     )
-    .with_fused(!args.burn_nn_norms);
+    .with_fused(!args.burn_nn_modules);
     let model = config.init(&acc.device());
     let train = DataLoader::builder(TextBatcher)
         .batch_size(args.batch)

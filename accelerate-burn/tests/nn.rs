@@ -235,3 +235,266 @@ fn a_layer_norm_of_the_wrong_width_says_so() {
         1e-5,
     );
 }
+
+/// A module's weights copied into another of the same record layout, through a checkpoint.
+fn copy_weights<A: Module, B: Module>(from: &A, into: &mut B, dir: &std::path::Path, name: &str) {
+    let path = dir.join(format!("{name}.safetensors"));
+    from.save_into(&mut SafetensorsStore::from_file(&path))
+        .unwrap();
+    into.load_from(&mut SafetensorsStore::from_file(&path))
+        .unwrap();
+}
+
+/// Multi-head attention against burn-nn's, weights loaded from burn-nn's checkpoint: context,
+/// weights, the input's gradient and every projection's gradient within 1e-5, over batch 1,
+/// sequence 1, odd sizes, cross-attention, padding and attention masks, quiet softmax.
+#[test]
+fn multi_head_attention_equals_burn_nn_with_and_without_masks() {
+    use burn::nn::attention as theirs_mha;
+    use burn::tensor::Bool;
+    let device = Device::default().autodiff();
+    let tmp = tempfile::tempdir().unwrap();
+    // (batch, seq, keys, d_model, heads, quiet, self-attention)
+    for (case, (batch, seq, keys, d_model, heads, quiet, self_attn)) in [
+        (1, 1, 1, 8, 2, false, true),
+        (2, 7, 7, 12, 3, false, true),
+        (3, 16, 16, 32, 4, true, true),
+        (2, 5, 9, 16, 4, false, false),
+        (1, 33, 33, 20, 5, false, true),
+    ]
+    .into_iter()
+    .enumerate()
+    {
+        let theirs = theirs_mha::MultiHeadAttentionConfig::new(d_model, heads)
+            .with_dropout(0.0)
+            .with_quiet_softmax(quiet)
+            .init(&device);
+        let mut ours = nn::MultiHeadAttentionConfig::new(d_model, heads)
+            .with_dropout(0.0)
+            .with_quiet_softmax(quiet)
+            .init(&device);
+        copy_weights(&theirs, &mut ours, tmp.path(), &format!("mha-{case}"));
+        assert_eq!(ours.num_params(), theirs.num_params());
+
+        let query = Tensor::<3>::random(
+            [batch, seq, d_model],
+            Distribution::Normal(0.0, 1.0),
+            &device,
+        );
+        let memory = Tensor::<3>::random(
+            [batch, keys, d_model],
+            Distribution::Normal(0.0, 1.0),
+            &device,
+        );
+        let causal = theirs_mha::generate_autoregressive_mask(batch, seq, &device);
+        // The last key of every sequence but the first is padding.
+        let mut pad = vec![false; batch * keys];
+        for b in 1..batch {
+            pad[b * keys + keys - 1] = true;
+        }
+        let pad = Tensor::<2, Bool>::from_data(TensorData::new(pad, [batch, keys]), &device);
+        let weights_of_output = Tensor::<3>::random(
+            [batch, seq, d_model],
+            Distribution::Normal(0.0, 1.0),
+            &device,
+        );
+        for masks in 0..4 {
+            let with_pad = masks & 1 == 1;
+            let with_attn = masks & 2 == 2 && seq == keys;
+            let what = format!("case {case} masks pad {with_pad} attn {with_attn}");
+            let x = query.clone().require_grad();
+            let m = memory.clone().require_grad();
+            let mut input = if self_attn {
+                nn::MhaInput::self_attn(x.clone())
+            } else {
+                nn::MhaInput::new(x.clone(), m.clone(), m.clone())
+            };
+            let mut their_input = if self_attn {
+                theirs_mha::MhaInput::self_attn(x.clone())
+            } else {
+                theirs_mha::MhaInput::new(x.clone(), m.clone(), m.clone())
+            };
+            if with_pad {
+                input = input.mask_pad(pad.clone());
+                their_input = their_input.mask_pad(pad.clone());
+            }
+            if with_attn {
+                input = input.mask_attn(causal.clone());
+                their_input = their_input.mask_attn(causal.clone());
+            }
+            let out_ours = ours.forward(input);
+            let g_ours = (out_ours.context.clone() * weights_of_output.clone())
+                .sum()
+                .backward();
+            let out_theirs = theirs.forward(their_input);
+            let g_theirs = (out_theirs.context.clone() * weights_of_output.clone())
+                .sum()
+                .backward();
+            assert_close(
+                out_ours.context.into_data(),
+                out_theirs.context.into_data(),
+                1e-5,
+                &format!("{what} context"),
+            );
+            assert_close(
+                out_ours.weights.into_data(),
+                out_theirs.weights.into_data(),
+                1e-5,
+                &format!("{what} weights"),
+            );
+            assert_close(
+                x.grad(&g_ours).unwrap().into_data(),
+                x.grad(&g_theirs).unwrap().into_data(),
+                1e-5,
+                &format!("{what} dx"),
+            );
+            for (name, mine, their) in [
+                ("query", &ours.query, &theirs.query),
+                ("key", &ours.key, &theirs.key),
+                ("value", &ours.value, &theirs.value),
+                ("output", &ours.output, &theirs.output),
+            ] {
+                assert_close(
+                    mine.weight.val().grad(&g_ours).unwrap().into_data(),
+                    their.weight.val().grad(&g_theirs).unwrap().into_data(),
+                    1e-5,
+                    &format!("{what} d{name}.weight"),
+                );
+                let bias = |l: &burn::nn::Linear, g| {
+                    l.bias.as_ref().unwrap().val().grad(g).unwrap().into_data()
+                };
+                assert_close(
+                    bias(mine, &g_ours),
+                    bias(their, &g_theirs),
+                    1e-5,
+                    &format!("{what} d{name}.bias"),
+                );
+            }
+        }
+    }
+}
+
+/// GELU and cross-entropy against Burn's: values and gradients within 1e-5, with and without
+/// autodiff, odd shapes; the cross-entropy's targets cover the first and last class.
+#[test]
+fn gelu_and_cross_entropy_equal_burns() {
+    let device = Device::default().autodiff();
+    gelu_and_cross_entropy_equal_burns_on(&device);
+}
+
+/// Under gradient checkpointing the GELU is recomputed in the backward pass (memory-bound, as
+/// Burn's): the same values and gradients.
+#[test]
+fn gelu_and_cross_entropy_equal_burns_under_gradient_checkpointing() {
+    let device = Device::default().autodiff().gradient_checkpointing();
+    gelu_and_cross_entropy_equal_burns_on(&device);
+}
+
+fn gelu_and_cross_entropy_equal_burns_on(device: &Device) {
+    use burn::tensor::Int;
+    use burn::tensor::activation::log_softmax;
+    let device = device.clone();
+    for dims in [[1, 1], [1, 7], [17, 3], [33, 256], [64, 1000]] {
+        let [rows, classes] = dims;
+        let input = Tensor::<2>::random(dims, Distribution::Normal(0.0, 3.0), &device);
+        let weights = Tensor::<2>::random(dims, Distribution::Normal(0.0, 1.0), &device);
+        let x = input.clone().require_grad();
+        let y = nn::gelu(x.clone());
+        let dx = x
+            .grad(&(y.clone() * weights.clone()).sum().backward())
+            .unwrap();
+        let x_theirs = input.clone().require_grad();
+        let y_theirs = burn::tensor::activation::gelu(x_theirs.clone());
+        let dx_theirs = x_theirs
+            .grad(&(y_theirs.clone() * weights.clone()).sum().backward())
+            .unwrap();
+        assert_close(
+            y.into_data(),
+            y_theirs.into_data(),
+            1e-5,
+            &format!("gelu {dims:?}"),
+        );
+        assert_close(
+            dx.into_data(),
+            dx_theirs.into_data(),
+            1e-5,
+            &format!("gelu' {dims:?}"),
+        );
+
+        let targets: Vec<i64> = (0..rows)
+            .map(|r| if r % 2 == 0 { 0 } else { (classes - 1) as i64 })
+            .map(|t| (t + rows as i64 / 3) % classes as i64)
+            .collect();
+        let targets = Tensor::<1, Int>::from_data(TensorData::new(targets, [rows]), &device);
+        let row_weights = Tensor::<1>::random([rows], Distribution::Normal(0.0, 1.0), &device);
+        let x = input.clone().require_grad();
+        let losses = nn::cross_entropy(x.clone(), targets.clone());
+        let dx = x
+            .grad(&(losses.clone() * row_weights.clone()).sum().backward())
+            .unwrap();
+        let x_theirs = input.clone().require_grad();
+        let losses_theirs = log_softmax(x_theirs.clone(), 1)
+            .gather(1, targets.clone().reshape([rows, 1]))
+            .reshape([rows])
+            .neg();
+        let dx_theirs = x_theirs
+            .grad(&(losses_theirs.clone() * row_weights).sum().backward())
+            .unwrap();
+        assert_close(
+            losses.into_data(),
+            losses_theirs.into_data(),
+            1e-5,
+            &format!("cross_entropy {dims:?}"),
+        );
+        assert_close(
+            dx.into_data(),
+            dx_theirs.into_data(),
+            1e-5,
+            &format!("cross_entropy' {dims:?}"),
+        );
+        // Without autodiff: the same values.
+        let plain = nn::cross_entropy(input.clone().inner(), targets.inner());
+        assert_eq!(plain.dims(), [rows]);
+    }
+}
+
+/// The feed-forward network's record is burn-nn's (both ways), and it computes the same.
+#[test]
+fn feed_forward_networks_load_both_ways_and_compute_the_same() {
+    let device = Device::default();
+    let tmp = tempfile::tempdir().unwrap();
+    let theirs = burn::nn::transformer::PositionWiseFeedForwardConfig::new(24, 40)
+        .with_dropout(0.0)
+        .init(&device);
+    let mut ours = nn::PositionWiseFeedForwardConfig::new(24, 40)
+        .with_dropout(0.0)
+        .init(&device);
+    copy_weights(&theirs, &mut ours, tmp.path(), "theirs");
+    let x = Tensor::<3>::random([2, 5, 24], Distribution::Normal(0.0, 1.0), &device);
+    assert_close(
+        ours.forward(x.clone()).into_data(),
+        theirs.forward(x.clone()).into_data(),
+        1e-5,
+        "burn-nn into ours",
+    );
+    let mut back = burn::nn::transformer::PositionWiseFeedForwardConfig::new(24, 40)
+        .with_dropout(0.0)
+        .init(&device);
+    copy_weights(&ours, &mut back, tmp.path(), "ours");
+    assert_close(
+        back.forward(x.clone()).into_data(),
+        ours.forward(x).into_data(),
+        1e-5,
+        "ours into burn-nn",
+    );
+}
+
+#[test]
+#[should_panic(expected = "cross_entropy: 3 targets for 2 rows of logits")]
+fn a_cross_entropy_with_too_few_targets_says_so() {
+    let device = Device::default();
+    let _ = nn::cross_entropy(
+        Tensor::<2>::zeros([2, 4], &device),
+        Tensor::<1, burn::tensor::Int>::zeros([3], &device),
+    );
+}

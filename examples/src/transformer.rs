@@ -2,14 +2,14 @@
 //! pre-LayerNorm transformer layers under a causal mask, a final LayerNorm, and an output
 //! layer tied to the token embedding (logits are hidden states times its transpose).
 //!
-//! The layers and norms are `accelerate_burn::nn`'s (burn-nn's modules, records and results,
-//! with fused layer norms on the CPU); `fused: false` computes every norm as burn-nn does, for
-//! comparisons.
+//! The layers, norms and loss are `accelerate_burn::nn`'s (burn-nn's modules, records and
+//! results, with our fused kernels on the CPU: layer norm, attention softmax, GELU,
+//! cross-entropy); `fused: false` computes all of them as burn-nn and Burn do, for comparisons.
 
 use accelerate_burn::burn;
 use accelerate_burn::nn::{
     LayerNorm, LayerNormConfig, TransformerEncoder, TransformerEncoderConfig,
-    TransformerEncoderInput,
+    TransformerEncoderInput, cross_entropy,
 };
 use burn::config::Config;
 use burn::module::Module;
@@ -33,7 +33,7 @@ pub struct TransformerLmConfig {
     pub heads: usize,
     /// Hidden width of each layer's MLP (GELU).
     pub mlp: usize,
-    /// Fused layer norms on the CPU (`false`: burn-nn's computation). Default: true
+    /// Our fused kernels on the CPU (`false`: burn-nn's and Burn's computation). Default: true
     #[config(default = true)]
     pub fused: bool,
 }
@@ -45,6 +45,8 @@ pub struct TransformerLm {
     positions: Embedding,
     layers: TransformerEncoder,
     norm: LayerNorm,
+    /// Whether the loss is our fused cross-entropy (not part of the record).
+    fused: bool,
 }
 
 impl TransformerLmConfig {
@@ -70,6 +72,7 @@ impl TransformerLmConfig {
             norm: LayerNormConfig::new(self.d_model)
                 .with_fused(self.fused)
                 .init(device),
+            fused: self.fused,
         }
     }
 
@@ -106,7 +109,16 @@ impl TransformerLm {
     /// `targets` `[batch, seq]`.
     pub fn sequence_losses(&self, tokens: Tensor<2, Int>, targets: Tensor<2, Int>) -> Tensor<1> {
         let [batch, seq] = targets.dims();
-        let log_probs = log_softmax(self.forward(tokens), 2);
+        let logits = self.forward(tokens);
+        if self.fused {
+            let [.., vocab] = logits.dims();
+            let losses = cross_entropy(
+                logits.reshape([batch * seq, vocab]),
+                targets.reshape([batch * seq]),
+            );
+            return losses.reshape([batch, seq]).sum_dim(1).reshape([batch]);
+        }
+        let log_probs = log_softmax(logits, 2);
         let picked = log_probs.gather(2, targets.reshape([batch, seq, 1]));
         picked.sum_dim(1).reshape([batch]).neg()
     }

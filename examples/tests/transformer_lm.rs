@@ -1,6 +1,6 @@
 //! The transformer example, run as a test on a small configuration: it learns, a run stopped
 //! and resumed from its project directory ends bit-identical to one that never stopped, two
-//! processes learn what one learns from the same global batches, and the fused layer norms
+//! processes learn what one learns from the same global batches, and the fused kernels
 //! train what burn-nn's do.
 
 mod common;
@@ -76,14 +76,15 @@ fn the_small_transformer_learns_the_text() {
     assert!(report.train_loss < 3.4, "train loss {}", report.train_loss);
 }
 
-/// The fused layer norms train what burn-nn's do: 60 updates of the small model, the same
+/// The fused kernels (layer norm, attention softmax, GELU, cross-entropy) train what burn-nn's
+/// modules do: 60 updates of the small model, the same
 /// validation loss within 0.02 nats per byte (the bound for 300 updates of the default
 /// model), the same initial weights.
 #[test]
-fn fused_layer_norms_train_like_burn_nns() {
+fn fused_modules_train_like_burn_nns() {
     let extra = ["--steps", "60", "--eval-every", "1000"];
     let fused = train(&small(&extra)).unwrap();
-    let burn_nn = train(&small(&[&extra[..], &["--burn-nn-norms"]].concat())).unwrap();
+    let burn_nn = train(&small(&[&extra[..], &["--burn-nn-modules"]].concat())).unwrap();
     let gap = (fused.validation.value - burn_nn.validation.value).abs();
     assert!(
         gap < 0.02,

@@ -31,72 +31,13 @@
 
 use rayon::prelude::*;
 
-use crate::LANES;
+pub use crate::rows::Shape;
+use crate::rows::{lane_centred_squares, lane_sum, lane_sum_and_dot};
 
 /// Rows per parallel task: fixed, so the parameter gradients' summation order (and bits) does
 /// not depend on the thread count; small enough that a transformer's batch gives every core
 /// work (4,096 tokens make 128 tasks).
 pub const ROWS_PER_CHUNK: usize = 32;
-
-/// The extent of the buffers: `rows` rows of `width` elements, normalised along `width`.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct Shape {
-    /// Rows (every dimension but the last, multiplied).
-    pub rows: usize,
-    /// Elements per row (the normalised dimension).
-    pub width: usize,
-}
-
-/// Sum of `values` in [`LANES`] f32 accumulators (vectorises; the order is fixed).
-fn lane_sum(values: &[f32]) -> f32 {
-    let mut lanes = [0.0_f32; LANES];
-    let mut chunks = values.chunks_exact(LANES);
-    for chunk in &mut chunks {
-        for (lane, &v) in lanes.iter_mut().zip(chunk) {
-            *lane += v;
-        }
-    }
-    lanes.iter().sum::<f32>() + chunks.remainder().iter().sum::<f32>()
-}
-
-/// Sum of `(v - mean)^2` over `values`, in lanes like [`lane_sum`].
-fn lane_centred_squares(values: &[f32], mean: f32) -> f32 {
-    let mut lanes = [0.0_f32; LANES];
-    let mut chunks = values.chunks_exact(LANES);
-    for chunk in &mut chunks {
-        for (lane, &v) in lanes.iter_mut().zip(chunk) {
-            let c = v - mean;
-            *lane += c * c;
-        }
-    }
-    let tail: f32 = chunks
-        .remainder()
-        .iter()
-        .map(|&v| (v - mean) * (v - mean))
-        .sum();
-    lanes.iter().sum::<f32>() + tail
-}
-
-/// Sums of `a` and of `a * b`, in lanes like [`lane_sum`].
-fn lane_sum_and_dot(a: &[f32], b: &[f32]) -> (f32, f32) {
-    let mut sums = [0.0_f32; LANES];
-    let mut dots = [0.0_f32; LANES];
-    let mut ca = a.chunks_exact(LANES);
-    let mut cb = b.chunks_exact(LANES);
-    for (xa, xb) in (&mut ca).zip(&mut cb) {
-        for (((s, d), &va), &vb) in sums.iter_mut().zip(dots.iter_mut()).zip(xa).zip(xb) {
-            *s += va;
-            *d += va * vb;
-        }
-    }
-    let mut sum = sums.iter().sum::<f32>();
-    let mut dot = dots.iter().sum::<f32>();
-    for (&va, &vb) in ca.remainder().iter().zip(cb.remainder()) {
-        sum += va;
-        dot += va * vb;
-    }
-    (sum, dot)
-}
 
 /// `y = (x - mean) / sqrt(var + epsilon) * gamma + beta` for every row, with the biased
 /// variance (Burn's and PyTorch's `LayerNorm`). `stats` receives each row's mean and

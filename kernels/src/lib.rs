@@ -8,6 +8,10 @@
 //! - [`norm`]: sum of squares and global L2 norm, f32 lanes with f64 block totals.
 //! - [`layer_norm`]: layer normalisation forward and backward, one parallel pass each,
 //!   the same bits on any number of threads.
+//! - [`softmax`]: attention's scaled, masked softmax, forward and backward.
+//! - [`cross_entropy`]: softmax cross-entropy against target classes, forward and backward.
+//! - [`gelu`]: the exact GELU and its derivative with a vectorised `erfc`.
+//! - [`rows`]: what the row-wise kernels share (shapes, fixed-lane sums, a vectorisable `exp`).
 //! - [`scale`]: in-place scaling and the gradient-clipping coefficient.
 //! - [`amp`]: the fused unscale-and-check pass of dynamic loss scaling.
 //! - [`optim`]: fused, in-place AdamW / Adam / SGD updates (the formulas of Burn's optimizers).
@@ -30,16 +34,20 @@
 
 pub mod amp;
 pub mod convert;
+pub mod cross_entropy;
 #[cfg(feature = "cubecl")]
 // Kernel launches take raw buffer handles; each unsafe block states the lengths it relies on.
 #[allow(unsafe_code)]
 pub mod cube;
+pub mod gelu;
 pub mod layer_norm;
 pub mod norm;
 pub mod optim;
 pub mod reduce;
+pub mod rows;
 pub mod scale;
 pub mod schedule;
+pub mod softmax;
 #[cfg(target_arch = "x86_64")]
 mod x86;
 

@@ -1,5 +1,5 @@
-//! AVX2 + F16C versions of the half-precision reductions and conversions, and an AVX2 build of
-//! the fused Adam update: the only unsafe code of this crate. Each is entered only through a `try_` wrapper, after [`has_avx2_f16c`]
+//! AVX2 + F16C versions of the half-precision reductions and conversions, and AVX2 builds of
+//! the fused Adam update and the GELU: the only unsafe code of this crate. Each is entered only through a `try_` wrapper, after [`has_avx2_f16c`]
 //! confirmed the CPU supports it; the helpers carry `#[target_feature]`, so the compiler
 //! itself refuses a call from code not compiled for AVX2 and F16C. Each computes exactly what its portable twin in `reduce`/`convert` computes (the tests
 //! compare them bit for bit on odd lengths).
@@ -42,6 +42,39 @@ fn adam_lanes_avx2<const DECOUPLED: bool, const FIRST: bool>(
     c: &AdamConstants,
 ) {
     crate::optim::adam_lanes::<DECOUPLED, FIRST>(lanes, grad_scale, c);
+}
+
+/// The portable GELU loop (`gelu::forward_chunk`, inlined) compiled for AVX2: the same
+/// operations in the same order, so the same bits, in 8 lanes.
+#[target_feature(enable = "avx2")]
+fn gelu_forward_avx2(x: &[f32], y: &mut [f32]) {
+    crate::gelu::forward_chunk(x, y);
+}
+
+/// The portable GELU derivative loop (`gelu::backward_chunk`) compiled for AVX2.
+#[target_feature(enable = "avx2")]
+fn gelu_backward_avx2(x: &[f32], dy: &[f32], dx: &mut [f32]) {
+    crate::gelu::backward_chunk(x, dy, dx);
+}
+
+/// Runs the GELU on AVX2 when the CPU has it (true); false: the caller runs the portable loop.
+pub(crate) fn try_gelu_forward(x: &[f32], y: &mut [f32]) -> bool {
+    if !has_avx2_f16c() {
+        return false;
+    }
+    // SAFETY: the CPU has AVX2 (checked above), the one requirement of the callee.
+    unsafe { gelu_forward_avx2(x, y) };
+    true
+}
+
+/// Runs the GELU derivative on AVX2 when the CPU has it (true), as [`try_gelu_forward`].
+pub(crate) fn try_gelu_backward(x: &[f32], dy: &[f32], dx: &mut [f32]) -> bool {
+    if !has_avx2_f16c() {
+        return false;
+    }
+    // SAFETY: the CPU has AVX2 (checked above), the one requirement of the callee.
+    unsafe { gelu_backward_avx2(x, dy, dx) };
+    true
 }
 
 /// Runs the Adam update on AVX2 when the CPU has it (`None`); hands the chunk back otherwise.

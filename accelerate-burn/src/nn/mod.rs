@@ -5,10 +5,19 @@
 //! Each module has burn-nn's config type, field names and record layout: a model switches with
 //! a `use` line, and a checkpoint saved with one loads into the other.
 //!
-//! - [`LayerNorm`] / [`LayerNormConfig`], and [`layer_norm`] for hand-built models.
+//! - [`LayerNorm`] / [`LayerNormConfig`]: one pass forward, one backward.
+//! - [`MultiHeadAttention`] / [`MultiHeadAttentionConfig`] / [`MhaInput`] / [`MhaOutput`]: the
+//!   scale, masks and softmax in one pass (one backward), and self-attention's three input
+//!   projections as one matrix product.
+//! - [`PositionWiseFeedForward`] / [`PositionWiseFeedForwardConfig`]: with a vectorised,
+//!   parallel exact GELU.
 //! - [`TransformerEncoder`] / [`TransformerEncoderConfig`] / [`TransformerEncoderInput`]:
-//!   burn-nn's encoder with these layer norms (attention and the feed-forward network are
-//!   burn-nn's modules).
+//!   burn-nn's encoder made of the modules above.
+//! - Free functions for hand-built models: [`layer_norm`], [`gelu`], [`attention`],
+//!   [`cross_entropy`].
+//!
+//! Every config has a `fused` field (default true, not part of the record): `false` computes
+//! exactly as burn-nn does, for comparisons.
 //!
 //! ```
 //! use accelerate_burn::burn::tensor::{Device, Tensor};
@@ -22,9 +31,15 @@
 //! assert!(mean.abs() < 1e-6);
 //! ```
 
+mod attention;
+mod feed_forward;
+mod functional;
 mod layer_norm;
 mod transformer;
 
+pub use attention::{MhaInput, MhaOutput, MultiHeadAttention, MultiHeadAttentionConfig};
+pub use feed_forward::{PositionWiseFeedForward, PositionWiseFeedForwardConfig};
+pub use functional::{attention, cross_entropy, gelu};
 pub use layer_norm::{LayerNorm, LayerNormConfig, layer_norm};
 pub use transformer::{
     TransformerEncoder, TransformerEncoderConfig, TransformerEncoderInput, TransformerEncoderLayer,

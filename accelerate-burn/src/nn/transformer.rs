@@ -1,16 +1,18 @@
 //! The transformer encoder: burn-nn's `TransformerEncoder` (same config, fields and record),
-//! with this crate's [`LayerNorm`](super::LayerNorm); attention and the feed-forward network
-//! are burn-nn's own modules.
+//! made of this crate's [`LayerNorm`](super::LayerNorm),
+//! [`MultiHeadAttention`](super::MultiHeadAttention) and
+//! [`PositionWiseFeedForward`](super::PositionWiseFeedForward).
 
 use burn::config::Config;
 use burn::module::Module;
 use burn::nn::activation::ActivationConfig;
-use burn::nn::attention::{MhaInput, MultiHeadAttention, MultiHeadAttentionConfig};
-use burn::nn::transformer::{PositionWiseFeedForward, PositionWiseFeedForwardConfig};
 use burn::nn::{Dropout, DropoutConfig, Initializer};
 use burn::tensor::{Bool, Device, Tensor};
 
-use super::{LayerNorm, LayerNormConfig};
+use super::{
+    LayerNorm, LayerNormConfig, MhaInput, MultiHeadAttention, MultiHeadAttentionConfig,
+    PositionWiseFeedForward, PositionWiseFeedForwardConfig,
+};
 
 /// Configuration of a [`TransformerEncoder`], as burn-nn's `TransformerEncoderConfig`.
 #[derive(Config, Debug)]
@@ -43,7 +45,7 @@ pub struct TransformerEncoderConfig {
     /// The epsilon of the layer norms. Default: 1e-5
     #[config(default = 1e-5)]
     pub layer_norm_eps: f64,
-    /// Fused layer norms where they run (see [`LayerNormConfig::fused`]). Default: true
+    /// Our fused kernels where they run (see [`LayerNormConfig::fused`]). Default: true
     #[config(default = true)]
     pub fused: bool,
 }
@@ -159,11 +161,13 @@ impl TransformerEncoderLayer {
                 .with_initializer(config.initializer.clone())
                 .with_dropout(config.dropout)
                 .with_quiet_softmax(config.quiet_softmax)
+                .with_fused(config.fused)
                 .init(device),
             pwff: PositionWiseFeedForwardConfig::new(config.d_model, config.d_ff)
                 .with_initializer(config.initializer.clone())
                 .with_dropout(config.dropout)
                 .with_activation(config.activation.clone())
+                .with_fused(config.fused)
                 .init(device),
             norm_1: norm(),
             norm_2: norm(),

@@ -1,0 +1,90 @@
+//! The fused GELU: [`accelerate_kernels::gelu`] on Flex tensors, and its backward node (state:
+//! the input, by checkpoint). Its gradient is the exact derivative `Φ(x) + x φ(x)`. Memory-bound
+//! with a retro-forward, as Burn's own GELU: under gradient checkpointing its output is
+//! recomputed in the backward pass, not kept.
+
+use accelerate_kernels::gelu;
+use burn::backend::Flex;
+use burn::backend::TensorMetadata;
+use burn::backend::autodiff::Autodiff;
+use burn::backend::autodiff::NodeId;
+use burn::backend::autodiff::checkpoint::base::Checkpointer;
+use burn::backend::autodiff::checkpoint::retro_forward::RetroForward;
+use burn::backend::autodiff::checkpoint::state::BackwardStates;
+use burn::backend::autodiff::checkpoint::strategy::CheckpointStrategy;
+use burn::backend::autodiff::grads::Gradients;
+use burn::backend::autodiff::ops::{Backward, Ops, OpsKind};
+use burn::backend::flex::FlexTensor;
+use burn::backend::tensor::FloatTensor;
+
+use super::{contiguous, flex_tensor, values};
+
+/// `x * Φ(x)` of a Flex tensor.
+pub(super) fn forward(x: &FlexTensor) -> FlexTensor {
+    let shape = x.shape();
+    let x = contiguous(x);
+    let x = values(&x);
+    let mut y = vec![0.0; x.len()];
+    gelu::forward(x, &mut y);
+    flex_tensor(y, shape)
+}
+
+/// The backward node of the fused GELU.
+#[derive(Debug)]
+struct GeluBackward;
+
+/// The GELU's recomputation from its input, for gradient checkpointing.
+#[derive(Debug)]
+struct RetroGelu {
+    input: NodeId,
+}
+
+impl RetroForward for RetroGelu {
+    fn forward(&self, states: &mut BackwardStates, out_node: NodeId) {
+        let x: FlexTensor = states.get_state(&self.input);
+        states.save(out_node, forward(&x));
+    }
+}
+
+impl Backward<Flex, 1> for GeluBackward {
+    /// The forward input's checkpoint.
+    type State = NodeId;
+
+    fn backward(
+        self,
+        ops: Ops<Self::State, 1>,
+        grads: &mut Gradients,
+        checkpointer: &mut Checkpointer,
+    ) {
+        let [node_x] = ops.parents;
+        let x: FlexTensor = checkpointer.retrieve_node_output(ops.state);
+        let dy: FlexTensor = grads.consume::<Flex>(&ops.node);
+        let Some(node) = node_x else { return };
+        let shape = x.shape();
+        let (x, dy) = (contiguous(&x), contiguous(&dy));
+        let mut dx = vec![0.0; shape.num_elements()];
+        gelu::backward(values(&x), values(&dy), &mut dx);
+        grads.register::<Flex>(node.id, flex_tensor(dx, shape));
+    }
+}
+
+/// The fused GELU under autodiff.
+pub(super) fn tracked<C: CheckpointStrategy>(
+    x: FloatTensor<Autodiff<Flex, C>>,
+) -> FloatTensor<Autodiff<Flex, C>> {
+    match GeluBackward
+        .prepare::<C>([x.node()])
+        .memory_bound()
+        .retro_forward(RetroGelu {
+            input: x.node().id(),
+        })
+        .parents([&x])
+        .stateful()
+    {
+        OpsKind::Tracked(mut prep) => {
+            let state = prep.checkpoint(&x);
+            prep.finish(state, forward(x.primitive()))
+        }
+        OpsKind::UnTracked(prep) => prep.finish(forward(x.primitive())),
+    }
+}

@@ -1,0 +1,226 @@
+//! Our CPU kernels ([`accelerate_kernels`]' layer norm, attention softmax, cross-entropy and
+//! GELU) on Burn's Flex tensors, with our own backward nodes on `Autodiff<Flex>`, through a
+//! Burn backend extension.
+//!
+//! Burn's autodiff has no backward pass of its own for layer norm, softmax or log-softmax: it
+//! runs the backend trait's default decompositions, each step a tracked operation with its own
+//! backward, so one layer norm costs about thirty passes over its tensor when training and an
+//! attention softmax about nineteen, most of them on one core. Here each is one parallel pass
+//! forward and one backward. One file per operation: its forward on Flex, its backward node,
+//! and its tracked form under autodiff.
+//!
+//! Only f32 tensors on Flex (plain or under autodiff) come here: [`crate::nn`] checks the
+//! device and the type first and uses Burn's own operations everywhere else, so calling these
+//! on another backend (which panics) cannot happen.
+
+mod cross_entropy;
+mod gelu;
+mod layer_norm;
+mod softmax;
+
+use accelerate_kernels::rows::Shape as RowShape;
+use burn::backend::autodiff::Autodiff;
+use burn::backend::autodiff::checkpoint::strategy::CheckpointStrategy;
+use burn::backend::flex::FlexTensor;
+use burn::backend::tensor::{BoolTensor, FloatTensor, IntTensor};
+use burn::backend::{Backend, Dispatch, Flex, backend_extension};
+use burn::tensor::{Bool, DType, Int, Tensor, TensorData};
+
+/// The fused CPU operations, as Burn operations.
+#[backend_extension(Flex, Autodiff)]
+pub(crate) trait CpuKernels: Backend {
+    /// Layer norm over the last dimension of `x` (f32): `(x - mean) / sqrt(var + epsilon) *
+    /// gamma + beta`, with the biased variance, as Burn's `layer_norm`.
+    fn fused_layer_norm(
+        x: FloatTensor<Self>,
+        gamma: FloatTensor<Self>,
+        beta: FloatTensor<Self>,
+        epsilon: f64,
+    ) -> FloatTensor<Self>;
+
+    /// `softmax(scores * scale)` over the last dimension of `[batch, heads, seq, keys]` scores
+    /// (quiet: Burn's `quiet_softmax`).
+    fn fused_softmax(scores: FloatTensor<Self>, scale: f64, quiet: bool) -> FloatTensor<Self>;
+
+    /// As [`CpuKernels::fused_softmax`], with the scores where `mask` (`[batch, seq, keys]`,
+    /// the same for every head) is true replaced by `fill` before the softmax, as burn-nn's
+    /// attention does with `mask_fill`.
+    fn fused_masked_softmax(
+        scores: FloatTensor<Self>,
+        mask: BoolTensor<Self>,
+        scale: f64,
+        fill: f64,
+        quiet: bool,
+    ) -> FloatTensor<Self>;
+
+    /// Each row's softmax cross-entropy, `[rows]`, of `logits` `[rows, classes]` against
+    /// `targets` `[rows]`.
+    fn fused_cross_entropy(
+        logits: FloatTensor<Self>,
+        targets: IntTensor<Self>,
+    ) -> FloatTensor<Self>;
+
+    /// The exact GELU, `x * Φ(x)`.
+    fn fused_gelu(x: FloatTensor<Self>) -> FloatTensor<Self>;
+}
+
+impl CpuKernels for Flex {
+    fn fused_layer_norm(
+        x: FloatTensor<Self>,
+        gamma: FloatTensor<Self>,
+        beta: FloatTensor<Self>,
+        epsilon: f64,
+    ) -> FloatTensor<Self> {
+        layer_norm::forward(&x, &gamma, &beta, epsilon).0
+    }
+
+    fn fused_softmax(scores: FloatTensor<Self>, scale: f64, quiet: bool) -> FloatTensor<Self> {
+        softmax::forward(&scores, None, softmax::Settings::new(scale, 0.0, quiet))
+    }
+
+    fn fused_masked_softmax(
+        scores: FloatTensor<Self>,
+        mask: BoolTensor<Self>,
+        scale: f64,
+        fill: f64,
+        quiet: bool,
+    ) -> FloatTensor<Self> {
+        let settings = softmax::Settings::new(scale, fill, quiet);
+        softmax::forward(&scores, Some(&mask), settings)
+    }
+
+    fn fused_cross_entropy(
+        logits: FloatTensor<Self>,
+        targets: IntTensor<Self>,
+    ) -> FloatTensor<Self> {
+        cross_entropy::forward(&logits, &targets).0
+    }
+
+    fn fused_gelu(x: FloatTensor<Self>) -> FloatTensor<Self> {
+        gelu::forward(&x)
+    }
+}
+
+impl<C: CheckpointStrategy> CpuKernels for Autodiff<Flex, C> {
+    fn fused_layer_norm(
+        x: FloatTensor<Self>,
+        gamma: FloatTensor<Self>,
+        beta: FloatTensor<Self>,
+        epsilon: f64,
+    ) -> FloatTensor<Self> {
+        layer_norm::tracked::<C>(x, gamma, beta, epsilon)
+    }
+
+    fn fused_softmax(scores: FloatTensor<Self>, scale: f64, quiet: bool) -> FloatTensor<Self> {
+        softmax::tracked::<C>(scores, None, softmax::Settings::new(scale, 0.0, quiet))
+    }
+
+    fn fused_masked_softmax(
+        scores: FloatTensor<Self>,
+        mask: BoolTensor<Self>,
+        scale: f64,
+        fill: f64,
+        quiet: bool,
+    ) -> FloatTensor<Self> {
+        softmax::tracked::<C>(
+            scores,
+            Some(mask),
+            softmax::Settings::new(scale, fill, quiet),
+        )
+    }
+
+    fn fused_cross_entropy(
+        logits: FloatTensor<Self>,
+        targets: IntTensor<Self>,
+    ) -> FloatTensor<Self> {
+        cross_entropy::tracked::<C>(logits, targets)
+    }
+
+    fn fused_gelu(x: FloatTensor<Self>) -> FloatTensor<Self> {
+        gelu::tracked::<C>(x)
+    }
+}
+
+/// `tensor`'s values in row-major order: borrowed when contiguous, else a copy.
+fn contiguous(tensor: &FlexTensor) -> FlexTensor {
+    if tensor.is_contiguous() && tensor.layout().contiguous_offsets().is_some() {
+        tensor.clone()
+    } else {
+        tensor.to_contiguous()
+    }
+}
+
+/// The f32 slice of a contiguous f32 tensor (`contiguous` made it so).
+fn values(tensor: &FlexTensor) -> &[f32] {
+    tensor.as_slice::<f32>().unwrap_or(&[])
+}
+
+/// A Flex tensor of `shape` holding `values`.
+fn flex_tensor(values: Vec<f32>, shape: burn::tensor::Shape) -> FlexTensor {
+    FlexTensor::from_data(TensorData::new(values, shape))
+}
+
+/// The rows of `shape`'s last dimension.
+fn row_shape(shape: &burn::tensor::Shape) -> RowShape {
+    let dims = shape.as_slice();
+    let width = dims.last().copied().unwrap_or(1);
+    RowShape {
+        rows: shape.num_elements().checked_div(width).unwrap_or(0),
+        width,
+    }
+}
+
+/// Whether `dtype` is one the fused kernels compute in.
+pub(crate) fn supported(dtype: DType) -> bool {
+    dtype == DType::F32
+}
+
+/// The fused layer norm of dispatch tensors (f32 on Flex, plain or under autodiff).
+pub(crate) fn layer_norm<const D: usize>(
+    x: Tensor<D>,
+    gamma: Tensor<1>,
+    beta: Tensor<1>,
+    epsilon: f64,
+) -> Tensor<D> {
+    Tensor::from_dispatch(<Dispatch as CpuKernels>::fused_layer_norm(
+        x.into_dispatch(),
+        gamma.into_dispatch(),
+        beta.into_dispatch(),
+        epsilon,
+    ))
+}
+
+/// The fused attention softmax of f32 scores `[batch, heads, seq, keys]` on Flex, masked where
+/// `mask` (`[batch, seq, keys]`) is true.
+pub(crate) fn attention_softmax(
+    scores: Tensor<4>,
+    mask: Option<Tensor<3, Bool>>,
+    scale: f64,
+    fill: f64,
+    quiet: bool,
+) -> Tensor<4> {
+    let scores = scores.into_dispatch();
+    Tensor::from_dispatch(match mask {
+        Some(mask) => <Dispatch as CpuKernels>::fused_masked_softmax(
+            scores,
+            mask.into_dispatch(),
+            scale,
+            fill,
+            quiet,
+        ),
+        None => <Dispatch as CpuKernels>::fused_softmax(scores, scale, quiet),
+    })
+}
+
+/// The fused cross-entropy of f32 `logits` `[rows, classes]` on Flex: each row's loss.
+pub(crate) fn cross_entropy(logits: Tensor<2>, targets: Tensor<1, Int>) -> Tensor<1> {
+    Tensor::from_dispatch(<Dispatch as CpuKernels>::fused_cross_entropy(
+        logits.into_dispatch(),
+        targets.into_dispatch(),
+    ))
+}
+
+/// The fused GELU of an f32 tensor on Flex.
+pub(crate) fn gelu<const D: usize>(x: Tensor<D>) -> Tensor<D> {
+    Tensor::from_dispatch(<Dispatch as CpuKernels>::fused_gelu(x.into_dispatch()))
+}

@@ -1,0 +1,137 @@
+//! Our fused CPU kernels against Burn's composition, forward and backward under autodiff on
+//! Flex, at the transformer example's shapes (32 sequences of 128 tokens, d_model 256, 4 heads,
+//! MLP 1024, byte vocabulary): one layer norm, one causal self-attention (the whole module:
+//! projections, scores, softmax, context), one GELU, one cross-entropy. Each group's `loss_alone`
+//! row is the weighted sum and its backward without the op, which both other rows include.
+//! Bytes counted: the op's input read and output written forward, input, output gradient and
+//! input gradient backward.
+
+// criterion_group! generates an undocumented function.
+#![allow(missing_docs)]
+
+use accelerate_burn::burn;
+use accelerate_burn::nn;
+use burn::tensor::{Device, Distribution, Int, Tensor};
+use criterion::{Criterion, Throughput, criterion_group, criterion_main};
+
+const DIMS: [usize; 3] = [32, 128, 256];
+const TOKENS: usize = DIMS[0] * DIMS[1];
+
+/// One forward and backward of `forward` on a fresh leaf copy of `x`, with a weighted sum as
+/// the loss (so the backward pass's every term counts).
+fn step<const D: usize, const E: usize>(
+    x: &Tensor<D>,
+    weights: &Tensor<E>,
+    forward: &dyn Fn(Tensor<D>) -> Tensor<E>,
+) -> Option<Tensor<D>> {
+    let input = x.clone().detach().require_grad();
+    let grads = (forward(input.clone()) * weights.clone()).sum().backward();
+    let dx = input.grad(&grads);
+    let _ = x.device().sync();
+    dx
+}
+
+fn layer_norm(c: &mut Criterion) {
+    let device = Device::default().autodiff();
+    let x = Tensor::<3>::random(DIMS, Distribution::Normal(0.0, 1.0), &device);
+    let weights = Tensor::<3>::random(DIMS, Distribution::Normal(0.0, 1.0), &device);
+    let ours = nn::LayerNormConfig::new(DIMS[2]).init(&device);
+    let theirs = burn::nn::LayerNormConfig::new(DIMS[2]).init(&device);
+    let mut group = c.benchmark_group("layer_norm_fwd_bwd");
+    group.sample_size(20);
+    group.throughput(Throughput::Bytes(16 * (TOKENS * DIMS[2]) as u64));
+    group.bench_function("burn_nn", |b| {
+        b.iter(|| step(&x, &weights, &|x| theirs.forward(x)))
+    });
+    group.bench_function("fused", |b| {
+        b.iter(|| step(&x, &weights, &|x| ours.forward(x)))
+    });
+    group.bench_function("loss_alone", |b| b.iter(|| step(&x, &weights, &|x| x)));
+    group.finish();
+}
+
+fn attention(c: &mut Criterion) {
+    use burn::nn::attention::generate_autoregressive_mask;
+    let device = Device::default().autodiff();
+    let [batch, seq, d_model] = DIMS;
+    let x = Tensor::<3>::random(DIMS, Distribution::Normal(0.0, 1.0), &device);
+    let weights = Tensor::<3>::random(DIMS, Distribution::Normal(0.0, 1.0), &device);
+    let mask = generate_autoregressive_mask(batch, seq, &device);
+    let theirs = burn::nn::attention::MultiHeadAttentionConfig::new(d_model, 4)
+        .with_dropout(0.0)
+        .init(&device);
+    let ours = nn::MultiHeadAttentionConfig::new(d_model, 4)
+        .with_dropout(0.0)
+        .init(&device);
+    let mut group = c.benchmark_group("self_attention_fwd_bwd");
+    group.sample_size(10);
+    // The score tensor dominates: [batch, heads, seq, seq].
+    group.throughput(Throughput::Bytes(16 * (batch * 4 * seq * seq) as u64));
+    group.bench_function("burn_nn", |b| {
+        b.iter(|| {
+            step(&x, &weights, &|x| {
+                let input = burn::nn::attention::MhaInput::self_attn(x).mask_attn(mask.clone());
+                theirs.forward(input).context
+            })
+        })
+    });
+    group.bench_function("fused", |b| {
+        b.iter(|| {
+            step(&x, &weights, &|x| {
+                ours.forward(nn::MhaInput::self_attn(x).mask_attn(mask.clone()))
+                    .context
+            })
+        })
+    });
+    group.bench_function("loss_alone", |b| b.iter(|| step(&x, &weights, &|x| x)));
+    group.finish();
+}
+
+fn gelu(c: &mut Criterion) {
+    let device = Device::default().autodiff();
+    let dims = [TOKENS, 4 * DIMS[2]];
+    let x = Tensor::<2>::random(dims, Distribution::Normal(0.0, 1.0), &device);
+    let weights = Tensor::<2>::random(dims, Distribution::Normal(0.0, 1.0), &device);
+    let mut group = c.benchmark_group("gelu_fwd_bwd");
+    group.sample_size(20);
+    group.throughput(Throughput::Bytes(16 * (dims[0] * dims[1]) as u64));
+    group.bench_function("burn", |b| {
+        b.iter(|| step(&x, &weights, &burn::tensor::activation::gelu))
+    });
+    group.bench_function("fused", |b| b.iter(|| step(&x, &weights, &nn::gelu)));
+    group.bench_function("loss_alone", |b| b.iter(|| step(&x, &weights, &|x| x)));
+    group.finish();
+}
+
+fn cross_entropy(c: &mut Criterion) {
+    use burn::tensor::activation::log_softmax;
+    let device = Device::default().autodiff();
+    let dims = [TOKENS, 256];
+    let logits = Tensor::<2>::random(dims, Distribution::Normal(0.0, 2.0), &device);
+    let targets = Tensor::<1, Int>::random([TOKENS], Distribution::Uniform(0.0, 256.0), &device);
+    let weights = Tensor::<1>::random([TOKENS], Distribution::Normal(0.0, 1.0), &device);
+    let mut group = c.benchmark_group("cross_entropy_fwd_bwd");
+    group.sample_size(20);
+    group.throughput(Throughput::Bytes(12 * (dims[0] * dims[1]) as u64));
+    group.bench_function("burn", |b| {
+        b.iter(|| {
+            step(&logits, &weights, &|x| {
+                log_softmax(x, 1)
+                    .gather(1, targets.clone().reshape([TOKENS, 1]))
+                    .reshape([TOKENS])
+                    .neg()
+            })
+        })
+    });
+    group.bench_function("fused", |b| {
+        b.iter(|| {
+            step(&logits, &weights, &|x| {
+                nn::cross_entropy(x, targets.clone())
+            })
+        })
+    });
+    group.finish();
+}
+
+criterion_group!(benches, layer_norm, attention, gelu, cross_entropy);
+criterion_main!(benches);
