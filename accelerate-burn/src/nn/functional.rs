@@ -3,20 +3,15 @@
 //! computed in f32) and Burn's own operations everywhere else, with the same results.
 
 use burn::tensor::activation::{log_softmax, quiet_softmax, softmax};
-use burn::tensor::{Bool, DType, FloatDType, Int, Tensor};
+use burn::tensor::{Bool, Int, Tensor};
+#[cfg(feature = "flex")]
+use burn::tensor::{DType, FloatDType};
 
 /// Whether our fused kernels compute `tensor`'s operation: on Flex, a float type.
+#[cfg(feature = "flex")]
 fn fused_here<const D: usize>(tensor: &Tensor<D>) -> bool {
-    #[cfg(feature = "flex")]
-    {
-        matches!(tensor.dtype(), DType::F32 | DType::F16 | DType::BF16)
-            && super::on_flex(&tensor.device())
-    }
-    #[cfg(not(feature = "flex"))]
-    {
-        let _ = tensor;
-        false
-    }
+    matches!(tensor.dtype(), DType::F32 | DType::F16 | DType::BF16)
+        && super::on_flex(&tensor.device())
 }
 
 /// `op` on `tensor` widened to f32, its result narrowed back to `tensor`'s type.
@@ -106,7 +101,8 @@ pub(super) struct AttentionSoftmax {
     pub fill: f64,
     /// Quiet softmax (a row may attend to nothing).
     pub quiet: bool,
-    /// Our fused kernel where it runs.
+    /// Our fused kernel where it runs (only a flex build has it).
+    #[cfg_attr(not(feature = "flex"), allow(dead_code))]
     pub fused: bool,
 }
 
