@@ -16,7 +16,7 @@ use burn::tensor::DType;
 use super::{contiguous, flex_tensor, row_shape, values};
 
 /// The targets as `i64`, whatever integer type Flex holds them in.
-fn target_classes(targets: &FlexTensor) -> Vec<i64> {
+pub(super) fn target_classes(targets: &FlexTensor) -> Vec<i64> {
     let targets = contiguous(targets);
     match targets.dtype() {
         DType::I64 => targets.as_slice::<i64>().unwrap_or(&[]).to_vec(),
@@ -41,15 +41,14 @@ fn widen<T: Copy + Into<i64>>(values: Option<&[T]>) -> Vec<i64> {
     values.unwrap_or(&[]).iter().map(|&v| v.into()).collect()
 }
 
-/// Each row's loss, and its log-sum-exp.
-pub(super) fn forward(logits: &FlexTensor, targets: &IntTensor<Flex>) -> (FlexTensor, Vec<f32>) {
+/// Each row's loss against `classes` (the targets' [`target_classes`]), and its log-sum-exp.
+pub(super) fn forward(logits: &FlexTensor, classes: &[i64]) -> (FlexTensor, Vec<f32>) {
     let shape = logits.shape();
     let rows = row_shape(&shape);
     let logits = contiguous(logits);
-    let classes = target_classes(targets);
     let mut losses = vec![0.0; rows.rows];
     let mut lse = vec![0.0; rows.rows];
-    cross_entropy::forward(rows, values(&logits), &classes, &mut losses, &mut lse);
+    cross_entropy::forward(rows, values(&logits), classes, &mut losses, &mut lse);
     (flex_tensor(losses, [rows.rows].into()), lse)
 }
 
@@ -86,16 +85,14 @@ pub(super) fn tracked<C: CheckpointStrategy>(
     logits: FloatTensor<Autodiff<Flex, C>>,
     targets: IntTensor<Autodiff<Flex, C>>,
 ) -> FloatTensor<Autodiff<Flex, C>> {
-    let (losses, lse) = forward(logits.primitive(), &targets);
+    let classes = target_classes(&targets);
+    let (losses, lse) = forward(logits.primitive(), &classes);
     match CrossEntropyBackward
         .prepare::<C>([logits.node()])
         .compute_bound()
         .stateful()
     {
-        OpsKind::Tracked(prep) => {
-            let classes = target_classes(&targets);
-            prep.finish((logits.primitive().clone(), classes, lse), losses)
-        }
+        OpsKind::Tracked(prep) => prep.finish((logits.primitive().clone(), classes, lse), losses),
         OpsKind::UnTracked(prep) => prep.finish(losses),
     }
 }

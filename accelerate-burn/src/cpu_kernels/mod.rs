@@ -24,7 +24,7 @@ use burn::backend::autodiff::checkpoint::strategy::CheckpointStrategy;
 use burn::backend::flex::FlexTensor;
 use burn::backend::tensor::{BoolTensor, FloatTensor, IntTensor};
 use burn::backend::{Backend, Dispatch, Flex, backend_extension};
-use burn::tensor::{Bool, DType, Int, Tensor, TensorData};
+use burn::tensor::{Bool, Int, Tensor, TensorData};
 
 /// The fused CPU operations, as Burn operations.
 #[backend_extension(Flex, Autodiff)]
@@ -86,14 +86,14 @@ impl CpuKernels for Flex {
         quiet: bool,
     ) -> FloatTensor<Self> {
         let settings = softmax::Settings::new(scale, fill, quiet);
-        softmax::forward(&scores, Some(&mask), settings)
+        softmax::forward(&scores, Some(&softmax::mask_bytes(&mask)), settings)
     }
 
     fn fused_cross_entropy(
         logits: FloatTensor<Self>,
         targets: IntTensor<Self>,
     ) -> FloatTensor<Self> {
-        cross_entropy::forward(&logits, &targets).0
+        cross_entropy::forward(&logits, &cross_entropy::target_classes(&targets)).0
     }
 
     fn fused_gelu(x: FloatTensor<Self>) -> FloatTensor<Self> {
@@ -143,7 +143,7 @@ impl<C: CheckpointStrategy> CpuKernels for Autodiff<Flex, C> {
 
 /// `tensor`'s values in row-major order: borrowed when contiguous, else a copy.
 fn contiguous(tensor: &FlexTensor) -> FlexTensor {
-    if tensor.is_contiguous() && tensor.layout().contiguous_offsets().is_some() {
+    if tensor.layout().contiguous_offsets().is_some() {
         tensor.clone()
     } else {
         tensor.to_contiguous()
@@ -168,11 +168,6 @@ fn row_shape(shape: &burn::tensor::Shape) -> RowShape {
         rows: shape.num_elements().checked_div(width).unwrap_or(0),
         width,
     }
-}
-
-/// Whether `dtype` is one the fused kernels compute in.
-pub(crate) fn supported(dtype: DType) -> bool {
-    dtype == DType::F32
 }
 
 /// The fused layer norm of dispatch tensors (f32 on Flex, plain or under autodiff).

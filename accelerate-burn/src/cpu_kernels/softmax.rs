@@ -34,7 +34,7 @@ impl Settings {
 }
 
 /// The mask's bytes, row-major (Flex keeps a bool as one byte).
-fn mask_bytes(mask: &FlexTensor) -> Vec<u8> {
+pub(super) fn mask_bytes(mask: &FlexTensor) -> Vec<u8> {
     let mask = contiguous(mask);
     let bytes = mask.storage::<u8>();
     match mask.layout().contiguous_offsets() {
@@ -61,15 +61,11 @@ fn describe<'a>(dims: &[usize], mask: Option<&'a [u8]>, settings: Settings) -> S
     }
 }
 
-/// The probabilities of `scores`, masked where `mask` is true (see `CpuKernels`).
-pub(super) fn forward(
-    scores: &FlexTensor,
-    mask: Option<&FlexTensor>,
-    settings: Settings,
-) -> FlexTensor {
+/// The probabilities of `scores`, masked where `mask` (its [`mask_bytes`]) is nonzero (see
+/// `CpuKernels`).
+pub(super) fn forward(scores: &FlexTensor, mask: Option<&[u8]>, settings: Settings) -> FlexTensor {
     let shape = scores.shape();
-    let bytes = mask.map(mask_bytes);
-    let softmax = describe(shape.as_slice(), bytes.as_deref(), settings);
+    let softmax = describe(shape.as_slice(), mask, settings);
     let scores = contiguous(scores);
     let mut probs = vec![0.0; shape.num_elements()];
     softmax::forward(row_shape(&shape), &softmax, values(&scores), &mut probs);
@@ -110,16 +106,14 @@ pub(super) fn tracked<C: CheckpointStrategy>(
     mask: Option<FlexTensor>,
     settings: Settings,
 ) -> FloatTensor<Autodiff<Flex, C>> {
-    let probs = forward(scores.primitive(), mask.as_ref(), settings);
+    let bytes = mask.as_ref().map(mask_bytes);
+    let probs = forward(scores.primitive(), bytes.as_deref(), settings);
     match SoftmaxBackward
         .prepare::<C>([scores.node()])
         .compute_bound()
         .stateful()
     {
-        OpsKind::Tracked(prep) => {
-            let bytes = mask.as_ref().map(mask_bytes);
-            prep.finish((probs.clone(), bytes, settings), probs)
-        }
+        OpsKind::Tracked(prep) => prep.finish((probs.clone(), bytes, settings), probs),
         OpsKind::UnTracked(prep) => prep.finish(probs),
     }
 }

@@ -4,30 +4,9 @@
 
 use burn::tensor::activation::{log_softmax, quiet_softmax, softmax};
 use burn::tensor::{Bool, Int, Tensor};
-#[cfg(feature = "flex")]
-use burn::tensor::{DType, FloatDType};
 
-/// Whether our fused kernels compute `tensor`'s operation: on Flex, a float type.
 #[cfg(feature = "flex")]
-fn fused_here<const D: usize>(tensor: &Tensor<D>) -> bool {
-    matches!(tensor.dtype(), DType::F32 | DType::F16 | DType::BF16)
-        && super::on_flex(&tensor.device())
-}
-
-/// `op` on `tensor` widened to f32, its result narrowed back to `tensor`'s type.
-#[cfg(feature = "flex")]
-fn in_f32<const D: usize, const E: usize>(
-    tensor: Tensor<D>,
-    op: impl FnOnce(Tensor<D>) -> Tensor<E>,
-) -> Tensor<E> {
-    let dtype = tensor.dtype();
-    let out = op(tensor.cast(FloatDType::F32));
-    if dtype == DType::F32 {
-        out
-    } else {
-        out.cast(FloatDType::from(dtype))
-    }
-}
+use super::{fused_here, in_f32};
 
 /// The exact GELU, `x * Φ(x)`, as `burn::tensor::activation::gelu`, with the exact derivative
 /// `Φ(x) + x φ(x)` as its gradient.

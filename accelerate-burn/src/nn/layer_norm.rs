@@ -103,23 +103,12 @@ pub fn layer_norm<const D: usize>(
         }
     }
     #[cfg(feature = "flex")]
-    {
-        let dtype = x.dtype();
-        if super::on_flex(&x.device()) && matches!(dtype, DType::F32 | DType::F16 | DType::BF16) {
+    if super::fused_here(&x) {
+        let beta = beta.unwrap_or_else(|| gamma.zeros_like());
+        return super::in_f32(x, |x| {
             let f32 = FloatDType::F32;
-            let beta = beta.unwrap_or_else(|| gamma.zeros_like());
-            let fused = crate::cpu_kernels::layer_norm(
-                x.cast(f32),
-                gamma.cast(f32),
-                beta.cast(f32),
-                epsilon,
-            );
-            return if crate::cpu_kernels::supported(dtype) {
-                fused
-            } else {
-                fused.cast(FloatDType::from(dtype))
-            };
-        }
+            crate::cpu_kernels::layer_norm(x, gamma.cast(f32), beta.cast(f32), epsilon)
+        });
     }
     burn_layer_norm(x, gamma, beta, epsilon)
 }

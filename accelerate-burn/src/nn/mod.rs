@@ -54,6 +54,31 @@ pub(crate) fn on_flex(device: &burn::tensor::Device) -> bool {
     )
 }
 
+/// Whether our fused kernels compute `tensor`'s operation: on Flex, a float type (f16 and
+/// bf16 computed in f32, see [`in_f32`]).
+#[cfg(feature = "flex")]
+fn fused_here<const D: usize>(tensor: &burn::tensor::Tensor<D>) -> bool {
+    use burn::tensor::DType;
+    matches!(tensor.dtype(), DType::F32 | DType::F16 | DType::BF16) && on_flex(&tensor.device())
+}
+
+/// `op` on `tensor` widened to f32 (the type our kernels compute in), its result narrowed back
+/// to `tensor`'s type.
+#[cfg(feature = "flex")]
+fn in_f32<const D: usize, const E: usize>(
+    tensor: burn::tensor::Tensor<D>,
+    op: impl FnOnce(burn::tensor::Tensor<D>) -> burn::tensor::Tensor<E>,
+) -> burn::tensor::Tensor<E> {
+    use burn::tensor::{DType, FloatDType};
+    let dtype = tensor.dtype();
+    let out = op(tensor.cast(FloatDType::F32));
+    if dtype == DType::F32 {
+        out
+    } else {
+        out.cast(FloatDType::from(dtype))
+    }
+}
+
 #[cfg(test)]
 mod tests {
     /// The default device of a flex build, with and without autodiff, takes the fused path.
