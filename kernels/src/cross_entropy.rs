@@ -147,17 +147,10 @@ pub fn backward(
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::test_support::{assert_same_on_1_2_3_threads, bits, uniform};
 
     fn data(n: usize, seed: u32) -> Vec<f32> {
-        let mut s = seed.wrapping_mul(2_654_435_761).wrapping_add(1);
-        (0..n)
-            .map(|_| {
-                s ^= s << 13;
-                s ^= s >> 17;
-                s ^= s << 5;
-                (s % 20_000) as f32 / 1_000.0 - 10.0
-            })
-            .collect()
+        uniform(n, seed, 10.0)
     }
 
     #[test]
@@ -207,23 +200,13 @@ mod tests {
         let logits = data(shape.rows * shape.width, 3);
         let targets: Vec<i64> = (0..shape.rows).map(|r| (r % 77) as i64).collect();
         let dlosses = vec![1.0; shape.rows];
-        let run = |threads: usize| {
-            let pool = rayon::ThreadPoolBuilder::new()
-                .num_threads(threads)
-                .build()
-                .unwrap();
-            pool.install(|| {
-                let (mut losses, mut lse) = (vec![0.0; shape.rows], vec![0.0; shape.rows]);
-                forward(shape, &logits, &targets, &mut losses, &mut lse);
-                let mut d = vec![0.0; logits.len()];
-                backward(shape, &logits, &targets, &lse, &dlosses, &mut d);
-                let bits = |v: &[f32]| v.iter().map(|f| f.to_bits()).collect::<Vec<_>>();
-                (bits(&losses), bits(&d))
-            })
-        };
-        let one = run(1);
-        assert_eq!(run(2), one);
-        assert_eq!(run(3), one);
+        assert_same_on_1_2_3_threads(|| {
+            let (mut losses, mut lse) = (vec![0.0; shape.rows], vec![0.0; shape.rows]);
+            forward(shape, &logits, &targets, &mut losses, &mut lse);
+            let mut d = vec![0.0; logits.len()];
+            backward(shape, &logits, &targets, &lse, &dlosses, &mut d);
+            (bits(&losses), bits(&d))
+        });
     }
 
     #[test]

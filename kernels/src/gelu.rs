@@ -111,6 +111,7 @@ pub(crate) fn backward_chunk(x: &[f32], dy: &[f32], dx: &mut [f32]) {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::test_support::bits;
 
     /// The AVX2 build (where the CPU has it) computes the portable loop's bits: the same IEEE
     /// operations in the same order, wider.
@@ -125,10 +126,6 @@ mod tests {
         backward_chunk(&x, &dy, &mut portable);
         backward(&x, &dy, &mut dispatched);
         assert_eq!(bits(&portable), bits(&dispatched));
-    }
-
-    fn bits(values: &[f32]) -> Vec<u32> {
-        values.iter().map(|v| v.to_bits()).collect()
     }
 
     #[test]

@@ -184,6 +184,7 @@ pub fn backward(
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::test_support::{assert_same_on_1_2_3_threads, bits, uniform};
 
     /// Layer norm in f64, the textbook way (forward output; gradients by the formula's parts).
     fn reference(
@@ -227,15 +228,7 @@ mod tests {
     }
 
     fn data(n: usize, seed: u32) -> Vec<f32> {
-        let mut s = seed.wrapping_mul(2_654_435_761).wrapping_add(1);
-        (0..n)
-            .map(|_| {
-                s ^= s << 13;
-                s ^= s >> 17;
-                s ^= s << 5;
-                (s % 20_000) as f32 / 5_000.0 - 2.0
-            })
-            .collect()
+        uniform(n, seed, 2.0)
     }
 
     fn close(got: &[f32], want: &[f64], scale: f64, what: &str) {
@@ -289,28 +282,18 @@ mod tests {
         let x = data(shape.rows * shape.width, 5);
         let gamma = data(shape.width, 6);
         let dy = data(shape.rows * shape.width, 7);
-        let run = |threads: usize| {
-            let pool = rayon::ThreadPoolBuilder::new()
-                .num_threads(threads)
-                .build()
-                .unwrap();
-            pool.install(|| {
-                let mut y = vec![0.0; x.len()];
-                let mut stats = vec![0.0; 2 * shape.rows];
-                forward(shape, &x, &gamma, None, 1e-5, &mut y, &mut stats);
-                let (mut dx, mut dg, mut db) = (
-                    vec![0.0; x.len()],
-                    vec![0.0; shape.width],
-                    vec![0.0; shape.width],
-                );
-                backward(shape, &x, &gamma, &stats, &dy, &mut dx, &mut dg, &mut db);
-                let bits = |v: &[f32]| v.iter().map(|f| f.to_bits()).collect::<Vec<_>>();
-                (bits(&y), bits(&dx), bits(&dg), bits(&db))
-            })
-        };
-        let one = run(1);
-        assert_eq!(run(2), one);
-        assert_eq!(run(3), one);
+        assert_same_on_1_2_3_threads(|| {
+            let mut y = vec![0.0; x.len()];
+            let mut stats = vec![0.0; 2 * shape.rows];
+            forward(shape, &x, &gamma, None, 1e-5, &mut y, &mut stats);
+            let (mut dx, mut dg, mut db) = (
+                vec![0.0; x.len()],
+                vec![0.0; shape.width],
+                vec![0.0; shape.width],
+            );
+            backward(shape, &x, &gamma, &stats, &dy, &mut dx, &mut dg, &mut db);
+            (bits(&y), bits(&dx), bits(&dg), bits(&db))
+        });
     }
 
     #[test]

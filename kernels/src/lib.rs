@@ -48,6 +48,8 @@ pub mod rows;
 pub mod scale;
 pub mod schedule;
 pub mod softmax;
+#[cfg(test)]
+mod test_support;
 #[cfg(target_arch = "x86_64")]
 mod x86;
 

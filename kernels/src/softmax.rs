@@ -219,17 +219,10 @@ pub fn backward(
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::test_support::{assert_same_on_1_2_3_threads, bits, uniform};
 
     fn data(n: usize, seed: u32) -> Vec<f32> {
-        let mut s = seed.wrapping_mul(2_654_435_761).wrapping_add(1);
-        (0..n)
-            .map(|_| {
-                s ^= s << 13;
-                s ^= s >> 17;
-                s ^= s << 5;
-                (s % 20_000) as f32 / 2_500.0 - 4.0
-            })
-            .collect()
+        uniform(n, seed, 4.0)
     }
 
     /// The softmax and its gradient in f64, the textbook way.
@@ -349,23 +342,13 @@ mod tests {
                 fill: -1.0e4,
             }),
         };
-        let run = |threads: usize| {
-            let pool = rayon::ThreadPoolBuilder::new()
-                .num_threads(threads)
-                .build()
-                .unwrap();
-            pool.install(|| {
-                let mut probs = vec![0.0; scores.len()];
-                forward(shape, &softmax, &scores, &mut probs);
-                let mut dscores = vec![0.0; scores.len()];
-                backward(shape, &softmax, &probs, &dprobs, &mut dscores);
-                let bits = |v: &[f32]| v.iter().map(|f| f.to_bits()).collect::<Vec<_>>();
-                (bits(&probs), bits(&dscores))
-            })
-        };
-        let one = run(1);
-        assert_eq!(run(2), one);
-        assert_eq!(run(3), one);
+        assert_same_on_1_2_3_threads(|| {
+            let mut probs = vec![0.0; scores.len()];
+            forward(shape, &softmax, &scores, &mut probs);
+            let mut dscores = vec![0.0; scores.len()];
+            backward(shape, &softmax, &probs, &dprobs, &mut dscores);
+            (bits(&probs), bits(&dscores))
+        });
     }
 
     #[test]
