@@ -248,11 +248,23 @@ fn copy_weights<A: Module, B: Module>(from: &A, into: &mut B, dir: &std::path::P
 /// Multi-head attention against burn-nn's, weights loaded from burn-nn's checkpoint: context,
 /// weights, the input's gradient and every projection's gradient within 1e-5, over batch 1,
 /// sequence 1, odd sizes, cross-attention, padding and attention masks, quiet softmax.
+/// `forward` (context and weights) and `forward_context` (self-attention as one flash-style
+/// operation on Flex) against burn-nn: context, weights, dx and every projection's gradients
+/// within 1e-5, with and without gradient checkpointing.
 #[test]
 fn multi_head_attention_equals_burn_nn_with_and_without_masks() {
+    let plain = Device::default().autodiff();
+    for device in [plain.clone(), plain.gradient_checkpointing()] {
+        for context_only in [false, true] {
+            multi_head_attention_equals_burn_nn_on(&device, context_only);
+        }
+    }
+}
+
+fn multi_head_attention_equals_burn_nn_on(device: &Device, context_only: bool) {
     use burn::nn::attention as theirs_mha;
     use burn::tensor::Bool;
-    let device = Device::default().autodiff();
+    let device = device.clone();
     let tmp = tempfile::tempdir().unwrap();
     // (batch, seq, keys, d_model, heads, quiet, self-attention)
     for (case, (batch, seq, keys, d_model, heads, quiet, self_attn)) in [
@@ -301,7 +313,9 @@ fn multi_head_attention_equals_burn_nn_with_and_without_masks() {
         for masks in 0..4 {
             let with_pad = masks & 1 == 1;
             let with_attn = masks & 2 == 2 && seq == keys;
-            let what = format!("case {case} masks pad {with_pad} attn {with_attn}");
+            let what = format!(
+                "case {case} masks pad {with_pad} attn {with_attn} context only {context_only}"
+            );
             let x = query.clone().require_grad();
             let m = memory.clone().require_grad();
             let mut input = if self_attn {
@@ -322,8 +336,13 @@ fn multi_head_attention_equals_burn_nn_with_and_without_masks() {
                 input = input.mask_attn(causal.clone());
                 their_input = their_input.mask_attn(causal.clone());
             }
-            let out_ours = ours.forward(input);
-            let g_ours = (out_ours.context.clone() * weights_of_output.clone())
+            let (context_ours, weights_ours) = if context_only {
+                (ours.forward_context(input), None)
+            } else {
+                let out = ours.forward(input);
+                (out.context, Some(out.weights))
+            };
+            let g_ours = (context_ours.clone() * weights_of_output.clone())
                 .sum()
                 .backward();
             let out_theirs = theirs.forward(their_input);
@@ -331,17 +350,19 @@ fn multi_head_attention_equals_burn_nn_with_and_without_masks() {
                 .sum()
                 .backward();
             assert_close(
-                out_ours.context.into_data(),
+                context_ours.into_data(),
                 out_theirs.context.into_data(),
                 1e-5,
                 &format!("{what} context"),
             );
-            assert_close(
-                out_ours.weights.into_data(),
-                out_theirs.weights.into_data(),
-                1e-5,
-                &format!("{what} weights"),
-            );
+            if let Some(weights) = weights_ours {
+                assert_close(
+                    weights.into_data(),
+                    out_theirs.weights.into_data(),
+                    1e-5,
+                    &format!("{what} weights"),
+                );
+            }
             assert_close(
                 x.grad(&g_ours).unwrap().into_data(),
                 x.grad(&g_theirs).unwrap().into_data(),
@@ -487,6 +508,58 @@ fn feed_forward_networks_load_both_ways_and_compute_the_same() {
         1e-5,
         "ours into burn-nn",
     );
+}
+
+/// Without dropout the network's GELU and second layer are one operation that keeps only the
+/// GELU's input for the backward pass: its output and every gradient equal burn-nn's network
+/// within 1e-5, with and without gradient checkpointing.
+#[test]
+fn feed_forward_networks_train_as_burn_nns() {
+    let plain = Device::default().autodiff();
+    for device in [plain.clone(), plain.gradient_checkpointing()] {
+        for dims in [[1, 1, 24], [2, 5, 24], [3, 17, 24]] {
+            let theirs = burn::nn::transformer::PositionWiseFeedForwardConfig::new(24, 40)
+                .with_dropout(0.0)
+                .init(&device);
+            let ours = nn::PositionWiseFeedForwardConfig::new(24, 40)
+                .with_dropout(0.0)
+                .init(&device)
+                .load_record(theirs.clone().into_record());
+            let input = Tensor::<3>::random(dims, Distribution::Normal(0.0, 1.0), &device);
+            let dy = Tensor::<3>::random(dims, Distribution::Normal(0.0, 1.0), &device);
+            let x = input.clone().require_grad();
+            let y = ours.forward(x.clone());
+            let grads = (y.clone() * dy.clone()).sum().backward();
+            let x_theirs = input.clone().require_grad();
+            let y_theirs = theirs.forward(x_theirs.clone());
+            let grads_theirs = (y_theirs.clone() * dy).sum().backward();
+
+            let what = format!("{dims:?}");
+            let close = |a, b, name: &str| assert_close(a, b, 1e-5, &format!("{name} {what}"));
+            close(y.into_data(), y_theirs.into_data(), "y");
+            let dx = |x: &Tensor<3>, grads| x.grad(grads).unwrap().into_data();
+            close(dx(&x, &grads), dx(&x_theirs, &grads_theirs), "dx");
+            let pairs = [
+                (&ours.linear_inner, &theirs.linear_inner),
+                (&ours.linear_outer, &theirs.linear_outer),
+            ];
+            for (layer, (mine, burns)) in pairs.into_iter().enumerate() {
+                let weight = |l: &burn::nn::Linear, g| l.weight.grad(g).unwrap().into_data();
+                let bias =
+                    |l: &burn::nn::Linear, g| l.bias.as_ref().unwrap().grad(g).unwrap().into_data();
+                close(
+                    weight(mine, &grads),
+                    weight(burns, &grads_theirs),
+                    &format!("dW{layer}"),
+                );
+                close(
+                    bias(mine, &grads),
+                    bias(burns, &grads_theirs),
+                    &format!("db{layer}"),
+                );
+            }
+        }
+    }
 }
 
 #[test]

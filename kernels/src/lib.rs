@@ -9,6 +9,8 @@
 //! - [`layer_norm`]: layer normalisation forward and backward, one parallel pass each,
 //!   the same bits on any number of threads.
 //! - [`softmax`]: attention's scaled, masked softmax, forward and backward.
+//! - [`attention`]: self-attention in (batch, head) tiles, flash-style: the probabilities
+//!   recomputed in backward, never kept.
 //! - [`cross_entropy`]: softmax cross-entropy against target classes, forward and backward.
 //! - [`gelu`]: the exact GELU and its derivative with a vectorised `erfc`.
 //! - [`rows`]: what the row-wise kernels share (shapes, fixed-lane sums, a vectorisable `exp`).
@@ -33,6 +35,7 @@
 //! ```
 
 pub mod amp;
+pub mod attention;
 pub mod convert;
 pub mod cross_entropy;
 #[cfg(feature = "cubecl")]
@@ -41,6 +44,7 @@ pub mod cross_entropy;
 pub mod cube;
 pub mod gelu;
 pub mod layer_norm;
+mod matmul;
 pub mod norm;
 pub mod optim;
 pub mod reduce;

@@ -137,8 +137,10 @@ pub fn forward(shape: Shape, softmax: &Softmax<'_>, scores: &[f32], probs: &mut 
         });
 }
 
-/// `row` (scaled, masked scores) into its probabilities, in place.
-fn normalise_row(row: &mut [f32], quiet: bool) {
+/// `row` (scaled, masked scores) into its probabilities, in place; returns the row's maximum
+/// and inverse denominator (each probability is `exp(score - max) * inverse`, so
+/// [`crate::attention`] recomputes the same bits from the two).
+pub(crate) fn normalise_row(row: &mut [f32], quiet: bool) -> (f32, f32) {
     let max = lane_max(row);
     // A row of -inf scores: Burn's quiet softmax takes 0 as its maximum (the row is then 0);
     // the plain softmax gives NaN, as Burn's does.
@@ -158,6 +160,7 @@ fn normalise_row(row: &mut [f32], quiet: bool) {
     for v in row.iter_mut() {
         *v *= inverse;
     }
+    (max, inverse)
 }
 
 /// The gradient of the scores `dscores` (overwritten) from the probabilities [`forward`] wrote

@@ -77,6 +77,24 @@ pub(crate) fn try_gelu_backward(x: &[f32], dy: &[f32], dx: &mut [f32]) -> bool {
     true
 }
 
+/// The GELU recomputed with its derivative (`gelu::recompute_backward_chunk`) compiled for
+/// AVX2.
+#[target_feature(enable = "avx2")]
+fn gelu_recompute_backward_avx2(x: &[f32], y: &mut [f32], grad: &mut [f32]) {
+    crate::gelu::recompute_backward_chunk(x, y, grad);
+}
+
+/// Runs the GELU and its derivative in one pass on AVX2 when the CPU has it (true), as
+/// [`try_gelu_forward`].
+pub(crate) fn try_gelu_recompute_backward(x: &[f32], y: &mut [f32], grad: &mut [f32]) -> bool {
+    if !has_avx2_f16c() {
+        return false;
+    }
+    // SAFETY: the CPU has AVX2 (checked above), the one requirement of the callee.
+    unsafe { gelu_recompute_backward_avx2(x, y, grad) };
+    true
+}
+
 /// Runs the Adam update on AVX2 when the CPU has it (`None`); hands the chunk back otherwise.
 pub(crate) fn try_adam_lanes<'a, const DECOUPLED: bool, const FIRST: bool>(
     lanes: Lanes<'a>,

@@ -17,7 +17,7 @@ use burn::backend::autodiff::ops::{Backward, Ops, OpsKind};
 use burn::backend::flex::FlexTensor;
 use burn::backend::tensor::FloatTensor;
 
-use super::{contiguous, flex_tensor, values};
+use super::{contiguous, flex_tensor, owned_contiguous, values};
 
 /// `x * Φ(x)` of a Flex tensor.
 pub(super) fn forward(x: &FlexTensor) -> FlexTensor {
@@ -60,12 +60,28 @@ impl Backward<Flex, 1> for GeluBackward {
         let x: FlexTensor = checkpointer.retrieve_node_output(ops.state);
         let dy: FlexTensor = grads.consume::<Flex>(&ops.node);
         let Some(node) = node_x else { return };
-        let shape = x.shape();
-        let (x, dy) = (contiguous(&x), contiguous(&dy));
-        let mut dx = vec![0.0; shape.num_elements()];
-        gelu::backward(values(&x), values(&dy), &mut dx);
-        grads.register::<Flex>(node.id, flex_tensor(dx, shape));
+        grads.register::<Flex>(node.id, backward(&x, &dy));
     }
+}
+
+/// The GELU of `x`, recomputed, and the gradient of its input from `dy` (whose storage it
+/// takes over when it owns it), in one pass (see [`gelu::recompute_backward`]).
+pub(super) fn recompute_backward(x: &FlexTensor, dy: FlexTensor) -> (FlexTensor, FlexTensor) {
+    let shape = x.shape();
+    let x = contiguous(x);
+    let mut grad = owned_contiguous(dy);
+    let mut y = vec![0.0; shape.num_elements()];
+    gelu::recompute_backward(values(&x), &mut y, grad.storage_mut::<f32>());
+    (flex_tensor(y, shape), grad)
+}
+
+/// The gradient `dy * (Φ(x) + x φ(x))` of the GELU's input.
+pub(super) fn backward(x: &FlexTensor, dy: &FlexTensor) -> FlexTensor {
+    let shape = x.shape();
+    let (x, dy) = (contiguous(x), contiguous(dy));
+    let mut dx = vec![0.0; shape.num_elements()];
+    gelu::backward(values(&x), values(&dy), &mut dx);
+    flex_tensor(dx, shape)
 }
 
 /// The fused GELU under autodiff.

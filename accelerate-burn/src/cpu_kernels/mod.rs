@@ -15,10 +15,13 @@
 
 mod cross_entropy;
 mod gelu;
+mod gelu_linear;
 mod layer_norm;
+mod self_attention;
 mod softmax;
 
 use accelerate_kernels::rows::Shape as RowShape;
+use burn::backend::TensorMetadata;
 use burn::backend::autodiff::Autodiff;
 use burn::backend::autodiff::checkpoint::strategy::CheckpointStrategy;
 use burn::backend::flex::FlexTensor;
@@ -53,6 +56,27 @@ pub(crate) trait CpuKernels: Backend {
         quiet: bool,
     ) -> FloatTensor<Self>;
 
+    /// Self-attention over one QKV product `qkv` `[batch, seq, 3 * d_model]` (query, key,
+    /// value side by side, each `heads` heads wide): the context `[batch, seq, d_model]`,
+    /// `softmax(q k^T * scale) v` per head, without keeping the attention weights.
+    fn fused_self_attention(
+        qkv: FloatTensor<Self>,
+        heads: usize,
+        scale: f64,
+        quiet: bool,
+    ) -> FloatTensor<Self>;
+
+    /// As [`CpuKernels::fused_self_attention`], the scores where `mask` (`[batch, seq, seq]`,
+    /// the same for every head) is true replaced by `fill` before the softmax.
+    fn fused_masked_self_attention(
+        qkv: FloatTensor<Self>,
+        mask: BoolTensor<Self>,
+        heads: usize,
+        scale: f64,
+        fill: f64,
+        quiet: bool,
+    ) -> FloatTensor<Self>;
+
     /// Each row's softmax cross-entropy, `[rows]`, of `logits` `[rows, classes]` against
     /// `targets` `[rows]`.
     fn fused_cross_entropy(
@@ -62,6 +86,14 @@ pub(crate) trait CpuKernels: Backend {
 
     /// The exact GELU, `x * Φ(x)`.
     fn fused_gelu(x: FloatTensor<Self>) -> FloatTensor<Self>;
+
+    /// `linear(gelu(x), weight, bias)`, keeping only `x` for the backward pass (the GELU is
+    /// recomputed there).
+    fn fused_gelu_linear(
+        x: FloatTensor<Self>,
+        weight: FloatTensor<Self>,
+        bias: FloatTensor<Self>,
+    ) -> FloatTensor<Self>;
 }
 
 impl CpuKernels for Flex {
@@ -89,6 +121,28 @@ impl CpuKernels for Flex {
         softmax::forward(&scores, Some(&softmax::mask_bytes(&mask)), settings)
     }
 
+    fn fused_self_attention(
+        qkv: FloatTensor<Self>,
+        heads: usize,
+        scale: f64,
+        quiet: bool,
+    ) -> FloatTensor<Self> {
+        let settings = self_attention::Settings::new(heads, scale, 0.0, quiet);
+        self_attention::forward(&qkv, None, settings).0
+    }
+
+    fn fused_masked_self_attention(
+        qkv: FloatTensor<Self>,
+        mask: BoolTensor<Self>,
+        heads: usize,
+        scale: f64,
+        fill: f64,
+        quiet: bool,
+    ) -> FloatTensor<Self> {
+        let settings = self_attention::Settings::new(heads, scale, fill, quiet);
+        self_attention::forward(&qkv, Some(&softmax::mask_bytes(&mask)), settings).0
+    }
+
     fn fused_cross_entropy(
         logits: FloatTensor<Self>,
         targets: IntTensor<Self>,
@@ -98,6 +152,14 @@ impl CpuKernels for Flex {
 
     fn fused_gelu(x: FloatTensor<Self>) -> FloatTensor<Self> {
         gelu::forward(&x)
+    }
+
+    fn fused_gelu_linear(
+        x: FloatTensor<Self>,
+        weight: FloatTensor<Self>,
+        bias: FloatTensor<Self>,
+    ) -> FloatTensor<Self> {
+        gelu_linear::forward(&x, weight, bias)
     }
 }
 
@@ -129,6 +191,28 @@ impl<C: CheckpointStrategy> CpuKernels for Autodiff<Flex, C> {
         )
     }
 
+    fn fused_self_attention(
+        qkv: FloatTensor<Self>,
+        heads: usize,
+        scale: f64,
+        quiet: bool,
+    ) -> FloatTensor<Self> {
+        let settings = self_attention::Settings::new(heads, scale, 0.0, quiet);
+        self_attention::tracked::<C>(qkv, None, settings)
+    }
+
+    fn fused_masked_self_attention(
+        qkv: FloatTensor<Self>,
+        mask: BoolTensor<Self>,
+        heads: usize,
+        scale: f64,
+        fill: f64,
+        quiet: bool,
+    ) -> FloatTensor<Self> {
+        let settings = self_attention::Settings::new(heads, scale, fill, quiet);
+        self_attention::tracked::<C>(qkv, Some(mask), settings)
+    }
+
     fn fused_cross_entropy(
         logits: FloatTensor<Self>,
         targets: IntTensor<Self>,
@@ -139,12 +223,34 @@ impl<C: CheckpointStrategy> CpuKernels for Autodiff<Flex, C> {
     fn fused_gelu(x: FloatTensor<Self>) -> FloatTensor<Self> {
         gelu::tracked::<C>(x)
     }
+
+    fn fused_gelu_linear(
+        x: FloatTensor<Self>,
+        weight: FloatTensor<Self>,
+        bias: FloatTensor<Self>,
+    ) -> FloatTensor<Self> {
+        gelu_linear::tracked::<C>(x, weight, bias)
+    }
 }
 
 /// `tensor`'s values in row-major order: borrowed when contiguous, else a copy.
 fn contiguous(tensor: &FlexTensor) -> FlexTensor {
     if tensor.layout().contiguous_offsets().is_some() {
         tensor.clone()
+    } else {
+        tensor.to_contiguous()
+    }
+}
+
+/// `tensor` with row-major storage holding exactly its values, for a kernel that writes in
+/// place: itself when its storage already is that (`storage_mut` then copies only if the
+/// storage is shared), else a contiguous copy.
+fn owned_contiguous(tensor: FlexTensor) -> FlexTensor {
+    let n = tensor.shape().num_elements();
+    let exact =
+        tensor.layout().contiguous_offsets() == Some((0, n)) && tensor.storage::<f32>().len() == n;
+    if exact {
+        tensor
     } else {
         tensor.to_contiguous()
     }
@@ -207,6 +313,30 @@ pub(crate) fn attention_softmax(
     })
 }
 
+/// The fused self-attention of an f32 QKV product `[batch, seq, 3 * d_model]` on Flex: the
+/// context `[batch, seq, d_model]`, masked where `mask` (`[batch, seq, seq]`) is true.
+pub(crate) fn self_attention(
+    qkv: Tensor<3>,
+    mask: Option<Tensor<3, Bool>>,
+    heads: usize,
+    scale: f64,
+    fill: f64,
+    quiet: bool,
+) -> Tensor<3> {
+    let qkv = qkv.into_dispatch();
+    Tensor::from_dispatch(match mask {
+        Some(mask) => <Dispatch as CpuKernels>::fused_masked_self_attention(
+            qkv,
+            mask.into_dispatch(),
+            heads,
+            scale,
+            fill,
+            quiet,
+        ),
+        None => <Dispatch as CpuKernels>::fused_self_attention(qkv, heads, scale, quiet),
+    })
+}
+
 /// The fused cross-entropy of f32 `logits` `[rows, classes]` on Flex: each row's loss.
 pub(crate) fn cross_entropy(logits: Tensor<2>, targets: Tensor<1, Int>) -> Tensor<1> {
     Tensor::from_dispatch(<Dispatch as CpuKernels>::fused_cross_entropy(
@@ -218,4 +348,18 @@ pub(crate) fn cross_entropy(logits: Tensor<2>, targets: Tensor<1, Int>) -> Tenso
 /// The fused GELU of an f32 tensor on Flex.
 pub(crate) fn gelu<const D: usize>(x: Tensor<D>) -> Tensor<D> {
     Tensor::from_dispatch(<Dispatch as CpuKernels>::fused_gelu(x.into_dispatch()))
+}
+
+/// `linear(gelu(x), weight, bias)` of f32 dispatch tensors on Flex, the GELU recomputed in the
+/// backward pass instead of kept.
+pub(crate) fn gelu_linear<const D: usize>(
+    x: Tensor<D>,
+    weight: Tensor<2>,
+    bias: Tensor<1>,
+) -> Tensor<D> {
+    Tensor::from_dispatch(<Dispatch as CpuKernels>::fused_gelu_linear(
+        x.into_dispatch(),
+        weight.into_dispatch(),
+        bias.into_dispatch(),
+    ))
 }

@@ -1,6 +1,7 @@
 //! Multi-head attention: burn-nn's `MultiHeadAttention` (same config, fields and record), with
 //! the fused attention softmax (scale, masks and softmax in one pass, one backward pass) and,
-//! for self-attention, the three input projections as one matrix product.
+//! for self-attention, the three input projections as one matrix product; `forward_context`
+//! (the context without the weights) runs self-attention as one flash-style operation.
 
 use burn::config::Config;
 use burn::module::Module;
@@ -193,15 +194,9 @@ impl MultiHeadAttention {
                 self.heads(self.value.forward(input.value)),
             )
         };
-        let softmax_of = AttentionSoftmax {
-            divisor: f64::from((self.d_k as f32).sqrt()),
-            fill: self.min_float,
-            quiet: self.quiet_softmax,
-            fused: self.fused,
-        };
         let weights = attention_weights(
             query.matmul(key.transpose()),
-            softmax_of,
+            self.softmax_of(),
             input.mask_pad,
             input.mask_attn,
         );
@@ -225,10 +220,51 @@ impl MultiHeadAttention {
             .swap_dims(1, 2)
     }
 
-    /// Query, key and value of one input through one `[d_model, 3 d_model]` product (one
-    /// larger GEMM instead of three; the weights' concatenation is differentiable, so each
-    /// projection gets its own gradient).
-    fn project_together(&self, x: Tensor<3>) -> (Tensor<4>, Tensor<4>, Tensor<4>) {
+    /// The context alone, `[batch, seq, d_model]`: what `forward(input).context` is. On Flex,
+    /// for self-attention without dropout, one fused operation from the QKV product to the
+    /// context that never holds the `[batch, heads, seq, seq]` weights (flash-style: the
+    /// backward pass recomputes them tile by tile), so a training step keeps less; elsewhere
+    /// it is [`MultiHeadAttention::forward`]'s context.
+    ///
+    /// # Panics
+    /// As [`MultiHeadAttention::forward`].
+    pub fn forward_context(&self, input: MhaInput) -> Tensor<3> {
+        #[cfg(feature = "flex")]
+        if self.fused
+            && input.self_attention
+            && self.dropout.prob == 0.0
+            && super::fused_here(&input.query)
+            && input.query.dims()[2] == self.d_model
+        {
+            let [batch, seq, _] = input.query.dims();
+            let mask =
+                super::functional::one_mask(input.mask_pad, input.mask_attn, [batch, seq, seq]);
+            let scale = 1.0 / self.softmax_of().divisor;
+            let (heads, fill, quiet) = (self.n_heads, self.min_float, self.quiet_softmax);
+            let context = super::in_f32(self.project_qkv(input.query), |qkv| {
+                crate::cpu_kernels::self_attention(qkv, mask, heads, scale, fill, quiet)
+            });
+            return self.output.forward(context);
+        }
+        self.forward(input).context
+    }
+
+    /// How the scores become weights: burn-nn's division by `sqrt(d_k)` (in f32, as there),
+    /// fill value and softmax.
+    fn softmax_of(&self) -> AttentionSoftmax {
+        AttentionSoftmax {
+            divisor: f64::from((self.d_k as f32).sqrt()),
+            fill: self.min_float,
+            quiet: self.quiet_softmax,
+            fused: self.fused,
+        }
+    }
+
+    /// Query, key and value of one input `[batch, seq, d_model]` through one `[d_model, 3
+    /// d_model]` product (one larger GEMM instead of three; the weights' concatenation is
+    /// differentiable, so each projection gets its own gradient): `[batch, seq, 3 d_model]`,
+    /// query, key and value side by side.
+    fn project_qkv(&self, x: Tensor<3>) -> Tensor<3> {
         let [batch, seq, _] = x.dims();
         let linears = [&self.query, &self.key, &self.value];
         let weight = Tensor::cat(linears.iter().map(|l| l.weight.val()).collect(), 1);
@@ -243,9 +279,18 @@ impl MultiHeadAttention {
             .collect();
         let d = self.d_model;
         // One 2-d product over all tokens, as Linear computes it.
-        let projected = (x.reshape([batch * seq, d]).matmul(weight)
-            + Tensor::cat(biases, 0).unsqueeze())
-        .reshape([batch, seq, 3 * d]);
+        (x.reshape([batch * seq, d]).matmul(weight) + Tensor::cat(biases, 0).unsqueeze()).reshape([
+            batch,
+            seq,
+            3 * d,
+        ])
+    }
+
+    /// [`MultiHeadAttention::project_qkv`] split into heads, each `[batch, heads, seq, d_k]`.
+    fn project_together(&self, x: Tensor<3>) -> (Tensor<4>, Tensor<4>, Tensor<4>) {
+        let [batch, seq, _] = x.dims();
+        let d = self.d_model;
+        let projected = self.project_qkv(x);
         let part = |i: usize| {
             self.heads(
                 projected

@@ -1,6 +1,7 @@
 //! The position-wise feed-forward network: burn-nn's `PositionWiseFeedForward` (same config,
 //! fields and record), with the fused [`gelu`](super::gelu) when its activation is the exact
-//! GELU.
+//! GELU, and on Flex without dropout the GELU and the second layer as one operation that keeps
+//! only the GELU's input for the backward pass.
 
 use burn::config::Config;
 use burn::module::Module;
@@ -78,10 +79,40 @@ impl PositionWiseFeedForward {
             "PositionWiseFeedForward: input's last dimension is {last}, the network's d_model {d_model}"
         );
         let x = self.linear_inner.forward(input);
-        let x = match &self.activation {
-            Activation::Gelu(gelu) if self.fused && !gelu.approximate => super::gelu(x),
-            activation => activation.forward(x),
+        let exact_gelu = matches!(&self.activation, Activation::Gelu(gelu) if !gelu.approximate);
+        #[cfg(feature = "flex")]
+        if self.fused
+            && exact_gelu
+            && self.dropout.prob == 0.0
+            && self.outer_fuses_with(&x)
+            && let Some(bias) = &self.linear_outer.bias
+        {
+            let weight = self.linear_outer.weight.val();
+            return crate::cpu_kernels::gelu_linear(x, weight, bias.val());
+        }
+        let x = if self.fused && exact_gelu {
+            super::gelu(x)
+        } else {
+            self.activation.forward(x)
         };
         self.linear_outer.forward(self.dropout.forward(x))
+    }
+
+    /// Whether the GELU and the second layer (with its bias, as burn-nn's always has) run as
+    /// one operation on `hidden`: f32 on Flex, as are the layer's parameters (the GELU's output
+    /// is then recomputed in the backward pass instead of kept, the widest activation of the
+    /// network).
+    #[cfg(feature = "flex")]
+    fn outer_fuses_with<const D: usize>(&self, hidden: &Tensor<D>) -> bool {
+        use burn::tensor::DType;
+        let f32_here = |dtype: DType| dtype == DType::F32;
+        super::on_flex(&hidden.device())
+            && f32_here(hidden.dtype())
+            && f32_here(self.linear_outer.weight.val().dtype())
+            && self
+                .linear_outer
+                .bias
+                .as_ref()
+                .is_some_and(|b| f32_here(b.val().dtype()))
     }
 }

@@ -96,11 +96,7 @@ pub(super) fn attention_weights(
     let [batch, _, seq, keys] = scores.dims();
     #[cfg(feature = "flex")]
     if softmax_of.fused && fused_here(&scores) {
-        let pad = mask_pad.map(|m| m.reshape([batch, 1, keys]).expand([batch, seq, keys]));
-        let mask = match (pad, mask_attn) {
-            (Some(pad), Some(attn)) => Some(pad.bool_or(attn)),
-            (pad, attn) => pad.or(attn),
-        };
+        let mask = one_mask(mask_pad, mask_attn, [batch, seq, keys]);
         return in_f32(scores, |scores| {
             crate::cpu_kernels::attention_softmax(
                 scores,
@@ -123,5 +119,20 @@ pub(super) fn attention_weights(
         quiet_softmax(scores, 3)
     } else {
         softmax(scores, 3)
+    }
+}
+
+/// A padding mask `[batch, keys]` and an attention mask `[batch, seq, keys]` (true: masked) as
+/// one `[batch, seq, keys]` mask, the form our fused kernels take.
+#[cfg(feature = "flex")]
+pub(super) fn one_mask(
+    mask_pad: Option<Tensor<2, Bool>>,
+    mask_attn: Option<Tensor<3, Bool>>,
+    [batch, seq, keys]: [usize; 3],
+) -> Option<Tensor<3, Bool>> {
+    let pad = mask_pad.map(|m| m.reshape([batch, 1, keys]).expand([batch, seq, keys]));
+    match (pad, mask_attn) {
+        (Some(pad), Some(attn)) => Some(pad.bool_or(attn)),
+        (pad, attn) => pad.or(attn),
     }
 }

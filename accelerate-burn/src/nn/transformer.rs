@@ -195,7 +195,7 @@ impl TransformerEncoderLayer {
         if let Some(mask) = mask_attn {
             input = input.mask_attn(mask);
         }
-        let x = x + self.dropout.forward(self.mha.forward(input).context);
+        let x = x + self.dropout.forward(self.mha.forward_context(input));
         let (x, branch) = if self.norm_first {
             let branch = self.norm_1.forward(x.clone());
             (x, branch)

@@ -1,0 +1,121 @@
+//! Fused self-attention: [`accelerate_kernels::attention`] on Flex tensors, from the one QKV
+//! product `[batch, seq, 3 * d_model]` to the context `[batch, seq, d_model]`, and its backward
+//! node (state: the QKV tensor, two numbers per query row, the mask). The `[batch, heads, seq,
+//! seq]` weights are never kept: the backward pass recomputes them tile by tile.
+
+use accelerate_kernels::attention::{self, Mask, STATS_PER_ROW, SelfAttention};
+use burn::backend::Flex;
+use burn::backend::TensorMetadata;
+use burn::backend::autodiff::Autodiff;
+use burn::backend::autodiff::checkpoint::base::Checkpointer;
+use burn::backend::autodiff::checkpoint::strategy::CheckpointStrategy;
+use burn::backend::autodiff::grads::Gradients;
+use burn::backend::autodiff::ops::{Backward, Ops, OpsKind};
+use burn::backend::flex::FlexTensor;
+use burn::backend::tensor::FloatTensor;
+
+use super::softmax::mask_bytes;
+use super::{contiguous, flex_tensor, values};
+
+/// What the attention computes besides its input.
+#[derive(Debug, Clone, Copy)]
+pub(super) struct Settings {
+    heads: usize,
+    scale: f32,
+    fill: f32,
+    quiet: bool,
+}
+
+impl Settings {
+    /// The number of heads, the scores' scale, the masked scores' value, quiet softmax or not.
+    pub(super) fn new(heads: usize, scale: f64, fill: f64, quiet: bool) -> Self {
+        Self {
+            heads,
+            scale: scale as f32,
+            fill: fill as f32,
+            quiet,
+        }
+    }
+
+    /// The kernel's description of a call on `qkv` of `dims` `[batch, seq, 3 * d_model]`.
+    fn describe<'a>(&self, dims: &[usize], mask: Option<&'a [u8]>) -> SelfAttention<'a> {
+        let (batch, seq, width) = match dims {
+            [batch, seq, width] => (*batch, *seq, *width),
+            _ => (0, 0, 0),
+        };
+        SelfAttention {
+            batch,
+            seq,
+            heads: self.heads,
+            head_dim: (width / 3).checked_div(self.heads).unwrap_or(0),
+            scale: self.scale,
+            quiet: self.quiet,
+            mask: mask.map(|masked| Mask {
+                masked,
+                fill: self.fill,
+            }),
+        }
+    }
+}
+
+/// The context `[batch, seq, d_model]` and the rows' statistics of the attention over `qkv`.
+pub(super) fn forward(
+    qkv: &FlexTensor,
+    mask: Option<&[u8]>,
+    settings: Settings,
+) -> (FlexTensor, Vec<f32>) {
+    let shape = qkv.shape();
+    let dims = shape.as_slice();
+    let call = settings.describe(dims, mask);
+    let qkv = contiguous(qkv);
+    let tokens = call.batch * call.seq;
+    let mut context = vec![0.0; tokens * call.heads * call.head_dim];
+    let mut stats = vec![0.0; tokens * call.heads * STATS_PER_ROW];
+    attention::forward(&call, values(&qkv), &mut context, &mut stats);
+    let out: burn::tensor::Shape = [call.batch, call.seq, call.heads * call.head_dim].into();
+    (flex_tensor(context, out), stats)
+}
+
+/// The backward node of the fused self-attention.
+#[derive(Debug)]
+struct SelfAttentionBackward;
+
+impl Backward<Flex, 1> for SelfAttentionBackward {
+    /// The QKV tensor, the rows' statistics, the mask's bytes and the settings.
+    type State = (FlexTensor, Vec<f32>, Option<Vec<u8>>, Settings);
+
+    fn backward(self, ops: Ops<Self::State, 1>, grads: &mut Gradients, _: &mut Checkpointer) {
+        let [node_qkv] = ops.parents;
+        let dcontext: FlexTensor = grads.consume::<Flex>(&ops.node);
+        let Some(node) = node_qkv else { return };
+        let (qkv, stats, mask, settings) = ops.state;
+        let shape = qkv.shape();
+        let call = settings.describe(shape.as_slice(), mask.as_deref());
+        let (qkv, dcontext) = (contiguous(&qkv), contiguous(&dcontext));
+        let mut dqkv = vec![0.0; shape.num_elements()];
+        attention::backward(&call, values(&qkv), &stats, values(&dcontext), &mut dqkv);
+        grads.register::<Flex>(node.id, flex_tensor(dqkv, shape));
+    }
+}
+
+/// The fused self-attention under autodiff (the mask is not differentiable).
+pub(super) fn tracked<C: CheckpointStrategy>(
+    qkv: FloatTensor<Autodiff<Flex, C>>,
+    mask: Option<FlexTensor>,
+    settings: Settings,
+) -> FloatTensor<Autodiff<Flex, C>> {
+    let bytes = mask.as_ref().map(mask_bytes);
+    let (context, stats) = forward(qkv.primitive(), bytes.as_deref(), settings);
+    // Compute-bound for checkpointing: the statistics are kept, never recomputed.
+    match SelfAttentionBackward
+        .prepare::<C>([qkv.node()])
+        .compute_bound()
+        .stateful()
+    {
+        OpsKind::Tracked(prep) => {
+            let state = (qkv.primitive().clone(), stats, bytes, settings);
+            prep.finish(state, context)
+        }
+        OpsKind::UnTracked(prep) => prep.finish(context),
+    }
+}

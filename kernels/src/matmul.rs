@@ -1,0 +1,189 @@
+//! Strided f32 matrix products on one thread, through the `gemm` crate (Burn's Flex uses the
+//! same one): the products inside our fused kernels' tiles, each called from one rayon task,
+//! so the bits never depend on the number of threads. The one unsafe call is here, after the
+//! views' extents were checked against their slices.
+
+#![allow(unsafe_code)]
+
+/// A read-only matrix view: element `(r, c)` is `data[offset + r * row_stride + c * col_stride]`.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct Mat<'a> {
+    /// The buffer the matrix lives in.
+    pub data: &'a [f32],
+    /// Where element `(0, 0)` is.
+    pub offset: usize,
+    /// Rows.
+    pub rows: usize,
+    /// Columns.
+    pub cols: usize,
+    /// Distance between rows.
+    pub row_stride: usize,
+    /// Distance between columns.
+    pub col_stride: usize,
+}
+
+impl Mat<'_> {
+    /// The transposed view (no copy).
+    pub(crate) fn t(self) -> Self {
+        Self {
+            rows: self.cols,
+            cols: self.rows,
+            row_stride: self.col_stride,
+            col_stride: self.row_stride,
+            ..self
+        }
+    }
+}
+
+/// One past the largest index a `rows x cols` view at `offset` reaches (`offset` when empty).
+fn extent(offset: usize, rows: usize, cols: usize, row_stride: usize, col_stride: usize) -> usize {
+    if rows == 0 || cols == 0 {
+        return offset;
+    }
+    offset + (rows - 1) * row_stride + (cols - 1) * col_stride + 1
+}
+
+/// `dst = a b` (or `dst += a b` when `accumulate`), times `factor`, for a row-major `dst` of
+/// `a.rows x b.cols` with row stride `dst_row_stride` from `dst_offset`.
+///
+/// # Panics
+/// When the shapes do not chain, or a view reaches past its slice.
+pub(crate) fn matmul(
+    dst: &mut [f32],
+    dst_offset: usize,
+    dst_row_stride: usize,
+    a: Mat<'_>,
+    b: Mat<'_>,
+    factor: f32,
+    accumulate: bool,
+) {
+    assert_eq!(
+        a.cols, b.rows,
+        "matmul: {}x{} by {}x{}",
+        a.rows, a.cols, b.rows, b.cols
+    );
+    let (m, n, k) = (a.rows, b.cols, a.cols);
+    for (view, len, what) in [
+        (
+            extent(a.offset, a.rows, a.cols, a.row_stride, a.col_stride),
+            a.data.len(),
+            "a",
+        ),
+        (
+            extent(b.offset, b.rows, b.cols, b.row_stride, b.col_stride),
+            b.data.len(),
+            "b",
+        ),
+        (
+            extent(dst_offset, m, n, dst_row_stride, 1),
+            dst.len(),
+            "dst",
+        ),
+    ] {
+        assert!(view <= len, "matmul: {what} reaches {view} of {len} values");
+    }
+    if m == 0 || n == 0 {
+        return;
+    }
+    if k == 0 {
+        if !accumulate {
+            for row in 0..m {
+                let start = dst_offset + row * dst_row_stride;
+                dst[start..start + n].fill(0.0);
+            }
+        }
+        return;
+    }
+    let stride = |s: usize| isize::try_from(s).expect("a stride within a slice fits isize");
+    // SAFETY: every element the three views address lies inside its slice (checked above), the
+    // destination is borrowed mutably and so aliases neither operand, and the call runs on
+    // this thread only (`Parallelism::None`).
+    unsafe {
+        gemm::gemm(
+            m,
+            n,
+            k,
+            dst.as_mut_ptr().add(dst_offset),
+            1,
+            stride(dst_row_stride),
+            accumulate,
+            a.data.as_ptr().add(a.offset),
+            stride(a.col_stride),
+            stride(a.row_stride),
+            b.data.as_ptr().add(b.offset),
+            stride(b.col_stride),
+            stride(b.row_stride),
+            1.0,
+            factor,
+            false,
+            false,
+            false,
+            gemm::Parallelism::None,
+        );
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Strided and transposed views against the textbook triple loop.
+    #[test]
+    fn strided_products_match_the_definition() {
+        let data: Vec<f32> = (0..200).map(|i| (i % 17) as f32 - 8.0).collect();
+        // a: 3x5 with row stride 7 from 2; b: the transpose of a 4x5 view, row stride 9 from 40.
+        let a = Mat {
+            data: &data,
+            offset: 2,
+            rows: 3,
+            cols: 5,
+            row_stride: 7,
+            col_stride: 1,
+        };
+        let b = Mat {
+            data: &data,
+            offset: 40,
+            rows: 4,
+            cols: 5,
+            row_stride: 9,
+            col_stride: 1,
+        }
+        .t();
+        let mut dst = vec![1.0; 3 * 6];
+        matmul(&mut dst, 1, 6, a, b, 0.5, true);
+        for r in 0..3 {
+            for c in 0..4 {
+                let want: f32 = (0..5)
+                    .map(|i| data[2 + r * 7 + i] * data[40 + c * 9 + i])
+                    .sum::<f32>()
+                    * 0.5
+                    + 1.0;
+                assert_eq!(dst[1 + r * 6 + c], want, "({r}, {c})");
+            }
+        }
+        assert_eq!(dst[0], 1.0, "outside the view untouched");
+    }
+
+    #[test]
+    #[should_panic(expected = "matmul: b reaches")]
+    fn a_view_past_its_slice_is_refused() {
+        let data = [0.0; 8];
+        let a = Mat {
+            data: &data,
+            offset: 0,
+            rows: 2,
+            cols: 2,
+            row_stride: 2,
+            col_stride: 1,
+        };
+        let b = Mat {
+            data: &data,
+            offset: 6,
+            rows: 2,
+            cols: 2,
+            row_stride: 2,
+            col_stride: 1,
+        };
+        matmul(&mut [0.0; 4], 0, 2, a, b, 1.0, false);
+    }
+}
