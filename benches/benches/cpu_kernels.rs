@@ -1,7 +1,9 @@
 //! Our fused CPU kernels against Burn's composition, forward and backward under autodiff on
 //! Flex, at the transformer example's shapes (32 sequences of 128 tokens, d_model 256, 4 heads,
 //! MLP 1024, byte vocabulary): one layer norm, one causal self-attention (the whole module:
-//! projections, scores, softmax, context), one GELU, one cross-entropy. Each group's `loss_alone`
+//! projections, scores, softmax, context; `fused` is `forward`, `flash` `forward_context`), one
+//! feed-forward network (its GELU and second layer one operation in ours), one GELU, one
+//! cross-entropy. Each group's `loss_alone`
 //! row is the weighted sum and its backward without the op, which both other rows include.
 //! Bytes counted: the op's input read and output written forward, input, output gradient and
 //! input gradient backward.
@@ -83,6 +85,38 @@ fn attention(c: &mut Criterion) {
             })
         })
     });
+    group.bench_function("flash", |b| {
+        b.iter(|| {
+            step(&x, &weights, &|x| {
+                ours.forward_context(nn::MhaInput::self_attn(x).mask_attn(mask.clone()))
+            })
+        })
+    });
+    group.bench_function("loss_alone", |b| b.iter(|| step(&x, &weights, &|x| x)));
+    group.finish();
+}
+
+fn feed_forward(c: &mut Criterion) {
+    let device = Device::default().autodiff();
+    let [_, _, d_model] = DIMS;
+    let x = Tensor::<3>::random(DIMS, Distribution::Normal(0.0, 1.0), &device);
+    let weights = Tensor::<3>::random(DIMS, Distribution::Normal(0.0, 1.0), &device);
+    let theirs = burn::nn::transformer::PositionWiseFeedForwardConfig::new(d_model, 4 * d_model)
+        .with_dropout(0.0)
+        .init(&device);
+    let ours = nn::PositionWiseFeedForwardConfig::new(d_model, 4 * d_model)
+        .with_dropout(0.0)
+        .init(&device);
+    let mut group = c.benchmark_group("feed_forward_fwd_bwd");
+    group.sample_size(10);
+    // The hidden activation dominates: [tokens, 4 d_model].
+    group.throughput(Throughput::Bytes(16 * (TOKENS * 4 * d_model) as u64));
+    group.bench_function("burn_nn", |b| {
+        b.iter(|| step(&x, &weights, &|x| theirs.forward(x)))
+    });
+    group.bench_function("fused", |b| {
+        b.iter(|| step(&x, &weights, &|x| ours.forward(x)))
+    });
     group.bench_function("loss_alone", |b| b.iter(|| step(&x, &weights, &|x| x)));
     group.finish();
 }
@@ -133,5 +167,12 @@ fn cross_entropy(c: &mut Criterion) {
     group.finish();
 }
 
-criterion_group!(benches, layer_norm, attention, gelu, cross_entropy);
+criterion_group!(
+    benches,
+    layer_norm,
+    attention,
+    feed_forward,
+    gelu,
+    cross_entropy
+);
 criterion_main!(benches);
