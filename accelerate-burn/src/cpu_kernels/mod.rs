@@ -1,12 +1,14 @@
-//! Our CPU kernels ([`accelerate_kernels`]' layer norm, attention softmax, cross-entropy and
-//! GELU) on Burn's Flex tensors, with our own backward nodes on `Autodiff<Flex>`, through a
+//! Our CPU kernels ([`accelerate_kernels`]' layer norm, attention softmax, flash-style
+//! self-attention, cross-entropy, GELU, and the GELU inside a linear layer) on Burn's Flex
+//! tensors, with our own backward nodes on `Autodiff<Flex>`, through a
 //! Burn backend extension.
 //!
 //! Burn's autodiff has no backward pass of its own for layer norm, softmax or log-softmax: it
 //! runs the backend trait's default decompositions, each step a tracked operation with its own
 //! backward, so one layer norm costs about thirty passes over its tensor when training and an
 //! attention softmax about nineteen, most of them on one core. Here each is one parallel pass
-//! forward and one backward. One file per operation: its forward on Flex, its backward node,
+//! forward and one backward; self-attention and the GELU before a linear layer also keep less for
+//! backward (the attention weights and the GELU's output are recomputed). One file per operation: its forward on Flex, its backward node,
 //! and its tracked form under autodiff.
 //!
 //! Only f32 tensors on Flex (plain or under autodiff) come here: [`crate::nn`] checks the

@@ -8,9 +8,11 @@
 //! - [`LayerNorm`] / [`LayerNormConfig`]: one pass forward, one backward.
 //! - [`MultiHeadAttention`] / [`MultiHeadAttentionConfig`] / [`MhaInput`] / [`MhaOutput`]: the
 //!   scale, masks and softmax in one pass (one backward), and self-attention's three input
-//!   projections as one matrix product.
+//!   projections as one matrix product; [`MultiHeadAttention::forward_context`] runs
+//!   self-attention flash-style, never keeping the attention weights.
 //! - [`PositionWiseFeedForward`] / [`PositionWiseFeedForwardConfig`]: with a vectorised,
-//!   parallel exact GELU.
+//!   parallel exact GELU, fused into the second layer when there is no dropout (the GELU's
+//!   output is recomputed in the backward pass, not kept).
 //! - [`TransformerEncoder`] / [`TransformerEncoderConfig`] / [`TransformerEncoderInput`]:
 //!   burn-nn's encoder made of the modules above.
 //! - Free functions for hand-built models: [`layer_norm`], [`gelu`], [`attention`],
