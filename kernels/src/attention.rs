@@ -95,26 +95,14 @@ impl SelfAttention<'_> {
     /// The view of head `head`'s `part` (0 query, 1 key, 2 value) of sequence `b` in `qkv`.
     fn part<'q>(&self, qkv: &'q [f32], b: usize, head: usize, part: usize) -> Mat<'q> {
         let width = self.width();
-        Mat {
-            data: qkv,
-            offset: b * self.seq * 3 * width + part * width + head * self.head_dim,
-            rows: self.seq,
-            cols: self.head_dim,
-            row_stride: 3 * width,
-            col_stride: 1,
-        }
+        let offset = b * self.seq * 3 * width + part * width + head * self.head_dim;
+        Mat::rows_of(qkv, offset, [self.seq, self.head_dim], 3 * width)
     }
 
     /// Head `head`'s view of sequence `b` in a `[batch, seq, heads, head_dim]` buffer.
     fn head_of<'c>(&self, context: &'c [f32], b: usize, head: usize) -> Mat<'c> {
-        Mat {
-            data: context,
-            offset: b * self.seq * self.width() + head * self.head_dim,
-            rows: self.seq,
-            cols: self.head_dim,
-            row_stride: self.width(),
-            col_stride: 1,
-        }
+        let offset = b * self.seq * self.width() + head * self.head_dim;
+        Mat::rows_of(context, offset, [self.seq, self.head_dim], self.width())
     }
 
     /// The mask row of query `i` of sequence `b`.
@@ -186,14 +174,7 @@ fn forward_tile(a: &SelfAttention<'_>, qkv: &[f32], b: usize, head: usize) -> (V
         stat.copy_from_slice(&[max, inverse]);
     }
     let mut context = vec![0.0; seq * a.head_dim];
-    let probs = Mat {
-        data: &probs,
-        offset: 0,
-        rows: seq,
-        cols: seq,
-        row_stride: seq,
-        col_stride: 1,
-    };
+    let probs = Mat::rows_of(&probs, 0, [seq, seq], seq);
     matmul(
         &mut context,
         0,
@@ -281,14 +262,7 @@ fn backward_tile(
             *p = exp(*p - max) * inverse;
         }
     }
-    let square = |data| Mat {
-        data,
-        offset: 0,
-        rows: seq,
-        cols: seq,
-        row_stride: seq,
-        col_stride: 1,
-    };
+    let square = |data| Mat::rows_of(data, 0, [seq, seq], seq);
     let dout = a.head_of(dcontext, b, head);
     let (q, k, v) = (
         a.part(qkv, b, head, 0),

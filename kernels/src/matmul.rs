@@ -22,7 +22,25 @@ pub(crate) struct Mat<'a> {
     pub col_stride: usize,
 }
 
-impl Mat<'_> {
+impl<'a> Mat<'a> {
+    /// `rows x cols` values of `data` from `offset`, rows `row_stride` apart, each row's
+    /// values adjacent.
+    pub(crate) fn rows_of(
+        data: &'a [f32],
+        offset: usize,
+        [rows, cols]: [usize; 2],
+        row_stride: usize,
+    ) -> Self {
+        Self {
+            data,
+            offset,
+            rows,
+            cols,
+            row_stride,
+            col_stride: 1,
+        }
+    }
+
     /// The transposed view (no copy).
     pub(crate) fn t(self) -> Self {
         Self {

@@ -84,11 +84,9 @@ impl PositionWiseFeedForward {
         if self.fused
             && exact_gelu
             && self.dropout.prob == 0.0
-            && self.outer_fuses_with(&x)
-            && let Some(bias) = &self.linear_outer.bias
+            && let Some((weight, bias)) = self.outer_fusing_with(&x)
         {
-            let weight = self.linear_outer.weight.val();
-            return crate::cpu_kernels::gelu_linear(x, weight, bias.val());
+            return crate::cpu_kernels::gelu_linear(x, weight, bias);
         }
         let x = if self.fused && exact_gelu {
             super::gelu(x)
@@ -98,21 +96,19 @@ impl PositionWiseFeedForward {
         self.linear_outer.forward(self.dropout.forward(x))
     }
 
-    /// Whether the GELU and the second layer (with its bias, as burn-nn's always has) run as
-    /// one operation on `hidden`: f32 on Flex, as are the layer's parameters (the GELU's output
-    /// is then recomputed in the backward pass instead of kept, the widest activation of the
-    /// network).
+    /// The second layer's weight and bias when the GELU and that layer run as one operation
+    /// on `hidden`: f32 on Flex, as are the parameters, and a bias (burn-nn's always has one).
+    /// The GELU's output, the widest activation of the network, is then recomputed in the
+    /// backward pass instead of kept.
     #[cfg(feature = "flex")]
-    fn outer_fuses_with<const D: usize>(&self, hidden: &Tensor<D>) -> bool {
+    fn outer_fusing_with<const D: usize>(
+        &self,
+        hidden: &Tensor<D>,
+    ) -> Option<(Tensor<2>, Tensor<1>)> {
         use burn::tensor::DType;
-        let f32_here = |dtype: DType| dtype == DType::F32;
-        super::on_flex(&hidden.device())
-            && f32_here(hidden.dtype())
-            && f32_here(self.linear_outer.weight.val().dtype())
-            && self
-                .linear_outer
-                .bias
-                .as_ref()
-                .is_some_and(|b| f32_here(b.val().dtype()))
+        let weight = self.linear_outer.weight.val();
+        let bias = self.linear_outer.bias.as_ref()?.val();
+        let all_f32 = [hidden.dtype(), weight.dtype(), bias.dtype()] == [DType::F32; 3];
+        (all_f32 && super::on_flex(&hidden.device())).then_some((weight, bias))
     }
 }
