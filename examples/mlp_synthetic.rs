@@ -10,7 +10,7 @@
 //! `AdamWConfig::new()` (with `ACCELERATE_ZERO_STAGE=1` and several processes, ZeRO-1). Prints samples
 //! per second over all processes,
 //! excluding the first 10 steps (warm-up), the final loss, and with several processes
-//! (`accelerate launch -n 2 --example mlp_synthetic`) the time per step spent averaging
+//! (`accelerate-rs launch -n 2 --example mlp_synthetic`) the time per step spent averaging
 //! gradients.
 
 use accelerate_burn::burn;

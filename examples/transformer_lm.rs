@@ -3,7 +3,7 @@
 //!
 //! ```text
 //! cargo run --example transformer_lm -- --steps 300
-//! accelerate launch -n 2 --example transformer_lm -- --steps 300
+//! accelerate-rs launch -n 2 --example transformer_lm -- --steps 300
 //! ```
 //!
 //! Default model: context 128, 4 pre-LayerNorm layers, d_model 256, 4 heads, MLP 1024 (GELU),

@@ -1,6 +1,6 @@
 //! One Burn training loop, written once, that runs on a laptop CPU, a GPU, or many processes:
 //! the user keeps a plain Rust loop and an [`Accelerator`] adds device placement,
-//! data-parallel gradient averaging across processes (started by `accelerate launch`, torchrun,
+//! data-parallel gradient averaging across processes (started by `accelerate-rs launch`, torchrun,
 //! SLURM or MPI), gradient accumulation, global gradient clipping and safe model saving.
 //!
 //! ```
@@ -57,7 +57,7 @@
 //! - [`PreparedOptimizer`] / [`PreparedScheduler`]: one step per accumulation window.
 //! - [`metrics`]: evaluation metrics (mean loss, accuracy, perplexity, bits per byte) summed
 //!   over batches and processes, without the samples `even_batches` repeated.
-//! - [`selftest`]: the checks `accelerate test` runs on every process.
+//! - [`selftest`]: the checks `accelerate-rs test` runs on every process.
 //! - [`fused`]: fused AdamW / Adam / SGD over flat parameters, and ZeRO-1.
 //! - [`checkpoint`]: `save_state` / `load_state` with exact resume, atomic saves, rotation.
 //! - [`nn`]: burn-nn modules (layer norm) with fused CPU kernels for training on Flex.
@@ -125,3 +125,8 @@ pub use backend::Flex;
 pub use backend::NdArray;
 #[cfg(feature = "wgpu")]
 pub use backend::Wgpu;
+
+/// The crate's README, whose examples run as doctests so that what crates.io shows compiles.
+#[cfg(doctest)]
+#[doc = include_str!("../README.md")]
+pub struct ReadmeDoctests;

@@ -1,4 +1,4 @@
-//! The checks `accelerate test` runs on every process of a job: collectives against values
+//! The checks `accelerate-rs test` runs on every process of a job: collectives against values
 //! computed locally, the same data order on every rank, and a few training steps that leave
 //! every rank with the same parameters. Each check reports what it found, not just pass/fail.
 

@@ -1,7 +1,7 @@
 //! `AcceleratorConfig`: the knobs of an accelerated loop and where each value comes from.
 //!
 //! Precedence, highest first: a value set in code (on [`ConfigOverrides`]), then the
-//! `ACCELERATE_*` environment variable (which `accelerate launch` flags set), then the config
+//! `ACCELERATE_*` environment variable (which `accelerate-rs launch` flags set), then the config
 //! file ([`crate::config_file`]), then the default. Every value is validated once, here,
 //! and an error names the key, the source and what would have been accepted.
 

@@ -1,4 +1,4 @@
-//! The config file: what `accelerate config` writes, and what `accelerate launch` and
+//! The config file: what `accelerate-rs config` writes, and what `accelerate-rs launch` and
 //! `Accelerator::from_env` read below the command line and the environment.
 //!
 //! Which file, first match wins:
@@ -340,8 +340,8 @@ pub fn write(path: &Path, file: &ConfigFile) -> Result<(), ConfigFileError> {
     };
     let body = toml::to_string(file).map_err(|e| fail(e.to_string()))?;
     let text = format!(
-        "# accelerate-rs configuration, written by `accelerate config`.\n\
-         # Read by `accelerate launch` and Accelerator::from_env; command-line flags and\n\
+        "# accelerate-rs configuration, written by `accelerate-rs config`.\n\
+         # Read by `accelerate-rs launch` and Accelerator::from_env; command-line flags and\n\
          # ACCELERATE_* variables win over it.\n{body}"
     );
     if let Some(dir) = path.parent().filter(|d| !d.as_os_str().is_empty()) {

@@ -1,5 +1,5 @@
-//! Every `ACCELERATE_*` variable, named once: `accelerate launch` writes them for its workers,
-//! the workers and the launcher read them, and `accelerate env` lists them.
+//! Every `ACCELERATE_*` variable, named once: `accelerate-rs launch` writes them for its workers,
+//! the workers and the launcher read them, and `accelerate-rs env` lists them.
 
 use crate::error::ConfigError;
 use crate::state::EnvSource;
@@ -45,7 +45,7 @@ pub const TIMEOUT: &str = "ACCELERATE_TIMEOUT";
 pub const RENDEZVOUS_TIMEOUT: &str = "ACCELERATE_RENDEZVOUS_TIMEOUT";
 /// Seconds a TCP peer may show no sign of life before it is reported lost.
 pub const HEARTBEAT_TIMEOUT: &str = "ACCELERATE_HEARTBEAT_TIMEOUT";
-/// Pid of the `accelerate launch` that started this worker (the worker ends with it).
+/// Pid of the `accelerate-rs launch` that started this worker (the worker ends with it).
 pub const LAUNCHER_PID: &str = "ACCELERATE_LAUNCHER_PID";
 /// Whether groups spanning hosts all-reduce hierarchically (shared memory inside each host).
 pub const HIERARCHICAL: &str = "ACCELERATE_HIERARCHICAL";

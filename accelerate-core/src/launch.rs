@@ -1,4 +1,4 @@
-//! Starting and supervising the worker processes of one machine (what `accelerate launch`
+//! Starting and supervising the worker processes of one machine (what `accelerate-rs launch`
 //! does).
 //!
 //! Each worker gets the process contract of the architecture: `RANK`, `WORLD_SIZE`,
@@ -163,7 +163,7 @@ pub enum LaunchError {
 }
 
 impl LaunchError {
-    /// The exit code `accelerate launch` ends with.
+    /// The exit code `accelerate-rs launch` ends with.
     pub fn exit_code(&self) -> i32 {
         match self {
             LaunchError::WorkerFailed { code, .. } => *code,
@@ -207,7 +207,7 @@ fn fresh_token() -> Result<String, LaunchError> {
     Ok(crate::comm::secret::hex(&bytes))
 }
 
-/// Ties this process to the `accelerate launch` that started it (when one did): the kernel
+/// Ties this process to the `accelerate-rs launch` that started it (when one did): the kernel
 /// sends SIGKILL to this process when the launcher dies, even by SIGKILL, so no worker outlives
 /// its job holding a device. Called once at start-up ([`ProcessState::from_env`]); a no-op
 /// for processes other launchers started.
@@ -546,7 +546,7 @@ pub fn launch(config: &LaunchConfig, interrupted: &AtomicUsize) -> Result<(), La
             {
                 attempt += 1;
                 eprintln!(
-                    "accelerate launch: rank {rank} {how}; restarting every worker \
+                    "accelerate-rs launch: rank {rank} {how}; restarting every worker \
                      (restart {attempt} of {})",
                     config.max_restarts
                 );

@@ -1,4 +1,4 @@
-//! What `accelerate launch` runs with: each setting from its command-line flag, else its
+//! What `accelerate-rs launch` runs with: each setting from its command-line flag, else its
 //! `ACCELERATE_*` variable, else the config file, else the default; every value validated
 //! here, with errors naming the key, its source and what is accepted.
 

@@ -1,7 +1,7 @@
 //! The process layer of accelerate-rs: everything about processes and training-loop
 //! bookkeeping, nothing about tensors.
 //!
-//! This crate knows who a process is in a job ([`ProcessState`], read from `accelerate launch`,
+//! This crate knows who a process is in a job ([`ProcessState`], read from `accelerate-rs launch`,
 //! torchrun, SLURM, Open MPI or PMI variables), how the accelerated loop is configured
 //! ([`AcceleratorConfig`]: code over `ACCELERATE_*` env over defaults), when a gradient
 //! accumulation window completes ([`GradientAccumulation`]), and in which order an epoch visits
@@ -23,9 +23,9 @@
 //!
 //! - [`state`]: the launcher environment, parsed and validated.
 //! - [`config`]: [`AcceleratorConfig`] and its sources.
-//! - [`config_file`]: the config file (`accelerate config`), and Accelerate's YAML import.
+//! - [`config_file`]: the config file (`accelerate-rs config`), and Accelerate's YAML import.
 //! - [`env_vars`]: every `ACCELERATE_*` variable, named once.
-//! - [`launch_settings`]: what `accelerate launch` runs with (flag > env > file > default).
+//! - [`launch_settings`]: what `accelerate-rs launch` runs with (flag > env > file > default).
 //! - [`accumulation`]: gradient accumulation windows.
 //! - [`sampler`]: the per-epoch data order.
 //! - [`scaler`]: the dynamic loss scaler of fp16 training (state machine, no tensors).
@@ -74,3 +74,8 @@ pub use launch_settings::{DeviceSelection, LaunchFlags, LaunchSettings};
 pub use scaler::{DynamicLossScaler, ScaledStep, ScalerConfig, ScalerState};
 pub use state::{EnvSource, Launcher, ProcessEnv, ProcessState};
 pub use tracking::{MetricsLogger, Tracker, TrackingError};
+
+/// The crate's README, whose examples run as doctests so that what crates.io shows compiles.
+#[cfg(doctest)]
+#[doc = include_str!("../README.md")]
+pub struct ReadmeDoctests;

@@ -5,7 +5,7 @@
 //!
 //! | launcher | rank / size | local rank / size | node |
 //! |---|---|---|---|
-//! | `accelerate launch`, torchrun | `RANK`, `WORLD_SIZE` | `LOCAL_RANK`, `LOCAL_WORLD_SIZE` | `NODE_RANK` (or `GROUP_RANK`) |
+//! | `accelerate-rs launch`, torchrun | `RANK`, `WORLD_SIZE` | `LOCAL_RANK`, `LOCAL_WORLD_SIZE` | `NODE_RANK` (or `GROUP_RANK`) |
 //! | Open MPI | `OMPI_COMM_WORLD_RANK`, `_SIZE` | `OMPI_COMM_WORLD_LOCAL_RANK`, `_LOCAL_SIZE` | `OMPI_COMM_WORLD_NODE_RANK` |
 //! | MPICH / Intel MPI / Cray (PMI) | `PMI_RANK`, `PMI_SIZE` | `MPI_LOCALRANKID`, `MPI_LOCALNRANKS` or `PMI_LOCAL_RANK`, `PMI_LOCAL_SIZE` | derived |
 //! | SLURM (`srun`) | `SLURM_PROCID`, `SLURM_STEP_NUM_TASKS` or `SLURM_NTASKS` | `SLURM_LOCALID`, `SLURM_STEP_TASKS_PER_NODE` or `SLURM_TASKS_PER_NODE` | `SLURM_NODEID` |
@@ -63,7 +63,7 @@ impl EnvSource for [(&str, &str)] {
 pub enum Launcher {
     /// No launcher: a single process.
     None,
-    /// `accelerate launch` or torchrun (`RANK`, `WORLD_SIZE`, ...).
+    /// `accelerate-rs launch` or torchrun (`RANK`, `WORLD_SIZE`, ...).
     Torchrun,
     /// Open MPI's `mpirun` (`OMPI_COMM_WORLD_*`).
     OpenMpi,
@@ -139,7 +139,7 @@ impl ProcessState {
         }
     }
 
-    /// Reads the state from the process environment. A worker of `accelerate launch` also
+    /// Reads the state from the process environment. A worker of `accelerate-rs launch` also
     /// ties itself to the launcher here, so that it ends when the launcher does
     /// ([`follow_launcher`](crate::launch::follow_launcher)).
     pub fn from_env() -> Result<Self, StateError> {

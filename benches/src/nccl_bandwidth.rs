@@ -1,7 +1,7 @@
 //! NCCL's all-reduce on the GPUs as the accelerator runs it ([`Accelerator::reduce`] of a
 //! tensor no other shares: in place), in nccl-tests' terms: `algbw` is bytes per second of
 //! the buffer, `busbw` is `algbw * 2 (n - 1) / n`, what each GPU's links carry in a ring (0
-//! for one GPU, where NCCL only copies). Under `accelerate launch -n N` (one process per GPU)
+//! for one GPU, where NCCL only copies). Under `accelerate-rs launch -n N` (one process per GPU)
 //! it measures N GPUs; started alone, one.
 
 use std::time::Instant;

@@ -1,13 +1,13 @@
-//! `accelerate config`, `accelerate test` and the precedence of settings as real commands:
+//! `accelerate-rs config`, `accelerate-rs test` and the precedence of settings as real commands:
 //! CLI flag > ACCELERATE_* variable > config file > default, for the launcher and, through
-//! it, for the workers (which run `accelerate env` here to show what they resolved).
+//! it, for the workers (which run `accelerate-rs env` here to show what they resolved).
 
 use std::io::Write;
 use std::path::Path;
 use std::process::{Command, Output, Stdio};
 
 fn accelerate(args: &[&str], env: &[(&str, &str)]) -> Output {
-    let mut cmd = Command::new(env!("CARGO_BIN_EXE_accelerate"));
+    let mut cmd = Command::new(env!("CARGO_BIN_EXE_accelerate-rs"));
     cmd.args(args).env_remove("ACCELERATE_MIXED_PRECISION");
     for (k, v) in env {
         cmd.env(k, v);
@@ -19,12 +19,12 @@ fn text(bytes: &[u8]) -> String {
     String::from_utf8_lossy(bytes).into_owned()
 }
 
-/// Launches `accelerate env` on one worker with `args` before it and returns rank 0's
+/// Launches `accelerate-rs env` on one worker with `args` before it and returns rank 0's
 /// resolved configuration line.
 fn resolved(args: &[&str], env: &[(&str, &str)]) -> String {
     let mut all = vec!["launch"];
     all.extend_from_slice(args);
-    all.extend_from_slice(&["--", env!("CARGO_BIN_EXE_accelerate"), "env"]);
+    all.extend_from_slice(&["--", env!("CARGO_BIN_EXE_accelerate-rs"), "env"]);
     let out = accelerate(&all, env);
     assert!(out.status.success(), "{}", text(&out.stderr));
     text(&out.stdout)
@@ -157,7 +157,7 @@ fn config_writes_the_file_from_answers_defaults_or_accelerate_yaml() {
     assert!(written.contains("num_processes = 1"), "{written}");
 
     // Interactive: answers on stdin (1 machine, 2 processes, CPU only, bf16, 2 steps).
-    let mut child = Command::new(env!("CARGO_BIN_EXE_accelerate"))
+    let mut child = Command::new(env!("CARGO_BIN_EXE_accelerate-rs"))
         .args(["config"])
         .env("XDG_CONFIG_HOME", &xdg)
         .stdin(Stdio::piped())
@@ -205,6 +205,6 @@ fn accelerate_test_passes_on_two_processes() {
     let out = accelerate(&["test", "-n", "2"], &[("ACCELERATE_CONFIG_FILE", "none")]);
     let stdout = text(&out.stdout);
     assert!(out.status.success(), "{stdout}\n{}", text(&out.stderr));
-    assert!(stdout.contains("accelerate test: PASS"), "{stdout}");
+    assert!(stdout.contains("accelerate-rs test: PASS"), "{stdout}");
     assert_eq!(stdout.matches("[rank 0] ok ").count(), 3, "{stdout}");
 }

@@ -1,4 +1,4 @@
-//! `accelerate launch` supervising real worker processes (small shell scripts as workers).
+//! `accelerate-rs launch` supervising real worker processes (small shell scripts as workers).
 
 use std::net::TcpListener;
 use std::process::{Command, Output};
@@ -6,7 +6,7 @@ use std::time::{Duration, Instant};
 
 fn launch(args: &[&str]) -> (Output, Duration) {
     let started = Instant::now();
-    let output = Command::new(env!("CARGO_BIN_EXE_accelerate"))
+    let output = Command::new(env!("CARGO_BIN_EXE_accelerate-rs"))
         .arg("launch")
         .args(args)
         .output()
@@ -151,10 +151,10 @@ fn nothing_to_launch_is_a_user_error() {
     assert!(text(&out.stderr).contains("nothing to launch"));
 }
 
-/// Starts `accelerate launch -n 2` over workers that print their pid and sleep; returns the
+/// Starts `accelerate-rs launch -n 2` over workers that print their pid and sleep; returns the
 /// launcher and the workers' pids once both have started.
 fn sleeping_job() -> (std::process::Child, Vec<u32>) {
-    let mut launcher = Command::new(env!("CARGO_BIN_EXE_accelerate"))
+    let mut launcher = Command::new(env!("CARGO_BIN_EXE_accelerate-rs"))
         .args([
             "launch",
             "-n",
@@ -224,11 +224,17 @@ fn a_stopping_signal_stops_the_workers() {
     }
 }
 
-/// `timeout 2 accelerate launch ...` (SIGTERM when time is up) leaves no worker behind.
+/// `timeout 2 accelerate-rs launch ...` (SIGTERM when time is up) leaves no worker behind.
 #[test]
 fn a_launch_under_timeout_leaves_no_worker_behind() {
     let out = Command::new("timeout")
-        .args(["2", env!("CARGO_BIN_EXE_accelerate"), "launch", "-n", "2"])
+        .args([
+            "2",
+            env!("CARGO_BIN_EXE_accelerate-rs"),
+            "launch",
+            "-n",
+            "2",
+        ])
         .args(["--grace-period", "2", "--", "sh", "-c"])
         .arg(r#"echo "PID $$"; exec sleep 60"#)
         .output()
@@ -257,7 +263,7 @@ fn sleeping_worker() {
 /// SIGKILL of the launcher (no chance to forward anything): the kernel ends its workers.
 #[test]
 fn workers_end_when_the_launcher_is_killed() {
-    let mut launcher = Command::new(env!("CARGO_BIN_EXE_accelerate"))
+    let mut launcher = Command::new(env!("CARGO_BIN_EXE_accelerate-rs"))
         .args(["launch", "-n", "2", "--"])
         .arg(std::env::current_exe().unwrap())
         .args([
@@ -313,7 +319,7 @@ fn a_process_started_by_a_worker_runs_as_any_program() {
     let exe = std::env::current_exe().unwrap();
     // `; echo`: the shell forks the test binary instead of replacing itself with it.
     let script = r#""$EXE" grandchild --exact --nocapture --test-threads=1; echo "exit $?""#;
-    let out = Command::new(env!("CARGO_BIN_EXE_accelerate"))
+    let out = Command::new(env!("CARGO_BIN_EXE_accelerate-rs"))
         .args(["launch", "-n", "2", "--", "sh", "-c", script])
         .env("EXE", exe)
         .env("ACCELERATE_TEST_GRANDCHILD", "1")

@@ -1,4 +1,4 @@
-//! `accelerate env` reports the libnccl a worker would load: here the `nvidia-nccl-cu13` wheel
+//! `accelerate-rs env` reports the libnccl a worker would load: here the `nvidia-nccl-cu13` wheel
 //! of the torch environment on PATH (which .ci/run installs), found without any setting.
 
 #[path = "../../tests-support/tools.rs"]
@@ -15,7 +15,7 @@ fn env_reports_the_nccl_wheel_of_the_python_environment_on_path() {
     ) {
         return;
     }
-    let out = Command::new(env!("CARGO_BIN_EXE_accelerate"))
+    let out = Command::new(env!("CARGO_BIN_EXE_accelerate-rs"))
         .arg("env")
         .env_remove("ACCELERATE_NCCL_LIBRARY")
         .env_remove("LD_LIBRARY_PATH")

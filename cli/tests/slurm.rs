@@ -1,7 +1,7 @@
 //! Slurm for real: a single-node cluster (munged, slurmctld, slurmd from Debian's packages,
 //! started by `scripts/slurm-cluster.sh` in a directory of its own and stopped on drop, also when
 //! a test fails) runs the digits example under `srun`, an `sbatch` script that uses
-//! `accelerate launch`, and a job that `scancel` ends. Needs root and the packages; skipped
+//! `accelerate-rs launch`, and a job that `scancel` ends. Needs root and the packages; skipped
 //! with a message without them, except in CI, which installs them.
 
 use std::path::{Path, PathBuf};
@@ -98,7 +98,7 @@ fn an_sbatch_script_that_uses_accelerate_launch_works() {
         format!(
             "#!/bin/sh\n#SBATCH --ntasks=1\n#SBATCH --cpus-per-task=2\n#SBATCH --time=5\n\
              exec {} launch -n 2 {}\n",
-            env!("CARGO_BIN_EXE_accelerate"),
+            env!("CARGO_BIN_EXE_accelerate-rs"),
             digits().display()
         ),
     )
@@ -130,7 +130,7 @@ fn scancel_stops_every_worker_and_leaves_nothing() {
         format!(
             "#!/bin/sh\n#SBATCH --ntasks=1\n#SBATCH --cpus-per-task=2\n\
              exec {} launch -n 2 {} --epochs 100000 --project-dir {}\n",
-            env!("CARGO_BIN_EXE_accelerate"),
+            env!("CARGO_BIN_EXE_accelerate-rs"),
             digits().display(),
             marker.display()
         ),

@@ -1,5 +1,5 @@
 //! Two hosts on one machine: two network namespaces joined by a veth link, each with its own
-//! address and host name, each running `accelerate launch --num-machines 2 --machine-rank r`.
+//! address and host name, each running `accelerate-rs launch --num-machines 2 --machine-rank r`.
 //! The namespaces are created and removed by the tests (removed on drop, also when a test
 //! fails); they need root, and are skipped with a message without it.
 
@@ -151,7 +151,7 @@ const TORCHRUN: &str = "\"$TORCHRUN\" --nnodes 2 --node-rank \"$MACHINE\" --npro
 
 /// What the tests here start on a host.
 trait Launch {
-    /// `accelerate launch` of 2 workers on host `machine`.
+    /// `accelerate-rs launch` of 2 workers on host `machine`.
     fn launch(&self, machine: usize, scenario: &str, token: &str, extra: &[(&str, &str)]) -> Child;
     /// `launcher` followed by the worker, in host `machine`'s namespace.
     fn start(
@@ -165,7 +165,7 @@ trait Launch {
 }
 
 impl Launch for TwoHosts {
-    /// `accelerate launch` of 2 workers on host `machine`, with its own host name (and, with
+    /// `accelerate-rs launch` of 2 workers on host `machine`, with its own host name (and, with
     /// `SHM_SIZE` in `extra`, its own /dev/shm of that size).
     fn launch(&self, machine: usize, scenario: &str, token: &str, extra: &[(&str, &str)]) -> Child {
         self.start(machine, ACCELERATE_LAUNCH, scenario, token, extra)
@@ -198,7 +198,7 @@ impl Launch for TwoHosts {
              exec {launcher} \"$EXE\" worker --exact --nocapture --test-threads=1"
             ))
             .env("HOST_NAME", format!("accrs-host-{machine}"))
-            .env("ACCELERATE", env!("CARGO_BIN_EXE_accelerate"))
+            .env("ACCELERATE", env!("CARGO_BIN_EXE_accelerate-rs"))
             .env("MACHINE", machine.to_string())
             .env("MAIN_IP", &self.addresses[0])
             .env("EXE", std::env::current_exe().unwrap())

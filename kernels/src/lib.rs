@@ -64,3 +64,8 @@ pub use scale::{clip_coefficient, scale_in_place};
 /// Number of independent accumulators in the lane-blocked loops: wide enough for AVX-512 and
 /// for two AVX2 registers, so the loop-carried dependency does not limit throughput.
 pub(crate) const LANES: usize = 16;
+
+/// The crate's README, whose examples run as doctests so that what crates.io shows compiles.
+#[cfg(doctest)]
+#[doc = include_str!("../README.md")]
+pub struct ReadmeDoctests;

@@ -106,7 +106,7 @@ struct Metrics {
 
 impl<B: AcceleratorBackend> Accelerator<B> {
     /// An accelerator configured from the launcher environment, `ACCELERATE_*` variables and
-    /// the config file (`accelerate config`), in that order; with none of them, rank 0 of 1
+    /// the config file (`accelerate-rs config`), in that order; with none of them, rank 0 of 1
     /// with default settings.
     pub fn from_env() -> Result<Self, AccelerateError> {
         Self::builder().build()

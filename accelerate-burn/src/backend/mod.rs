@@ -35,7 +35,7 @@ pub use wgpu::Wgpu;
 
 /// A kind of Burn backend that an [`Accelerator`](crate::Accelerator) can train on.
 pub trait AcceleratorBackend: 'static + Send + Sync {
-    /// Short name, as printed by `accelerate env` and in errors ("flex", "cuda", ...).
+    /// Short name, as printed by `accelerate-rs env` and in errors ("flex", "cuda", ...).
     const NAME: &'static str;
 
     /// True when the backend's tensors are cubecl buffers on which accelerate-rs runs its own

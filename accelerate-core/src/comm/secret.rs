@@ -1,6 +1,6 @@
 //! Where a job's secret comes from: the job token every connection proves it knows.
 //!
-//! - `ACCELERATE_JOB_TOKEN` when set (`accelerate launch` sets a fresh 128-bit one for a job on
+//! - `ACCELERATE_JOB_TOKEN` when set (`accelerate-rs launch` sets a fresh 128-bit one for a job on
 //!   one machine; jobs spanning machines need it set to the same value on every machine).
 //! - Otherwise, for a job on one host (other launchers: torchrun, mpirun, srun, by hand), rank 0
 //!   draws 256 random bits and writes them to a file only this user can read,

@@ -1,4 +1,4 @@
-//! `accelerate config`: write the config file that `launch` and `Accelerator::from_env` read,
+//! `accelerate-rs config`: write the config file that `launch` and `Accelerator::from_env` read,
 //! by asking a few questions, with `--default`, or from Hugging Face Accelerate's YAML.
 
 use std::io::{BufRead, Write};
@@ -16,9 +16,9 @@ use clap::Args;
 /// `~/.config/accelerate-rs/config.toml`) by answering a few questions.
 ///
 /// Examples:
-///   accelerate config                      # asks; Enter keeps the default shown
-///   accelerate config --default            # one process, no mixed precision
-///   accelerate config --from-accelerate    # converts ~/.cache/huggingface/accelerate/default_config.yaml
+///   accelerate-rs config                      # asks; Enter keeps the default shown
+///   accelerate-rs config --default            # one process, no mixed precision
+///   accelerate-rs config --from-accelerate    # converts ~/.cache/huggingface/accelerate/default_config.yaml
 #[derive(Debug, Args)]
 pub struct ConfigArgs {
     /// Write the defaults without asking.

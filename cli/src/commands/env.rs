@@ -1,4 +1,4 @@
-//! `accelerate env`: what a bug report needs to know about this machine and process.
+//! `accelerate-rs env`: what a bug report needs to know about this machine and process.
 
 use std::fmt::Write as _;
 use std::process::ExitCode;
@@ -9,9 +9,14 @@ use accelerate_core::state::ProcessEnv;
 use accelerate_core::{ConfigOverrides, ProcessState};
 use clap::Args;
 
-/// The Burn release accelerate-rs is built on (pinned in the workspace's Cargo.toml; a test
-/// checks the lock file agrees).
-const BURN_VERSION: &str = "0.22.1";
+/// The Burn release this binary was built with. Our manifests accept any 0.22.x, so it is read
+/// from Burn itself: the version burn-store writes into every file it saves (Burn's crates are
+/// released together, under one version).
+fn burn_version() -> String {
+    accelerate_burn::burn::store::SafetensorsStore::default_metadata()
+        .remove("version")
+        .unwrap_or_else(|| "unknown".to_string())
+}
 
 /// Variables that launchers set and that decide a process's place in a job.
 const LAUNCHER_VARS: &[&str] = &[
@@ -38,7 +43,7 @@ const LAUNCHER_VARS: &[&str] = &[
     "CUDA_VISIBLE_DEVICES",
 ];
 
-/// Arguments of `accelerate env` (none yet).
+/// Arguments of `accelerate-rs env` (none yet).
 #[derive(Debug, Args)]
 pub struct EnvArgs {}
 
@@ -54,7 +59,7 @@ pub fn run(_args: EnvArgs) -> anyhow::Result<ExitCode> {
 /// Backends compiled in, and what the default one finds on this machine.
 fn backends() -> String {
     let mut out = String::new();
-    let _ = writeln!(out, "burn version: {BURN_VERSION}");
+    let _ = writeln!(out, "burn version: {}", burn_version());
     let _ = writeln!(
         out,
         "backends compiled in: {} (default: {})",
@@ -126,7 +131,10 @@ fn configuration() -> String {
         Ok(None) => {
             let ours = config_file::default_path(&ProcessEnv)
                 .map_or("(HOME is not set)".into(), |p| p.display().to_string());
-            let _ = writeln!(out, "config file: none (`accelerate config` writes {ours})");
+            let _ = writeln!(
+                out,
+                "config file: none (`accelerate-rs config` writes {ours})"
+            );
         }
         Ok(Some(loaded)) => {
             let format = match loaded.format {
@@ -234,13 +242,17 @@ mod tests {
 
     #[test]
     fn the_burn_version_is_the_locked_one() {
-        let lock = include_str!("../../../Cargo.lock");
+        // The workspace's lock in a clone; the package's own in a published crate.
+        let manifest = std::path::Path::new(env!("CARGO_MANIFEST_DIR"));
+        let lock = std::fs::read_to_string(manifest.join("Cargo.lock"))
+            .or_else(|_| std::fs::read_to_string(manifest.join("../Cargo.lock")))
+            .unwrap();
         let locked = lock
             .split("[[package]]")
             .find(|p| p.contains("name = \"burn\"\n"))
             .and_then(|p| p.lines().find_map(|l| l.strip_prefix("version = ")))
             .unwrap();
-        assert_eq!(locked.trim_matches('"'), BURN_VERSION);
+        assert_eq!(locked.trim_matches('"'), burn_version());
     }
 
     #[test]

@@ -1,4 +1,4 @@
-//! `accelerate launch`: start the workers of a job on this machine and supervise them.
+//! `accelerate-rs launch`: start the workers of a job on this machine and supervise them.
 
 use std::io::{BufRead, BufReader, IsTerminal};
 use std::path::PathBuf;
@@ -22,18 +22,18 @@ use signal_hook::consts::signal::{SIGHUP, SIGINT, SIGTERM};
 ///
 /// Each setting comes from, highest first: the flag here, its ACCELERATE_* variable
 /// (ACCELERATE_NUM_PROCESSES, ACCELERATE_MIXED_PRECISION, ...), the config file (see
-/// `accelerate config`), the default.
+/// `accelerate-rs config`), the default.
 ///
 /// Examples:
-///   accelerate launch -n 2 ./target/release/train --epochs 3
-///   accelerate launch -n 2 --example digits
+///   accelerate-rs launch -n 2 ./target/release/train --epochs 3
+///   accelerate-rs launch -n 2 --example digits
 #[derive(Debug, Args)]
 pub struct LaunchArgs {
     /// Worker processes on this machine [default: 1].
     #[arg(short = 'n', long)]
     num_processes: Option<usize>,
 
-    /// Machines in the job; each runs `accelerate launch` with its own --machine-rank
+    /// Machines in the job; each runs `accelerate-rs launch` with its own --machine-rank
     /// [default: 1].
     #[arg(long)]
     num_machines: Option<usize>,
@@ -68,7 +68,7 @@ pub struct LaunchArgs {
     #[arg(long)]
     max_restarts: Option<usize>,
 
-    /// Read settings from this config file instead of the default one (`accelerate config`
+    /// Read settings from this config file instead of the default one (`accelerate-rs config`
     /// writes it; Accelerate's `.yaml` files are read too); the workers read it as well.
     #[arg(long, value_name = "FILE")]
     config_file: Option<PathBuf>,
@@ -359,7 +359,7 @@ mod tests {
     #[test]
     fn the_package_that_owns_an_example_is_found_and_an_ambiguous_name_is_left_to_cargo() {
         let metadata = serde_json::json!({ "packages": [
-            { "name": "accelerate-cli", "targets": [{ "name": "accelerate", "kind": ["bin"] }] },
+            { "name": "accelerate-cli", "targets": [{ "name": "accelerate-rs", "kind": ["bin"] }] },
             { "name": "accelerate-examples", "targets": [
                 { "name": "digits", "kind": ["example"] },
                 { "name": "accelerate_examples", "kind": ["lib"] },

@@ -1,4 +1,4 @@
-//! `accelerate test`: launch the built-in checks on N processes of this machine and say
+//! `accelerate-rs test`: launch the built-in checks on N processes of this machine and say
 //! whether the job works here (collectives, data order, training steps).
 
 use std::process::ExitCode;
@@ -32,7 +32,7 @@ pub fn run(args: TestArgs) -> anyhow::Result<ExitCode> {
         .num_processes
         .or(file.and_then(|f| f.num_processes))
         .unwrap_or(2);
-    let program = std::env::current_exe().context("finding the accelerate executable")?;
+    let program = std::env::current_exe().context("finding the accelerate-rs executable")?;
     let config = LaunchConfig {
         program,
         args: vec![WORKER.to_string()],
@@ -40,14 +40,14 @@ pub fn run(args: TestArgs) -> anyhow::Result<ExitCode> {
         main_process_port: 0,
         ..LaunchConfig::default()
     };
-    println!("accelerate test: checking {num_processes} process(es) on this machine");
+    println!("accelerate-rs test: checking {num_processes} process(es) on this machine");
     match launch(&config, &AtomicUsize::new(0)) {
         Ok(()) => {
-            println!("accelerate test: PASS");
+            println!("accelerate-rs test: PASS");
             Ok(ExitCode::SUCCESS)
         }
         Err(e) => {
-            println!("accelerate test: FAIL ({e})");
+            println!("accelerate-rs test: FAIL ({e})");
             Ok(ExitCode::FAILURE)
         }
     }
