@@ -67,7 +67,10 @@ struct ImageBatcher;
 impl Batcher<Image, (Tensor<2>, Tensor<1, Int>)> for ImageBatcher {
     fn batch(&self, items: Vec<Image>, device: &Device) -> (Tensor<2>, Tensor<1, Int>) {
         let n = items.len();
-        let pixels: Vec<f32> = items.iter().flat_map(|i| i.pixels.clone()).collect();
+        let pixels: Vec<f32> = items
+            .iter()
+            .flat_map(|i| i.pixels.iter().copied())
+            .collect();
         let labels: Vec<i64> = items.iter().map(|i| i.label).collect();
         (
             Tensor::from_data(TensorData::new(pixels, [n, PIXELS]), device),
