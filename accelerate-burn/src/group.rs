@@ -86,8 +86,10 @@ impl Comm {
     /// its rank, so that no process carries on alone and waits for peers that gave up.
     pub fn agree(
         &self,
-        mine: Result<(), String>,
-    ) -> Result<Result<(), Vec<(usize, String)>>, AccelerateError> {
+        mine: Result<(), impl std::fmt::Display>,
+    ) -> Result<Result<(), RankFailures>, AccelerateError> {
+        // A peer's error crosses processes as its message: what travels is the text.
+        let mine: Option<String> = mine.err().map(|e| e.to_string());
         let all = if self.is_distributed() {
             self.lock().all_gather_object(&mine)?
         } else {
@@ -96,12 +98,26 @@ impl Comm {
         let failed: Vec<(usize, String)> = all
             .into_iter()
             .enumerate()
-            .filter_map(|(r, outcome)| outcome.err().map(|e| (r, e)))
+            .filter_map(|(r, failure)| failure.map(|e| (r, e)))
             .collect();
         Ok(if failed.is_empty() {
             Ok(())
         } else {
-            Err(failed)
+            Err(RankFailures(failed))
         })
     }
+}
+
+/// The ranks whose part failed, each with its error's message ([`Comm::agree`]).
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("{}", describe(.0))]
+pub(crate) struct RankFailures(pub Vec<(usize, String)>);
+
+/// "rank 1: ...; rank 3: ...".
+fn describe(failures: &[(usize, String)]) -> String {
+    failures
+        .iter()
+        .map(|(rank, e)| format!("rank {rank}: {e}"))
+        .collect::<Vec<_>>()
+        .join("; ")
 }

@@ -144,7 +144,7 @@ impl ParamLayout {
     /// Takes this layout's gradients out of `grads`, flattened, in visit order. Gradients left
     /// over belong to parameters the layout does not know: the model is not the one prepared,
     /// which the error describes.
-    pub fn take_grads(&self, mut grads: GradientsParams) -> Result<ParamList, String> {
+    pub fn take_grads(&self, mut grads: GradientsParams) -> Result<ParamList, UnknownGradients> {
         let list = self
             .entries
             .iter()
@@ -155,12 +155,10 @@ impl ParamLayout {
             })
             .collect();
         if !grads.is_empty() {
-            return Err(format!(
-                "{} gradients belong to parameters that are not among the {} the model was \
-                 prepared with",
-                grads.len(),
-                self.entries.len()
-            ));
+            return Err(UnknownGradients {
+                found: grads.len(),
+                prepared: self.entries.len(),
+            });
         }
         Ok(list)
     }
@@ -327,4 +325,17 @@ pub(crate) fn as_f32(tensor: Tensor<1>) -> Tensor<1> {
     } else {
         tensor.cast(DType::F32)
     }
+}
+/// Gradients of parameters a layout does not know ([`ParamLayout::take_grads`]): the model
+/// is not the one prepared.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, thiserror::Error)]
+#[error(
+    "{found} gradients belong to parameters that are not among the {prepared} the model was \
+     prepared with"
+)]
+pub(crate) struct UnknownGradients {
+    /// Gradients left over.
+    pub found: usize,
+    /// Parameters of the prepared model.
+    pub prepared: usize,
 }

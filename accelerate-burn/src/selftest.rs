@@ -19,9 +19,14 @@ use crate::error::AccelerateError;
 pub struct CheckOutcome {
     /// What was checked.
     pub name: &'static str,
-    /// `Ok(summary)` or `Err(what differed)`.
-    pub result: Result<String, String>,
+    /// `Ok(summary)` or what differed.
+    pub result: Result<String, Discrepancy>,
 }
+
+/// What a check found different from what it expected, in a sentence with the values.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("{0}")]
+pub struct Discrepancy(pub String);
 
 /// Runs every check on this process (every process of the job must call it) and returns the
 /// outcomes in order. A collective that fails outright ends the run with its error.
@@ -46,7 +51,7 @@ pub fn run_checks<B: AcceleratorBackend>(
 
 fn collectives<B: AcceleratorBackend>(
     acc: &Accelerator<B>,
-) -> Result<Result<String, String>, AccelerateError> {
+) -> Result<Result<String, Discrepancy>, AccelerateError> {
     let (rank, world) = (acc.process_index(), acc.num_processes());
     // Integers below 2^24 are exact in f32, so the sums must match exactly. The length spans
     // several chunks of every algorithm.
@@ -55,28 +60,28 @@ fn collectives<B: AcceleratorBackend>(
     acc.comm().lock().all_reduce(&mut buf, Reduction::Sum)?;
     let factor = world * (world + 1) / 2;
     if let Some(i) = (0..len).find(|&i| buf[i] != ((i % 1000) * factor) as f32) {
-        return Ok(Err(format!(
+        return Ok(Err(Discrepancy(format!(
             "all-reduce sum of {len} floats: element {i} is {}, expected {}",
             buf[i],
             (i % 1000) * factor
-        )));
+        ))));
     }
     let mut root = vec![rank as f32; 1000];
     acc.comm().lock().broadcast(&mut root, world - 1)?;
     if root.iter().any(|&v| v != (world - 1) as f32) {
-        return Ok(Err(format!(
+        return Ok(Err(Discrepancy(format!(
             "broadcast from rank {}: got {:?}",
             world - 1,
             &root[..4]
-        )));
+        ))));
     }
     let gathered = acc.gather(Tensor::<1>::from_floats([rank as f32, 10.0], &acc.device()))?;
     let gathered: Vec<f32> = gathered.into_data().iter::<f32>().collect();
     let expected: Vec<f32> = (0..world).flat_map(|r| [r as f32, 10.0]).collect();
     if gathered != expected {
-        return Ok(Err(format!(
+        return Ok(Err(Discrepancy(format!(
             "gather: got {gathered:?}, expected {expected:?}"
-        )));
+        ))));
     }
     let max = acc.reduce(
         Tensor::<1>::from_floats([rank as f32], &acc.device()),
@@ -84,10 +89,10 @@ fn collectives<B: AcceleratorBackend>(
     )?;
     let max: f32 = max.into_scalar();
     if max != (world - 1) as f32 {
-        return Ok(Err(format!(
+        return Ok(Err(Discrepancy(format!(
             "reduce max: got {max}, expected {}",
             world - 1
-        )));
+        ))));
     }
     Ok(Ok(format!(
         "{len} floats summed exactly over {world} processes ({} transport)",
@@ -111,7 +116,7 @@ impl Batcher<usize, Vec<usize>> for Indices {
 /// repeat items (the padding that evens out the last round).
 fn sampler<B: AcceleratorBackend>(
     acc: &Accelerator<B>,
-) -> Result<Result<String, String>, AccelerateError> {
+) -> Result<Result<String, Discrepancy>, AccelerateError> {
     const LEN: usize = 1000;
     let loader = DataLoader::builder(Indices)
         .batch_size(7)
@@ -122,11 +127,11 @@ fn sampler<B: AcceleratorBackend>(
     let mine: Vec<Vec<usize>> = prepared.iter().collect::<Result<_, _>>()?;
     let all: Vec<Vec<Vec<usize>>> = acc.comm().lock().all_gather_object(&mine)?;
     if let Some(r) = all.iter().position(|batches| batches.len() != mine.len()) {
-        return Ok(Err(format!(
+        return Ok(Err(Discrepancy(format!(
             "rank {r} got {} batches, this rank {}",
             all[r].len(),
             mine.len()
-        )));
+        ))));
     }
     let visited: Vec<usize> = (0..mine.len())
         .flat_map(|round| {
@@ -137,26 +142,30 @@ fn sampler<B: AcceleratorBackend>(
     let mut seen = vec![false; LEN];
     for (position, &item) in visited.iter().enumerate() {
         match seen.get(item) {
-            None => return Ok(Err(format!("item {item} is not in the data set"))),
+            None => {
+                return Ok(Err(Discrepancy(format!(
+                    "item {item} is not in the data set"
+                ))));
+            }
             Some(true) if position < LEN => {
-                return Ok(Err(format!(
+                return Ok(Err(Discrepancy(format!(
                     "item {item} comes twice among the epoch's first {LEN} samples: the ranks \
                      disagree on the epoch order or their shares overlap"
-                )));
+                ))));
             }
             Some(false) if position >= LEN => {
-                return Ok(Err(format!(
+                return Ok(Err(Discrepancy(format!(
                     "item {item} first comes in the padding of the last round"
-                )));
+                ))));
             }
             _ => seen[item] = true,
         }
     }
     if visited.len() < LEN {
-        return Ok(Err(format!(
+        return Ok(Err(Discrepancy(format!(
             "the ranks' batches hold {} samples, not all {LEN}",
             visited.len()
-        )));
+        ))));
     }
     let fingerprint = visited
         .iter()
@@ -188,7 +197,7 @@ impl Batcher<f32, (Tensor<2>, Tensor<2>)> for Line {
 
 fn training<B: AcceleratorBackend>(
     acc: &Accelerator<B>,
-) -> Result<Result<String, String>, AccelerateError> {
+) -> Result<Result<String, Discrepancy>, AccelerateError> {
     let model: Linear = LinearConfig::new(1, 1).init(&acc.device());
     let data: Vec<f32> = (0..64).map(|i| i as f32 / 64.0).collect();
     let loader = DataLoader::builder(Line)
@@ -214,13 +223,15 @@ fn training<B: AcceleratorBackend>(
         .collect();
     let all: Vec<Vec<u32>> = acc.comm().lock().all_gather_object(&mine)?;
     if let Some(r) = all.iter().position(|p| p != &all[0]) {
-        return Ok(Err(format!(
+        return Ok(Err(Discrepancy(format!(
             "after {} steps rank {r} holds other parameters than rank 0",
             losses.len()
-        )));
+        ))));
     }
     if losses.len() < 2 || losses.last() >= losses.first() {
-        return Ok(Err(format!("the mean loss did not fall: {losses:?}")));
+        return Ok(Err(Discrepancy(format!(
+            "the mean loss did not fall: {losses:?}"
+        ))));
     }
     Ok(Ok(format!(
         "{} steps, mean loss {:.4} -> {:.4}, parameters identical bit for bit",

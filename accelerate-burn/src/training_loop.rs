@@ -147,19 +147,18 @@ impl TrainingLoop {
 
     /// Records how `slot`'s micro-batch `step` weighs its loss; an error when the window's
     /// earlier micro-batches were weighted the other way (then nothing is recorded).
-    pub fn weigh(&mut self, slot: usize, kind: LossKind, step: MicroStep) -> Result<(), String> {
+    pub fn weigh(
+        &mut self,
+        slot: usize,
+        kind: LossKind,
+        step: MicroStep,
+    ) -> Result<(), MixedLossKinds> {
         let model = self.model(slot);
         let open = if step.first { None } else { model.window_kind };
         model.window_kind = Some(match (open, kind) {
             (None, kind) | (Some(LossKind::Mean), kind @ LossKind::Mean) => kind,
             (Some(LossKind::Sum(a)), LossKind::Sum(b)) => LossKind::Sum(a.saturating_add(b)),
-            (Some(open), kind) => {
-                return Err(format!(
-                    "this accumulation window began with {} and now calls {}",
-                    kind_call(open),
-                    kind_call(kind)
-                ));
-            }
+            (Some(began), now) => return Err(MixedLossKinds { began, now }),
         });
         Ok(())
     }
@@ -302,6 +301,20 @@ impl TrainingLoop {
             device.seed(window_seed(seed, rank, snapshot.windows));
         }
     }
+}
+
+/// A window whose micro-batches weigh their losses in two ways ([`TrainingLoop::weigh`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, thiserror::Error)]
+#[error(
+    "this accumulation window began with {} and now calls {}",
+    kind_call(*began),
+    kind_call(*now)
+)]
+pub(crate) struct MixedLossKinds {
+    /// How the window's first micro-batch weighed its loss.
+    pub began: LossKind,
+    /// How this one does.
+    pub now: LossKind,
 }
 
 fn kind_call(kind: LossKind) -> &'static str {

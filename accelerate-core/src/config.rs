@@ -8,9 +8,9 @@
 use serde::{Deserialize, Serialize};
 
 use crate::config_file::{self, ConfigFile};
-use crate::env_vars::{self, parse_env as env_parse};
+use crate::env_vars::{self, EnvSource, ProcessEnv, parse_env as env_parse};
 use crate::error::ConfigError;
-use crate::state::{EnvSource, ProcessEnv};
+pub use crate::settings::{MixedPrecision, NcclMode};
 
 /// Environment variable for [`AcceleratorConfig::gradient_accumulation_steps`].
 pub const ENV_GRADIENT_ACCUMULATION_STEPS: &str = env_vars::GRADIENT_ACCUMULATION_STEPS;
@@ -28,94 +28,6 @@ pub const ENV_GRADIENT_CHECKPOINTING: &str = env_vars::GRADIENT_CHECKPOINTING;
 pub const ENV_NCCL: &str = env_vars::NCCL;
 /// Environment variable for [`AcceleratorConfig::gradient_bucket_bytes`], in MiB.
 pub const ENV_GRADIENT_BUCKET_MB: &str = env_vars::GRADIENT_BUCKET_MB;
-
-/// Which precision the forward and backward passes compute in; master weights, gradients
-/// and optimizer state stay f32 in every mode.
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
-#[serde(rename_all = "lowercase")]
-pub enum MixedPrecision {
-    /// f32 throughout (default).
-    #[default]
-    No,
-    /// bfloat16 compute, no loss scaling (bf16 has f32's range).
-    Bf16,
-    /// float16 compute with dynamic loss scaling.
-    Fp16,
-}
-
-impl MixedPrecision {
-    /// The spelling the config file and `ACCELERATE_MIXED_PRECISION` use.
-    pub fn as_str(self) -> &'static str {
-        match self {
-            Self::No => "no",
-            Self::Bf16 => "bf16",
-            Self::Fp16 => "fp16",
-        }
-    }
-}
-
-impl std::fmt::Display for MixedPrecision {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.write_str(self.as_str())
-    }
-}
-
-impl std::str::FromStr for MixedPrecision {
-    type Err = ();
-
-    fn from_str(s: &str) -> Result<Self, ()> {
-        match s.trim().to_ascii_lowercase().as_str() {
-            "no" | "fp32" | "f32" => Ok(Self::No),
-            "bf16" => Ok(Self::Bf16),
-            "fp16" | "f16" => Ok(Self::Fp16),
-            _ => Err(()),
-        }
-    }
-}
-
-/// Whether gradients go through NCCL (`ACCELERATE_NCCL`, or the builder's `strict_nccl`).
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
-#[serde(rename_all = "lowercase")]
-pub enum NcclMode {
-    /// NCCL when every rank can load it (cuda backend, `nccl` feature); otherwise the host
-    /// path, with one warning on the main process (default).
-    #[default]
-    Auto,
-    /// Never NCCL: the host path.
-    Off,
-    /// NCCL or an error naming the ranks that cannot use it.
-    Require,
-}
-
-impl NcclMode {
-    /// The spelling `ACCELERATE_NCCL` uses.
-    pub fn as_str(self) -> &'static str {
-        match self {
-            Self::Auto => "auto",
-            Self::Off => "off",
-            Self::Require => "require",
-        }
-    }
-}
-
-impl std::fmt::Display for NcclMode {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.write_str(self.as_str())
-    }
-}
-
-impl std::str::FromStr for NcclMode {
-    type Err = ();
-
-    fn from_str(s: &str) -> Result<Self, ()> {
-        match s.trim().to_ascii_lowercase().as_str() {
-            "auto" => Ok(Self::Auto),
-            "off" | "false" | "0" | "no" => Ok(Self::Off),
-            "require" | "required" | "strict" => Ok(Self::Require),
-            _ => Err(()),
-        }
-    }
-}
 
 /// The resolved configuration of an accelerated training loop.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]

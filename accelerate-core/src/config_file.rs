@@ -16,8 +16,9 @@ use std::path::{Path, PathBuf};
 
 use serde::{Deserialize, Serialize};
 
-use crate::config::MixedPrecision;
-use crate::state::EnvSource;
+use crate::env_vars::EnvSource;
+pub use crate::error::ConfigFileError;
+use crate::settings::MixedPrecision;
 
 /// Variable naming the config file to read (`none`: read no file).
 pub const ENV_CONFIG_FILE: &str = crate::env_vars::CONFIG_FILE;
@@ -94,18 +95,6 @@ impl LoadedConfig {
             )
         })
     }
-}
-
-/// A config file could not be read.
-#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
-#[error("config file {}{}: {message}", path.display(), line.map(|l| format!(":{l}")).unwrap_or_default())]
-pub struct ConfigFileError {
-    /// The file.
-    pub path: PathBuf,
-    /// The 1-based line at fault, when known.
-    pub line: Option<usize>,
-    /// What is wrong.
-    pub message: String,
 }
 
 /// Our config file's location: `$XDG_CONFIG_HOME/accelerate-rs/config.toml`, or

@@ -1,8 +1,41 @@
 //! Every `ACCELERATE_*` variable, named once: `accelerate-rs launch` writes them for its workers,
-//! the workers and the launcher read them, and `accelerate-rs env` lists them.
+//! the workers and the launcher read them, and `accelerate-rs env` lists them. Also the reader
+//! of variables itself ([`EnvSource`]: the process environment, or a map in tests), which every
+//! part of the crate that reads a setting goes through.
+
+use std::collections::HashMap;
 
 use crate::error::ConfigError;
-use crate::state::EnvSource;
+
+/// Where a variable is read from: the process environment or, in tests, a map.
+pub trait EnvSource {
+    /// The value of `key`, or `None` when it is not set (an empty value counts as unset).
+    fn var(&self, key: &str) -> Option<String>;
+}
+
+/// The process environment.
+#[derive(Debug, Clone, Copy, Default)]
+pub struct ProcessEnv;
+
+impl EnvSource for ProcessEnv {
+    fn var(&self, key: &str) -> Option<String> {
+        std::env::var(key).ok().filter(|v| !v.trim().is_empty())
+    }
+}
+
+impl EnvSource for HashMap<String, String> {
+    fn var(&self, key: &str) -> Option<String> {
+        self.get(key).filter(|v| !v.trim().is_empty()).cloned()
+    }
+}
+
+impl EnvSource for [(&str, &str)] {
+    fn var(&self, key: &str) -> Option<String> {
+        self.iter()
+            .find(|(k, v)| *k == key && !v.trim().is_empty())
+            .map(|(_, v)| (*v).to_string())
+    }
+}
 
 /// Worker processes per machine (launcher).
 pub const NUM_PROCESSES: &str = "ACCELERATE_NUM_PROCESSES";

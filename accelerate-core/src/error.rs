@@ -1,6 +1,8 @@
 //! The errors of `accelerate-core`: one enum per concern, each message one line that names
 //! the variable or key at fault and what would fix it.
 
+use std::path::PathBuf;
+
 use crate::state::Launcher;
 
 /// The launcher environment could not describe this process.
@@ -55,7 +57,19 @@ pub enum ConfigError {
     },
     /// The config file could not be read.
     #[error(transparent)]
-    File(#[from] crate::config_file::ConfigFileError),
+    File(#[from] ConfigFileError),
+}
+
+/// A config file could not be read.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("config file {}{}: {message}", path.display(), line.map(|l| format!(":{l}")).unwrap_or_default())]
+pub struct ConfigFileError {
+    /// The file.
+    pub path: PathBuf,
+    /// The 1-based line at fault, when known.
+    pub line: Option<usize>,
+    /// What is wrong.
+    pub message: String,
 }
 
 /// A collective, the rendezvous or a transport failed. Every variant names the operation or

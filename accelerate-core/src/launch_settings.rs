@@ -2,11 +2,10 @@
 //! `ACCELERATE_*` variable, else the config file, else the default; every value validated
 //! here, with errors naming the key, its source and what is accepted.
 
-use crate::config::MixedPrecision;
 use crate::config_file::ConfigFile;
-use crate::env_vars::{self, parse_env};
+use crate::env_vars::{self, EnvSource, parse_env};
 use crate::error::ConfigError;
-use crate::state::EnvSource;
+use crate::settings::MixedPrecision;
 
 /// The launcher's command-line flags (`None`/`false`: not given).
 #[derive(Debug, Clone, Default, PartialEq, Eq)]

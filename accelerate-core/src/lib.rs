@@ -21,10 +21,12 @@
 //! assert_eq!((step.window_len, step.sync), (2, false));
 //! ```
 //!
-//! - [`state`]: the launcher environment, parsed and validated.
+//! - [`state`]: the launcher environment, parsed and validated (one reader per launcher, and
+//!   the [`state::contract`] between `accelerate-rs launch` and its workers).
+//! - [`settings`]: the settings' value types (precision, NCCL use, transport), a leaf.
 //! - [`config`]: [`AcceleratorConfig`] and its sources.
 //! - [`config_file`]: the config file (`accelerate-rs config`), and Accelerate's YAML import.
-//! - [`env_vars`]: every `ACCELERATE_*` variable, named once.
+//! - [`env_vars`]: every `ACCELERATE_*` variable, named once, and the environment reader.
 //! - [`launch_settings`]: what `accelerate-rs launch` runs with (flag > env > file > default).
 //! - [`accumulation`]: gradient accumulation windows.
 //! - [`sampler`]: the per-epoch data order.
@@ -57,6 +59,7 @@ pub mod nccl;
 pub mod output_file;
 pub mod sampler;
 pub mod scaler;
+pub mod settings;
 pub mod state;
 pub mod tracking;
 pub mod wait;

@@ -28,8 +28,7 @@
 
 use std::sync::atomic::{AtomicBool, Ordering};
 
-use crate::env_vars;
-use crate::state::EnvSource;
+use crate::env_vars::{self, EnvSource};
 
 /// Environment variable that turns the tuning off (`false`, `0`, `no`).
 pub const ENV_MALLOC_TUNING: &str = env_vars::MALLOC_TUNING;

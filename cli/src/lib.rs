@@ -67,6 +67,20 @@ enum Command {
     TestWorker,
 }
 
+/// Shows the libraries' warnings (a restarted job, a fallback) on stderr, one plain line each;
+/// `RUST_LOG` asks for more (or less). A program that set its own subscriber keeps it.
+fn show_warnings() {
+    let filter = tracing_subscriber::EnvFilter::try_from_default_env()
+        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("warn"));
+    let _ = tracing_subscriber::fmt()
+        .with_env_filter(filter)
+        .with_writer(std::io::stderr)
+        .without_time()
+        .with_target(false)
+        .with_level(false)
+        .try_init();
+}
+
 /// Runs the command line `args` (the program's name first, as [`std::env::args_os`] gives
 /// them) and returns the exit code for the process: 0 on success, 2 for a usage error, the
 /// failed worker's code from `launch`, 1 for any other error, whose causes are printed to
@@ -95,6 +109,7 @@ where
             return ExitCode::from(u8::try_from(err.exit_code()).unwrap_or(2));
         }
     };
+    show_warnings();
     let result = match cli.command {
         Command::Config(args) => commands::config::run(args),
         Command::Env(args) => commands::env::run(args),

@@ -18,6 +18,7 @@
 //! - [`amp`]: the fused unscale-and-check pass of dynamic loss scaling.
 //! - [`optim`]: fused, in-place AdamW / Adam / SGD updates (the formulas of Burn's optimizers).
 //! - [`convert`]: branch-free f32 <-> f16/bf16 conversions that vectorise.
+//! - [`element`]: the element types of the collectives and the reduction operators.
 //! - [`reduce`]: element-wise sum, max and min for f32, f16 and bf16 (halves combined in f32).
 //! - [`schedule`]: ring, recursive-doubling and binomial-tree schedules of the collectives.
 //! - `cube` (feature `cubecl`): [`amp`] and [`convert`] as cubecl kernels, for gradients that
@@ -42,6 +43,7 @@ pub mod cross_entropy;
 // Kernel launches take raw buffer handles; each unsafe block states the lengths it relies on.
 #[allow(unsafe_code)]
 pub mod cube;
+pub mod element;
 pub mod gelu;
 pub mod layer_norm;
 mod matmul;

@@ -7,96 +7,8 @@
 
 use half::{bf16, f16};
 
+pub use crate::element::{DType, Element, ReduceOp};
 use crate::{LANES, convert};
-
-/// Element types that collectives move and reduce.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
-#[repr(u8)]
-pub enum DType {
-    /// IEEE binary32.
-    F32 = 0,
-    /// IEEE binary16.
-    F16 = 1,
-    /// bfloat16.
-    BF16 = 2,
-}
-
-impl DType {
-    /// Bytes per element.
-    pub fn size(self) -> usize {
-        match self {
-            DType::F32 => 4,
-            DType::F16 | DType::BF16 => 2,
-        }
-    }
-
-    /// The dtype with wire code `code`, if any.
-    pub fn from_code(code: u8) -> Option<Self> {
-        match code {
-            0 => Some(DType::F32),
-            1 => Some(DType::F16),
-            2 => Some(DType::BF16),
-            _ => None,
-        }
-    }
-
-    /// Lower-case name ("f32", "f16", "bf16").
-    pub fn name(self) -> &'static str {
-        match self {
-            DType::F32 => "f32",
-            DType::F16 => "f16",
-            DType::BF16 => "bf16",
-        }
-    }
-}
-
-/// How two values combine. A mean is a sum followed by [`scale`](crate::scale).
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
-#[repr(u8)]
-pub enum ReduceOp {
-    /// `a + b`.
-    Sum = 0,
-    /// The larger value.
-    Max = 1,
-    /// The smaller value.
-    Min = 2,
-}
-
-impl ReduceOp {
-    /// Lower-case name ("sum", "max", "min").
-    pub fn name(self) -> &'static str {
-        match self {
-            ReduceOp::Sum => "sum",
-            ReduceOp::Max => "max",
-            ReduceOp::Min => "min",
-        }
-    }
-
-    #[inline(always)]
-    fn apply(self, a: f32, b: f32) -> f32 {
-        match self {
-            ReduceOp::Sum => a + b,
-            ReduceOp::Max => a.max(b),
-            ReduceOp::Min => a.min(b),
-        }
-    }
-}
-
-/// An element type of the collectives: plain old data with a conversion through f32.
-pub trait Element: bytemuck::Pod + Send + Sync + 'static {
-    /// Its [`DType`].
-    const DTYPE: DType;
-}
-
-impl Element for f32 {
-    const DTYPE: DType = DType::F32;
-}
-impl Element for f16 {
-    const DTYPE: DType = DType::F16;
-}
-impl Element for bf16 {
-    const DTYPE: DType = DType::BF16;
-}
 
 /// Elements widened to f32 at a time in the half-precision loops (fits in L1 with its output).
 const HALF_BLOCK: usize = 1024;
@@ -165,22 +77,24 @@ reduce_half!(
 /// F16C where the CPU has them).
 pub fn reduce_f16(acc: &mut [f16], other: &[f16], op: ReduceOp) {
     assert_eq!(acc.len(), other.len(), "reduce: length mismatch");
+    // The AVX2 build does the full groups of 8 where the CPU has it; the portable loop the rest.
     #[cfg(target_arch = "x86_64")]
-    if crate::x86::try_reduce_f16(acc, other, op) {
-        return;
-    }
-    reduce_f16_portable(acc, other, op);
+    let done = crate::x86::reduce_f16_lanes(acc, other, op);
+    #[cfg(not(target_arch = "x86_64"))]
+    let done = 0;
+    reduce_f16_portable(&mut acc[done..], &other[done..], op);
 }
 
 /// `acc[i] = op(acc[i], other[i])` on bf16 values, combined in f32 and rounded once (AVX2
 /// where the CPU has it).
 pub fn reduce_bf16(acc: &mut [bf16], other: &[bf16], op: ReduceOp) {
     assert_eq!(acc.len(), other.len(), "reduce: length mismatch");
+    // The AVX2 build does the full groups of 8 where the CPU has it; the portable loop the rest.
     #[cfg(target_arch = "x86_64")]
-    if crate::x86::try_reduce_bf16(acc, other, op) {
-        return;
-    }
-    reduce_bf16_portable(acc, other, op);
+    let done = crate::x86::reduce_bf16_lanes(acc, other, op);
+    #[cfg(not(target_arch = "x86_64"))]
+    let done = 0;
+    reduce_bf16_portable(&mut acc[done..], &other[done..], op);
 }
 
 /// `acc[i] = op(acc[i], other[i])` for any [`Element`].
@@ -266,20 +180,22 @@ scale_half!(
 
 /// Multiplies f16 values by `factor` in f32, rounding once.
 pub fn scale_f16(values: &mut [f16], factor: f32) {
+    // The AVX2 build does the full groups of 8 where the CPU has it; the portable loop the rest.
     #[cfg(target_arch = "x86_64")]
-    if crate::x86::try_scale_f16(values, factor) {
-        return;
-    }
-    scale_f16_portable(values, factor);
+    let done = crate::x86::scale_f16_lanes(values, factor);
+    #[cfg(not(target_arch = "x86_64"))]
+    let done = 0;
+    scale_f16_portable(&mut values[done..], factor);
 }
 
 /// Multiplies bf16 values by `factor` in f32, rounding once.
 pub fn scale_bf16(values: &mut [bf16], factor: f32) {
+    // The AVX2 build does the full groups of 8 where the CPU has it; the portable loop the rest.
     #[cfg(target_arch = "x86_64")]
-    if crate::x86::try_scale_bf16(values, factor) {
-        return;
-    }
-    scale_bf16_portable(values, factor);
+    let done = crate::x86::scale_bf16_lanes(values, factor);
+    #[cfg(not(target_arch = "x86_64"))]
+    let done = 0;
+    scale_bf16_portable(&mut values[done..], factor);
 }
 
 fn with_aligned_one<T: Element>(bytes: &mut [u8], f: impl Fn(&mut [T])) {

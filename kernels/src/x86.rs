@@ -4,9 +4,15 @@
 //! itself refuses a call from code not compiled for AVX2 and F16C. Each computes exactly what its portable twin in `reduce`/`convert` computes (the tests
 //! compare them bit for bit on odd lengths).
 //!
+//! This module sits below the code that dispatches to it: it reads only the leaves it builds
+//! for AVX2 ([`element`](crate::element), `gelu::chunk`, `optim::lanes`), and the half-precision
+//! loops do the full groups of 8 and return how many they did, leaving the tail to the
+//! portable loop of their caller in [`reduce`](crate::reduce).
+//!
 //! One loop step handles 8 elements: widen both operands to f32 (`vcvtph2ps` for f16, a zero
 //! extension and shift for bf16), combine, and narrow once with round-to-nearest-even
-//! (`vcvtps2ph`, or integer rounding for bf16). Tails shorter than 8 use the portable code.
+//! (`vcvtps2ph`, or integer rounding for bf16). Tails shorter than 8 are left to the caller's
+//! portable loop.
 
 #![allow(unsafe_code)]
 
@@ -15,8 +21,9 @@ use std::sync::atomic::{AtomicU8, Ordering};
 
 use half::{bf16, f16};
 
-use crate::ReduceOp;
-use crate::optim::{AdamConstants, Lanes};
+use crate::element::ReduceOp;
+use crate::gelu::chunk as gelu;
+use crate::optim::lanes::{AdamConstants, Lanes, adam_lanes};
 
 /// True when this CPU has AVX2 and F16C (checked once, then cached).
 fn has_avx2_f16c() -> bool {
@@ -41,20 +48,20 @@ fn adam_lanes_avx2<const DECOUPLED: bool, const FIRST: bool>(
     grad_scale: f32,
     c: &AdamConstants,
 ) {
-    crate::optim::adam_lanes::<DECOUPLED, FIRST>(lanes, grad_scale, c);
+    adam_lanes::<DECOUPLED, FIRST>(lanes, grad_scale, c);
 }
 
 /// The portable GELU loop (`gelu::forward_chunk`, inlined) compiled for AVX2: the same
 /// operations in the same order, so the same bits, in 8 lanes.
 #[target_feature(enable = "avx2")]
 fn gelu_forward_avx2(x: &[f32], y: &mut [f32]) {
-    crate::gelu::forward_chunk(x, y);
+    gelu::forward_chunk(x, y);
 }
 
 /// The portable GELU derivative loop (`gelu::backward_chunk`) compiled for AVX2.
 #[target_feature(enable = "avx2")]
 fn gelu_backward_avx2(x: &[f32], dy: &[f32], dx: &mut [f32]) {
-    crate::gelu::backward_chunk(x, dy, dx);
+    gelu::backward_chunk(x, dy, dx);
 }
 
 /// Runs the GELU on AVX2 when the CPU has it (true); false: the caller runs the portable loop.
@@ -81,7 +88,7 @@ pub(crate) fn try_gelu_backward(x: &[f32], dy: &[f32], dx: &mut [f32]) -> bool {
 /// AVX2.
 #[target_feature(enable = "avx2")]
 fn gelu_recompute_backward_avx2(x: &[f32], y: &mut [f32], grad: &mut [f32]) {
-    crate::gelu::recompute_backward_chunk(x, y, grad);
+    gelu::recompute_backward_chunk(x, y, grad);
 }
 
 /// Runs the GELU and its derivative in one pass on AVX2 when the CPU has it (true), as
@@ -199,57 +206,57 @@ fn map_lanes(values: &mut [u16], f: impl Fn(__m128i) -> __m128i) -> usize {
 }
 
 /// `acc[i] = op(acc[i], other[i])` on f16 values, combined in f32 and rounded once.
+/// Only the full groups of 8 elements: returns how many it did (the caller does the rest).
 ///
 /// # Safety
 ///
 /// The CPU must support AVX2 and F16C (see `has_avx2_f16c`).
 #[target_feature(enable = "avx2,f16c")]
-unsafe fn reduce_f16_avx2(acc: &mut [f16], other: &[f16], op: ReduceOp) {
-    let done = combine_lanes(as_bits_mut(acc), as_bits(other), |x, y| {
+unsafe fn reduce_f16_avx2(acc: &mut [f16], other: &[f16], op: ReduceOp) -> usize {
+    combine_lanes(as_bits_mut(acc), as_bits(other), |x, y| {
         f16_narrow(combine(op, f16_widen(x), f16_widen(y)))
-    });
-    crate::reduce::reduce_f16_portable(&mut acc[done..], &other[done..], op);
+    })
 }
 
 /// `acc[i] = op(acc[i], other[i])` on bf16 values, combined in f32 and rounded once.
+/// Only the full groups of 8 elements: returns how many it did (the caller does the rest).
 ///
 /// # Safety
 ///
 /// The CPU must support AVX2 (see `has_avx2_f16c`).
 #[target_feature(enable = "avx2,f16c")]
-unsafe fn reduce_bf16_avx2(acc: &mut [bf16], other: &[bf16], op: ReduceOp) {
-    let done = combine_lanes(as_bits_mut(acc), as_bits(other), |x, y| {
+unsafe fn reduce_bf16_avx2(acc: &mut [bf16], other: &[bf16], op: ReduceOp) -> usize {
+    combine_lanes(as_bits_mut(acc), as_bits(other), |x, y| {
         bf16_narrow(combine(op, bf16_widen(x), bf16_widen(y)))
-    });
-    crate::reduce::reduce_bf16_portable(&mut acc[done..], &other[done..], op);
+    })
 }
 
 /// Multiplies f16 values by `factor` in f32, rounding once.
+/// Only the full groups of 8 elements: returns how many it did (the caller does the rest).
 ///
 /// # Safety
 ///
 /// The CPU must support AVX2 and F16C (see `has_avx2_f16c`).
 #[target_feature(enable = "avx2,f16c")]
-unsafe fn scale_f16_avx2(values: &mut [f16], factor: f32) {
+unsafe fn scale_f16_avx2(values: &mut [f16], factor: f32) -> usize {
     let f = _mm256_set1_ps(factor);
-    let done = map_lanes(as_bits_mut(values), |x| {
+    map_lanes(as_bits_mut(values), |x| {
         f16_narrow(_mm256_mul_ps(f16_widen(x), f))
-    });
-    crate::reduce::scale_f16_portable(&mut values[done..], factor);
+    })
 }
 
 /// Multiplies bf16 values by `factor` in f32, rounding once.
+/// Only the full groups of 8 elements: returns how many it did (the caller does the rest).
 ///
 /// # Safety
 ///
 /// The CPU must support AVX2 (see `has_avx2_f16c`).
 #[target_feature(enable = "avx2,f16c")]
-unsafe fn scale_bf16_avx2(values: &mut [bf16], factor: f32) {
+unsafe fn scale_bf16_avx2(values: &mut [bf16], factor: f32) -> usize {
     let f = _mm256_set1_ps(factor);
-    let done = map_lanes(as_bits_mut(values), |x| {
+    map_lanes(as_bits_mut(values), |x| {
         bf16_narrow(_mm256_mul_ps(bf16_widen(x), f))
-    });
-    crate::reduce::scale_bf16_portable(&mut values[done..], factor);
+    })
 }
 
 fn as_bits<T: bytemuck::Pod>(values: &[T]) -> &[u16] {
@@ -260,39 +267,40 @@ fn as_bits_mut<T: bytemuck::Pod>(values: &mut [T]) -> &mut [u16] {
     bytemuck::cast_slice_mut(values)
 }
 
-/// Runs the AVX2 + F16C `reduce` on f16 values when the CPU has them; false when it does not
-/// (the caller then runs the portable loop).
-pub(crate) fn try_reduce_f16(acc: &mut [f16], other: &[f16], op: ReduceOp) -> bool {
-    // SAFETY: the CPU supports AVX2 and F16C (checked first).
-    has_avx2_f16c() && {
-        unsafe { reduce_f16_avx2(acc, other, op) };
-        true
+/// Runs the AVX2 + F16C `reduce` on the full groups of 8 f16 values when the CPU has them;
+/// returns how many elements it did (0 without them): the caller's portable loop does the rest.
+pub(crate) fn reduce_f16_lanes(acc: &mut [f16], other: &[f16], op: ReduceOp) -> usize {
+    if !has_avx2_f16c() {
+        return 0;
     }
+    // SAFETY: the CPU supports AVX2 and F16C (checked above).
+    unsafe { reduce_f16_avx2(acc, other, op) }
 }
 
-/// As [`try_reduce_f16`], for bf16.
-pub(crate) fn try_reduce_bf16(acc: &mut [bf16], other: &[bf16], op: ReduceOp) -> bool {
-    // SAFETY: the CPU supports AVX2 and F16C (checked first).
-    has_avx2_f16c() && {
-        unsafe { reduce_bf16_avx2(acc, other, op) };
-        true
+/// As [`reduce_f16_lanes`], for bf16.
+pub(crate) fn reduce_bf16_lanes(acc: &mut [bf16], other: &[bf16], op: ReduceOp) -> usize {
+    if !has_avx2_f16c() {
+        return 0;
     }
+    // SAFETY: the CPU supports AVX2 and F16C (checked above).
+    unsafe { reduce_bf16_avx2(acc, other, op) }
 }
 
-/// Runs the AVX2 + F16C scaling of f16 values when the CPU has them; false otherwise.
-pub(crate) fn try_scale_f16(values: &mut [f16], factor: f32) -> bool {
-    // SAFETY: the CPU supports AVX2 and F16C (checked first).
-    has_avx2_f16c() && {
-        unsafe { scale_f16_avx2(values, factor) };
-        true
+/// Scales the full groups of 8 f16 values on AVX2 + F16C when the CPU has them; returns how
+/// many elements it did, as [`reduce_f16_lanes`].
+pub(crate) fn scale_f16_lanes(values: &mut [f16], factor: f32) -> usize {
+    if !has_avx2_f16c() {
+        return 0;
     }
+    // SAFETY: the CPU supports AVX2 and F16C (checked above).
+    unsafe { scale_f16_avx2(values, factor) }
 }
 
-/// As [`try_scale_f16`], for bf16.
-pub(crate) fn try_scale_bf16(values: &mut [bf16], factor: f32) -> bool {
-    // SAFETY: the CPU supports AVX2 and F16C (checked first).
-    has_avx2_f16c() && {
-        unsafe { scale_bf16_avx2(values, factor) };
-        true
+/// As [`scale_f16_lanes`], for bf16.
+pub(crate) fn scale_bf16_lanes(values: &mut [bf16], factor: f32) -> usize {
+    if !has_avx2_f16c() {
+        return 0;
     }
+    // SAFETY: the CPU supports AVX2 and F16C (checked above).
+    unsafe { scale_bf16_avx2(values, factor) }
 }

@@ -137,11 +137,8 @@ impl<B: AcceleratorBackend> Accelerator<B> {
         };
         // Every rank returns the main process's outcome, so none trains on believing a
         // rotation went well that failed.
-        self.checkpoint_context().agree(
-            &rotation.root,
-            "removing old checkpoints",
-            rotated.map_err(|e| e.to_string()),
-        )?;
+        self.checkpoint_context()
+            .agree(&rotation.root, "removing old checkpoints", rotated)?;
         Ok(dir)
     }
 

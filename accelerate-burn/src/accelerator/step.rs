@@ -74,9 +74,9 @@ impl<B: AcceleratorBackend> Accelerator<B> {
         let step = training.micro_step(slot);
         training
             .weigh(slot, kind, step)
-            .map_err(|what| AccelerateError::Misuse {
+            .map_err(|mixed| AccelerateError::Misuse {
                 rank: self.state.rank,
-                what,
+                what: mixed.to_string(),
                 hint: "use backward_sum for every micro-batch of a window, or backward for all",
             })?;
         let mut loss = loss;
@@ -91,14 +91,12 @@ impl<B: AcceleratorBackend> Accelerator<B> {
         }
         let grads = GradientsParams::from_grads(loss.backward(), model);
         let mut reducer = handle.lock();
-        let list =
-            reducer
-                .layout()
-                .take_grads(grads)
-                .map_err(|detail| AccelerateError::ModelChanged {
-                    rank: self.state.rank,
-                    detail,
-                })?;
+        let list = reducer.layout().take_grads(grads).map_err(|unknown| {
+            AccelerateError::ModelChanged {
+                rank: self.state.rank,
+                detail: unknown.to_string(),
+            }
+        })?;
         let Some(mut summed) = training.accumulate(slot, list, step) else {
             return Ok(Gradients::new(Outcome::NotDue, 0, handle.id));
         };

@@ -40,7 +40,7 @@ fn agreed<T>(
     stage: &'static str,
     loaded: Result<T, AccelerateError>,
 ) -> Result<T, AccelerateError> {
-    let outcome = loaded.as_ref().map(drop).map_err(ToString::to_string);
+    let outcome = loaded.as_ref().map(drop);
     let agreed = ctx.agree(dir, stage, outcome);
     let loaded = loaded?;
     agreed?;
@@ -119,7 +119,8 @@ fn restore_model_and_optimizer<M: Module>(
     saved_kind: Option<&str>,
 ) -> Result<M, (String, &'static str)> {
     let hint = "build the model the checkpoint was saved from";
-    let model = super::load_weights(model, &dir.join(MODEL_FILE)).map_err(|d| (d, hint))?;
+    let model =
+        super::load_weights(model, &dir.join(MODEL_FILE)).map_err(|e| (e.to_string(), hint))?;
     let layout = ParamLayout::of(&model);
     if layout.entries.len() != param_ids.len() {
         return Err((
@@ -160,9 +161,9 @@ fn restore_model_and_optimizer<M: Module>(
             values: params::values(&model),
             layout,
         })
-        .map_err(|detail| {
+        .map_err(|e| {
             (
-                detail,
+                e.to_string(),
                 "resume with the optimizer the checkpoint was saved with",
             )
         })?;

@@ -21,6 +21,7 @@
 
 pub(crate) mod load;
 pub(crate) mod save;
+mod stage_error;
 
 use std::collections::BTreeMap;
 use std::path::PathBuf;
@@ -39,6 +40,7 @@ use crate::optim::{PreparedOptimizer, PreparedScheduler};
 use crate::training_loop::SharedLoop;
 
 pub use crate::reducer::bucketed::OPTIMIZER_FILE;
+pub(crate) use stage_error::StageError;
 
 /// The model's weights in a checkpoint (and what `save_model` writes).
 pub const MODEL_FILE: &str = "model.safetensors";
@@ -93,13 +95,14 @@ pub(crate) struct PairPart<'a> {
 }
 
 type ObjectWriter<'a> = Box<dyn Fn() -> Result<serde_json::Value, serde_json::Error> + 'a>;
-type ModuleWriter<'a> = Box<dyn Fn(&std::path::Path) -> Result<(), String> + 'a>;
+type ModuleWriter<'a> =
+    Box<dyn Fn(&std::path::Path) -> Result<(), burn::store::SafetensorsStoreError> + 'a>;
 
 /// Writes `module`'s weights to a safetensors file when the save runs.
 fn module_writer<N: Module>(module: &N) -> ModuleWriter<'_> {
     Box::new(move |path| {
         let mut store = SafetensorsStore::from_file(path).overwrite(true);
-        module.save_into(&mut store).map_err(|e| e.to_string())
+        module.save_into(&mut store)
     })
 }
 
@@ -228,7 +231,7 @@ impl CheckpointInfo {
         if !valid_module_name(name) || !dir.join(&file).is_file() {
             return Err(mismatch(format!("it holds no module named {name:?}")));
         }
-        load_weights(module, &dir.join(&file)).map_err(mismatch)
+        load_weights(module, &dir.join(&file)).map_err(|e| mismatch(e.to_string()))
     }
 
     /// The user object saved under `name`, or `None` if the checkpoint has none by that name.
@@ -249,7 +252,10 @@ impl CheckpointInfo {
 
 /// `module` with the weights of the safetensors file at `path`; the error says what does not
 /// fit.
-pub(crate) fn load_weights<M: Module>(mut module: M, path: &std::path::Path) -> Result<M, String> {
+pub(crate) fn load_weights<M: Module>(
+    mut module: M,
+    path: &std::path::Path,
+) -> Result<M, StageError> {
     let name = path
         .file_name()
         .map_or_else(String::new, |n| n.to_string_lossy().into_owned());
@@ -263,15 +269,21 @@ pub(crate) fn load_weights<M: Module>(mut module: M, path: &std::path::Path) -> 
             .unwrap_or_default()
             .trim_end_matches([':', ' '])
             .to_string();
-        format!("{name} does not fit this model ({first})")
+        StageError::DoesNotFit {
+            file: name.clone(),
+            detail: first,
+        }
     })?;
     if !applied.errors.is_empty() || !applied.missing.is_empty() {
         let missing: Vec<&str> = applied.missing.iter().map(|(p, _)| p.as_str()).collect();
-        return Err(format!(
-            "{name} does not fit this model (missing: [{}], errors: {:?})",
-            missing.join(", "),
-            applied.errors
-        ));
+        return Err(StageError::DoesNotFit {
+            file: name,
+            detail: format!(
+                "missing: [{}], errors: {:?}",
+                missing.join(", "),
+                applied.errors
+            ),
+        });
     }
     Ok(module)
 }
@@ -325,7 +337,7 @@ impl Context<'_> {
         &self,
         path: &std::path::Path,
         stage: &'static str,
-        mine: Result<(), String>,
+        mine: Result<(), impl std::fmt::Display>,
     ) -> Result<(), AccelerateError> {
         match self.comm.agree(mine)? {
             Ok(()) => Ok(()),
@@ -333,11 +345,7 @@ impl Context<'_> {
                 rank: self.state.rank,
                 path: path.to_path_buf(),
                 stage,
-                failures: failed
-                    .into_iter()
-                    .map(|(r, e)| format!("rank {r}: {e}"))
-                    .collect::<Vec<_>>()
-                    .join("; "),
+                failures: failed.to_string(),
             }),
         }
     }

@@ -10,8 +10,8 @@ use burn::module::Module;
 use burn::store::{ModuleSnapshot, SafetensorsStore};
 
 use super::{
-    Checkpoint, Context, MODEL_FILE, PairState, SCHEDULER_FILE, TRAINING_STATE_FILE, TrainingState,
-    rank_file,
+    Checkpoint, Context, MODEL_FILE, PairState, SCHEDULER_FILE, StageError, TRAINING_STATE_FILE,
+    TrainingState, rank_file,
 };
 use crate::error::AccelerateError;
 use crate::optim::PreparedScheduler;
@@ -42,9 +42,7 @@ pub(crate) fn save_state<M: Module>(
     }
     let partial = checkpoint::partial_dir(dir);
     let begun = match ctx.state.is_main_process() {
-        true => checkpoint::begin_save(dir)
-            .map(drop)
-            .map_err(|e| e.to_string()),
+        true => checkpoint::begin_save(dir).map(drop),
         false => Ok(()),
     };
     ctx.agree(dir, "starting the save", begun)?;
@@ -76,7 +74,7 @@ pub(crate) fn save_state<M: Module>(
                 sequence: 0,
                 files: all_files.into_iter().flatten().collect(),
             };
-            checkpoint::commit(dir, &partial, manifest).map_err(|e| e.to_string())
+            checkpoint::commit(dir, &partial, manifest)
         }
         false => Ok(()),
     };
@@ -89,7 +87,7 @@ fn write_own_files<M: Module>(
     ctx: &Context<'_>,
     partial: &Path,
     checkpoint: &Checkpoint<'_, M>,
-) -> Result<Vec<ManifestFile>, String> {
+) -> Result<Vec<ManifestFile>, StageError> {
     let rank = ctx.state.rank;
     let main = ctx.state.is_main_process();
     let mut files = Vec::new();
@@ -107,10 +105,7 @@ fn write_own_files<M: Module>(
         .enumerate()
         .find_map(|(i, n)| (!super::valid_module_name(n) || names[..i].contains(n)).then_some(n))
     {
-        return Err(format!(
-            "pair name {name:?} is not a file name or is used twice; hint: give each pair its \
-             own name of letters, digits, - and _"
-        ));
+        return Err(StageError::PairName(name.to_string()));
     }
     let (snapshot, models) = {
         let training = ctx.training.lock();
@@ -133,7 +128,7 @@ fn write_own_files<M: Module>(
         models,
     };
     let name = rank_file(rank);
-    let bytes = checkpoint::write_json(&partial.join(&name), &state).map_err(|e| e.to_string())?;
+    let bytes = checkpoint::write_json(&partial.join(&name), &state)?;
     add(&name, "loop state of one process (JSON)", Some(rank), bytes);
 
     let role = SaveRole {
@@ -151,7 +146,10 @@ fn write_own_files<M: Module>(
     let mut pairs = BTreeMap::new();
     for pair in &checkpoint.pairs {
         let dir = partial.join(&pair.name);
-        std::fs::create_dir_all(&dir).map_err(|e| format!("{}: {e}", dir.display()))?;
+        std::fs::create_dir_all(&dir).map_err(|source| StageError::Io {
+            path: dir.clone(),
+            source,
+        })?;
         let mut reducer = pair.optimizer.reducer().lock();
         for file in reducer.save(&dir, role)? {
             let name = format!("{}/{}", pair.name, file.name);
@@ -159,7 +157,10 @@ fn write_own_files<M: Module>(
         }
         if main {
             let path = dir.join(MODEL_FILE);
-            (pair.write_model)(&path).map_err(|e| format!("{} weights: {e}", pair.name))?;
+            (pair.write_model)(&path).map_err(|e| StageError::Burn {
+                what: format!("{} weights", pair.name),
+                detail: e.to_string(),
+            })?;
             let name = format!("{}/{MODEL_FILE}", pair.name);
             add(
                 &name,
@@ -185,7 +186,7 @@ fn write_own_files<M: Module>(
             };
             pairs.insert(pair.name.clone(), saved);
         }
-        checkpoint::sync_dir(&dir).map_err(|e| e.to_string())?;
+        checkpoint::sync_dir(&dir)?;
     }
     if !main {
         return Ok(files);
@@ -196,7 +197,10 @@ fn write_own_files<M: Module>(
     checkpoint
         .model
         .save_into(&mut store)
-        .map_err(|e| format!("model weights: {e}"))?;
+        .map_err(|e| StageError::Burn {
+            what: "model weights".into(),
+            detail: e.to_string(),
+        })?;
     add(
         MODEL_FILE,
         "model weights (safetensors)",
@@ -206,13 +210,14 @@ fn write_own_files<M: Module>(
 
     for (name, write) in &checkpoint.modules {
         if !super::valid_module_name(name) {
-            return Err(format!(
-                "module name {name:?} is not a file name; hint: use letters, digits, - and _"
-            ));
+            return Err(StageError::ModuleName(name.clone()));
         }
         let file = super::module_file(name);
         let path = partial.join(&file);
-        write(&path).map_err(|e| format!("module {name:?}: {e}"))?;
+        write(&path).map_err(|e| StageError::Burn {
+            what: format!("module {name:?}"),
+            detail: e.to_string(),
+        })?;
         add(
             &file,
             "weights of a module saved beside the model (safetensors)",
@@ -233,7 +238,10 @@ fn write_own_files<M: Module>(
 
     let mut objects = BTreeMap::new();
     for (name, write) in &checkpoint.objects {
-        let value = write().map_err(|e| format!("object {name:?} does not serialise: {e}"))?;
+        let value = write().map_err(|source| StageError::Object {
+            name: name.clone(),
+            source,
+        })?;
         objects.insert(name.clone(), value);
     }
     let training = TrainingState {
@@ -244,7 +252,7 @@ fn write_own_files<M: Module>(
         pairs,
     };
     let path = partial.join(TRAINING_STATE_FILE);
-    let bytes = checkpoint::write_json(&path, &training).map_err(|e| e.to_string())?;
+    let bytes = checkpoint::write_json(&path, &training)?;
     add(
         TRAINING_STATE_FILE,
         "parameter ids, optimizer kind and user objects (JSON)",
@@ -255,8 +263,8 @@ fn write_own_files<M: Module>(
 }
 
 /// Syncs a file Burn wrote and returns its size.
-fn synced(path: &Path) -> Result<u64, String> {
-    checkpoint::sync_file(path).map_err(|e| e.to_string())
+fn synced(path: &Path) -> Result<u64, StageError> {
+    Ok(checkpoint::sync_file(path)?)
 }
 
 /// Writes `scheduler`'s record after `updates` updates into `dir`; returns the file's path.
@@ -264,15 +272,14 @@ fn save_scheduler(
     scheduler: &PreparedScheduler,
     updates: u64,
     dir: &Path,
-) -> Result<PathBuf, String> {
-    let record = scheduler.record_at(updates).ok_or_else(|| {
-        "the scheduler was stepped more than once past the latest update; hint: call \
-         sched.step() once per optimizer update"
-            .to_string()
-    })?;
+) -> Result<PathBuf, StageError> {
+    let record = scheduler
+        .record_at(updates)
+        .ok_or(StageError::SchedulerAhead)?;
     let path = dir.join(SCHEDULER_FILE);
-    record
-        .save(&path)
-        .map_err(|e| format!("scheduler record: {e}"))?;
+    record.save(&path).map_err(|e| StageError::Burn {
+        what: "scheduler record".into(),
+        detail: e.to_string(),
+    })?;
     Ok(path)
 }

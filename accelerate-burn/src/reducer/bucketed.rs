@@ -16,10 +16,11 @@ use burn::lr_scheduler::module_lr_scheduler::ModuleLearningRate;
 use burn::optim::{ModuleOptimizer, OptimizerRecord};
 use burn::tensor::{DType, Tensor};
 
-use super::wire::Wire;
-use super::{
+use super::api::{
     GradientReducer, LoadSource, ModelUpdate, Outcome, Reduced, SaveRole, SavedFile, global_norm,
 };
+use super::wire::Wire;
+use crate::checkpoint::StageError;
 use crate::error::AccelerateError;
 use crate::group::Comm;
 use crate::params::{self, ParamLayout, ParamList};
@@ -242,7 +243,7 @@ impl GradientReducer for BucketedReducer {
         Ok(())
     }
 
-    fn save(&mut self, dir: &Path, role: SaveRole) -> Result<Vec<SavedFile>, String> {
+    fn save(&mut self, dir: &Path, role: SaveRole) -> Result<Vec<SavedFile>, StageError> {
         let Some(optimizer) = self.optimizer.as_ref().filter(|_| role.main) else {
             return Ok(Vec::new());
         };
@@ -250,8 +251,11 @@ impl GradientReducer for BucketedReducer {
         optimizer
             .to_record()
             .save(&path)
-            .map_err(|e| format!("optimizer record: {e}"))?;
-        let bytes = checkpoint::sync_file(&path).map_err(|e| e.to_string())?;
+            .map_err(|e| StageError::Burn {
+                what: "optimizer record".into(),
+                detail: e.to_string(),
+            })?;
+        let bytes = checkpoint::sync_file(&path)?;
         Ok(vec![SavedFile {
             name: OPTIMIZER_FILE.into(),
             contents: "optimizer record (burnpack)",
@@ -260,11 +264,15 @@ impl GradientReducer for BucketedReducer {
         }])
     }
 
-    fn load(&mut self, source: LoadSource<'_>) -> Result<(), String> {
+    fn load(&mut self, source: LoadSource<'_>) -> Result<(), StageError> {
         self.layout = Arc::new(source.layout);
         if let Some(optimizer) = self.optimizer.as_mut() {
-            let record = OptimizerRecord::load(source.dir.join(OPTIMIZER_FILE))
-                .map_err(|e| format!("{OPTIMIZER_FILE}: {e}"))?;
+            let record = OptimizerRecord::load(source.dir.join(OPTIMIZER_FILE)).map_err(|e| {
+                StageError::Burn {
+                    what: OPTIMIZER_FILE.into(),
+                    detail: e.to_string(),
+                }
+            })?;
             *optimizer = optimizer.clone().load_record(record);
         }
         Ok(())

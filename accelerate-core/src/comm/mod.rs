@@ -1,11 +1,11 @@
 //! Collectives between the processes of a job: rendezvous, transports, algorithms, and the
 //! [`ProcessGroup`] API on top.
 //!
-//! - [`rendezvous`]: rank 0's TCP store; world size, settings and rank checks.
-//! - [`admission`]: how many connections are authenticated at once, and from one address.
-//! - [`auth`], [`secret`]: the job secret and the challenge-response every connection opens
-//!   with; [`torch_store`]: torchrun's store, where a job torchrun spans over hosts finds
-//!   rank 0.
+//! - [`rendezvous`]: rank 0's TCP store; world size, settings and rank checks. Under it:
+//!   [`admission`] (how many connections are authenticated at once, and from one address),
+//!   [`auth`] and [`secret`] (the job secret and the challenge-response every connection opens
+//!   with), [`torch_store`] (torchrun's store, where a job torchrun spans over hosts finds
+//!   rank 0).
 //! - [`transport`]: `local` (threads), `tcp` (hosts), `shm` (one host, direct collectives).
 //! - [`collective`]: ring, recursive-doubling, tree and dissemination algorithms over the
 //!   message transports.
@@ -41,8 +41,6 @@
 //! is noticed within milliseconds (connection closed, or its process gone), and the error names
 //! the call, this rank and the missing or failed ranks.
 
-pub mod admission;
-pub mod auth;
 pub mod call;
 pub mod collective;
 pub mod engine;
@@ -51,13 +49,13 @@ pub mod hierarchical;
 pub mod link;
 mod options;
 pub mod rendezvous;
-pub mod secret;
 mod shared_buffer;
-pub mod torch_store;
 pub mod transport;
 
 pub use call::{CallDesc, OpKind};
 pub use collective::AllReduceAlgorithm;
 pub use group::{MAX_GATHERED_OBJECT_BYTES, MAX_OBJECT_BYTES, ProcessGroup, Reduction};
 pub use options::{GroupOptions, TransportChoice};
+#[doc(no_inline)]
+pub use rendezvous::{admission, auth, secret, torch_store};
 pub use shared_buffer::SharedBuffer;

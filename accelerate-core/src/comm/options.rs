@@ -1,60 +1,13 @@
 //! `GroupOptions`: timeouts, transport and algorithm choices of a process group, from code or
 //! from `ACCELERATE_*` variables.
 
-use std::str::FromStr;
 use std::time::Duration;
 
 use super::collective::AllReduceAlgorithm;
 use super::transport::shm::DEFAULT_SLOT_BYTES;
-use crate::env_vars;
+use crate::env_vars::{self, EnvSource, ProcessEnv};
 use crate::error::ConfigError;
-use crate::state::{EnvSource, ProcessEnv};
-
-/// Which transport a group uses.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum TransportChoice {
-    /// Shared memory when every rank is on one host, TCP otherwise.
-    Auto,
-    /// Shared memory; an error when ranks span hosts.
-    Shm,
-    /// TCP, even on one host.
-    Tcp,
-    /// The MPI library the process was started with (a build with the `mpi` feature, under
-    /// `mpirun` or `srun --mpi=pmix`).
-    Mpi,
-}
-
-impl TransportChoice {
-    /// Whether a group formed with this choice uses the MPI engine: `mpi` always, `auto` in
-    /// a build with the `mpi` feature when an MPI launcher started the process (Open MPI's
-    /// `mpirun` sets `OMPI_COMM_WORLD_SIZE`, a PMIx launcher such as `srun --mpi=pmix` sets
-    /// `PMIX_RANK`). Under `srun` without PMIx, MPI could not start: `auto` keeps our own
-    /// transports there.
-    pub fn uses_mpi(self, env: &(impl EnvSource + ?Sized)) -> bool {
-        match self {
-            Self::Mpi => true,
-            Self::Auto => {
-                cfg!(feature = "mpi")
-                    && (env.var("OMPI_COMM_WORLD_SIZE").is_some() || env.var("PMIX_RANK").is_some())
-            }
-            Self::Shm | Self::Tcp => false,
-        }
-    }
-}
-
-impl FromStr for TransportChoice {
-    type Err = String;
-
-    fn from_str(s: &str) -> Result<Self, Self::Err> {
-        match s.trim().to_ascii_lowercase().as_str() {
-            "auto" => Ok(Self::Auto),
-            "shm" => Ok(Self::Shm),
-            "tcp" => Ok(Self::Tcp),
-            "mpi" => Ok(Self::Mpi),
-            other => Err(format!("{other}: expected auto, shm, tcp or mpi")),
-        }
-    }
-}
+pub use crate::settings::TransportChoice;
 
 /// How a process group forms and behaves. Its `Debug` output never shows the token.
 #[derive(Clone)]

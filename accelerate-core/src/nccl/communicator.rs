@@ -138,7 +138,7 @@ impl NcclCommunicator {
             timeout,
             aborted: false,
         };
-        communicator.wait_for("joining the communicator", || Ok(true))?;
+        communicator.wait_for("joining the communicator", || Ok::<_, NcclError>(true))?;
         Ok(communicator)
     }
 
@@ -175,10 +175,10 @@ impl NcclCommunicator {
     /// Waits until the communicator is idle and `done` says the work is complete (the caller
     /// queries its CUDA stream); past the timeout, or when NCCL reports an error, aborts the
     /// communicator and returns an error naming this rank and `what`.
-    pub fn wait_for(
+    pub fn wait_for<E: std::fmt::Display>(
         &mut self,
         what: &'static str,
-        mut done: impl FnMut() -> Result<bool, String>,
+        mut done: impl FnMut() -> Result<bool, E>,
     ) -> Result<(), NcclError> {
         let start = Instant::now();
         loop {
@@ -202,7 +202,7 @@ impl NcclCommunicator {
                         return Err(NcclError::Failed {
                             rank: self.rank,
                             what,
-                            reason,
+                            reason: reason.to_string(),
                         });
                     }
                 }

@@ -18,6 +18,7 @@
 
 mod communicator;
 mod library;
+mod search;
 
 use std::path::PathBuf;
 
@@ -225,11 +226,11 @@ pub fn decide(statuses: &[RankStatus]) -> Decision {
 pub fn agree(
     group: &mut ProcessGroup,
     mode: NcclMode,
-    local: Result<&NcclLibrary, String>,
+    local: Result<&NcclLibrary, impl std::fmt::Display>,
 ) -> Result<Option<UniqueId>, NcclError> {
     let status = RankStatus {
         mode,
-        unavailable: local.as_ref().err().cloned(),
+        unavailable: local.as_ref().err().map(ToString::to_string),
         version: local.as_ref().ok().map(|l| l.version().to_string()),
     };
     let statuses: Vec<RankStatus> = group.all_gather_object(&status)?;
@@ -243,16 +244,16 @@ pub fn agree(
     }
     // Rank 0's id, or why it could not make one, so that no rank waits for an id that never
     // comes.
-    let minted: Option<Result<Vec<u8>, String>> = (group.rank() == 0).then(|| match &local {
-        Ok(library) => library
-            .unique_id()
-            .map(|id| id.0.to_vec())
-            .map_err(|e| e.to_string()),
-        Err(reason) => Err(reason.clone()),
+    let minted: Option<MintedId> = (group.rank() == 0).then(|| match &local {
+        Ok(library) => match library.unique_id() {
+            Ok(id) => MintedId::Id(id.0.to_vec()),
+            Err(e) => MintedId::Failed(e.to_string()),
+        },
+        Err(reason) => MintedId::Failed(reason.to_string()),
     });
-    let shared: Result<Vec<u8>, String> = group.broadcast_object(minted.as_ref(), 0)?;
+    let shared: MintedId = group.broadcast_object(minted.as_ref(), 0)?;
     match shared {
-        Ok(bytes) => {
+        MintedId::Id(bytes) => {
             let id: [u8; UNIQUE_ID_BYTES] =
                 bytes.try_into().map_err(|b: Vec<u8>| NcclError::Failed {
                     rank: group.rank(),
@@ -261,7 +262,7 @@ pub fn agree(
                 })?;
             Ok(Some(UniqueId(id)))
         }
-        Err(reason) => {
+        MintedId::Failed(reason) => {
             let ranks = vec![(0, format!("could not make a communicator id: {reason}"))];
             if mode == NcclMode::Require {
                 return Err(NcclError::Unavailable { ranks });
@@ -270,6 +271,16 @@ pub fn agree(
             Ok(None)
         }
     }
+}
+
+/// What rank 0 sends every rank once they agreed on NCCL: the new communicator's id, or why
+/// it could not make one.
+#[derive(Serialize, Deserialize)]
+enum MintedId {
+    /// The id's bytes.
+    Id(Vec<u8>),
+    /// Why there is none.
+    Failed(String),
 }
 
 /// Logs the host-path decision: one warning on the main process when `auto` fell back.

@@ -9,6 +9,7 @@ use std::time::{Duration, Instant};
 use accelerate_core::config_file::{self, LoadedConfig};
 use accelerate_core::env_vars;
 use accelerate_core::launch::{LaunchConfig, launch};
+use accelerate_core::settings::ParseSettingError;
 use accelerate_core::state::ProcessEnv;
 use accelerate_core::{LaunchFlags, MixedPrecision};
 use anyhow::{Context, bail};
@@ -346,10 +347,10 @@ impl BuildProgress {
 }
 
 /// Reads `--mixed-precision`.
-fn parse_precision(value: &str) -> Result<MixedPrecision, String> {
+fn parse_precision(value: &str) -> Result<MixedPrecision, ParseSettingError> {
     value
         .parse()
-        .map_err(|()| format!("{value:?}: expected no, fp16 or bf16"))
+        .map_err(|()| ParseSettingError::new(value, "no, fp16 or bf16"))
 }
 
 #[cfg(test)]

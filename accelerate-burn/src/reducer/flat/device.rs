@@ -11,7 +11,7 @@ use accelerate_core::comm::Reduction;
 use burn::lr_scheduler::module_lr_scheduler::ModuleLearningRate;
 use burn::tensor::Tensor;
 
-use super::FlatPlan;
+use super::plan::FlatPlan;
 use crate::error::AccelerateError;
 use crate::fused::FusedOptimizer;
 use crate::group::Comm;

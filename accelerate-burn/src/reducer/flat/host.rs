@@ -10,7 +10,7 @@ use accelerate_kernels::optim::{adam_step, sgd_step};
 use burn::lr_scheduler::module_lr_scheduler::ModuleLearningRate;
 use burn::tensor::{Device, Tensor};
 
-use super::FlatPlan;
+use super::plan::FlatPlan;
 use crate::error::AccelerateError;
 use crate::fused::FusedOptimizer;
 use crate::group::Comm;

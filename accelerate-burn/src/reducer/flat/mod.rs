@@ -4,33 +4,34 @@
 //! device (`device`); `state_file` is its part of a checkpoint. (What the buffers are is
 //! described in [`crate::fused`].)
 
-use std::ops::Range;
 use std::path::Path;
 use std::sync::Arc;
 
 use accelerate_core::MixedPrecision;
 use accelerate_core::checkpoint;
-use accelerate_kernels::schedule::chunk_range;
 use burn::lr_scheduler::module_lr_scheduler::ModuleLearningRate;
-use burn::module::ParamId;
 use burn::tensor::Tensor;
 
 mod device;
 mod host;
+mod plan;
 mod state_file;
 
 use device::DeviceFlat;
 use host::{GradBuffer, HostFlat};
-use state_file::{FusedStateFile, Segment};
+pub(crate) use plan::FlatPlan;
+pub(crate) use state_file::FusedStateError;
+use state_file::FusedStateFile;
 
+use crate::checkpoint::StageError;
 use crate::error::AccelerateError;
 use crate::fused::FusedOptimizer;
 use crate::group::Comm;
 use crate::params::{ParamLayout, ParamList};
-use crate::reducer::wire::Wire;
-use crate::reducer::{
+use crate::reducer::api::{
     GradientReducer, LoadSource, ModelUpdate, Outcome, Reduced, SaveRole, SavedFile,
 };
+use crate::reducer::wire::Wire;
 
 /// Prefix of the fused optimizer state files (`fused_optimizer_<rank>.bin`).
 const FUSED_PREFIX: &str = "fused_optimizer_";
@@ -39,70 +40,6 @@ const FUSED_PREFIX: &str = "fused_optimizer_";
 pub(crate) enum Buffers {
     Host(Box<HostFlat>),
     Device(Box<DeviceFlat>),
-}
-
-/// What the flat buffers are cut into: segments (trainable parameters in visit order), the
-/// padded length and this rank's shard.
-pub(crate) struct FlatPlan {
-    /// One per trainable parameter.
-    pub segments: Vec<Segment>,
-    /// The layout entry of each segment.
-    pub entries: Vec<usize>,
-    /// Trainable elements.
-    pub len: usize,
-    /// `len` rounded up to a multiple of the world size, so every shard is equal.
-    pub padded: usize,
-    /// This rank's shard of the padded range (everything without ZeRO).
-    pub shard: Range<usize>,
-    /// Updates applied to each segment (Burn counts per parameter).
-    pub times: Vec<i32>,
-    /// Which segments got a gradient in the window being applied.
-    pub has_grad: Vec<bool>,
-}
-
-impl FlatPlan {
-    fn new(layout: &ParamLayout, sharded: bool, rank: usize, world: usize) -> Self {
-        let mut segments = Vec::new();
-        let mut entries = Vec::new();
-        let mut len = 0;
-        for (index, entry) in layout.entries.iter().enumerate() {
-            if !entry.trainable {
-                continue;
-            }
-            segments.push(Segment {
-                id: entry.id.val(),
-                path: entry.path.clone(),
-                shape: entry.shape.clone(),
-                offset: len,
-                len: entry.numel,
-            });
-            entries.push(index);
-            len += entry.numel;
-        }
-        let parts = if sharded { world } else { 1 };
-        let padded = len.div_ceil(parts) * parts;
-        let shard = if sharded {
-            chunk_range(padded, world, rank)
-        } else {
-            0..padded
-        };
-        let n = segments.len();
-        Self {
-            segments,
-            entries,
-            len,
-            padded,
-            shard,
-            times: vec![0; n],
-            has_grad: vec![false; n],
-        }
-    }
-
-    /// The learning rate of segment `index` under `lr`.
-    pub fn rate(&self, index: usize, lr: &ModuleLearningRate) -> f64 {
-        let segment = &self.segments[index];
-        lr.lr_from_param(ParamId::from(segment.id), Some(&segment.path))
-    }
 }
 
 /// The pending step's measure: set by `reduce`, consumed by `step`.
@@ -245,26 +182,22 @@ impl FlatReducer {
     }
 
     /// Fills this rank's shard of the state from the saved shards (of any world size).
-    fn apply_state(&mut self, files: Vec<FusedStateFile>) -> Result<(), String> {
+    fn apply_state(&mut self, files: Vec<FusedStateFile>) -> Result<(), FusedStateError> {
         for file in &files {
             if file.optimizer != self.optimizer {
-                return Err(format!(
-                    "the checkpoint's fused optimizer state is for {:?}, this run uses {:?}",
-                    file.optimizer, self.optimizer
-                ));
+                return Err(FusedStateError::OtherOptimizer {
+                    saved: file.optimizer.clone(),
+                    ours: self.optimizer.clone(),
+                });
             }
             if file.segments != self.plan.segments || file.len != self.plan.len {
-                return Err(
-                    "the checkpoint's fused optimizer state was saved for other parameters".into(),
-                );
+                return Err(FusedStateError::OtherParameters);
             }
             if file.times.len() != self.plan.times.len() {
-                return Err(format!(
-                    "the checkpoint's fused optimizer state counts steps of {} parameter groups, \
-                     this model has {}: the file is corrupt",
-                    file.times.len(),
-                    self.plan.times.len()
-                ));
+                return Err(FusedStateError::StepCounts {
+                    saved: file.times.len(),
+                    ours: self.plan.times.len(),
+                });
             }
         }
         if let Some(first) = files.first() {
@@ -277,9 +210,10 @@ impl FlatReducer {
             // those parameters' moments from zero without a word.
             let mut covered = Vec::with_capacity(files.len());
             for file in &files {
-                let values = file.buffers.get(*name).ok_or_else(|| {
-                    format!("the checkpoint's fused optimizer state has no `{name}` buffer")
-                })?;
+                let values = file
+                    .buffers
+                    .get(*name)
+                    .ok_or_else(|| FusedStateError::NoBuffer(name.to_string()))?;
                 let end = file
                     .shard_start
                     .saturating_add(values.len())
@@ -294,11 +228,10 @@ impl FlatReducer {
                 (range.start <= reach).then_some(reach.max(range.end))
             });
             if reach.is_none_or(|reach| reach < self.plan.len) {
-                return Err(format!(
-                    "the checkpoint's fused optimizer shards do not cover all {} values of \
-                     `{name}`: a shard file is missing or corrupt",
-                    self.plan.len
-                ));
+                return Err(FusedStateError::Uncovered {
+                    len: self.plan.len,
+                    name: name.to_string(),
+                });
             }
             state.push(full[self.plan.shard.clone()].to_vec());
         }
@@ -391,14 +324,13 @@ impl GradientReducer for FlatReducer {
         Ok(())
     }
 
-    fn save(&mut self, dir: &Path, role: SaveRole) -> Result<Vec<SavedFile>, String> {
+    fn save(&mut self, dir: &Path, role: SaveRole) -> Result<Vec<SavedFile>, StageError> {
         // Every rank's shard with ZeRO, else the main process's (all hold the same state).
         if !(role.main || self.sharded && role.distributed) {
             return Ok(Vec::new());
         }
         let name = format!("{FUSED_PREFIX}{}.bin", role.rank);
-        let bytes = checkpoint::write_synced(&dir.join(&name), &self.state_file().to_bytes())
-            .map_err(|e| e.to_string())?;
+        let bytes = checkpoint::write_synced(&dir.join(&name), &self.state_file().to_bytes())?;
         Ok(vec![SavedFile {
             name,
             contents: "fused optimizer state of one shard (JSON header, f32 data)",
@@ -407,17 +339,20 @@ impl GradientReducer for FlatReducer {
         }])
     }
 
-    fn load(&mut self, source: LoadSource<'_>) -> Result<(), String> {
+    fn load(&mut self, source: LoadSource<'_>) -> Result<(), StageError> {
         let mut files = Vec::new();
         for file in source.files {
             if !file.name.starts_with(FUSED_PREFIX) {
                 continue;
             }
-            let bytes = std::fs::read(source.dir.join(&file.name))
-                .map_err(|e| format!("{}: {e}", file.name))?;
-            files.push(
-                FusedStateFile::from_bytes(&bytes).map_err(|e| format!("{}: {e}", file.name))?,
-            );
+            let path = source.dir.join(&file.name);
+            let bytes = std::fs::read(&path).map_err(|source| StageError::Io { path, source })?;
+            files.push(FusedStateFile::from_bytes(&bytes).map_err(|source| {
+                StageError::FusedStateFile {
+                    file: file.name.clone(),
+                    source,
+                }
+            })?);
         }
         // The buffers start again from the loaded model, under its (saved) parameter ids.
         self.layout = Arc::new(source.layout);
@@ -444,14 +379,13 @@ impl GradientReducer for FlatReducer {
                     _ => GradBuffer::Local(vec![0.0; padded]),
                 })
             },
-        )
-        .map_err(|e| e.to_string())?;
+        )?;
         self.buffers = rebuilt;
         self.pending = None;
         if files.is_empty() {
             return Ok(());
         }
-        self.apply_state(files)
+        Ok(self.apply_state(files)?)
     }
 
     fn state_on_device(&self) -> Option<bool> {

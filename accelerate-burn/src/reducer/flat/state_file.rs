@@ -61,13 +61,13 @@ impl FusedStateFile {
     }
 
     /// Reads what [`to_bytes`](Self::to_bytes) wrote.
-    pub fn from_bytes(bytes: &[u8]) -> Result<Self, String> {
+    pub fn from_bytes(bytes: &[u8]) -> Result<Self, FusedStateError> {
         let split = bytes
             .iter()
             .position(|&b| b == b'\n')
-            .ok_or("no header line")?;
-        let header: FusedStateHeader =
-            serde_json::from_slice(&bytes[..split]).map_err(|e| e.to_string())?;
+            .ok_or(FusedStateError::NoHeader)?;
+        let header: FusedStateHeader = serde_json::from_slice(&bytes[..split])
+            .map_err(|e| FusedStateError::Header(e.to_string()))?;
         let mut data = bytes[split + 1..]
             .chunks_exact(4)
             .map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]]));
@@ -75,7 +75,7 @@ impl FusedStateFile {
         for (name, len) in header.buffers {
             let values: Vec<f32> = data.by_ref().take(len).collect();
             if values.len() != len {
-                return Err(format!("buffer `{name}` is truncated"));
+                return Err(FusedStateError::Truncated(name));
             }
             buffers.insert(name, values);
         }
@@ -98,6 +98,56 @@ struct FusedStateHeader {
     shard_start: usize,
     times: Vec<i32>,
     buffers: Vec<(String, usize)>,
+}
+
+/// Why a checkpoint's fused optimizer state cannot be loaded into this run.
+#[derive(Debug, Clone, PartialEq, thiserror::Error)]
+pub(crate) enum FusedStateError {
+    /// The file has no JSON header line.
+    #[error("no header line")]
+    NoHeader,
+    /// The header is not the JSON of one (serde's message).
+    #[error("{0}")]
+    Header(String),
+    /// A buffer holds fewer values than its header says.
+    #[error("buffer `{0}` is truncated")]
+    Truncated(String),
+    /// The state is another optimizer's.
+    #[error("the checkpoint's fused optimizer state is for {saved:?}, this run uses {ours:?}")]
+    OtherOptimizer {
+        /// The optimizer of the checkpoint.
+        saved: FusedOptimizer,
+        /// This run's.
+        ours: FusedOptimizer,
+    },
+    /// The state was saved for other parameters.
+    #[error("the checkpoint's fused optimizer state was saved for other parameters")]
+    OtherParameters,
+    /// The step counts do not match the parameter groups.
+    #[error(
+        "the checkpoint's fused optimizer state counts steps of {saved} parameter groups, this \
+         model has {ours}: the file is corrupt"
+    )]
+    StepCounts {
+        /// Groups in the checkpoint.
+        saved: usize,
+        /// Groups of this model.
+        ours: usize,
+    },
+    /// A buffer the optimizer needs is missing.
+    #[error("the checkpoint's fused optimizer state has no `{0}` buffer")]
+    NoBuffer(String),
+    /// The shards leave some values of a buffer out.
+    #[error(
+        "the checkpoint's fused optimizer shards do not cover all {len} values of `{name}`: a \
+         shard file is missing or corrupt"
+    )]
+    Uncovered {
+        /// Values of the buffer.
+        len: usize,
+        /// The buffer.
+        name: String,
+    },
 }
 
 #[cfg(test)]

@@ -25,16 +25,14 @@ pub enum AllReduceAlgorithm {
 }
 
 impl FromStr for AllReduceAlgorithm {
-    type Err = String;
+    type Err = crate::settings::ParseSettingError;
 
     fn from_str(s: &str) -> Result<Self, Self::Err> {
         match s.trim().to_ascii_lowercase().as_str() {
             "auto" => Ok(Self::Auto),
             "ring" => Ok(Self::Ring),
             "recursive_doubling" | "recursive-doubling" | "rd" => Ok(Self::RecursiveDoubling),
-            other => Err(format!(
-                "{other}: expected auto, ring or recursive_doubling"
-            )),
+            _ => Err(Self::Err::new(s, "auto, ring or recursive_doubling")),
         }
     }
 }

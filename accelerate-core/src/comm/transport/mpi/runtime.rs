@@ -27,8 +27,9 @@ unsafe extern "C" {
     fn on_exit(function: extern "C" fn(c_int, *mut c_void), arg: *mut c_void) -> c_int;
 }
 
-/// Whether this process initialised MPI (and so must finalise it), once known.
-static OURS: OnceLock<Result<bool, String>> = OnceLock::new();
+/// Whether this process initialised MPI (and so must finalise it), once known; or the error
+/// code `MPI_Init_thread` returned.
+static OURS: OnceLock<Result<bool, c_int>> = OnceLock::new();
 /// Set when a group of this process failed: its exit then aborts the job even with status 0
 /// (a peer may be waiting for a call this rank will never make).
 static FAILED: AtomicBool = AtomicBool::new(false);
@@ -111,19 +112,20 @@ pub fn init(rank: usize) -> Result<(), CommError> {
             )
         };
         if code != 0 {
-            return Err(error_string(code));
+            return Err(code);
         }
         register_exit_hook();
         Ok(true)
     });
     match ours {
         Ok(_) => Ok(()),
-        Err(detail) => Err(CommError::Mpi {
+        Err(code) => Err(CommError::Mpi {
             call: "MPI_Init_thread".into(),
             rank,
             detail: format!(
-                "{detail}. hint: start the job with mpirun (or srun --mpi=pmix), or use \
-                 ACCELERATE_TRANSPORT=auto"
+                "{}. hint: start the job with mpirun (or srun --mpi=pmix), or use \
+                 ACCELERATE_TRANSPORT=auto",
+                error_string(*code)
             ),
         }),
     }

@@ -134,6 +134,9 @@ fn watch(shared: &Shared, who: &Identity) {
 
 /// Reports `error` of `rank` and ends every process of the job.
 pub fn end_job(rank: usize, error: &CommError) -> ! {
+    // Straight to stderr, not through `tracing`: MPI_Abort ends this process (and the job)
+    // at once, and these lines are the only account of why. A subscriber may be absent, may
+    // filter errors out or buffer them, and nothing after the abort would flush it.
     eprintln!("{error}");
     eprintln!(
         "rank {rank}: ending the MPI job (MPI_Abort) so that no rank goes on with wrong values \

@@ -41,9 +41,7 @@ impl Engine for ShmEngine {
             // Stage only the parts the peers reduce: this rank's own part is read from `part`.
             for peer in (0..n).filter(|&p| p != rank) {
                 let theirs = chunk_bytes(len, elem, n, peer);
-                self.region
-                    .slot_mut(rank, b, theirs.start, theirs.len())
-                    .copy_from_slice(&part[theirs]);
+                self.region.write_slot(rank, b, theirs.start, &part[theirs]);
             }
             self.barrier_wait(call, first)?;
             first = false;
@@ -56,8 +54,7 @@ impl Engine for ShmEngine {
                 scale_bytes(dtype, &mut part[mine.clone()], factor);
             }
             self.region
-                .slot_mut(rank, b, mine.start, mine.len())
-                .copy_from_slice(&part[mine.clone()]);
+                .write_slot(rank, b, mine.start, &part[mine.clone()]);
             self.barrier_wait(call, false)?;
             for peer in (0..n).filter(|&p| p != rank) {
                 let theirs = chunk_bytes(len, elem, n, peer);
@@ -83,9 +80,7 @@ impl Engine for ShmEngine {
             let end = (start + segment).min(buf.len());
             let b = self.next_buffer();
             if self.rank == root {
-                self.region
-                    .slot_mut(root, b, 0, end - start)
-                    .copy_from_slice(&buf[start..end]);
+                self.region.write_slot(root, b, 0, &buf[start..end]);
             }
             self.barrier_wait(call, first)?;
             first = false;
@@ -113,9 +108,7 @@ impl Engine for ShmEngine {
         for start in (0..block).step_by(segment) {
             let end = (start + segment).min(block);
             let b = self.next_buffer();
-            self.region
-                .slot_mut(self.rank, b, 0, end - start)
-                .copy_from_slice(&input[start..end]);
+            self.region.write_slot(self.rank, b, 0, &input[start..end]);
             self.barrier_wait(call, first)?;
             first = false;
             for peer in (0..self.world_size).filter(|&p| p != self.rank) {
@@ -157,9 +150,12 @@ impl Engine for ShmEngine {
             for (p, part) in parts.iter().enumerate().filter(|&(p, _)| p != rank) {
                 let end = (offset + step).min(part.len());
                 if offset < end {
-                    self.region
-                        .slot_mut(rank, b, p * step, end - offset)
-                        .copy_from_slice(&input[part.start + offset..part.start + end]);
+                    self.region.write_slot(
+                        rank,
+                        b,
+                        p * step,
+                        &input[part.start + offset..part.start + end],
+                    );
                 }
             }
             self.barrier_wait(call, first)?;

@@ -207,17 +207,23 @@ impl Region {
         unsafe { std::slice::from_raw_parts(self.map.as_ptr().add(at), len) }
     }
 
-    /// Bytes `offset..offset + len` of this rank's own slot `buffer`, to write.
+    /// Copies `bytes` into this rank's own slot `buffer` at `offset`.
     ///
-    /// Callers uphold the barrier protocol: `rank` is the calling rank, and no rank reads
-    /// this range until the next barrier.
-    #[allow(clippy::mut_from_ref)]
-    pub fn slot_mut(&self, rank: usize, buffer: usize, offset: usize, len: usize) -> &mut [u8] {
-        let at = self.slot_offset(rank, buffer, offset, len);
-        // SAFETY: in bounds (checked in `slot_offset`); only the owning rank writes its slots,
-        // each call hands out one range at a time to the single thread driving the group, and
-        // by the barrier protocol nobody reads it concurrently (see the module docs).
-        unsafe { std::slice::from_raw_parts_mut(self.map.as_ptr().add(at).cast_mut(), len) }
+    /// `&mut self`: no [`slot`](Self::slot) borrow of this process is alive meanwhile. Callers
+    /// uphold the barrier protocol for the other processes: `rank` is the calling rank, and no
+    /// rank reads this range until the next barrier.
+    pub fn write_slot(&mut self, rank: usize, buffer: usize, offset: usize, bytes: &[u8]) {
+        let at = self.slot_offset(rank, buffer, offset, bytes.len());
+        // SAFETY: in bounds (checked in `slot_offset`); a raw copy into the slot's range only,
+        // never a `&mut` over the mapping, whose control blocks other processes write; `bytes`
+        // is this process's memory, so the two do not overlap.
+        unsafe {
+            std::ptr::copy_nonoverlapping(
+                bytes.as_ptr(),
+                self.map.as_mut_ptr().add(at),
+                bytes.len(),
+            );
+        }
     }
 }
 

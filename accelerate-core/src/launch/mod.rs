@@ -12,17 +12,21 @@
 //! with the same SIGKILL after the grace period, and the launch ends with 128 + that signal.
 //! Each worker runs in its own process group, so the processes it started are stopped with it.
 
-use std::fs::File;
-use std::io::{BufRead, BufReader, Read, Write};
 use std::net::TcpListener;
 use std::path::PathBuf;
 use std::process::{Child, Command, ExitStatus, Stdio};
 use std::sync::atomic::{AtomicUsize, Ordering};
-use std::sync::{Arc, Mutex, PoisonError};
+use std::sync::{Arc, Mutex};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
-use crate::state::DEFAULT_MASTER_PORT;
+use crate::state::contract::{DEFAULT_MASTER_PORT, WorkerIdentity};
+#[doc(inline)]
+pub use crate::state::follow_launcher;
+
+mod relay;
+
+use relay::relay;
 
 /// What to start, and how. Its `Debug` output hides the values of variables whose names say
 /// they hold a secret (`*TOKEN*`, `*SECRET*`, `*PASSWORD*`, `*KEY*`).
@@ -207,92 +211,6 @@ fn fresh_token() -> Result<String, LaunchError> {
     Ok(crate::comm::secret::hex(&bytes))
 }
 
-/// Ties this process to the `accelerate-rs launch` that started it (when one did): the kernel
-/// sends SIGKILL to this process when the launcher dies, even by SIGKILL, so no worker outlives
-/// its job holding a device. Called once at start-up ([`ProcessState::from_env`]); a no-op
-/// for processes other launchers started.
-///
-/// [`ProcessState::from_env`]: crate::ProcessState::from_env
-pub fn follow_launcher() {
-    static ONCE: std::sync::Once = std::sync::Once::new();
-    ONCE.call_once(|| {
-        let Some(launcher) = std::env::var(crate::env_vars::LAUNCHER_PID)
-            .ok()
-            .and_then(|v| v.trim().parse::<i32>().ok())
-            .filter(|&pid| pid > 1)
-        else {
-            return;
-        };
-        if nix::unistd::getppid().as_raw() != launcher {
-            // A process a worker started (it inherited the variable): the launcher is alive
-            // but not our parent, and this process is not ours to tie or end.
-            let alive = !matches!(
-                nix::sys::signal::kill(nix::unistd::Pid::from_raw(launcher), None),
-                Err(nix::errno::Errno::ESRCH)
-            );
-            if alive {
-                return;
-            }
-            tracing::error!(
-                launcher,
-                "the accelerate launcher that started this worker is gone; exiting"
-            );
-            std::process::exit(1);
-        }
-        if let Err(e) = nix::sys::prctl::set_pdeathsig(nix::sys::signal::Signal::SIGKILL) {
-            tracing::warn!("cannot tie this worker to its launcher: {e}");
-            return;
-        }
-        // The launcher may have died before the request above: then nobody will signal us,
-        // and our parent is no longer the launcher.
-        if nix::unistd::getppid().as_raw() != launcher {
-            tracing::error!(
-                launcher,
-                "the accelerate launcher that started this worker is gone; exiting"
-            );
-            std::process::exit(1);
-        }
-    });
-}
-
-/// Relays one stream of one worker, line by line, with its rank prefix.
-fn relay(
-    stream: impl Read + Send + 'static,
-    prefix: String,
-    to_stderr: bool,
-    log: Option<Arc<Mutex<File>>>,
-) -> JoinHandle<()> {
-    std::thread::spawn(move || {
-        let mut reader = BufReader::new(stream);
-        let mut line = Vec::new();
-        loop {
-            line.clear();
-            match reader.read_until(b'\n', &mut line) {
-                Ok(0) | Err(_) => return,
-                Ok(_) => {}
-            }
-            if line.last() != Some(&b'\n') {
-                line.push(b'\n');
-            }
-            let mut out = Vec::with_capacity(prefix.len() + line.len());
-            out.extend_from_slice(prefix.as_bytes());
-            out.extend_from_slice(&line);
-            // One write of a whole line under the stream's lock: lines never interleave.
-            let _ = if to_stderr {
-                std::io::stderr().lock().write_all(&out)
-            } else {
-                std::io::stdout().lock().write_all(&out)
-            };
-            if let Some(log) = &log {
-                let _ = log
-                    .lock()
-                    .unwrap_or_else(PoisonError::into_inner)
-                    .write_all(&line);
-            }
-        }
-    })
-}
-
 struct Worker {
     rank: usize,
     child: Child,
@@ -388,18 +306,18 @@ impl LaunchConfig {
     fn spawn(&self, local_rank: usize, port: u16, token: &str) -> Result<Worker, LaunchError> {
         use std::os::unix::process::CommandExt;
         let rank = self.machine_rank * self.num_processes + local_rank;
+        let identity = WorkerIdentity {
+            rank,
+            world_size: self.num_processes * self.num_machines,
+            local_rank,
+            local_world_size: self.num_processes,
+            node_rank: self.machine_rank,
+            master_addr: self.main_process_ip.clone(),
+            master_port: port,
+        };
         let mut cmd = Command::new(&self.program);
         cmd.args(&self.args)
-            .env("RANK", rank.to_string())
-            .env(
-                "WORLD_SIZE",
-                (self.num_processes * self.num_machines).to_string(),
-            )
-            .env("LOCAL_RANK", local_rank.to_string())
-            .env("LOCAL_WORLD_SIZE", self.num_processes.to_string())
-            .env("NODE_RANK", self.machine_rank.to_string())
-            .env("MASTER_ADDR", &self.main_process_ip)
-            .env("MASTER_PORT", port.to_string())
+            .envs(identity.vars())
             .envs(self.env.iter().map(|(k, v)| (k, v)))
             .stdin(Stdio::null())
             .stdout(Stdio::piped())
@@ -545,7 +463,7 @@ pub fn launch(config: &LaunchConfig, interrupted: &AtomicUsize) -> Result<(), La
                 if attempt < config.max_restarts && received(interrupted).is_none() =>
             {
                 attempt += 1;
-                eprintln!(
+                tracing::warn!(
                     "accelerate-rs launch: rank {rank} {how}; restarting every worker \
                      (restart {attempt} of {})",
                     config.max_restarts

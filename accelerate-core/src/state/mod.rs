@@ -20,70 +20,27 @@
 //! Inconsistent values are errors that name the variable, never a silent guess: a rank outside
 //! the world, a world size without a rank, a multi-process job without a master address.
 
-use std::collections::HashMap;
 use std::fmt;
 
+pub use crate::env_vars::{EnvSource, ProcessEnv};
 use crate::error::StateError;
+use crate::settings::TransportChoice;
 
-/// Port rank 0 listens on when the launcher sets no `MASTER_PORT` (PyTorch's default).
-pub const DEFAULT_MASTER_PORT: u16 = 29500;
+pub mod contract;
+#[cfg(unix)]
+mod follow;
+mod launcher;
+mod mpi;
+mod reader;
+mod slurm;
+mod torchrun;
 
-/// Where a variable is read from: the process environment or, in tests, a map.
-pub trait EnvSource {
-    /// The value of `key`, or `None` when it is not set (an empty value counts as unset).
-    fn var(&self, key: &str) -> Option<String>;
-}
-
-/// The process environment.
-#[derive(Debug, Clone, Copy, Default)]
-pub struct ProcessEnv;
-
-impl EnvSource for ProcessEnv {
-    fn var(&self, key: &str) -> Option<String> {
-        std::env::var(key).ok().filter(|v| !v.trim().is_empty())
-    }
-}
-
-impl EnvSource for HashMap<String, String> {
-    fn var(&self, key: &str) -> Option<String> {
-        self.get(key).filter(|v| !v.trim().is_empty()).cloned()
-    }
-}
-
-impl EnvSource for [(&str, &str)] {
-    fn var(&self, key: &str) -> Option<String> {
-        self.iter()
-            .find(|(k, v)| *k == key && !v.trim().is_empty())
-            .map(|(_, v)| (*v).to_string())
-    }
-}
-
-/// Which launcher's variables described this process.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Launcher {
-    /// No launcher: a single process.
-    None,
-    /// `accelerate-rs launch` or torchrun (`RANK`, `WORLD_SIZE`, ...).
-    Torchrun,
-    /// Open MPI's `mpirun` (`OMPI_COMM_WORLD_*`).
-    OpenMpi,
-    /// An MPICH-family launcher speaking PMI (`PMI_RANK`, `PMI_SIZE`).
-    Pmi,
-    /// SLURM's `srun` (`SLURM_PROCID`, ...).
-    Slurm,
-}
-
-impl fmt::Display for Launcher {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.write_str(match self {
-            Launcher::None => "none (single process)",
-            Launcher::Torchrun => "torchrun/accelerate",
-            Launcher::OpenMpi => "Open MPI",
-            Launcher::Pmi => "PMI",
-            Launcher::Slurm => "SLURM",
-        })
-    }
-}
+pub use contract::DEFAULT_MASTER_PORT;
+#[cfg(unix)]
+pub use follow::follow_launcher;
+pub use launcher::Launcher;
+use reader::Reader;
+pub use slurm::{first_slurm_host, parse_slurm_tasks_per_node, slurm_port};
 
 /// The identity of this process within a job.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -141,16 +98,18 @@ impl ProcessState {
 
     /// Reads the state from the process environment. A worker of `accelerate-rs launch` also
     /// ties itself to the launcher here, so that it ends when the launcher does
-    /// ([`follow_launcher`](crate::launch::follow_launcher)).
+    /// ([`follow_launcher`]).
     pub fn from_env() -> Result<Self, StateError> {
-        crate::launch::follow_launcher();
+        #[cfg(unix)]
+        follow_launcher();
         Self::from_source(&ProcessEnv)
     }
 
     /// Reads the state from `env` (see the module docs for the variables and their precedence).
     pub fn from_source(env: &(impl EnvSource + ?Sized)) -> Result<Self, StateError> {
         let reader = Reader { env };
-        let state = if env.var("RANK").is_some() || env.var("WORLD_SIZE").is_some() {
+        let state = if env.var(contract::RANK).is_some() || env.var(contract::WORLD_SIZE).is_some()
+        {
             reader.torchrun()?
         } else if env.var("OMPI_COMM_WORLD_RANK").is_some() {
             reader.open_mpi()?
@@ -164,8 +123,8 @@ impl ProcessState {
         // The MPI engine finds its peers through MPI, without a rendezvous of ours.
         let mpi = env
             .var(crate::env_vars::TRANSPORT)
-            .map_or(Ok(crate::comm::TransportChoice::Auto), |v| v.parse())
-            .is_ok_and(|t: crate::comm::TransportChoice| t.uses_mpi(env));
+            .map_or(Ok(TransportChoice::Auto), |v| v.parse())
+            .is_ok_and(|t: TransportChoice| t.uses_mpi(env));
         state.validate(mpi)?;
         Ok(state)
     }
@@ -188,7 +147,7 @@ impl ProcessState {
     /// Checks the invariants between the fields; errors name the variable to fix. `mpi`: the
     /// group will be MPI's, which needs no rendezvous address.
     fn validate(&self, mpi: bool) -> Result<(), StateError> {
-        let vars = self.launcher_vars();
+        let vars = self.launcher.identity_vars();
         if self.world_size == 0 || self.world_size > MAX_WORLD_SIZE {
             return Err(StateError::invalid(
                 vars.world_size,
@@ -222,41 +181,12 @@ impl ProcessState {
         }
         if self.world_size > 1 && self.master_addr.is_none() && !mpi {
             return Err(StateError::Missing {
-                var: "MASTER_ADDR",
+                var: contract::MASTER_ADDR,
                 launcher: self.launcher,
                 why: "a job of several processes needs rank 0's address for the rendezvous",
             });
         }
         Ok(())
-    }
-
-    fn launcher_vars(&self) -> LauncherVars {
-        match self.launcher {
-            Launcher::None | Launcher::Torchrun => LauncherVars {
-                rank: "RANK",
-                world_size: "WORLD_SIZE",
-                local_rank: "LOCAL_RANK",
-                local_world_size: "LOCAL_WORLD_SIZE",
-            },
-            Launcher::OpenMpi => LauncherVars {
-                rank: "OMPI_COMM_WORLD_RANK",
-                world_size: "OMPI_COMM_WORLD_SIZE",
-                local_rank: "OMPI_COMM_WORLD_LOCAL_RANK",
-                local_world_size: "OMPI_COMM_WORLD_LOCAL_SIZE",
-            },
-            Launcher::Pmi => LauncherVars {
-                rank: "PMI_RANK",
-                world_size: "PMI_SIZE",
-                local_rank: "MPI_LOCALRANKID",
-                local_world_size: "MPI_LOCALNRANKS",
-            },
-            Launcher::Slurm => LauncherVars {
-                rank: "SLURM_PROCID",
-                world_size: "SLURM_NTASKS",
-                local_rank: "SLURM_LOCALID",
-                local_world_size: "SLURM_STEP_TASKS_PER_NODE",
-            },
-        }
     }
 }
 
@@ -279,358 +209,9 @@ impl fmt::Display for ProcessState {
     }
 }
 
-struct LauncherVars {
-    rank: &'static str,
-    world_size: &'static str,
-    local_rank: &'static str,
-    local_world_size: &'static str,
-}
-
-/// Typed reads of launcher variables.
-struct Reader<'a, E: EnvSource + ?Sized> {
-    env: &'a E,
-}
-
-impl<E: EnvSource + ?Sized> Reader<'_, E> {
-    fn usize_opt(&self, var: &'static str) -> Result<Option<usize>, StateError> {
-        self.env
-            .var(var)
-            .map(|v| {
-                v.trim()
-                    .parse::<usize>()
-                    .map_err(|_| StateError::invalid(var, &v, "expected a non-negative integer"))
-            })
-            .transpose()
-    }
-
-    fn usize_req(&self, var: &'static str, launcher: Launcher) -> Result<usize, StateError> {
-        self.usize_opt(var)?.ok_or(StateError::Missing {
-            var,
-            launcher,
-            why: "the launcher's other variables are set, so this one must be too",
-        })
-    }
-
-    /// The first of `vars` that is set.
-    fn first_usize(&self, vars: &[&'static str]) -> Result<Option<usize>, StateError> {
-        for var in vars {
-            if let Some(v) = self.usize_opt(var)? {
-                return Ok(Some(v));
-            }
-        }
-        Ok(None)
-    }
-
-    fn master(&self) -> Result<(Option<String>, u16), StateError> {
-        let addr = self.env.var("MASTER_ADDR").map(|a| a.trim().to_string());
-        let port = match self.env.var("MASTER_PORT") {
-            None => DEFAULT_MASTER_PORT,
-            Some(v) => v.trim().parse::<u16>().map_err(|_| {
-                StateError::invalid("MASTER_PORT", &v, "expected a port number (0-65535)")
-            })?,
-        };
-        Ok((addr, port))
-    }
-
-    fn torchrun(&self) -> Result<ProcessState, StateError> {
-        let launcher = Launcher::Torchrun;
-        let rank = self.usize_req("RANK", launcher)?;
-        let world_size = self.usize_req("WORLD_SIZE", launcher)?;
-        let local_world_size = self.usize_opt("LOCAL_WORLD_SIZE")?;
-        let local_rank = self.usize_opt("LOCAL_RANK")?;
-        let (local_rank, local_world_size) = match (local_rank, local_world_size) {
-            (Some(lr), Some(lws)) => (lr, lws),
-            // torchrun always sets both; a hand-written environment with neither is one node.
-            (None, None) => (rank, world_size),
-            (Some(_), None) => {
-                return Err(StateError::Missing {
-                    var: "LOCAL_WORLD_SIZE",
-                    launcher,
-                    why: "LOCAL_RANK is set, so the number of processes on this node is needed too",
-                });
-            }
-            (None, Some(_)) => {
-                return Err(StateError::Missing {
-                    var: "LOCAL_RANK",
-                    launcher,
-                    why: "LOCAL_WORLD_SIZE is set, so this process's index on the node is needed too",
-                });
-            }
-        };
-        let node_rank = match self.first_usize(&["NODE_RANK", "GROUP_RANK"])? {
-            Some(n) => n,
-            None => rank / local_world_size.max(1),
-        };
-        let (mut master_addr, mut master_port) = self.master()?;
-        // torchrun restarts every worker under the same run id: each attempt is its own job.
-        let mut job_id = self.env.var("TORCHELASTIC_RUN_ID").map(|id| {
-            let attempt = self.env.var("TORCHELASTIC_RESTART_COUNT");
-            format!("{id}.{}", attempt.as_deref().unwrap_or("0").trim())
-        });
-        let uses_agent_store = self
-            .env
-            .var("TORCHELASTIC_USE_AGENT_STORE")
-            .is_some_and(|v| v.trim().eq_ignore_ascii_case("true"));
-        let mut agent_store = None;
-        if uses_agent_store && world_size > 1 {
-            let Some(host) = master_addr.take() else {
-                return Err(StateError::Missing {
-                    var: "MASTER_ADDR",
-                    launcher,
-                    why: "TORCHELASTIC_USE_AGENT_STORE says torchrun's store is there",
-                });
-            };
-            agent_store = Some(if host.contains(':') {
-                format!("[{host}]:{master_port}")
-            } else {
-                format!("{host}:{master_port}")
-            });
-            master_addr = Some(if local_world_size == world_size {
-                "127.0.0.1".into()
-            } else {
-                host
-            });
-            master_port = 0;
-        }
-        if let (Some(id), Some(store)) = (&mut job_id, &agent_store) {
-            // torchrun gives every job started with `--master-port` the run id `none`: two
-            // such jobs of one user on one host would share the private rendezvous file. The
-            // agent store's address is this launcher instance's own (two live stores cannot
-            // share a port), and the same for every rank of the job on every host.
-            id.push('@');
-            id.push_str(store);
-        }
-        Ok(ProcessState {
-            rank,
-            world_size,
-            local_rank,
-            local_world_size,
-            node_rank,
-            master_addr,
-            master_port,
-            launcher,
-            job_id,
-            agent_store,
-        })
-    }
-
-    /// Where rank 0's store is: `MASTER_ADDR`/`MASTER_PORT` when set; for a job on one host
-    /// that its launcher names, without `MASTER_ADDR`, loopback and a port rank 0 picks (0);
-    /// else `MASTER_ADDR` unset (an error later, with a hint).
-    fn master_or_local(
-        &self,
-        one_host: bool,
-        job_id: &Option<String>,
-    ) -> Result<(Option<String>, u16), StateError> {
-        let (addr, port) = self.master()?;
-        if addr.is_none() && one_host && job_id.is_some() {
-            let port = if self.env.var("MASTER_PORT").is_some() {
-                port
-            } else {
-                0
-            };
-            return Ok((Some("127.0.0.1".into()), port));
-        }
-        Ok((addr, port))
-    }
-
-    fn open_mpi(&self) -> Result<ProcessState, StateError> {
-        let launcher = Launcher::OpenMpi;
-        let rank = self.usize_req("OMPI_COMM_WORLD_RANK", launcher)?;
-        let world_size = self.usize_req("OMPI_COMM_WORLD_SIZE", launcher)?;
-        let local_rank = self.usize_req("OMPI_COMM_WORLD_LOCAL_RANK", launcher)?;
-        let local_world_size = self.usize_req("OMPI_COMM_WORLD_LOCAL_SIZE", launcher)?;
-        // OMPI_COMM_WORLD_NODE_RANK is the rank among the processes of a node (a local rank),
-        // not the node's index; Open MPI maps ranks to nodes by slot unless told otherwise.
-        let node_rank = rank / local_world_size.max(1);
-        let job_id = self
-            .env
-            .var("PMIX_NAMESPACE")
-            .or_else(|| self.env.var("OMPI_MCA_ess_base_jobid"));
-        let (master_addr, master_port) =
-            self.master_or_local(local_world_size == world_size, &job_id)?;
-        Ok(ProcessState {
-            rank,
-            world_size,
-            local_rank,
-            local_world_size,
-            node_rank,
-            master_addr,
-            master_port,
-            launcher,
-            job_id,
-            agent_store: None,
-        })
-    }
-
-    fn pmi(&self) -> Result<ProcessState, StateError> {
-        let launcher = Launcher::Pmi;
-        let rank = self.usize_req("PMI_RANK", launcher)?;
-        let world_size = self.usize_req("PMI_SIZE", launcher)?;
-        let local_rank = self.first_usize(&["MPI_LOCALRANKID", "PMI_LOCAL_RANK"])?;
-        let local_world_size = self.first_usize(&["MPI_LOCALNRANKS", "PMI_LOCAL_SIZE"])?;
-        let (local_rank, local_world_size) = match (local_rank, local_world_size) {
-            (Some(lr), Some(lws)) => (lr, lws),
-            // One process: it is alone on its node whatever the launcher says.
-            (None, None) if world_size == 1 => (0, 1),
-            // Without them the processes' placement on nodes (and so each one's device) would
-            // be a guess: refuse rather than put every rank on one node.
-            (None, None) => {
-                return Err(StateError::Missing {
-                    var: "MPI_LOCALRANKID/MPI_LOCALNRANKS",
-                    launcher,
-                    why: "the PMI launcher said nothing about which processes share a node. \
-                          hint: launch with MPICH's mpiexec (Hydra sets MPI_LOCALRANKID and \
-                          MPI_LOCALNRANKS), or set PMI_LOCAL_RANK and PMI_LOCAL_SIZE for each \
-                          process",
-                });
-            }
-            _ => {
-                return Err(StateError::Missing {
-                    var: "MPI_LOCALRANKID/MPI_LOCALNRANKS",
-                    launcher,
-                    why: "only one of the local rank and local size is set; set both",
-                });
-            }
-        };
-        let (master_addr, master_port) = self.master()?;
-        Ok(ProcessState {
-            rank,
-            world_size,
-            local_rank,
-            local_world_size,
-            node_rank: rank / local_world_size.max(1),
-            master_addr,
-            master_port,
-            launcher,
-            job_id: None,
-            agent_store: None,
-        })
-    }
-
-    fn slurm(&self) -> Result<ProcessState, StateError> {
-        let launcher = Launcher::Slurm;
-        let rank = self.usize_req("SLURM_PROCID", launcher)?;
-        let world_size = self
-            .first_usize(&["SLURM_STEP_NUM_TASKS", "SLURM_NTASKS"])?
-            .ok_or(StateError::Missing {
-                var: "SLURM_NTASKS",
-                launcher,
-                why: "SLURM_PROCID is set but the number of tasks is not",
-            })?;
-        let local_rank = self.usize_req("SLURM_LOCALID", launcher)?;
-        let node_rank = self.usize_req("SLURM_NODEID", launcher)?;
-        let (tasks_var, tasks) = ["SLURM_STEP_TASKS_PER_NODE", "SLURM_TASKS_PER_NODE"]
-            .iter()
-            .find_map(|var| self.env.var(var).map(|v| (*var, v)))
-            .ok_or(StateError::Missing {
-                var: "SLURM_STEP_TASKS_PER_NODE",
-                launcher,
-                why: "the number of tasks on this node is needed for the local world size",
-            })?;
-        let per_node = parse_slurm_tasks_per_node(&tasks).ok_or_else(|| {
-            StateError::invalid(tasks_var, &tasks, "expected a list like 4(x2),3")
-        })?;
-        let local_world_size = *per_node.get(node_rank).ok_or_else(|| {
-            StateError::invalid(
-                "SLURM_NODEID",
-                node_rank,
-                format!(
-                    "{tasks_var} = {tasks} describes only {} nodes",
-                    per_node.len()
-                ),
-            )
-        })?;
-        let job_id = self
-            .env
-            .var("SLURM_JOB_ID")
-            .map(|job| match self.env.var("SLURM_STEP_ID") {
-                Some(step) => format!("{job}.{step}"),
-                None => job,
-            });
-        let (mut master_addr, mut master_port) =
-            self.master_or_local(local_world_size == world_size, &job_id)?;
-        if self.env.var("MASTER_PORT").is_none() && master_port != 0 {
-            // Two jobs whose first node is the same must not both want PyTorch's 29500.
-            master_port = slurm_port(self.env.var("SLURM_JOB_ID"), self.env.var("SLURM_STEP_ID"));
-        }
-        if master_addr.is_none() {
-            master_addr = [
-                "SLURM_STEP_NODELIST",
-                "SLURM_JOB_NODELIST",
-                "SLURM_NODELIST",
-            ]
-            .iter()
-            .find_map(|var| self.env.var(var))
-            .and_then(|list| first_slurm_host(&list));
-        }
-        Ok(ProcessState {
-            rank,
-            world_size,
-            local_rank,
-            local_world_size,
-            node_rank,
-            master_addr,
-            master_port,
-            launcher,
-            job_id,
-            agent_store: None,
-        })
-    }
-}
-
 /// The most processes a job may have (about a million): world sizes and node lists beyond it
 /// are configuration errors, refused before anything is sized by them.
 pub const MAX_WORLD_SIZE: usize = 1 << 20;
-
-/// Rank 0's port for a SLURM job spanning hosts without `MASTER_PORT`: derived from the job
-/// and step ids, so that every rank computes the same one and jobs sharing a first node rarely
-/// meet; 20000-31999, below Linux's ephemeral ports. Without a job id, [`DEFAULT_MASTER_PORT`].
-pub fn slurm_port(job_id: Option<String>, step_id: Option<String>) -> u16 {
-    let number = |v: Option<String>| v.and_then(|v| v.trim().parse::<u64>().ok());
-    match number(job_id) {
-        Some(job) => {
-            let step = number(step_id).unwrap_or(0);
-            // 12000 < u16::MAX, so the sum fits.
-            20_000 + (job.wrapping_mul(31).wrapping_add(step) % 12_000) as u16
-        }
-        None => DEFAULT_MASTER_PORT,
-    }
-}
-
-/// Expands SLURM's compressed tasks-per-node list: `"4(x2),3"` is `[4, 4, 3]`. `None` for a
-/// list that does not parse or describes more than [`MAX_WORLD_SIZE`] nodes (it is never
-/// expanded beyond that).
-pub fn parse_slurm_tasks_per_node(list: &str) -> Option<Vec<usize>> {
-    let mut out = Vec::new();
-    for item in list.split(',') {
-        let item = item.trim();
-        let (count, repeat) = match item.split_once("(x") {
-            Some((count, rest)) => (count, rest.strip_suffix(')')?.parse::<usize>().ok()?),
-            None => (item, 1),
-        };
-        let count = count.parse::<usize>().ok()?;
-        if repeat > MAX_WORLD_SIZE - out.len() {
-            return None;
-        }
-        out.extend(std::iter::repeat_n(count, repeat));
-    }
-    (!out.is_empty()).then_some(out)
-}
-
-/// The first host of a SLURM node list: `"gpu[07-09,12],cpu1"` gives `"gpu07"`.
-pub fn first_slurm_host(list: &str) -> Option<String> {
-    let list = list.trim();
-    let end = list.find([',', '[']).unwrap_or(list.len());
-    let prefix = &list[..end];
-    if list[end..].starts_with('[') {
-        let inside = &list[end + 1..];
-        let first = inside.split([',', '-', ']']).next()?;
-        Some(format!("{prefix}{first}"))
-    } else {
-        (!prefix.is_empty()).then(|| prefix.to_string())
-    }
-}
 
 #[cfg(test)]
 mod tests {

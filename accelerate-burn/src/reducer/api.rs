@@ -1,0 +1,149 @@
+//! What every gradient reducer implements ([`GradientReducer`]) and the values it exchanges
+//! with the accelerator, the prepared optimizer and checkpoints: the outcome of a window, the
+//! model it steps, the files it saves and what it loads from.
+
+use std::path::Path;
+use std::sync::Arc;
+
+use accelerate_core::checkpoint::ManifestFile;
+use burn::lr_scheduler::module_lr_scheduler::ModuleLearningRate;
+use burn::optim::{GradientsParams, ModuleOptimizer};
+use burn::tensor::Tensor;
+
+use crate::checkpoint::StageError;
+use crate::error::AccelerateError;
+use crate::group::Comm;
+use crate::params::{ParamLayout, ParamList};
+
+/// The payload of [`Gradients`](super::Gradients).
+#[derive(Debug)]
+pub(crate) enum Outcome {
+    NotDue,
+    Skipped,
+    /// Averaged, unscaled gradients in layout order, with their layout.
+    Ready {
+        grads: ParamList,
+        layout: Arc<ParamLayout>,
+    },
+    /// Held by the reducer; the global L2 norm measured while averaging (before clipping) and
+    /// the clipping factor the step will apply.
+    Held {
+        norm: f32,
+        clip_factor: f32,
+    },
+}
+
+/// The L2 norm over every gradient of `grads`, computed on the device; `None` when empty.
+pub(crate) fn global_norm(grads: &ParamList) -> Option<f32> {
+    let total = grads
+        .iter()
+        .flatten()
+        .map(|g| g.clone().square().sum())
+        .reduce(|a, b| a + b)?;
+    Some(total.sqrt().into_scalar::<f32>())
+}
+
+/// What a reducer made of a completed window.
+pub(crate) struct Reduced {
+    /// [`Outcome::Ready`] or [`Outcome::Held`].
+    pub outcome: Outcome,
+    /// True when a gradient of any rank is not finite (fp16 overflow: the step is skipped).
+    pub overflow: bool,
+}
+
+/// Who writes a reducer's files in a checkpoint.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct SaveRole {
+    pub rank: usize,
+    pub main: bool,
+    pub distributed: bool,
+}
+
+/// One file a reducer wrote into a checkpoint.
+pub(crate) struct SavedFile {
+    pub name: String,
+    pub contents: &'static str,
+    pub rank: Option<usize>,
+    pub bytes: u64,
+}
+
+/// What a reducer gets back from a checkpoint.
+pub(crate) struct LoadSource<'a> {
+    pub dir: &'a Path,
+    /// Every file of the checkpoint.
+    pub files: &'a [ManifestFile],
+    /// The loaded model's parameters (visit order, flattened) and its layout.
+    pub values: Vec<Tensor<1>>,
+    pub layout: ParamLayout,
+}
+
+/// What a reducer may do to the model in its step. Implemented once for every module type
+/// by [`ModelCell`], so that reducers stay object-safe.
+pub(crate) trait ModelUpdate {
+    /// Burn's optimizer steps the model with `grads`.
+    fn burn_step(
+        &mut self,
+        optim: &mut ModuleOptimizer,
+        lr: ModuleLearningRate,
+        grads: GradientsParams,
+    );
+    /// The parameters take new values (visit order; `None` keeps one).
+    fn replace(&mut self, values: ParamList);
+}
+
+/// One gradient reducer: averaging, update and state of one prepared model and optimizer.
+pub(crate) trait GradientReducer: Send {
+    /// The kind, recorded in checkpoints: a checkpoint loads only into a reducer of its kind.
+    fn kind(&self) -> &'static str;
+
+    /// The parameters it was built for.
+    fn layout(&self) -> &Arc<ParamLayout>;
+
+    /// Averages a completed window's summed gradients (layout order) over the processes of
+    /// `comm` and, given `inv_scale` (fp16), unscales them and says whether any is not finite.
+    fn reduce(
+        &mut self,
+        grads: ParamList,
+        comm: &Comm,
+        inv_scale: Option<f32>,
+    ) -> Result<Reduced, AccelerateError>;
+
+    /// Forgets what `reduce` held (the step was skipped).
+    fn discard(&mut self) {}
+
+    /// Applies the update for `outcome` (what `reduce` returned, possibly clipped) to `model`.
+    fn step(
+        &mut self,
+        lr: ModuleLearningRate,
+        outcome: Outcome,
+        model: &mut dyn ModelUpdate,
+        comm: &Comm,
+    ) -> Result<(), AccelerateError>;
+
+    /// Writes this rank's part of the optimizer state into `dir`.
+    fn save(&mut self, dir: &Path, role: SaveRole) -> Result<Vec<SavedFile>, StageError>;
+
+    /// Continues from a checkpoint: optimizer state, and the loaded model's parameters.
+    fn load(&mut self, source: LoadSource<'_>) -> Result<(), StageError>;
+
+    /// Where the optimizer state lives: `Some(true)` on the GPU. `None` when the reducer does
+    /// not hold the state itself.
+    fn state_on_device(&self) -> Option<bool> {
+        None
+    }
+
+    /// Bytes of optimizer state this process holds (`None` when not known).
+    fn state_bytes(&self) -> Option<usize> {
+        None
+    }
+
+    /// Burn's optimizer, when the reducer steps with one.
+    fn burn_optimizer(&self) -> Option<&ModuleOptimizer> {
+        None
+    }
+
+    /// Burn's optimizer, mutably.
+    fn burn_optimizer_mut(&mut self) -> Option<&mut ModuleOptimizer> {
+        None
+    }
+}

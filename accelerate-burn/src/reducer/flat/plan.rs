@@ -1,0 +1,75 @@
+//! How a fused optimizer's flat buffers are cut: one segment per trainable parameter, padded
+//! to equal shards, this rank's shard, and each segment's update count.
+
+use std::ops::Range;
+
+use accelerate_kernels::schedule::chunk_range;
+use burn::lr_scheduler::module_lr_scheduler::ModuleLearningRate;
+use burn::module::ParamId;
+
+use super::state_file::Segment;
+use crate::params::ParamLayout;
+
+/// What the flat buffers are cut into: segments (trainable parameters in visit order), the
+/// padded length and this rank's shard.
+pub(crate) struct FlatPlan {
+    /// One per trainable parameter.
+    pub segments: Vec<Segment>,
+    /// The layout entry of each segment.
+    pub entries: Vec<usize>,
+    /// Trainable elements.
+    pub len: usize,
+    /// `len` rounded up to a multiple of the world size, so every shard is equal.
+    pub padded: usize,
+    /// This rank's shard of the padded range (everything without ZeRO).
+    pub shard: Range<usize>,
+    /// Updates applied to each segment (Burn counts per parameter).
+    pub times: Vec<i32>,
+    /// Which segments got a gradient in the window being applied.
+    pub has_grad: Vec<bool>,
+}
+
+impl FlatPlan {
+    pub(super) fn new(layout: &ParamLayout, sharded: bool, rank: usize, world: usize) -> Self {
+        let mut segments = Vec::new();
+        let mut entries = Vec::new();
+        let mut len = 0;
+        for (index, entry) in layout.entries.iter().enumerate() {
+            if !entry.trainable {
+                continue;
+            }
+            segments.push(Segment {
+                id: entry.id.val(),
+                path: entry.path.clone(),
+                shape: entry.shape.clone(),
+                offset: len,
+                len: entry.numel,
+            });
+            entries.push(index);
+            len += entry.numel;
+        }
+        let parts = if sharded { world } else { 1 };
+        let padded = len.div_ceil(parts) * parts;
+        let shard = if sharded {
+            chunk_range(padded, world, rank)
+        } else {
+            0..padded
+        };
+        let n = segments.len();
+        Self {
+            segments,
+            entries,
+            len,
+            padded,
+            shard,
+            times: vec![0; n],
+            has_grad: vec![false; n],
+        }
+    }
+
+    /// The learning rate of segment `index` under `lr`.
+    pub fn rate(&self, index: usize, lr: &ModuleLearningRate) -> f64 {
+        let segment = &self.segments[index];
+        lr.lr_from_param(ParamId::from(segment.id), Some(&segment.path))
+    }
+}

@@ -1,0 +1,164 @@
+//! The settings' value types, each with the one spelling that flags, variables and files use:
+//! compute precision, NCCL use, transport. A leaf: everything that reads a setting (the
+//! process state, the config file, the accelerator's config, the group options) imports these,
+//! and this imports nothing of the crate but the environment reader.
+
+use std::str::FromStr;
+
+use serde::{Deserialize, Serialize};
+
+use crate::env_vars::EnvSource;
+
+/// A setting's value that is not one of its spellings.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("{value:?}: expected {expected}")]
+pub struct ParseSettingError {
+    /// The value as given.
+    pub value: String,
+    /// The spellings accepted.
+    pub expected: &'static str,
+}
+
+impl ParseSettingError {
+    /// `value` is none of `expected`.
+    pub fn new(value: &str, expected: &'static str) -> Self {
+        Self {
+            value: value.to_string(),
+            expected,
+        }
+    }
+}
+
+/// Which precision the forward and backward passes compute in; master weights, gradients
+/// and optimizer state stay f32 in every mode.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum MixedPrecision {
+    /// f32 throughout (default).
+    #[default]
+    No,
+    /// bfloat16 compute, no loss scaling (bf16 has f32's range).
+    Bf16,
+    /// float16 compute with dynamic loss scaling.
+    Fp16,
+}
+
+impl MixedPrecision {
+    /// The spelling the config file and `ACCELERATE_MIXED_PRECISION` use.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Self::No => "no",
+            Self::Bf16 => "bf16",
+            Self::Fp16 => "fp16",
+        }
+    }
+}
+
+impl std::fmt::Display for MixedPrecision {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.as_str())
+    }
+}
+
+impl FromStr for MixedPrecision {
+    type Err = ();
+
+    fn from_str(s: &str) -> Result<Self, ()> {
+        match s.trim().to_ascii_lowercase().as_str() {
+            "no" | "fp32" | "f32" => Ok(Self::No),
+            "bf16" => Ok(Self::Bf16),
+            "fp16" | "f16" => Ok(Self::Fp16),
+            _ => Err(()),
+        }
+    }
+}
+
+/// Whether gradients go through NCCL (`ACCELERATE_NCCL`, or the builder's `strict_nccl`).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum NcclMode {
+    /// NCCL when every rank can load it (cuda backend, `nccl` feature); otherwise the host
+    /// path, with one warning on the main process (default).
+    #[default]
+    Auto,
+    /// Never NCCL: the host path.
+    Off,
+    /// NCCL or an error naming the ranks that cannot use it.
+    Require,
+}
+
+impl NcclMode {
+    /// The spelling `ACCELERATE_NCCL` uses.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Self::Auto => "auto",
+            Self::Off => "off",
+            Self::Require => "require",
+        }
+    }
+}
+
+impl std::fmt::Display for NcclMode {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.as_str())
+    }
+}
+
+impl FromStr for NcclMode {
+    type Err = ();
+
+    fn from_str(s: &str) -> Result<Self, ()> {
+        match s.trim().to_ascii_lowercase().as_str() {
+            "auto" => Ok(Self::Auto),
+            "off" | "false" | "0" | "no" => Ok(Self::Off),
+            "require" | "required" | "strict" => Ok(Self::Require),
+            _ => Err(()),
+        }
+    }
+}
+
+/// Which transport a group uses.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum TransportChoice {
+    /// Shared memory when every rank is on one host, TCP otherwise.
+    Auto,
+    /// Shared memory; an error when ranks span hosts.
+    Shm,
+    /// TCP, even on one host.
+    Tcp,
+    /// The MPI library the process was started with (a build with the `mpi` feature, under
+    /// `mpirun` or `srun --mpi=pmix`).
+    Mpi,
+}
+
+impl TransportChoice {
+    /// Whether a group formed with this choice uses the MPI engine: `mpi` always, `auto` in
+    /// a build with the `mpi` feature when an MPI launcher started the process (Open MPI's
+    /// `mpirun` sets `OMPI_COMM_WORLD_SIZE`, a PMIx launcher such as `srun --mpi=pmix` sets
+    /// `PMIX_RANK`). Under `srun` without PMIx, MPI could not start: `auto` keeps our own
+    /// transports there.
+    pub fn uses_mpi(self, env: &(impl EnvSource + ?Sized)) -> bool {
+        match self {
+            Self::Mpi => true,
+            Self::Auto => {
+                cfg!(feature = "mpi")
+                    && (env.var("OMPI_COMM_WORLD_SIZE").is_some() || env.var("PMIX_RANK").is_some())
+            }
+            Self::Shm | Self::Tcp => false,
+        }
+    }
+}
+
+impl FromStr for TransportChoice {
+    type Err = ParseSettingError;
+
+    fn from_str(s: &str) -> Result<Self, Self::Err> {
+        match s.trim().to_ascii_lowercase().as_str() {
+            "auto" => Ok(Self::Auto),
+            "shm" => Ok(Self::Shm),
+            "tcp" => Ok(Self::Tcp),
+            "mpi" => Ok(Self::Mpi),
+            _ => Err(ParseSettingError::new(s, "auto, shm, tcp or mpi")),
+        }
+    }
+}
