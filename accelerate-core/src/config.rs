@@ -169,16 +169,19 @@ impl ConfigOverrides {
         };
         let mixed_precision = match self.mixed_precision {
             Some(mp) => mp,
-            None => env_parse(env, ENV_MIXED_PRECISION, "no, fp16 or bf16", |v| {
+            None => env_parse(env, ENV_MIXED_PRECISION, MixedPrecision::EXPECTED, |v| {
                 v.parse().ok()
             })?
             .unwrap_or(defaults.mixed_precision),
         };
         let gradient_communication = match self.gradient_communication {
             Some(mp) => mp,
-            None => env_parse(env, ENV_GRADIENT_COMMUNICATION, "no, fp16 or bf16", |v| {
-                v.parse().ok()
-            })?
+            None => env_parse(
+                env,
+                ENV_GRADIENT_COMMUNICATION,
+                MixedPrecision::EXPECTED,
+                |v| v.parse().ok(),
+            )?
             .unwrap_or(defaults.gradient_communication),
         };
         let zero_stage = match self.zero_stage {

@@ -44,6 +44,9 @@ pub enum MixedPrecision {
 }
 
 impl MixedPrecision {
+    /// The spellings [`FromStr`] accepts, as errors list them.
+    pub const EXPECTED: &'static str = "no, fp16 or bf16";
+
     /// The spelling the config file and `ACCELERATE_MIXED_PRECISION` use.
     pub fn as_str(self) -> &'static str {
         match self {

@@ -7,6 +7,7 @@ use super::collective::AllReduceAlgorithm;
 use super::transport::shm::DEFAULT_SLOT_BYTES;
 use crate::env_vars::{self, EnvSource, ProcessEnv};
 use crate::error::ConfigError;
+use crate::settings::ParseSettingError;
 pub use crate::settings::TransportChoice;
 
 /// How a process group forms and behaves. Its `Debug` output never shows the token.
@@ -143,15 +144,11 @@ impl GroupOptions {
         if let Some(v) = env.var(env_vars::TRANSPORT) {
             options.transport = v
                 .parse()
-                .map_err(|_| invalid(env_vars::TRANSPORT, v, "auto, shm, tcp or mpi"))?;
+                .map_err(|e: ParseSettingError| invalid(env_vars::TRANSPORT, v, e.expected))?;
         }
         if let Some(v) = env.var(env_vars::ALL_REDUCE_ALGORITHM) {
-            options.algorithm = v.parse().map_err(|_| {
-                invalid(
-                    env_vars::ALL_REDUCE_ALGORITHM,
-                    v,
-                    "auto, ring or recursive_doubling",
-                )
+            options.algorithm = v.parse().map_err(|e: ParseSettingError| {
+                invalid(env_vars::ALL_REDUCE_ALGORITHM, v, e.expected)
             })?;
         }
         options.token = env.var(env_vars::JOB_TOKEN);

@@ -350,7 +350,7 @@ impl BuildProgress {
 fn parse_precision(value: &str) -> Result<MixedPrecision, ParseSettingError> {
     value
         .parse()
-        .map_err(|()| ParseSettingError::new(value, "no, fp16 or bf16"))
+        .map_err(|()| ParseSettingError::new(value, MixedPrecision::EXPECTED))
 }
 
 #[cfg(test)]
