@@ -5,8 +5,10 @@
 //! hidden by) Hugging Face Accelerate's `accelerate`, which most users of ours also have on
 //! their `PATH`. `cargo install accelerate-cli` installs both `accelerate-rs` and
 //! `cargo-accelerate`; the second makes the commands cargo subcommands. Both binaries are one
-//! line over [`run`], which parses the arguments with clap and calls into `accelerate-core` or
-//! `accelerate-burn`, where the logic lives; subcommands live one per file in `commands/`.
+//! line over [`run`], which parses the arguments with clap and calls into `accelerate-core`,
+//! where the logic lives; subcommands live one per file in `commands/`. The command does not
+//! link Burn: what needs it (the training checks of `test`, the backend lines of `env`) runs
+//! in `accelerate-selftest`, a binary of `accelerate-burn` built with the project's features.
 //!
 //! ```
 //! use std::process::ExitCode;
@@ -28,7 +30,9 @@ use std::process::ExitCode;
 
 use clap::{CommandFactory, FromArgMatches, Parser, Subcommand};
 
+mod cargo_build;
 mod commands;
+mod selftest;
 
 /// The name users type for the standalone binary.
 pub const BINARY: &str = "accelerate-rs";
@@ -38,8 +42,7 @@ pub const BINARY: &str = "accelerate-rs";
 pub enum Invocation {
     /// As `accelerate-rs ARGS`.
     Standalone,
-    /// As `cargo accelerate ARGS`: cargo runs `cargo-accelerate accelerate ARGS`. The test
-    /// workers that `test` starts run the same executable without the `accelerate` word.
+    /// As `cargo accelerate ARGS`: cargo runs `cargo-accelerate accelerate ARGS`.
     CargoSubcommand,
 }
 
@@ -62,9 +65,6 @@ enum Command {
     Launch(Box<commands::launch::LaunchArgs>),
     /// Check that distributed training works on this machine.
     Test(commands::test::TestArgs),
-    /// One process of `accelerate-rs test` (started by it).
-    #[command(name = "test-worker", hide = true)]
-    TestWorker,
 }
 
 /// Shows the libraries' warnings (a restarted job, a fallback) on stderr, one plain line each;
@@ -115,7 +115,6 @@ where
         Command::Env(args) => commands::env::run(args),
         Command::Launch(args) => commands::launch::run(*args),
         Command::Test(args) => commands::test::run(args),
-        Command::TestWorker => commands::test::worker(),
     };
     match result {
         Ok(code) => code,

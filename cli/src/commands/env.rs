@@ -3,20 +3,12 @@
 use std::fmt::Write as _;
 use std::process::ExitCode;
 
-use accelerate_burn::{AcceleratorBackend, DefaultBackend, enabled_backends};
 use accelerate_core::config_file::{self, ConfigFormat};
 use accelerate_core::state::ProcessEnv;
 use accelerate_core::{ConfigOverrides, ProcessState};
 use clap::Args;
 
-/// The Burn release this binary was built with. Our manifests accept any 0.22.x, so it is read
-/// from Burn itself: the version burn-store writes into every file it saves (Burn's crates are
-/// released together, under one version).
-fn burn_version() -> String {
-    accelerate_burn::burn::store::SafetensorsStore::default_metadata()
-        .remove("version")
-        .unwrap_or_else(|| "unknown".to_string())
-}
+use crate::selftest;
 
 /// Variables that launchers set and that decide a process's place in a job.
 const LAUNCHER_VARS: &[&str] = &[
@@ -56,56 +48,18 @@ pub fn run(_args: EnvArgs) -> anyhow::Result<ExitCode> {
     Ok(ExitCode::SUCCESS)
 }
 
-/// Backends compiled in, and what the default one finds on this machine.
+/// What a build with Burn finds here (from `accelerate-selftest --report`), then the libnccl
+/// a worker would load.
 fn backends() -> String {
-    let mut out = String::new();
-    let _ = writeln!(out, "burn version: {}", burn_version());
-    let _ = writeln!(
-        out,
-        "backends compiled in: {} (default: {})",
-        enabled_backends().join(", "),
-        DefaultBackend::NAME
-    );
-    match DefaultBackend::device(0) {
-        Ok(device) => {
-            let dtypes: Vec<String> = DefaultBackend::float_dtypes(&device)
-                .iter()
-                .map(|d| format!("{d:?}"))
-                .collect();
-            let _ = writeln!(
-                out,
-                "device of local rank 0: {device:?} (float dtypes: {})",
-                dtypes.join(", ")
-            );
-        }
-        Err(e) => {
-            let _ = writeln!(out, "device of local rank 0: unavailable: {e}");
-        }
-    }
-    let _ = writeln!(out, "{}", nccl_line(&ProcessEnv));
-    let _ = writeln!(
-        out,
-        "MPI engine: {}",
-        if cfg!(feature = "mpi") {
-            "compiled in (picked under mpirun / srun --mpi=pmix, or ACCELERATE_TRANSPORT=mpi)"
-        } else {
-            "not compiled in (build with --features mpi)"
-        }
-    );
-    out
+    format!("{}{}\n", selftest::report(), nccl_line(&ProcessEnv))
 }
 
-/// The libnccl a worker here would load (version, file, why there), and whether this build
-/// can use it.
+/// The libnccl a worker here would load (version, file, why there); whether a build uses it
+/// is in the worker's report.
 fn nccl_line(env: &(impl accelerate_core::state::EnvSource + ?Sized)) -> String {
-    let build = if cfg!(feature = "nccl") {
-        "the cuda backend averages gradients with it (ACCELERATE_NCCL=auto|off|require)"
-    } else {
-        "this build does not use it (build with --features nccl)"
-    };
     match accelerate_core::nccl::NcclLibrary::find(env) {
         Ok(library) => format!(
-            "NCCL: {} at {} (found through {}); {build}",
+            "NCCL: {} at {} (found through {})",
             library.version(),
             library.path().display(),
             library.origin()
@@ -117,7 +71,7 @@ fn nccl_line(env: &(impl accelerate_core::state::EnvSource + ?Sized)) -> String 
             };
             format!(
                 "NCCL: not found (tried {tried} place{}; pip install nvidia-nccl-cu12, or \
-                 ACCELERATE_NCCL_LIBRARY=/path/to/libnccl.so.2); {build}",
+                 ACCELERATE_NCCL_LIBRARY=/path/to/libnccl.so.2)",
                 if tried == 1 { "" } else { "s" }
             )
         }
@@ -241,28 +195,14 @@ mod tests {
     }
 
     #[test]
-    fn the_burn_version_is_the_locked_one() {
-        // The workspace's lock in a clone; the package's own in a published crate.
-        let manifest = std::path::Path::new(env!("CARGO_MANIFEST_DIR"));
-        let lock = std::fs::read_to_string(manifest.join("Cargo.lock"))
-            .or_else(|_| std::fs::read_to_string(manifest.join("../Cargo.lock")))
-            .unwrap();
-        let locked = lock
-            .split("[[package]]")
-            .find(|p| p.contains("name = \"burn\"\n"))
-            .and_then(|p| p.lines().find_map(|l| l.strip_prefix("version = ")))
-            .unwrap();
-        assert_eq!(locked.trim_matches('"'), burn_version());
-    }
-
-    #[test]
-    fn the_runtime_sections_name_backends_and_configuration() {
+    fn the_runtime_sections_name_the_worker_report_and_configuration() {
         let b = backends();
         assert!(
-            b.contains(&format!("default: {}", DefaultBackend::NAME)),
+            b.contains("burn: unknown: no `accelerate-selftest`")
+                || b.contains("backend report of"),
             "{b}"
         );
-        assert!(b.contains("device of local rank 0"), "{b}");
+        assert!(b.contains("NCCL: "), "{b}");
         assert!(configuration().contains("resolved configuration"));
     }
 

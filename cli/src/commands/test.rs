@@ -1,29 +1,35 @@
 //! `accelerate-rs test`: launch the built-in checks on N processes of this machine and say
-//! whether the job works here (collectives, data order, training steps).
+//! whether the job works here (collectives, data order, training steps). Each process runs
+//! `accelerate-selftest` (see `crate::selftest` for where it comes from).
 
+use std::path::PathBuf;
 use std::process::ExitCode;
 use std::sync::atomic::AtomicUsize;
 
-use accelerate_burn::selftest::run_checks;
-use accelerate_burn::{Accelerator, DefaultBackend};
 use accelerate_core::config_file;
 use accelerate_core::launch::{LaunchConfig, launch};
 use accelerate_core::state::ProcessEnv;
-use anyhow::Context;
 use clap::Args;
+
+use crate::selftest;
 
 /// Check that distributed training works on this machine: start N processes of the built-in
 /// check (collectives against local references, the same data order on every rank, a few
 /// training steps equal across ranks) and print pass or fail with details.
+///
+/// The check is `accelerate-selftest`, a binary of accelerate-burn: the one beside this
+/// executable or on PATH, else built in the cargo project of the current directory with its
+/// features (so the backend checked is the project's).
 #[derive(Debug, Args)]
 pub struct TestArgs {
     /// Processes to check with [default: the config file's num_processes, else 2].
     #[arg(short = 'n', long)]
     num_processes: Option<usize>,
-}
 
-/// The hidden subcommand each process of the check runs.
-pub const WORKER: &str = "test-worker";
+    /// The `accelerate-selftest` executable to run instead of searching for one.
+    #[arg(long, value_name = "PATH")]
+    worker: Option<PathBuf>,
+}
 
 /// Launches the check and reports.
 pub fn run(args: TestArgs) -> anyhow::Result<ExitCode> {
@@ -32,15 +38,17 @@ pub fn run(args: TestArgs) -> anyhow::Result<ExitCode> {
         .num_processes
         .or(file.and_then(|f| f.num_processes))
         .unwrap_or(2);
-    let program = std::env::current_exe().context("finding the accelerate-rs executable")?;
+    let program = selftest::locate(args.worker)?;
     let config = LaunchConfig {
-        program,
-        args: vec![WORKER.to_string()],
+        program: program.clone(),
         num_processes,
         main_process_port: 0,
         ..LaunchConfig::default()
     };
-    println!("accelerate-rs test: checking {num_processes} process(es) on this machine");
+    println!(
+        "accelerate-rs test: checking {num_processes} process(es) on this machine with {}",
+        program.display()
+    );
     match launch(&config, &AtomicUsize::new(0)) {
         Ok(()) => {
             println!("accelerate-rs test: PASS");
@@ -51,31 +59,4 @@ pub fn run(args: TestArgs) -> anyhow::Result<ExitCode> {
             Ok(ExitCode::FAILURE)
         }
     }
-}
-
-/// One process of the check: runs every check, prints each outcome (the main process prints
-/// the passes, every process its failures), and fails if any check failed on this process.
-pub fn worker() -> anyhow::Result<ExitCode> {
-    let acc = Accelerator::<DefaultBackend>::from_env()?;
-    acc.print(format!(
-        "backend {} on {} process(es), device {:?}",
-        acc.backend_name(),
-        acc.num_processes(),
-        acc.device()
-    ));
-    let mut failed = false;
-    for check in run_checks(&acc)? {
-        match check.result {
-            Ok(summary) => acc.print(format!("ok    {}: {summary}", check.name)),
-            Err(detail) => {
-                failed = true;
-                println!("FAIL  {}: {detail}", check.name);
-            }
-        }
-    }
-    Ok(if failed {
-        ExitCode::FAILURE
-    } else {
-        ExitCode::SUCCESS
-    })
 }

@@ -1,6 +1,10 @@
 //! The checks `accelerate-rs test` runs on every process of a job: collectives against values
 //! computed locally, the same data order on every rank, and a few training steps that leave
 //! every rank with the same parameters. Each check reports what it found, not just pass/fail.
+//! The `accelerate-selftest` binary runs them on each process; [`report`] holds the lines it
+//! adds to `accelerate-rs env`.
+
+pub mod report;
 
 use accelerate_core::comm::Reduction;
 use burn::data::dataloader::batcher::Batcher;
