@@ -186,7 +186,7 @@ fn run_call(
     let bytes = elems * dtype.size();
     let mut buf = vec![0u8; bytes];
     match call.op {
-        OpKind::AllReduce => engine.all_reduce(call, &mut buf, dtype, ReduceOp::Sum, Some(0.5)),
+        OpKind::AllReduce => engine.all_reduce(call, &mut buf, Some(0.5)),
         OpKind::Broadcast => engine.broadcast(call, &mut buf, 1),
         OpKind::AllGather => {
             let mut out = vec![0u8; bytes * world_size];
@@ -195,7 +195,7 @@ fn run_call(
         OpKind::ReduceScatter => {
             let chunk = accelerate_kernels::schedule::chunk_range(elems, world_size, rank).len();
             let mut mine = vec![0u8; chunk * dtype.size()];
-            engine.reduce_scatter(call, &buf, &mut mine, dtype, ReduceOp::Sum)
+            engine.reduce_scatter(call, &buf, &mut mine)
         }
         _ => engine.barrier(call),
     }

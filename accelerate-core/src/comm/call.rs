@@ -5,6 +5,8 @@ use std::fmt;
 
 use accelerate_kernels::{DType, ReduceOp};
 
+use crate::error::CommError;
+
 /// The collective operations.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 #[repr(u8)]
@@ -83,6 +85,21 @@ pub struct CallDesc {
 }
 
 impl CallDesc {
+    /// The element type and reduction of a reducing call (`all_reduce`, `reduce_scatter`,
+    /// `all_reduce_shared`), which every engine reads from here: the process group sets both
+    /// before any engine sees the call, so their absence is a bug, reported as a usage error
+    /// of `rank`.
+    pub fn reduction(&self, rank: usize) -> Result<(DType, ReduceOp), CommError> {
+        match (self.dtype, self.reduce) {
+            (Some(dtype), Some(op)) => Ok((dtype, op)),
+            _ => Err(CommError::Usage {
+                op: self.op.name(),
+                rank,
+                reason: format!("the call {self} names no element type or reduction"),
+            }),
+        }
+    }
+
     /// A call of `op` with nothing else specified.
     pub fn new(op: OpKind, seq: u64) -> Self {
         Self {

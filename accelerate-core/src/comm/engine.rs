@@ -1,8 +1,6 @@
 //! The interface every transport's collectives implement, on raw bytes; the typed, checked
 //! API on top of it is [`ProcessGroup`](super::ProcessGroup).
 
-use accelerate_kernels::{DType, ReduceOp};
-
 use super::call::CallDesc;
 use crate::error::CommError;
 
@@ -12,14 +10,12 @@ pub trait Engine: Send {
     /// Transport name ("local", "tcp", "shm").
     fn name(&self) -> &'static str;
 
-    /// Reduces `buf` (elements of `dtype`) across ranks in place, then multiplies by `scale`
-    /// when given (a mean).
+    /// Reduces `buf` (elements of the call's dtype, by its reduction) across ranks in place,
+    /// then multiplies by `scale` when given (a mean).
     fn all_reduce(
         &mut self,
         call: &CallDesc,
         buf: &mut [u8],
-        dtype: DType,
-        op: ReduceOp,
         scale: Option<f32>,
     ) -> Result<(), CommError>;
 
@@ -35,15 +31,14 @@ pub trait Engine: Send {
         output: &mut [u8],
     ) -> Result<(), CommError>;
 
-    /// Reduces `input` across ranks and leaves rank `r` with chunk `r` of the result
-    /// (`accelerate_kernels::schedule::chunk_range` over elements) in `output`.
+    /// Reduces `input` across ranks (the call's dtype and reduction) and leaves rank `r` with
+    /// chunk `r` of the result (`accelerate_kernels::schedule::chunk_range` over elements) in
+    /// `output`.
     fn reduce_scatter(
         &mut self,
         call: &CallDesc,
         input: &[u8],
         output: &mut [u8],
-        dtype: DType,
-        op: ReduceOp,
     ) -> Result<(), CommError>;
 
     /// Returns once every rank has called it.
@@ -73,11 +68,9 @@ pub trait Engine: Send {
         &mut self,
         call: &CallDesc,
         buf: &mut [u8],
-        dtype: DType,
-        op: ReduceOp,
         scale: Option<f32>,
     ) -> Result<(), CommError> {
-        self.all_reduce(call, buf, dtype, op, scale)
+        self.all_reduce(call, buf, scale)
     }
 }
 

@@ -18,7 +18,6 @@ use std::sync::{Arc, Mutex, PoisonError};
 use std::time::{Duration, Instant};
 
 use accelerate_kernels::reduce::scale_bytes;
-use accelerate_kernels::{DType, ReduceOp};
 
 use super::call::{CallDesc, Header};
 use super::collective::{AllReduceAlgorithm, MessageEngine};
@@ -181,23 +180,22 @@ impl<L: Link> Engine for HierarchicalEngine<L> {
         &mut self,
         call: &CallDesc,
         buf: &mut [u8],
-        dtype: DType,
-        op: ReduceOp,
         scale: Option<f32>,
     ) -> Result<(), CommError> {
         // Small buffers are latency-bound: one flat exchange beats three stages. The size is
         // the same on every rank, so every rank makes the same choice.
         if buf.len() <= SMALL_BYTES {
-            return self.flat.all_reduce(call, buf, dtype, op, scale);
+            return self.flat.all_reduce(call, buf, scale);
         }
+        let (dtype, _) = call.reduction(self.flat.rank())?;
         let elements = buf.len() / dtype.size();
         if let (Some(rail), Some(local)) = (self.rail.as_mut(), self.local.as_mut())
             && elements.is_multiple_of(self.local_size)
         {
             // Every rank sees the same length, so every rank takes this path or none does.
             self.slice.resize(buf.len() / self.local_size, 0);
-            local.reduce_scatter(call, buf, &mut self.slice, dtype, op)?;
-            rail.all_reduce(call, &mut self.slice, dtype, op, None)?;
+            local.reduce_scatter(call, buf, &mut self.slice)?;
+            rail.all_reduce(call, &mut self.slice, None)?;
             if let Some(factor) = scale {
                 scale_bytes(dtype, &mut self.slice, factor);
             }
@@ -205,10 +203,10 @@ impl<L: Link> Engine for HierarchicalEngine<L> {
             return Ok(());
         }
         if let Some(local) = self.local.as_mut() {
-            local.all_reduce(call, buf, dtype, op, None)?;
+            local.all_reduce(call, buf, None)?;
         }
         if let Some(leaders) = self.leaders.as_mut() {
-            leaders.all_reduce(call, buf, dtype, op, None)?;
+            leaders.all_reduce(call, buf, None)?;
         }
         if let Some(local) = self.local.as_mut() {
             local.broadcast(call, buf, 0)?;
@@ -237,10 +235,8 @@ impl<L: Link> Engine for HierarchicalEngine<L> {
         call: &CallDesc,
         input: &[u8],
         output: &mut [u8],
-        dtype: DType,
-        op: ReduceOp,
     ) -> Result<(), CommError> {
-        self.flat.reduce_scatter(call, input, output, dtype, op)
+        self.flat.reduce_scatter(call, input, output)
     }
 
     fn barrier(&mut self, call: &CallDesc) -> Result<(), CommError> {

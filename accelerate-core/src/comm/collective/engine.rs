@@ -3,8 +3,6 @@
 use std::str::FromStr;
 use std::time::{Duration, Instant};
 
-use accelerate_kernels::{DType, ReduceOp};
-
 use crate::comm::call::{CallDesc, Header, OpKind};
 use crate::comm::engine::Engine;
 use crate::comm::link::{Link, LinkError};
@@ -73,7 +71,7 @@ impl<L: Link> MessageEngine<L> {
         self.link
     }
 
-    pub(super) fn rank(&self) -> usize {
+    pub(crate) fn rank(&self) -> usize {
         self.link.rank()
     }
 
@@ -233,10 +231,9 @@ impl<L: Link> Engine for MessageEngine<L> {
         &mut self,
         call: &CallDesc,
         buf: &mut [u8],
-        dtype: DType,
-        op: ReduceOp,
         scale: Option<f32>,
     ) -> Result<(), CommError> {
+        let (dtype, op) = call.reduction(self.rank())?;
         let result = if self.use_ring(buf.len()) {
             self.all_reduce_ring(call, buf, dtype, op, scale)
         } else {
@@ -265,9 +262,8 @@ impl<L: Link> Engine for MessageEngine<L> {
         call: &CallDesc,
         input: &[u8],
         output: &mut [u8],
-        dtype: DType,
-        op: ReduceOp,
     ) -> Result<(), CommError> {
+        let (dtype, op) = call.reduction(self.rank())?;
         let result = self.reduce_scatter_ring(call, input, output, dtype, op);
         self.finish(call, result)
     }

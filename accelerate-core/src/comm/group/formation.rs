@@ -128,13 +128,7 @@ fn agree(setup: &mut MessageEngine<TcpLink>, step: u64, ok: bool) -> Result<bool
     call.dtype = Some(accelerate_kernels::DType::F32);
     call.reduce = Some(ReduceOp::Min);
     let mut flag = if ok { 1.0f32 } else { 0.0 }.to_le_bytes();
-    setup.all_reduce(
-        &call,
-        &mut flag,
-        accelerate_kernels::DType::F32,
-        ReduceOp::Min,
-        None,
-    )?;
+    setup.all_reduce(&call, &mut flag, None)?;
     Ok(f32::from_le_bytes(flag) == 1.0)
 }
 

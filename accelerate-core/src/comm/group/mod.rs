@@ -130,15 +130,7 @@ impl ProcessGroup {
         call.dtype = Some(T::DTYPE);
         call.reduce = Some(reduction.op());
         let scale = (reduction == Reduction::Mean).then(|| 1.0 / self.world_size as f32);
-        self.run(|e| {
-            e.all_reduce(
-                &call,
-                bytemuck::cast_slice_mut(buf),
-                T::DTYPE,
-                reduction.op(),
-                scale,
-            )
-        })
+        self.run(|e| e.all_reduce(&call, bytemuck::cast_slice_mut(buf), scale))
     }
 
     /// Copies `root`'s `buf` into every rank's `buf`.
@@ -259,13 +251,7 @@ impl ProcessGroup {
         let n = self.world_size;
         self.run(|e| {
             let out = bytemuck::cast_slice_mut(output);
-            e.reduce_scatter(
-                &call,
-                bytemuck::cast_slice(input),
-                out,
-                T::DTYPE,
-                reduction.op(),
-            )?;
+            e.reduce_scatter(&call, bytemuck::cast_slice(input), out)?;
             if reduction == Reduction::Mean {
                 accelerate_kernels::reduce::scale_bytes(T::DTYPE, out, 1.0 / n as f32);
             }
@@ -326,9 +312,9 @@ impl ProcessGroup {
         self.run(|e| {
             let bytes = bytemuck::cast_slice_mut(&mut buf[..]);
             if in_place {
-                e.all_reduce_shared(&call, bytes, T::DTYPE, reduction.op(), scale)
+                e.all_reduce_shared(&call, bytes, scale)
             } else {
-                e.all_reduce(&call, bytes, T::DTYPE, reduction.op(), scale)
+                e.all_reduce(&call, bytes, scale)
             }
         })
     }

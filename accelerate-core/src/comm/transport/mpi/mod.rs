@@ -245,10 +245,9 @@ impl Engine for MpiEngine {
         &mut self,
         call: &CallDesc,
         buf: &mut [u8],
-        dtype: DType,
-        op: ReduceOp,
         scale: Option<f32>,
     ) -> Result<(), CommError> {
+        let (dtype, op) = call.reduction(self.rank)?;
         self.guarded(call, |e| {
             if e.in_band
                 && dtype == DType::F32
@@ -292,9 +291,8 @@ impl Engine for MpiEngine {
         call: &CallDesc,
         input: &[u8],
         output: &mut [u8],
-        dtype: DType,
-        op: ReduceOp,
     ) -> Result<(), CommError> {
+        let (dtype, op) = call.reduction(self.rank)?;
         let counts = chunk_counts(input.len() / dtype.size(), self.world_size);
         self.guarded(call, |e| {
             e.agree_in_band(call)?;

@@ -4,7 +4,6 @@
 use std::time::Duration;
 
 use accelerate_kernels::reduce::{reduce_bytes, scale_bytes};
-use accelerate_kernels::{DType, ReduceOp};
 use memmap2::MmapMut;
 
 use super::ShmEngine;
@@ -21,10 +20,9 @@ impl Engine for ShmEngine {
         &mut self,
         call: &CallDesc,
         buf: &mut [u8],
-        dtype: DType,
-        op: ReduceOp,
         scale: Option<f32>,
     ) -> Result<(), CommError> {
+        let (dtype, op) = call.reduction(self.rank)?;
         self.publish(call);
         let (n, rank) = (self.world_size, self.rank);
         let elem = dtype.size();
@@ -128,9 +126,8 @@ impl Engine for ShmEngine {
         call: &CallDesc,
         input: &[u8],
         output: &mut [u8],
-        dtype: DType,
-        op: ReduceOp,
     ) -> Result<(), CommError> {
+        let (dtype, op) = call.reduction(self.rank)?;
         self.publish(call);
         let (n, rank) = (self.world_size, self.rank);
         let elem = dtype.size();
@@ -191,10 +188,9 @@ impl Engine for ShmEngine {
         &mut self,
         call: &CallDesc,
         buf: &mut [u8],
-        dtype: DType,
-        op: ReduceOp,
         scale: Option<f32>,
     ) -> Result<(), CommError> {
+        let (dtype, op) = call.reduction(self.rank)?;
         self.all_reduce_in_shared(call, buf, dtype, op, scale)
     }
 

@@ -103,7 +103,7 @@ impl ShmEngine {
         };
         if buf.len() <= IN_PLACE_MIN_BYTES {
             // Latency-bound: two barriers through the slots beat three in place.
-            return Engine::all_reduce(self, call, buf, dtype, op, scale);
+            return Engine::all_reduce(self, call, buf, scale);
         }
         // Phase 1: every rank's input is in place.
         self.begin(call)?;
