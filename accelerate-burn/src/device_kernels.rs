@@ -9,6 +9,7 @@ use accelerate_kernels::cube::Half;
 use burn::backend::tensor::{FloatTensor, IntTensor};
 use burn::backend::{Backend, Dispatch, backend_extension};
 use burn::tensor::{Device, Int, Tensor};
+use burn_cubecl::cubecl::server::ServerError;
 
 use accelerate_kernels::optim::{AdamHyper, SgdHyper};
 
@@ -33,7 +34,7 @@ pub(crate) trait GradientKernels: Backend {
         values: FloatTensor<Self>,
         bf16: bool,
         scale: f32,
-    ) -> (FloatTensor<Self>, Result<Vec<u8>, String>);
+    ) -> (FloatTensor<Self>, Result<Vec<u8>, ServerError>);
 
     /// The f32 values of `packed` (f16 or bf16 bytes), as a tensor of `like`'s shape on its
     /// device; `like` itself is dropped.
@@ -110,7 +111,7 @@ mod cube {
     use burn_cubecl::kernel::{cast, into_contiguous};
     use burn_cubecl::tensor::CubeTensor;
 
-    use super::{FusedPlan, GradientKernels, PlannedSegment, UpdateRule};
+    use super::{FusedPlan, GradientKernels, PlannedSegment, ServerError, UpdateRule};
 
     /// `tensor` as contiguous f32 values that this call may overwrite.
     fn writable_f32(tensor: CubeTensor) -> CubeTensor {
@@ -170,7 +171,7 @@ mod cube {
             values: CubeTensor,
             bf16: bool,
             scale: f32,
-        ) -> (CubeTensor, Result<Vec<u8>, String>) {
+        ) -> (CubeTensor, Result<Vec<u8>, ServerError>) {
             let values = contiguous_f32(values);
             let len = values.meta.shape().num_elements();
             let packed = kernels::narrow_to_half(
@@ -183,8 +184,7 @@ mod cube {
             let bytes = values
                 .client
                 .read_one(packed)
-                .map(|bytes| bytes[..len * 2].to_vec())
-                .map_err(|e| e.to_string());
+                .map(|bytes| bytes[..len * 2].to_vec());
             (values, bytes)
         }
 
@@ -322,10 +322,10 @@ pub(crate) fn narrow_to_half(
         half == Half::Bf16,
         scale,
     );
-    let bytes = bytes.map_err(|detail| AccelerateError::Tensor {
+    let bytes = bytes.map_err(|e| AccelerateError::Tensor {
         rank,
         op: "narrowing gradients on the device",
-        detail,
+        detail: e.to_string(),
     })?;
     Ok((Tensor::from_dispatch(values), bytes))
 }

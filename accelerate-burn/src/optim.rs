@@ -9,7 +9,7 @@ use burn::optim::ModuleOptimizer;
 use crate::buffers::BufferSync;
 use crate::error::AccelerateError;
 use crate::group::Comm;
-use crate::reducer::{Gradients, ModelCell, Outcome, ReducerHandle};
+use crate::reducer::{Gradients, ModelCell, Outcome, ReducerHandle, ReducerKind};
 use crate::training_loop::SharedLoop;
 
 /// A prepared optimizer: Burn's [`ModuleOptimizer`], or a fused one over flat buffers
@@ -110,7 +110,7 @@ impl PreparedOptimizer {
 
     /// True for a fused optimizer.
     pub fn is_fused(&self) -> bool {
-        self.reducer.lock().kind() == "fused"
+        self.reducer.lock().kind() == ReducerKind::Fused
     }
 
     /// Where a fused optimizer keeps its flat buffers and runs its update: `Some(true)` on the

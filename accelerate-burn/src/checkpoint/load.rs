@@ -143,7 +143,7 @@ fn restore_model_and_optimizer<M: Module>(
 
     let mut reducer = optimizer.reducer().lock();
     if let Some(saved_kind) = saved_kind
-        && saved_kind != reducer.kind()
+        && saved_kind != reducer.kind().name()
     {
         return Err((
             format!(

@@ -23,10 +23,73 @@ use accelerate_core::{MixedPrecision, NcclMode};
 use burn::backend::tensor::FloatTensor;
 use burn::backend::{Backend, Dispatch, backend_extension};
 use burn::tensor::{DType, Tensor};
+use cubecl_runtime::server::ServerError;
 use cudarc::driver::{result as cu, sys};
 
 use super::DeviceCollectives;
 use crate::error::AccelerateError;
+
+/// What failed on this process's GPU in the NCCL path; the collective's caller wraps it with
+/// the rank ([`AccelerateError::Tensor`]).
+#[derive(Debug, thiserror::Error)]
+pub(crate) enum GpuError {
+    /// A CUDA driver call failed.
+    #[error("{call}: {source}")]
+    Driver {
+        /// The call, with its argument where one tells which (`CUDA device 1`).
+        call: String,
+        /// What the driver said.
+        source: cu::DriverError,
+    },
+    /// The local rank does not fit CUDA's device ordinal.
+    #[error("local rank {0} is not a CUDA device ordinal")]
+    Ordinal(usize),
+    /// libnccl did not load, or NCCL failed or timed out.
+    #[error(transparent)]
+    Nccl(#[from] nccl::NcclError),
+    /// The buffers do not have the element counts the collective needs.
+    #[error("{kind:?} of {count} elements per rank over {world} ranks needs {expected}, got {got}")]
+    Counts {
+        /// The collective.
+        kind: CallKind,
+        /// Elements per rank.
+        count: usize,
+        /// Ranks.
+        world: usize,
+        /// Elements the other buffer needs.
+        expected: usize,
+        /// Elements it has.
+        got: usize,
+    },
+    /// NCCL's stream reported an error while we waited on it.
+    #[error("the NCCL stream failed: {0:?}")]
+    Stream(sys::CUresult),
+    /// A buffer is a strided view; NCCL reads and writes dense ranges.
+    #[error("NCCL needs contiguous buffers")]
+    NotContiguous,
+    /// The buffers' dtype is not the collective's.
+    #[error("NCCL was asked for {wanted:?} elements, the buffers hold {input:?} and {output:?}")]
+    DType {
+        /// The collective's dtype.
+        wanted: DType,
+        /// The input buffer's.
+        input: DType,
+        /// The output buffer's.
+        output: DType,
+    },
+    /// Waiting for the kernels that produce the input failed.
+    #[error("waiting for the kernels before NCCL: {0}")]
+    Sync(ServerError),
+    /// The tensor's buffer is not cubecl-cuda's.
+    #[error("not a CUDA buffer: {0}")]
+    NotCuda(ServerError),
+}
+
+/// A failed driver `call`, as a [`GpuError`].
+fn driver(call: impl Into<String>) -> impl FnOnce(cu::DriverError) -> GpuError {
+    let call = call.into();
+    move |source| GpuError::Driver { call, source }
+}
 
 /// One process's NCCL: its communicator, the CUDA context of its GPU and the stream NCCL runs
 /// on.
@@ -54,17 +117,17 @@ unsafe impl Send for DeviceNccl {}
 
 /// The GPU of `ordinal`: its primary context (the one cubecl allocates in), made current on
 /// this thread, and a non-blocking stream for NCCL.
-fn open_device(ordinal: usize) -> Result<(sys::CUcontext, OwnedStream), String> {
-    let ordinal = i32::try_from(ordinal).map_err(|e| e.to_string())?;
-    cu::init().map_err(|e| format!("cuInit: {e}"))?;
-    let device = cu::device::get(ordinal).map_err(|e| format!("CUDA device {ordinal}: {e}"))?;
+fn open_device(local_rank: usize) -> Result<(sys::CUcontext, OwnedStream), GpuError> {
+    let ordinal = i32::try_from(local_rank).map_err(|_| GpuError::Ordinal(local_rank))?;
+    cu::init().map_err(driver("cuInit"))?;
+    let device = cu::device::get(ordinal).map_err(driver(format!("CUDA device {ordinal}")))?;
     // SAFETY: `device` came from `device::get`; the context is retained for the process.
     let context = unsafe { cu::primary_ctx::retain(device) }
-        .map_err(|e| format!("primary context of device {ordinal}: {e}"))?;
+        .map_err(driver(format!("primary context of device {ordinal}")))?;
     // SAFETY: a context just retained.
-    unsafe { cu::ctx::set_current(context) }.map_err(|e| format!("cuCtxSetCurrent: {e}"))?;
+    unsafe { cu::ctx::set_current(context) }.map_err(driver("cuCtxSetCurrent"))?;
     let stream = cu::stream::create(cu::stream::StreamKind::NonBlocking)
-        .map_err(|e| format!("cuStreamCreate: {e}"))?;
+        .map_err(driver("cuStreamCreate"))?;
     Ok((context, OwnedStream(stream)))
 }
 
@@ -82,16 +145,9 @@ impl DeviceCollectives {
         // before any joins, so that one rank's failure is a decision on all of them now rather
         // than a communicator the others wait for.
         let local = NcclLibrary::find(&ProcessEnv)
-            .map_err(|e| e.to_string())
+            .map_err(GpuError::from)
             .and_then(|library| Ok((Arc::new(library), open_device(local_rank)?)));
-        let id = nccl::agree(
-            group,
-            mode,
-            local
-                .as_ref()
-                .map(|(l, _)| l.as_ref())
-                .map_err(Clone::clone),
-        )?;
+        let id = nccl::agree(group, mode, local.as_ref().map(|(l, _)| l.as_ref()))?;
         let (Some(id), Ok((library, (context, stream)))) = (id, local) else {
             return Ok(None);
         };
@@ -198,11 +254,11 @@ fn collective(
     Ok(Tensor::from_dispatch(out))
 }
 
-fn checked(rank: usize, result: Result<(), String>) -> Result<(), AccelerateError> {
-    result.map_err(|detail| AccelerateError::Tensor {
+fn checked(rank: usize, result: Result<(), GpuError>) -> Result<(), AccelerateError> {
+    result.map_err(|e| AccelerateError::Tensor {
         rank,
         op: "a collective on the GPUs with NCCL",
-        detail,
+        detail: e.to_string(),
     })
 }
 
@@ -238,7 +294,7 @@ impl NcclCall {
         output: u64,
         input_len: usize,
         output_len: usize,
-    ) -> Result<(), String> {
+    ) -> Result<(), GpuError> {
         let mut nccl = self.lock();
         let world = nccl.comm.world_size();
         let (count, expected) = match self.kind {
@@ -251,13 +307,16 @@ impl NcclCall {
             _ => output_len,
         };
         if other != expected {
-            return Err(format!(
-                "{:?} of {count} elements per rank over {world} ranks needs {expected}, got {other}",
-                self.kind
-            ));
+            return Err(GpuError::Counts {
+                kind: self.kind,
+                count,
+                world,
+                expected,
+                got: other,
+            });
         }
         // SAFETY: the context is the GPU's primary context, retained for the process.
-        unsafe { cu::ctx::set_current(nccl.context) }.map_err(|e| e.to_string())?;
+        unsafe { cu::ctx::set_current(nccl.context) }.map_err(driver("cuCtxSetCurrent"))?;
         let stream = nccl.stream.0;
         let (send, recv) = (input as *const c_void, output as *mut c_void);
         // SAFETY: `input` and `output` are live cubecl allocations on this GPU of at least
@@ -284,17 +343,16 @@ impl NcclCall {
                 }
             }
         };
-        enqueued.map_err(|e| e.to_string())?;
-        nccl.comm
-            .wait_for("a gradient collective", || {
-                // SAFETY: a stream of the current context.
-                match unsafe { sys::cuStreamQuery(stream) } {
-                    sys::CUresult::CUDA_SUCCESS => Ok(true),
-                    sys::CUresult::CUDA_ERROR_NOT_READY => Ok(false),
-                    other => Err(format!("the NCCL stream failed: {other:?}")),
-                }
-            })
-            .map_err(|e| e.to_string())
+        enqueued?;
+        nccl.comm.wait_for("a gradient collective", || {
+            // SAFETY: a stream of the current context.
+            match unsafe { sys::cuStreamQuery(stream) } {
+                sys::CUresult::CUDA_SUCCESS => Ok(true),
+                sys::CUresult::CUDA_ERROR_NOT_READY => Ok(false),
+                other => Err(GpuError::Stream(other)),
+            }
+        })?;
+        Ok(())
     }
 }
 
@@ -303,19 +361,19 @@ impl NcclCall {
 #[backend_extension(Cube: cfg(feature = "nccl"))]
 pub(crate) trait NcclKernels: Backend {
     /// Runs the all-reduce `call` on `values`, in place when no other tensor shares them (else
-    /// on a copy), and returns them, with the error as text.
+    /// on a copy), and returns them, with the outcome.
     fn nccl_all_reduce(
         values: FloatTensor<Self>,
         call: NcclCall,
-    ) -> (FloatTensor<Self>, Result<(), String>);
+    ) -> (FloatTensor<Self>, Result<(), GpuError>);
 
     /// Runs `call` (a reduce-scatter or all-gather) from `input` into `output` and returns
-    /// `output`, with the error as text.
+    /// `output`, with the outcome.
     fn nccl_collective(
         input: FloatTensor<Self>,
         output: FloatTensor<Self>,
         call: NcclCall,
-    ) -> (FloatTensor<Self>, Result<(), String>);
+    ) -> (FloatTensor<Self>, Result<(), GpuError>);
 }
 
 mod cube {
@@ -324,12 +382,15 @@ mod cube {
 
     use burn::tensor::DType;
 
-    use super::{NcclCall, NcclDataType, NcclKernels};
+    use super::{GpuError, NcclCall, NcclDataType, NcclKernels};
 
     type CudaServer = <cubecl::cuda::CudaRuntime as cubecl_runtime::runtime::Runtime>::Server;
 
     impl NcclKernels for CubeBackend {
-        fn nccl_all_reduce(values: CubeTensor, call: NcclCall) -> (CubeTensor, Result<(), String>) {
+        fn nccl_all_reduce(
+            values: CubeTensor,
+            call: NcclCall,
+        ) -> (CubeTensor, Result<(), GpuError>) {
             let values = if values.is_contiguous() && values.can_mut() {
                 values
             } else {
@@ -344,15 +405,15 @@ mod cube {
             input: CubeTensor,
             output: CubeTensor,
             call: NcclCall,
-        ) -> (CubeTensor, Result<(), String>) {
+        ) -> (CubeTensor, Result<(), GpuError>) {
             let result = run(&input, &output, &call);
             (output, result)
         }
     }
 
-    fn run(input: &CubeTensor, output: &CubeTensor, call: &NcclCall) -> Result<(), String> {
+    fn run(input: &CubeTensor, output: &CubeTensor, call: &NcclCall) -> Result<(), GpuError> {
         if !input.is_contiguous() || !output.is_contiguous() {
-            return Err("NCCL needs contiguous buffers".into());
+            return Err(GpuError::NotContiguous);
         }
         // NCCL reads and writes `count` elements of the call's type: buffers of a wider type
         // than they hold would be overrun.
@@ -362,20 +423,21 @@ mod cube {
             NcclDataType::Bf16 => DType::BF16,
         };
         if input.dtype != wanted || output.dtype != wanted {
-            return Err(format!(
-                "NCCL was asked for {wanted:?} elements, the buffers hold {:?} and {:?}",
-                input.dtype, output.dtype
-            ));
+            return Err(GpuError::DType {
+                wanted,
+                input: input.dtype,
+                output: output.dtype,
+            });
         }
         let client = &input.client;
         // The kernels that wrote the input (and zeroed the output) have finished.
-        cubecl::future::block_on(client.sync()).map_err(|e| e.to_string())?;
+        cubecl::future::block_on(client.sync()).map_err(GpuError::Sync)?;
         let src = client
             .get_resource::<CudaServer>(input.handle.clone())
-            .map_err(|e| format!("not a CUDA buffer: {e}"))?;
+            .map_err(GpuError::NotCuda)?;
         let dst = client
             .get_resource::<CudaServer>(output.handle.clone())
-            .map_err(|e| format!("not a CUDA buffer: {e}"))?;
+            .map_err(GpuError::NotCuda)?;
         // `src` and `dst` keep both allocations in place until the collective is done.
         call.run(
             src.resource().ptr,

@@ -91,10 +91,36 @@ pub(crate) trait ModelUpdate {
     fn replace(&mut self, values: ParamList);
 }
 
+/// Which reducer a prepared optimizer has. Its name is what checkpoints record: a checkpoint
+/// loads only into a reducer of its kind.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum ReducerKind {
+    /// Burn's optimizer, its gradients averaged in buckets (`burn`).
+    Burn,
+    /// Our fused optimizer over flat buffers (`fused`).
+    Fused,
+}
+
+impl ReducerKind {
+    /// The name checkpoints record.
+    pub(crate) fn name(self) -> &'static str {
+        match self {
+            Self::Burn => "burn",
+            Self::Fused => "fused",
+        }
+    }
+}
+
+impl std::fmt::Display for ReducerKind {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.name())
+    }
+}
+
 /// One gradient reducer: averaging, update and state of one prepared model and optimizer.
 pub(crate) trait GradientReducer: Send {
-    /// The kind, recorded in checkpoints: a checkpoint loads only into a reducer of its kind.
-    fn kind(&self) -> &'static str;
+    /// The kind, recorded in checkpoints.
+    fn kind(&self) -> ReducerKind;
 
     /// The parameters it was built for.
     fn layout(&self) -> &Arc<ParamLayout>;

@@ -17,12 +17,14 @@ use burn::optim::{ModuleOptimizer, OptimizerRecord};
 use burn::tensor::{DType, Tensor};
 
 use super::api::{
-    GradientReducer, LoadSource, ModelUpdate, Outcome, Reduced, SaveRole, SavedFile, global_norm,
+    GradientReducer, LoadSource, ModelUpdate, Outcome, Reduced, ReducerKind, SaveRole, SavedFile,
+    global_norm,
 };
 use super::wire::Wire;
 use crate::checkpoint::StageError;
 use crate::error::AccelerateError;
 use crate::group::Comm;
+use crate::nccl::DeviceCollectives;
 use crate::params::{self, ParamLayout, ParamList};
 
 /// The optimizer's record in a checkpoint.
@@ -36,8 +38,36 @@ pub(crate) struct BucketedReducer {
     /// Ranges of layout entries reduced together.
     buckets: Vec<Range<usize>>,
     wire: Wire,
-    /// Narrow and widen half-precision buckets on the device (cubecl backends).
+    /// Where buckets are averaged.
+    path: BucketPath,
+    /// Unscale with our cubecl kernel (cubecl backends).
     device_kernels: bool,
+}
+
+/// Where a bucket is averaged, chosen once when the model is prepared.
+enum BucketPath {
+    /// In place on the GPUs with NCCL, in the wire's precision.
+    Nccl(DeviceCollectives),
+    /// Narrowed and widened on the device by our kernels: only the half-precision wire
+    /// crosses to the host (cubecl backends with a half-precision wire).
+    #[cfg(feature = "device-kernels")]
+    HalfOnDevice,
+    /// One f32 copy to the host, averaged there.
+    Host,
+}
+
+impl BucketPath {
+    fn choose(nccl: Option<DeviceCollectives>, wire: MixedPrecision, device_kernels: bool) -> Self {
+        if let Some(nccl) = nccl {
+            return Self::Nccl(nccl);
+        }
+        #[cfg(feature = "device-kernels")]
+        if device_kernels && wire != MixedPrecision::No {
+            return Self::HalfOnDevice;
+        }
+        let _ = (wire, device_kernels);
+        Self::Host
+    }
 }
 
 impl BucketedReducer {
@@ -47,6 +77,7 @@ impl BucketedReducer {
         bucket_bytes: usize,
         wire: MixedPrecision,
         device_kernels: bool,
+        nccl: Option<DeviceCollectives>,
     ) -> Self {
         let buckets = buckets(&layout, bucket_bytes);
         Self {
@@ -54,6 +85,7 @@ impl BucketedReducer {
             optimizer,
             buckets,
             wire: Wire::new(wire),
+            path: BucketPath::choose(nccl, wire, device_kernels),
             device_kernels,
         }
     }
@@ -84,31 +116,37 @@ impl BucketedReducer {
             }
         }
         let joined = Tensor::cat(parts, 0);
-        let (joined, overflow) = if let Some(nccl) = comm.device_collectives() {
-            // In place on the GPUs, in the wire's precision (NCCL's own half types).
-            let precision = self.wire.precision;
-            let joined = comm.timed_device(|| nccl.all_reduce_mean(joined, precision))?;
-            match inv_scale {
-                Some(inv) => {
-                    let mut list = vec![Some(joined)];
-                    let overflow = unscale_on_device(&mut list, inv, self.device_kernels);
-                    let joined = list
-                        .pop()
-                        .flatten()
-                        .ok_or(AccelerateError::UnexpectedGradients { rank: comm.rank() })?;
-                    (joined, overflow)
+        let precision = self.wire.precision;
+        let (joined, overflow) = match &self.path {
+            BucketPath::Nccl(nccl) => {
+                // In place on the GPUs, in the wire's precision (NCCL's own half types).
+                let joined = comm.timed_device(|| nccl.all_reduce_mean(joined, precision))?;
+                match inv_scale {
+                    Some(inv) => {
+                        let mut list = vec![Some(joined)];
+                        let overflow = unscale_on_device(&mut list, inv, self.device_kernels);
+                        let joined = list
+                            .pop()
+                            .flatten()
+                            .ok_or(AccelerateError::UnexpectedGradients { rank: comm.rank() })?;
+                        (joined, overflow)
+                    }
+                    None => (joined, false),
                 }
-                None => (joined, false),
             }
-        } else if self.device_kernels && self.wire.precision != MixedPrecision::No {
-            self.reduce_on_device(joined, comm, inv_scale)?
-        } else {
-            // One host copy, which then becomes the averaged tensor's buffer.
-            let mut values = params::to_host_f32(joined);
-            comm.timed(|group| self.wire.all_reduce_mean(&mut values, group))?;
-            let overflow = inv_scale
-                .is_some_and(|inv| accelerate_kernels::amp::unscale_and_check(&mut values, inv));
-            (params::upload(values, &device), overflow)
+            #[cfg(feature = "device-kernels")]
+            BucketPath::HalfOnDevice => comm.timed(|group| {
+                super::wire::average_on_device(joined, group, precision, inv_scale)
+            })?,
+            BucketPath::Host => {
+                // One host copy, which then becomes the averaged tensor's buffer.
+                let mut values = params::to_host_f32(joined);
+                comm.timed(|group| self.wire.all_reduce_mean(&mut values, group))?;
+                let overflow = inv_scale.is_some_and(|inv| {
+                    accelerate_kernels::amp::unscale_and_check(&mut values, inv)
+                });
+                (params::upload(values, &device), overflow)
+            }
         };
         let mut offset = 0;
         for (&i, dtype) in present.iter().zip(dtypes) {
@@ -121,33 +159,6 @@ impl BucketedReducer {
             offset += n;
         }
         Ok(overflow)
-    }
-
-    #[cfg(feature = "device-kernels")]
-    fn reduce_on_device(
-        &self,
-        joined: Tensor<1>,
-        comm: &Comm,
-        inv_scale: Option<f32>,
-    ) -> Result<(Tensor<1>, bool), AccelerateError> {
-        comm.timed(|group| {
-            super::wire::average_on_device(joined, group, self.wire.precision, inv_scale)
-        })
-    }
-
-    /// Never called: `device_kernels` is only set in builds with a cubecl backend.
-    #[cfg(not(feature = "device-kernels"))]
-    fn reduce_on_device(
-        &self,
-        _joined: Tensor<1>,
-        comm: &Comm,
-        _inv_scale: Option<f32>,
-    ) -> Result<(Tensor<1>, bool), AccelerateError> {
-        Err(AccelerateError::Tensor {
-            rank: comm.rank(),
-            op: "averaging gradients on the device",
-            detail: "this build has no `wgpu` or `cuda` feature".into(),
-        })
     }
 }
 
@@ -194,8 +205,8 @@ fn unscale_on_device(grads: &mut ParamList, inv_scale: f32, device_kernels: bool
 }
 
 impl GradientReducer for BucketedReducer {
-    fn kind(&self) -> &'static str {
-        "burn"
+    fn kind(&self) -> ReducerKind {
+        ReducerKind::Burn
     }
 
     fn layout(&self) -> &Arc<ParamLayout> {

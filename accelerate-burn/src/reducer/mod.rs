@@ -28,7 +28,9 @@ use crate::error::AccelerateError;
 use crate::fused::FusedOptimizer;
 use crate::group::Comm;
 use crate::params::{self, ParamLayout, ParamList, Replacement};
-pub(crate) use api::{GradientReducer, LoadSource, ModelUpdate, Outcome, SaveRole, global_norm};
+pub(crate) use api::{
+    GradientReducer, LoadSource, ModelUpdate, Outcome, ReducerKind, SaveRole, global_norm,
+};
 use bucketed::BucketedReducer;
 use flat::{FlatOptions, FlatReducer};
 
@@ -202,6 +204,7 @@ pub(crate) fn build(
         config.gradient_bucket_bytes,
         config.gradient_communication,
         spec.device_kernels,
+        comm.device_collectives().cloned(),
     )))
 }
 

@@ -29,7 +29,7 @@ use crate::fused::FusedOptimizer;
 use crate::group::Comm;
 use crate::params::{ParamLayout, ParamList};
 use crate::reducer::api::{
-    GradientReducer, LoadSource, ModelUpdate, Outcome, Reduced, SaveRole, SavedFile,
+    GradientReducer, LoadSource, ModelUpdate, Outcome, Reduced, ReducerKind, SaveRole, SavedFile,
 };
 use crate::reducer::wire::Wire;
 
@@ -244,8 +244,8 @@ impl FlatReducer {
 }
 
 impl GradientReducer for FlatReducer {
-    fn kind(&self) -> &'static str {
-        "fused"
+    fn kind(&self) -> ReducerKind {
+        ReducerKind::Fused
     }
 
     fn layout(&self) -> &Arc<ParamLayout> {
