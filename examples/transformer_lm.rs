@@ -173,7 +173,7 @@ pub fn train(args: &Args) -> anyhow::Result<Report> {
     if let Some(precision) = &args.mixed_precision {
         let precision: MixedPrecision = precision
             .parse()
-            .map_err(|()| anyhow::anyhow!("--mixed-precision expects no, bf16 or fp16"))?;
+            .map_err(|e| anyhow::anyhow!("--mixed-precision {e}"))?;
         builder = builder.mixed_precision(precision);
     }
     if args.gradient_checkpointing {

@@ -211,7 +211,7 @@ impl ConfigOverrides {
         };
         let nccl = match self.nccl {
             Some(mode) => mode,
-            None => env_parse(env, ENV_NCCL, "auto, off or require", |v| v.parse().ok())?
+            None => env_parse(env, ENV_NCCL, NcclMode::EXPECTED, |v| v.parse().ok())?
                 .unwrap_or_default(),
         };
         Ok(AcceleratorConfig {

@@ -64,14 +64,14 @@ impl std::fmt::Display for MixedPrecision {
 }
 
 impl FromStr for MixedPrecision {
-    type Err = ();
+    type Err = ParseSettingError;
 
-    fn from_str(s: &str) -> Result<Self, ()> {
+    fn from_str(s: &str) -> Result<Self, ParseSettingError> {
         match s.trim().to_ascii_lowercase().as_str() {
             "no" | "fp32" | "f32" => Ok(Self::No),
             "bf16" => Ok(Self::Bf16),
             "fp16" | "f16" => Ok(Self::Fp16),
-            _ => Err(()),
+            _ => Err(ParseSettingError::new(s, Self::EXPECTED)),
         }
     }
 }
@@ -91,6 +91,9 @@ pub enum NcclMode {
 }
 
 impl NcclMode {
+    /// The spellings [`FromStr`] accepts, as errors list them.
+    pub const EXPECTED: &'static str = "auto, off or require";
+
     /// The spelling `ACCELERATE_NCCL` uses.
     pub fn as_str(self) -> &'static str {
         match self {
@@ -108,14 +111,14 @@ impl std::fmt::Display for NcclMode {
 }
 
 impl FromStr for NcclMode {
-    type Err = ();
+    type Err = ParseSettingError;
 
-    fn from_str(s: &str) -> Result<Self, ()> {
+    fn from_str(s: &str) -> Result<Self, ParseSettingError> {
         match s.trim().to_ascii_lowercase().as_str() {
             "auto" => Ok(Self::Auto),
             "off" | "false" | "0" | "no" => Ok(Self::Off),
             "require" | "required" | "strict" => Ok(Self::Require),
-            _ => Err(()),
+            _ => Err(ParseSettingError::new(s, Self::EXPECTED)),
         }
     }
 }

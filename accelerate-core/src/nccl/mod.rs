@@ -382,7 +382,13 @@ mod tests {
         assert_eq!("auto".parse(), Ok(NcclMode::Auto));
         assert_eq!(" Require ".parse(), Ok(NcclMode::Require));
         assert_eq!("off".parse(), Ok(NcclMode::Off));
-        assert_eq!("maybe".parse::<NcclMode>(), Err(()));
+        assert_eq!(
+            "maybe".parse::<NcclMode>(),
+            Err(crate::settings::ParseSettingError::new(
+                "maybe",
+                NcclMode::EXPECTED
+            ))
+        );
     }
 
     #[test]

@@ -7,7 +7,6 @@ use std::sync::atomic::AtomicUsize;
 use accelerate_core::config_file::{self, LoadedConfig};
 use accelerate_core::env_vars;
 use accelerate_core::launch::{LaunchConfig, launch};
-use accelerate_core::settings::ParseSettingError;
 use accelerate_core::state::ProcessEnv;
 use accelerate_core::{LaunchFlags, MixedPrecision};
 use anyhow::{Context, bail};
@@ -53,7 +52,7 @@ pub struct LaunchArgs {
 
     /// Mixed precision for the workers: no, fp16 or bf16 (passed as
     /// ACCELERATE_MIXED_PRECISION).
-    #[arg(long, value_parser = parse_precision)]
+    #[arg(long)]
     mixed_precision: Option<MixedPrecision>,
 
     /// Hide every GPU from the workers (CUDA_VISIBLE_DEVICES="").
@@ -191,11 +190,4 @@ pub fn run(args: LaunchArgs) -> anyhow::Result<ExitCode> {
             Ok(ExitCode::from(u8::try_from(e.exit_code()).unwrap_or(1)))
         }
     }
-}
-
-/// Reads `--mixed-precision`.
-fn parse_precision(value: &str) -> Result<MixedPrecision, ParseSettingError> {
-    value
-        .parse()
-        .map_err(|()| ParseSettingError::new(value, MixedPrecision::EXPECTED))
 }
