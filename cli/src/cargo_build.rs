@@ -60,12 +60,12 @@ pub fn build(target: &Target) -> anyhow::Result<PathBuf> {
     .arg(format!("--{kind}"))
     .arg(name)
     .stdout(Stdio::piped());
-    // Without a package, cargo resolves features over every member of the workspace (benches
-    // and their dev-dependencies too), which differ from what `cargo run -p accelerate-cli`
-    // resolved, so the first launch compiled Burn a second time (40 crates, 6 minutes here).
+    // The owner alone resolves the features `cargo run -p <owner>` would. Without a package,
+    // cargo resolves them over every member of the workspace (benches and their
+    // dev-dependencies too): another build of Burn when the two differ.
     match target.among {
         Among::Owner => {
-            if let Some(package) = package_of(&cargo, kind, name, Scope::Members) {
+            if let Some(package) = package_of(&cargo, kind, name) {
                 cmd.args(["--package", &package]);
             }
         }
@@ -116,34 +116,66 @@ pub fn build(target: &Target) -> anyhow::Result<PathBuf> {
     executable.with_context(|| format!("cargo built no executable for the {kind} `{name}`"))
 }
 
-/// Which packages [`package_of`] searches.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Scope {
-    /// The workspace's own members (cargo's `metadata --no-deps`: no resolution).
-    Members,
-    /// The members and every package they depend on.
-    Dependencies,
+/// The member of the current workspace that has the `kind` target `name`, when exactly one
+/// has it; `None` outside a cargo project too (then cargo's own search and errors apply).
+pub fn package_of(cargo: &str, kind: &str, name: &str) -> Option<String> {
+    let metadata = metadata(cargo, &["--no-deps"])?;
+    package_with_target(&metadata, kind, name)
 }
 
-/// The package of the current project that has the `kind` target `name`, when exactly one
-/// has it; `None` outside a cargo project too (then cargo's own search and errors apply).
-pub fn package_of(cargo: &str, kind: &str, name: &str, scope: Scope) -> Option<String> {
-    let mut cmd = Command::new(cargo);
-    cmd.args(["metadata", "--format-version", "1"]);
-    if scope == Scope::Members {
-        cmd.arg("--no-deps");
-    }
-    let output = cmd
+/// A package of the current project's dependency graph that has a target.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Owner {
+    /// The package's name.
+    pub name: String,
+    /// Whether it is a member of the workspace (else a dependency).
+    pub member: bool,
+}
+
+/// The one package in the current project's dependency graph, members or dependencies, that
+/// has the `kind` target `name`; `None` outside a cargo project.
+pub fn owner_in_graph(cargo: &str, kind: &str, name: &str) -> Option<Owner> {
+    owner_in_metadata(&metadata(cargo, &[])?, kind, name)
+}
+
+/// The one package in cargo's full `metadata` with the `kind` target `name`, and whether it
+/// is one of the `workspace_members`.
+fn owner_in_metadata(metadata: &serde_json::Value, kind: &str, name: &str) -> Option<Owner> {
+    let package = owner_with_target(metadata, kind, name)?;
+    let member = metadata["workspace_members"]
+        .as_array()
+        .is_some_and(|members| members.iter().any(|id| *id == package["id"]));
+    Some(Owner {
+        name: package["name"].as_str()?.to_string(),
+        member,
+    })
+}
+
+/// Cargo's `metadata` of the current project, with `extra` arguments.
+fn metadata(cargo: &str, extra: &[&str]) -> Option<serde_json::Value> {
+    let output = Command::new(cargo)
+        .args(["metadata", "--format-version", "1"])
+        .args(extra)
         .stderr(Stdio::null())
         .output()
         .ok()
         .filter(|o| o.status.success())?;
-    let metadata: serde_json::Value = serde_json::from_slice(&output.stdout).ok()?;
-    package_with_target(&metadata, kind, name)
+    serde_json::from_slice(&output.stdout).ok()
+}
+
+/// The name of the one package in cargo's `metadata` with the `kind` target `name`.
+fn package_with_target(metadata: &serde_json::Value, kind: &str, name: &str) -> Option<String> {
+    owner_with_target(metadata, kind, name)?["name"]
+        .as_str()
+        .map(str::to_string)
 }
 
 /// The one package in cargo's `metadata` with the `kind` target `name`.
-fn package_with_target(metadata: &serde_json::Value, kind: &str, name: &str) -> Option<String> {
+fn owner_with_target<'m>(
+    metadata: &'m serde_json::Value,
+    kind: &str,
+    name: &str,
+) -> Option<&'m serde_json::Value> {
     let mut owners = metadata["packages"].as_array()?.iter().filter(|package| {
         package["targets"]
             .as_array()
@@ -153,7 +185,7 @@ fn package_with_target(metadata: &serde_json::Value, kind: &str, name: &str) -> 
     if owners.next().is_some() {
         return None;
     }
-    owner["name"].as_str().map(str::to_string)
+    Some(owner)
 }
 
 /// True when cargo's JSON description of a `target` is the `kind` target `name`.
@@ -235,7 +267,7 @@ impl BuildProgress {
 
 #[cfg(test)]
 mod tests {
-    use super::package_with_target;
+    use super::{Owner, owner_in_metadata, package_with_target};
 
     #[test]
     fn the_package_that_owns_an_example_is_found_and_an_ambiguous_name_is_left_to_cargo() {
@@ -259,5 +291,29 @@ mod tests {
             { "name": "b", "targets": [{ "name": "x", "kind": ["example"] }] },
         ]});
         assert_eq!(package_with_target(&twice, "example", "x"), None);
+    }
+
+    #[test]
+    fn the_owner_in_the_graph_says_whether_it_is_a_member() {
+        let bin = |name: &str| serde_json::json!([{ "name": name, "kind": ["bin"] }]);
+        let metadata = serde_json::json!({
+            "packages": [
+                { "id": "app 0.1", "name": "app", "targets": bin("app") },
+                { "id": "burn-dep 0.1", "name": "accelerate-burn", "targets": bin("accelerate-selftest") },
+            ],
+            "workspace_members": ["app 0.1"],
+        });
+        let owner = |name| owner_in_metadata(&metadata, "bin", name);
+        let dependency = Owner {
+            name: "accelerate-burn".into(),
+            member: false,
+        };
+        assert_eq!(owner("accelerate-selftest"), Some(dependency));
+        let member = Owner {
+            name: "app".into(),
+            member: true,
+        };
+        assert_eq!(owner("app"), Some(member));
+        assert_eq!(owner("absent"), None);
     }
 }

@@ -10,7 +10,7 @@ use std::process::Command;
 
 use anyhow::{Context, bail};
 
-use crate::cargo_build::{self, Among, Scope, Target};
+use crate::cargo_build::{self, Among, Target};
 
 /// The worker's executable name.
 pub const BINARY: &str = "accelerate-selftest";
@@ -47,16 +47,15 @@ pub fn locate(explicit: Option<PathBuf>) -> anyhow::Result<PathBuf> {
     if let Some(path) = installed() {
         return Ok(path);
     }
-    let cargo = cargo_build::cargo();
-    if cargo_build::package_of(&cargo, "bin", BINARY, Scope::Dependencies).is_none() {
+    let Some(owner) = cargo_build::owner_in_graph(&cargo_build::cargo(), "bin", BINARY) else {
         bail!(
             "no `{BINARY}` to run the check with: none beside this executable or on PATH, and no cargo project here depends on {PACKAGE}; {HINT}"
         );
-    }
+    };
     // A dependency takes its features from the members that depend on it; a member (as in
     // this repository, or a project that vendors accelerate-burn) selected alone would take
     // only its own defaults, so then the whole workspace is selected, as its build does.
-    let among = if cargo_build::package_of(&cargo, "bin", BINARY, Scope::Members).is_some() {
+    let among = if owner.member {
         Among::Workspace
     } else {
         Among::Package(PACKAGE)
