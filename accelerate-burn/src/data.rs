@@ -19,7 +19,7 @@ use burn::tensor::Device;
 
 use crate::error::AccelerateError;
 use crate::loader_link::{LoaderLinks, Skip};
-use crate::training_loop::SharedLoop;
+use crate::training_loop::LoopClock;
 
 /// A data set, a batcher and how to cut the data into batches; give it to
 /// [`Accelerator::prepare`](crate::Accelerator::prepare).
@@ -169,7 +169,8 @@ pub struct PreparedDataLoader<I, O> {
     sampler: DistributedSampler,
     device: Device,
     role: LoaderRole,
-    training: SharedLoop,
+    /// Ticked at every training batch.
+    clock: LoopClock,
     links: LoaderLinks,
     rank: usize,
     /// Shared with the accelerator (training loaders), so that loading a checkpoint moves it.
@@ -181,7 +182,7 @@ impl<I, O> PreparedDataLoader<I, O> {
         loader: DataLoader<I, O>,
         device: Device,
         role: LoaderRole,
-        (training, links): (SharedLoop, LoaderLinks),
+        (clock, links): (LoopClock, LoaderLinks),
         (rank, world_size): (usize, usize),
     ) -> Result<Self, AccelerateError> {
         let sampler = loader.sampler(rank, world_size)?;
@@ -194,7 +195,7 @@ impl<I, O> PreparedDataLoader<I, O> {
             loader,
             device,
             role,
-            training,
+            clock,
             links,
             rank,
             epoch,
@@ -414,7 +415,7 @@ impl<I: 'static, O: Send + 'static> Iterator for BatchIter<'_, I, O> {
         self.next_batch += 1;
         let prepared = self.prepared;
         if let LoaderRole::Train = prepared.role {
-            prepared.training.lock().begin_batch(BatchPosition {
+            prepared.clock.begin_batch(BatchPosition {
                 index,
                 epoch_len: self.epoch_len,
             });

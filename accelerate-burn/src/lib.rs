@@ -89,6 +89,7 @@ pub mod fused;
 mod group;
 mod loader_link;
 pub mod metrics;
+mod model_slot;
 mod nccl;
 pub mod nn;
 mod optim;

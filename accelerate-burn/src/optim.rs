@@ -9,42 +9,32 @@ use burn::optim::ModuleOptimizer;
 use crate::buffers::BufferSync;
 use crate::error::AccelerateError;
 use crate::group::Comm;
-use crate::reducer::{Gradients, ModelCell, Outcome, ReducerHandle, ReducerKind};
-use crate::training_loop::SharedLoop;
+use crate::model_slot::{ModelSlot, ModelSlots};
+use crate::reducer::{Gradients, ModelCell, Outcome, ReducerKind};
 
 /// A prepared optimizer: Burn's [`ModuleOptimizer`], or a fused one over flat buffers
 /// ([`crate::fused`]), behind the reducer built for the prepared model; it steps only with
 /// the [`Gradients`] of a completed accumulation window.
 pub struct PreparedOptimizer {
-    reducer: ReducerHandle,
-    /// Its model's slot in the training loop.
-    slot: usize,
-    training: SharedLoop,
+    /// Its model's windows and reducer.
+    slot: ModelSlot,
     comm: Comm,
     /// The model's running states (BatchNorm statistics), averaged at every update.
     buffers: Option<BufferSync>,
 }
 
 impl PreparedOptimizer {
-    pub(crate) fn new(
-        reducer: ReducerHandle,
-        slot: usize,
-        training: SharedLoop,
-        comm: Comm,
-        buffers: Option<BufferSync>,
-    ) -> Self {
+    pub(crate) fn new(slot: ModelSlot, comm: Comm, buffers: Option<BufferSync>) -> Self {
         Self {
-            reducer,
             slot,
-            training,
             comm,
             buffers,
         }
     }
 
-    /// Its model's slot in the training loop.
-    pub(crate) fn slot(&self) -> usize {
-        self.slot
+    /// Its model's windows and reducer.
+    pub(crate) fn slot(&self) -> &ModelSlot {
+        &self.slot
     }
 
     /// Applies `grads` (from [`Accelerator::backward`](crate::Accelerator::backward)) with
@@ -62,8 +52,8 @@ impl PreparedOptimizer {
         grads: Gradients,
     ) -> Result<M, AccelerateError> {
         let rank = self.comm.rank();
-        let mut training = self.training.lock();
-        if grads.reducer != self.reducer.id {
+        let mut slot = self.slot.lock();
+        if grads.reducer != slot.reducer_id {
             return Err(AccelerateError::UnexpectedGradients { rank });
         }
         let model = match grads.outcome {
@@ -71,18 +61,17 @@ impl PreparedOptimizer {
             // The window ended without an update (fp16 overflow on some rank, on every rank
             // alike): the running states still agree again.
             Outcome::Skipped => {
-                drop(training);
+                drop(slot);
                 model
             }
             outcome => {
-                if grads.window != training.windows(self.slot) || !training.take_update(self.slot) {
+                if grads.window != slot.windows.windows() || !slot.windows.take_update() {
                     return Err(AccelerateError::UnexpectedGradients { rank });
                 }
                 let mut cell = ModelCell(Some(model));
-                self.reducer
-                    .lock()
+                slot.reducer
                     .step(lr.into(), outcome, &mut cell, &self.comm)?;
-                drop(training);
+                drop(slot);
                 cell.0
                     .ok_or(AccelerateError::UnexpectedGradients { rank })?
             }
@@ -95,39 +84,34 @@ impl PreparedOptimizer {
 
     /// Updates this optimizer applied so far.
     pub fn updates(&self) -> u64 {
-        self.training.lock().updates(self.slot)
+        self.slot.lock().windows.updates()
     }
 
     /// Burn's optimizer, for its records and settings (`None` for a fused optimizer).
     pub fn inner(&self) -> Option<ModuleOptimizer> {
-        self.reducer.lock().burn_optimizer().cloned()
+        self.slot.lock().reducer.burn_optimizer().cloned()
     }
 
     /// Runs `f` on Burn's optimizer (to load a record, for instance); `None` for a fused one.
     pub fn with_inner_mut<R>(&mut self, f: impl FnOnce(&mut ModuleOptimizer) -> R) -> Option<R> {
-        self.reducer.lock().burn_optimizer_mut().map(f)
+        self.slot.lock().reducer.burn_optimizer_mut().map(f)
     }
 
     /// True for a fused optimizer.
     pub fn is_fused(&self) -> bool {
-        self.reducer.lock().kind() == ReducerKind::Fused
+        self.slot.lock().reducer.kind() == ReducerKind::Fused
     }
 
     /// Where a fused optimizer keeps its flat buffers and runs its update: `Some(true)` on the
     /// GPU (wgpu and cuda without ZeRO), `Some(false)` on the host. `None` for Burn's optimizer.
     pub fn state_on_device(&self) -> Option<bool> {
-        self.reducer.lock().state_on_device()
+        self.slot.lock().reducer.state_on_device()
     }
 
     /// Bytes of optimizer state this process holds for a fused optimizer: with ZeRO-1 on N
     /// processes, 1/N of the unsharded amount. `None` for Burn's optimizer.
     pub fn state_bytes(&self) -> Option<usize> {
-        self.reducer.lock().state_bytes()
-    }
-
-    /// The reducer, for checkpoints.
-    pub(crate) fn reducer(&self) -> &ReducerHandle {
-        &self.reducer
+        self.slot.lock().reducer.state_bytes()
     }
 }
 
@@ -140,9 +124,8 @@ impl PreparedOptimizer {
 /// steps once per process per micro-batch; schedules here count updates.)
 pub struct PreparedScheduler {
     inner: ModuleLrScheduler,
-    training: SharedLoop,
-    /// The slot of the optimizer whose updates it follows.
-    slot: usize,
+    /// The optimizer whose updates it follows.
+    follows: Follows,
     advanced: u64,
     lr: ModuleLearningRate,
     /// The record from before the latest advance: a checkpoint taken after
@@ -151,11 +134,10 @@ pub struct PreparedScheduler {
 }
 
 impl PreparedScheduler {
-    pub(crate) fn new(inner: ModuleLrScheduler, training: SharedLoop, slot: usize) -> Self {
+    pub(crate) fn new(inner: ModuleLrScheduler, follows: Follows) -> Self {
         Self {
             inner,
-            training,
-            slot,
+            follows,
             advanced: 0,
             lr: ModuleLearningRate::default(),
             before_latest: None,
@@ -164,7 +146,7 @@ impl PreparedScheduler {
 
     /// The learning rate for the next optimizer update.
     pub fn step(&mut self) -> ModuleLearningRate {
-        let wanted = self.training.lock().updates(self.slot) + 1;
+        let wanted = self.follows.updates() + 1;
         while self.advanced < wanted {
             self.before_latest = Some(self.inner.to_record());
             self.lr = self.inner.step();
@@ -195,5 +177,22 @@ impl PreparedScheduler {
         self.inner = self.inner.clone().load_record(record);
         self.advanced = updates;
         self.before_latest = None;
+    }
+}
+
+/// The optimizer whose updates a scheduler counts.
+pub(crate) enum Follows {
+    /// The first prepared model's (whichever is prepared first, also after the scheduler).
+    First(ModelSlots),
+    /// This model's.
+    Model(ModelSlot),
+}
+
+impl Follows {
+    fn updates(&self) -> u64 {
+        match self {
+            Self::First(slots) => slots.updates(),
+            Self::Model(slot) => slot.lock().windows.updates(),
+        }
     }
 }

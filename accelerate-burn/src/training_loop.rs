@@ -1,10 +1,12 @@
-//! The training loop's own state, shared by an accelerator and what it prepared: the
-//! accumulation windows, the gradients summed over the open window, the fp16 loss scaler, and
-//! the random-stream policy (the device is reseeded at every window boundary from `(seed,
-//! rank, windows)`, so a resumed run draws what an uninterrupted one would). It saves and
-//! restores its own part of a checkpoint.
+//! The training loop's state, in two owners. Loop-wide, [`LoopClock`]: the batch the training
+//! loader handed out last (the loader ticks it) and the policy of the device's random stream
+//! (reseeded at every window boundary of the first prepared model from `(seed, rank,
+//! windows)`, so a resumed run draws what an uninterrupted one would). Per prepared model,
+//! [`ModelWindows`] (held by its [`ModelSlot`](crate::model_slot::ModelSlot)): its
+//! accumulation windows, the gradients summed over the open window and its fp16 loss scaler.
+//! Each saves and restores its own part of a checkpoint.
 
-use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
+use std::sync::{Arc, Mutex, PoisonError};
 
 use accelerate_core::checkpoint::ModelLoopState;
 use accelerate_core::sampler::SplitMix64;
@@ -15,61 +17,52 @@ use burn::tensor::Device;
 
 use crate::params::ParamList;
 
-/// The loop state behind a lock; cloned handles share it.
+/// The loop-wide state: the latest training batch and the random stream's seed. Cloned
+/// handles share it; its lock is held only to read or write a position, never across a
+/// collective.
 #[derive(Clone)]
-pub(crate) struct SharedLoop(Arc<Mutex<TrainingLoop>>);
-
-impl SharedLoop {
-    pub fn new(loop_state: TrainingLoop) -> Self {
-        Self(Arc::new(Mutex::new(loop_state)))
-    }
-
-    /// Locks the state. Every method leaves it consistent, so a panic in another thread
-    /// cannot leave it half-updated and a poisoned lock is still used.
-    pub fn lock(&self) -> MutexGuard<'_, TrainingLoop> {
-        self.0.lock().unwrap_or_else(PoisonError::into_inner)
-    }
-}
-
-/// Accumulation, loss scaling and the random stream of one training loop, with the window
-/// state of each prepared model (indexed by its slot: the order models first met `prepare` or
-/// `backward`). Every slot sees every training batch; slot 0's windows drive the random
-/// stream.
-pub(crate) struct TrainingLoop {
-    models: Vec<ModelLoop>,
-    /// The slot of the latest backward pass.
-    latest: usize,
-    accumulation_steps: usize,
-    /// The fp16 scaler each new slot starts from.
-    scaler: Option<DynamicLossScaler>,
+pub(crate) struct LoopClock {
+    latest: Arc<Mutex<LatestBatch>>,
     /// Seed of the device's random stream (`None`: the stream is not managed).
     seed: Option<u64>,
     rank: usize,
 }
 
-/// One model's windows: what it accumulates, its loss scale and its updates.
-struct ModelLoop {
-    accumulation: GradientAccumulation,
-    /// Gradients summed over the micro-batches of the open window.
-    window_sum: Option<ParamList>,
-    /// How the open window's losses are weighted, and its items so far (`backward_sum`).
-    window_kind: Option<LossKind>,
-    scaler: Option<DynamicLossScaler>,
-    /// True when the latest completed window's step was skipped (overflow).
-    step_skipped: bool,
-    /// Accumulation windows completed, skipped ones included.
-    windows: u64,
+/// The batch the training loader handed out last.
+#[derive(Debug, Clone, Copy, Default)]
+struct LatestBatch {
+    /// Batches handed out so far (the latest one's number, from 1; 0 before any).
+    serial: u64,
+    position: Option<BatchPosition>,
 }
 
-impl ModelLoop {
-    fn new(steps: usize, scaler: Option<DynamicLossScaler>) -> Self {
+impl LoopClock {
+    pub fn new(seed: Option<u64>, rank: usize) -> Self {
         Self {
-            accumulation: GradientAccumulation::new(steps),
-            window_sum: None,
-            window_kind: None,
-            scaler,
-            step_skipped: false,
-            windows: 0,
+            latest: Arc::default(),
+            seed,
+            rank,
+        }
+    }
+
+    /// A training batch begins at `position` of its epoch (reported by the training loader):
+    /// every model's windows follow it at their next backward pass.
+    pub fn begin_batch(&self, position: BatchPosition) {
+        let mut latest = self.latest.lock().unwrap_or_else(PoisonError::into_inner);
+        latest.serial += 1;
+        latest.position = Some(position);
+    }
+
+    /// The latest batch: its number and position.
+    fn latest(&self) -> LatestBatch {
+        *self.latest.lock().unwrap_or_else(PoisonError::into_inner)
+    }
+
+    /// Reseeds `device` for the window after `windows` completed ones (when the stream is
+    /// managed).
+    fn reseed(&self, device: &Device, windows: u64) {
+        if let Some(seed) = self.seed {
+            device.seed(window_seed(seed, self.rank, windows));
         }
     }
 }
@@ -83,79 +76,74 @@ pub(crate) enum LossKind {
     Sum(u64),
 }
 
-impl TrainingLoop {
+/// One model's windows: what it accumulates, its loss scale and its updates.
+pub(crate) struct ModelWindows {
+    accumulation: GradientAccumulation,
+    /// Gradients summed over the micro-batches of the open window.
+    window_sum: Option<ParamList>,
+    /// How the open window's losses are weighted, and its items so far (`backward_sum`).
+    window_kind: Option<LossKind>,
+    scaler: Option<DynamicLossScaler>,
+    /// True when the latest completed window's step was skipped (overflow).
+    step_skipped: bool,
+    /// Accumulation windows completed, skipped ones included.
+    windows: u64,
+    /// The clock's batch these windows last followed (its serial).
+    batch_seen: u64,
+    clock: LoopClock,
+    /// True for the first prepared model: its windows drive the random stream.
+    drives_random_stream: bool,
+}
+
+impl ModelWindows {
+    /// Windows of `steps` micro-batches following `clock`; a model made during a batch joins
+    /// that batch's window (its first backward pass follows the latest position).
     pub fn new(
-        accumulation_steps: usize,
+        steps: usize,
         scaler: Option<DynamicLossScaler>,
-        seed: Option<u64>,
-        rank: usize,
+        clock: LoopClock,
+        drives_random_stream: bool,
     ) -> Self {
         Self {
-            models: vec![ModelLoop::new(accumulation_steps, scaler.clone())],
-            latest: 0,
-            accumulation_steps,
+            accumulation: GradientAccumulation::new(steps),
+            window_sum: None,
+            window_kind: None,
             scaler,
-            seed,
-            rank,
+            step_skipped: false,
+            windows: 0,
+            batch_seen: 0,
+            clock,
+            drives_random_stream,
         }
     }
 
-    /// `slot`'s state, made on first use (a model prepared after training began starts with
-    /// no updates and joins the windows at the next batch).
-    fn model(&mut self, slot: usize) -> &mut ModelLoop {
-        if slot >= self.models.len() {
-            self.models.resize_with(slot + 1, || {
-                ModelLoop::new(self.accumulation_steps, self.scaler.clone())
-            });
+    /// What the backward pass now running must do (following the loader's latest batch).
+    pub fn micro_step(&mut self) -> MicroStep {
+        let latest = self.clock.latest();
+        if latest.serial != self.batch_seen {
+            self.batch_seen = latest.serial;
+            if let Some(position) = latest.position {
+                self.accumulation.begin_batch(position);
+            }
         }
-        &mut self.models[slot]
+        self.accumulation.micro_step()
     }
 
-    fn peek(&self, slot: usize) -> Option<&ModelLoop> {
-        self.models.get(slot)
+    /// The loss scale to multiply the loss by (`None` without fp16).
+    pub fn loss_scale(&self) -> Option<f32> {
+        self.scaler.as_ref().map(DynamicLossScaler::scale)
     }
 
-    /// A training batch begins at `position` of its epoch (reported by the training loader):
-    /// every model's windows follow it.
-    pub fn begin_batch(&mut self, position: BatchPosition) {
-        for model in &mut self.models {
-            model.accumulation.begin_batch(position);
-        }
+    /// The factor that unscales the gradients (`None` without fp16).
+    pub fn inv_scale(&self) -> Option<f32> {
+        self.scaler.as_ref().map(DynamicLossScaler::inv_scale)
     }
 
-    /// What the backward pass now running for `slot` must do.
-    pub fn micro_step(&mut self, slot: usize) -> MicroStep {
-        self.latest = slot;
-        self.model(slot).accumulation.micro_step()
-    }
-
-    /// The loss scale to multiply `slot`'s loss by (`None` without fp16).
-    pub fn loss_scale(&self, slot: usize) -> Option<f32> {
-        self.peek(slot)?
-            .scaler
-            .as_ref()
-            .map(DynamicLossScaler::scale)
-    }
-
-    /// The factor that unscales `slot`'s gradients (`None` without fp16).
-    pub fn inv_scale(&self, slot: usize) -> Option<f32> {
-        self.peek(slot)?
-            .scaler
-            .as_ref()
-            .map(DynamicLossScaler::inv_scale)
-    }
-
-    /// Records how `slot`'s micro-batch `step` weighs its loss; an error when the window's
-    /// earlier micro-batches were weighted the other way (then nothing is recorded).
-    pub fn weigh(
-        &mut self,
-        slot: usize,
-        kind: LossKind,
-        step: MicroStep,
-    ) -> Result<(), MixedLossKinds> {
-        let model = self.model(slot);
-        let open = if step.first { None } else { model.window_kind };
-        model.window_kind = Some(match (open, kind) {
+    /// Records how micro-batch `step` weighs its loss; an error when the window's earlier
+    /// micro-batches were weighted the other way (then nothing is recorded).
+    pub fn weigh(&mut self, kind: LossKind, step: MicroStep) -> Result<(), MixedLossKinds> {
+        let open = if step.first { None } else { self.window_kind };
+        self.window_kind = Some(match (open, kind) {
             (None, kind) | (Some(LossKind::Mean), kind @ LossKind::Mean) => kind,
             (Some(LossKind::Sum(a)), LossKind::Sum(b)) => LossKind::Sum(a.saturating_add(b)),
             (Some(began), now) => return Err(MixedLossKinds { began, now }),
@@ -163,24 +151,18 @@ impl TrainingLoop {
         Ok(())
     }
 
-    /// The items of `slot`'s window now completing when its losses were sums (`backward_sum`).
-    pub fn window_items(&self, slot: usize) -> Option<u64> {
-        match self.peek(slot)?.window_kind {
+    /// The items of the window now completing when its losses were sums (`backward_sum`).
+    pub fn window_items(&self) -> Option<u64> {
+        match self.window_kind {
             Some(LossKind::Sum(items)) => Some(items),
             _ => None,
         }
     }
 
-    /// Adds `grads` to `slot`'s open window's sum; returns the sum when `step` completes the
+    /// Adds `grads` to the open window's sum; returns the sum when `step` completes the
     /// window. Sums are taken on the device, in visit order.
-    pub fn accumulate(
-        &mut self,
-        slot: usize,
-        grads: ParamList,
-        step: MicroStep,
-    ) -> Option<ParamList> {
-        let model = self.model(slot);
-        let summed = match model.window_sum.take() {
+    pub fn accumulate(&mut self, grads: ParamList, step: MicroStep) -> Option<ParamList> {
+        let summed = match self.window_sum.take() {
             Some(mut sum) if !step.first => {
                 for (total, grad) in sum.iter_mut().zip(grads) {
                     *total = match (total.take(), grad) {
@@ -195,99 +177,84 @@ impl TrainingLoop {
         if step.sync {
             Some(summed)
         } else {
-            model.window_sum = Some(summed);
+            self.window_sum = Some(summed);
             None
         }
     }
 
-    /// Counts a completed window of `slot`, reseeding `device` for the next one when it is
-    /// slot 0's; returns the slot's window number (from 1).
-    pub fn complete_window(&mut self, slot: usize, device: &Device) -> u64 {
-        let (seed, rank) = (self.seed, self.rank);
-        let model = self.model(slot);
-        model.windows += 1;
-        let windows = model.windows;
-        if let Some(seed) = seed.filter(|_| slot == 0) {
-            device.seed(window_seed(seed, rank, windows));
+    /// Counts a completed window, reseeding `device` for the next one when these windows
+    /// drive the random stream; returns the window's number (from 1).
+    pub fn complete_window(&mut self, device: &Device) -> u64 {
+        self.windows += 1;
+        if self.drives_random_stream {
+            self.clock.reseed(device, self.windows);
         }
-        windows
+        self.windows
     }
 
-    /// Feeds `slot`'s window's overflow test to its fp16 scaler; true when the step is skipped
-    /// (on every rank alike: the test saw every rank's gradients).
-    pub fn record_overflow(&mut self, slot: usize, overflow: bool) -> bool {
-        let model = self.model(slot);
-        model.step_skipped = model
+    /// Feeds the window's overflow test to the fp16 scaler; true when the step is skipped (on
+    /// every rank alike: the test saw every rank's gradients).
+    pub fn record_overflow(&mut self, overflow: bool) -> bool {
+        self.step_skipped = self
             .scaler
             .as_mut()
             .is_some_and(|scaler| scaler.update(overflow) == ScaledStep::Skip);
-        if model.step_skipped {
-            model.accumulation.skip_update();
+        if self.step_skipped {
+            self.accumulation.skip_update();
         }
-        model.step_skipped
+        self.step_skipped
     }
 
-    /// True when the latest backward pass's model skipped its latest completed window.
+    /// True when the latest completed window's step was skipped.
     pub fn step_skipped(&self) -> bool {
-        self.peek(self.latest).is_some_and(|m| m.step_skipped)
+        self.step_skipped
     }
 
-    /// Windows `slot` completed so far.
-    pub fn windows(&self, slot: usize) -> u64 {
-        self.peek(slot).map_or(0, |m| m.windows)
+    /// Windows completed so far.
+    pub fn windows(&self) -> u64 {
+        self.windows
     }
 
-    /// Claims `slot`'s due update; false when there is none.
-    pub fn take_update(&mut self, slot: usize) -> bool {
-        self.model(slot).accumulation.take_update()
+    /// Claims the due update; false when there is none.
+    pub fn take_update(&mut self) -> bool {
+        self.accumulation.take_update()
     }
 
-    /// Optimizer updates `slot` applied so far.
-    pub fn updates(&self, slot: usize) -> u64 {
-        self.peek(slot).map_or(0, |m| m.accumulation.updates())
+    /// Optimizer updates applied so far.
+    pub fn updates(&self) -> u64 {
+        self.accumulation.updates()
     }
 
-    /// Micro-batches summed in the open windows (the most of any slot).
+    /// Micro-batches summed in the open window.
     pub fn pending(&self) -> usize {
-        self.models
-            .iter()
-            .map(|m| m.accumulation.pending())
-            .max()
-            .unwrap_or(0)
-    }
-
-    /// Micro-batches per update.
-    pub fn accumulation_steps(&self) -> usize {
-        self.accumulation_steps
+        self.accumulation.pending()
     }
 
     /// True when the latest micro-batch completed a window.
     pub fn sync_gradients(&self) -> bool {
-        self.peek(self.latest)
-            .is_none_or(|m| m.accumulation.sync_gradients())
+        self.accumulation.sync_gradients()
     }
 
-    /// `slot`'s part of a checkpoint.
-    pub fn snapshot(&self, slot: usize) -> ModelLoopState {
-        let model = self.peek(slot);
+    /// This model's part of a checkpoint.
+    pub fn snapshot(&self) -> ModelLoopState {
         ModelLoopState {
-            updates: model.map_or(0, |m| m.accumulation.updates()),
-            windows: model.map_or(0, |m| m.windows),
-            scaler: model.and_then(|m| m.scaler.as_ref().map(DynamicLossScaler::state)),
+            updates: self.accumulation.updates(),
+            windows: self.windows,
+            scaler: self.scaler.as_ref().map(DynamicLossScaler::state),
         }
     }
 
-    /// Continues `slot` from a checkpoint's `snapshot`; slot 0 also reseeds `device` to where
-    /// it stood.
-    pub fn restore(&mut self, slot: usize, snapshot: ModelLoopState, device: &Device) {
-        let (seed, rank) = (self.seed, self.rank);
-        let model = self.model(slot);
-        model.accumulation.restore(snapshot.updates);
-        model.window_sum = None;
-        model.window_kind = None;
-        model.step_skipped = false;
-        model.windows = snapshot.windows;
-        match (model.scaler.as_mut(), snapshot.scaler) {
+    /// Continues from a checkpoint's `snapshot`; windows that drive the random stream also
+    /// reseed `device` to where it stood.
+    pub fn restore(&mut self, snapshot: ModelLoopState, device: &Device) {
+        self.accumulation.restore(snapshot.updates);
+        self.window_sum = None;
+        self.window_kind = None;
+        self.step_skipped = false;
+        self.windows = snapshot.windows;
+        // The batch handed out before the load belongs to the run that was replaced.
+        self.batch_seen = self.clock.latest().serial;
+        match (self.scaler.as_mut(), snapshot.scaler) {
             (Some(scaler), Some(state)) => scaler.load_state(state),
             (None, None) => {}
             (now, _) => tracing::warn!(
@@ -297,13 +264,13 @@ impl TrainingLoop {
                 if now.is_some() { "fp16" } else { "not" },
             ),
         }
-        if let Some(seed) = seed.filter(|_| slot == 0) {
-            device.seed(window_seed(seed, rank, snapshot.windows));
+        if self.drives_random_stream {
+            self.clock.reseed(device, snapshot.windows);
         }
     }
 }
 
-/// A window whose micro-batches weigh their losses in two ways ([`TrainingLoop::weigh`]).
+/// A window whose micro-batches weigh their losses in two ways ([`ModelWindows::weigh`]).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, thiserror::Error)]
 #[error(
     "this accumulation window began with {} and now calls {}",

@@ -18,7 +18,8 @@ use crate::backend::AcceleratorBackend;
 use crate::error::AccelerateError;
 use crate::group::Comm;
 use crate::loader_link::LoaderLinks;
-use crate::training_loop::{SharedLoop, TrainingLoop};
+use crate::model_slot::ModelSlots;
+use crate::training_loop::LoopClock;
 
 /// Builds an [`Accelerator`]; values set here win over `ACCELERATE_*` variables and the
 /// config file.
@@ -271,18 +272,13 @@ impl<B: AcceleratorBackend> AcceleratorBuilder<B> {
             None
         };
         tracing::debug!(backend = B::NAME, %state, ?config, "accelerator ready");
-        let training = SharedLoop::new(TrainingLoop::new(
-            config.gradient_accumulation_steps,
-            scaler,
-            config.seed,
-            rank,
-        ));
+        let clock = LoopClock::new(config.seed, rank);
         Ok(Accelerator {
-            training,
+            slots: ModelSlots::new(clock.clone(), config.gradient_accumulation_steps, scaler),
+            clock,
             links: LoaderLinks::default(),
             compute_dtype,
             comm: Comm::new(group).with_device_collectives(device_collectives),
-            reducers: Mutex::new(Vec::new()),
             trigger: AtomicBool::new(false),
             checkpoints: self.checkpoints,
             sync_buffers: self.sync_buffers,

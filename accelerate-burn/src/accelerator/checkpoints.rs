@@ -17,7 +17,7 @@ impl<B: AcceleratorBackend> Accelerator<B> {
         Context {
             state: &self.state,
             comm: &self.comm,
-            training: &self.training,
+            slots: &self.slots,
             links: &self.links,
             device: &self.device,
             seed: self.config.seed,

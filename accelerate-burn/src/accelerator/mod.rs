@@ -32,10 +32,12 @@ use crate::error::AccelerateError;
 use crate::fused::FusedOptimizer;
 use crate::group::Comm;
 use crate::loader_link::LoaderLinks;
+use crate::model_slot::{ModelSlots, Registered};
+use crate::optim::Follows;
 use crate::optim::{PreparedOptimizer, PreparedScheduler};
 use crate::params::{self, ParamLayout};
-use crate::reducer::{self, GradientReducer, OptimizerChoice, ReducerHandle, ReducerSpec};
-use crate::training_loop::SharedLoop;
+use crate::reducer::{self, GradientReducer, OptimizerChoice, ReducerSpec};
+use crate::training_loop::LoopClock;
 
 /// File name of the weights written by [`Accelerator::save_model`].
 pub const MODEL_FILE: &str = crate::checkpoint::MODEL_FILE;
@@ -56,36 +58,20 @@ pub struct Accelerator<B: AcceleratorBackend> {
     config: AcceleratorConfig,
     device: Device,
     compute_dtype: DType,
-    /// Accumulation, loss scaling, random stream: shared with what was prepared.
-    training: SharedLoop,
+    /// The latest training batch and the random stream: ticked by the training loaders.
+    clock: LoopClock,
+    /// Each prepared model's windows and reducer, found by `backward` from the model.
+    slots: ModelSlots,
     /// The prepared loaders' positions, for checkpoints and `gather_for_metrics`.
     links: LoaderLinks,
     /// The process group, shared with the reducer and prepared optimizer.
     comm: Comm,
-    /// The reducers `backward` feeds, one per model; a reducer's index is its model's slot in
-    /// the training loop.
-    reducers: Mutex<Vec<ReducerSlot>>,
     trigger: AtomicBool,
     checkpoints: CheckpointSettings,
     metrics: Metrics,
     /// Whether running states (BatchNorm statistics) are averaged at every update.
     sync_buffers: bool,
     _backend: PhantomData<B>,
-}
-
-/// The reducer of a prepared model, or one made by `backward` for a model prepared without
-/// an optimizer (its gradients go to the user's own optimizer).
-struct ReducerSlot {
-    handle: ReducerHandle,
-    prepared: bool,
-}
-
-impl ReducerSlot {
-    /// The id of the model's first float parameter: what tells models apart in `backward`
-    /// (checkpoint loads change ids in the reducer's layout, so it is read from there).
-    fn first_param(&self) -> Option<burn::module::ParamId> {
-        self.handle.lock().layout().entries.first().map(|e| e.id)
-    }
 }
 
 /// Where automatically named checkpoints go and what may be resumed.
@@ -309,51 +295,38 @@ impl<B: AcceleratorBackend> Accelerator<B> {
     }
 
     /// Makes `reducer` the one `backward` feeds for its model: in place of a reducer that
-    /// `backward` made for the model without an optimizer, else in a new slot.
+    /// `backward` made for the model without an optimizer (its windows go on), else in a new
+    /// slot.
     fn install(
         &self,
         reducer: Box<dyn GradientReducer>,
         buffers: Option<BufferSync>,
     ) -> Result<PreparedOptimizer, AccelerateError> {
-        let first = reducer.layout().entries.first().map(|e| e.id);
-        let mut slots = self.reducers.lock().unwrap_or_else(PoisonError::into_inner);
-        let handle = ReducerHandle::new(reducer);
-        let slot = ReducerSlot {
-            handle: handle.clone(),
-            prepared: true,
-        };
-        let index = match slots.iter().position(|s| s.first_param() == first) {
-            Some(index) if slots[index].prepared => {
-                return Err(AccelerateError::Misuse {
-                    rank: self.state.rank,
-                    what: "an optimizer was already prepared for this model".into(),
-                    hint: "prepare each model with one optimizer (other models may have their \
-                           own)",
-                });
-            }
-            Some(index) => {
-                slots[index] = slot;
-                index
-            }
-            None => {
-                slots.push(slot);
-                slots.len() - 1
+        let slot = match self.slots.register(reducer, true) {
+            Ok(slot) => slot,
+            Err(Registered { slot, reducer }) => {
+                let mut state = slot.lock();
+                if state.prepared {
+                    return Err(AccelerateError::Misuse {
+                        rank: self.state.rank,
+                        what: "an optimizer was already prepared for this model".into(),
+                        hint: "prepare each model with one optimizer (other models may have \
+                               their own)",
+                    });
+                }
+                state.install(reducer);
+                drop(state);
+                slot
             }
         };
-        Ok(PreparedOptimizer::new(
-            handle,
-            index,
-            self.training.clone(),
-            self.comm.clone(),
-            buffers,
-        ))
+        Ok(PreparedOptimizer::new(slot, self.comm.clone(), buffers))
     }
 
     /// Wraps a Burn learning-rate scheduler so that it advances once per optimizer update, not
     /// once per micro-batch (the updates of the first prepared optimizer; with several, see
     /// [`prepare_scheduler_for`](Self::prepare_scheduler_for)).
     pub fn prepare_scheduler(&self, scheduler: impl Into<ModuleLrScheduler>) -> PreparedScheduler {
-        PreparedScheduler::new(scheduler.into(), self.training.clone(), 0)
+        PreparedScheduler::new(scheduler.into(), Follows::First(self.slots.clone()))
     }
 
     /// Wraps a Burn learning-rate scheduler that advances once per update of `optimizer`.
@@ -362,7 +335,7 @@ impl<B: AcceleratorBackend> Accelerator<B> {
         optimizer: &PreparedOptimizer,
         scheduler: impl Into<ModuleLrScheduler>,
     ) -> PreparedScheduler {
-        PreparedScheduler::new(scheduler.into(), self.training.clone(), optimizer.slot())
+        PreparedScheduler::new(scheduler.into(), Follows::Model(optimizer.slot().clone()))
     }
 
     /// Prepares a training loader: batches arrive on [`device`](Self::device), this process
@@ -392,7 +365,7 @@ impl<B: AcceleratorBackend> Accelerator<B> {
             loader,
             self.device(),
             role,
-            (self.training.clone(), self.links.clone()),
+            (self.clock.clone(), self.links.clone()),
             (self.state.rank, self.state.world_size),
         )
     }

@@ -1,18 +1,17 @@
 //! The step: `backward` (loss weighting, accumulation, handing a completed window to the
 //! reducer), global clipping, precision, and the loop's counters.
 
-use std::sync::PoisonError;
-
 use burn::module::Module;
 use burn::optim::GradientsParams;
 use burn::tensor::{DType, Tensor};
 
-use super::{Accelerator, ReducerSlot};
+use super::Accelerator;
 use crate::backend::AcceleratorBackend;
 use crate::error::AccelerateError;
+use crate::model_slot::{ModelSlot, SlotState};
 use crate::params::{self, ParamLayout, Replacement};
 use crate::precision::{Autocast, Caster, low_precision_view};
-use crate::reducer::{self, Gradients, OptimizerChoice, Outcome, ReducerHandle};
+use crate::reducer::{self, Gradients, OptimizerChoice, Outcome};
 use crate::training_loop::LossKind;
 
 impl<B: AcceleratorBackend> Accelerator<B> {
@@ -69,11 +68,19 @@ impl<B: AcceleratorBackend> Accelerator<B> {
         kind: LossKind,
         model: &M,
     ) -> Result<Gradients, AccelerateError> {
-        let (handle, slot) = self.reducer_for(model)?;
-        let mut training = self.training.lock();
-        let step = training.micro_step(slot);
-        training
-            .weigh(slot, kind, step)
+        let slot = self.slot_for(model)?;
+        self.slots.set_latest(&slot);
+        let mut state = slot.lock();
+        let SlotState {
+            windows,
+            reducer,
+            reducer_id,
+            ..
+        } = &mut *state;
+        let id = *reducer_id;
+        let step = windows.micro_step();
+        windows
+            .weigh(kind, step)
             .map_err(|mixed| AccelerateError::Misuse {
                 rank: self.state.rank,
                 what: mixed.to_string(),
@@ -86,21 +93,20 @@ impl<B: AcceleratorBackend> Accelerator<B> {
         if kind == LossKind::Mean && step.window_len > 1 {
             loss = loss.div_scalar(step.window_len as f64);
         }
-        if let Some(scale) = training.loss_scale(slot) {
+        if let Some(scale) = windows.loss_scale() {
             loss = loss.mul_scalar(scale);
         }
         let grads = GradientsParams::from_grads(loss.backward(), model);
-        let mut reducer = handle.lock();
         let list = reducer.layout().take_grads(grads).map_err(|unknown| {
             AccelerateError::ModelChanged {
                 rank: self.state.rank,
                 detail: unknown.to_string(),
             }
         })?;
-        let Some(mut summed) = training.accumulate(slot, list, step) else {
-            return Ok(Gradients::new(Outcome::NotDue, 0, handle.id));
+        let Some(mut summed) = windows.accumulate(list, step) else {
+            return Ok(Gradients::new(Outcome::NotDue, 0, id));
         };
-        if let Some(local) = training.window_items(slot) {
+        if let Some(local) = windows.window_items() {
             let factor = self.per_item_factor(local)?;
             for grad in summed.iter_mut() {
                 if let Some(g) = grad.take() {
@@ -108,15 +114,15 @@ impl<B: AcceleratorBackend> Accelerator<B> {
                 }
             }
         }
-        let window = training.complete_window(slot, &self.device);
-        let reduced = reducer.reduce(summed, &self.comm, training.inv_scale(slot))?;
+        let window = windows.complete_window(&self.device);
+        let reduced = reducer.reduce(summed, &self.comm, windows.inv_scale())?;
         // The overflow test saw every rank's gradients (averages keep inf and NaN), so every
         // rank decides the same here without another collective.
-        if training.record_overflow(slot, reduced.overflow) {
+        if windows.record_overflow(reduced.overflow) {
             reducer.discard();
-            return Ok(Gradients::new(Outcome::Skipped, window, handle.id));
+            return Ok(Gradients::new(Outcome::Skipped, window, id));
         }
-        Ok(Gradients::new(reduced.outcome, window, handle.id))
+        Ok(Gradients::new(reduced.outcome, window, id))
     }
 
     /// The factor that turns this rank's summed window gradient into its share of the mean
@@ -132,29 +138,25 @@ impl<B: AcceleratorBackend> Accelerator<B> {
         })
     }
 
-    /// The reducer of `model` and its slot: the prepared optimizer's whose parameters `model`
-    /// holds; with none, a reducer (no optimizer) made for `model`, so that `backward` also
+    /// The slot of `model`: the prepared optimizer's whose parameters `model` holds; with
+    /// none, one made for `model` with a reducer and no optimizer, so that `backward` also
     /// serves a loop that steps an optimizer of its own.
-    fn reducer_for<M: Module>(&self, model: &M) -> Result<(ReducerHandle, usize), AccelerateError> {
-        let first = params::first_id(model);
-        let mut slots = self.reducers.lock().unwrap_or_else(PoisonError::into_inner);
-        if let Some(index) = slots.iter().position(|s| s.first_param() == first) {
-            return Ok((slots[index].handle.clone(), index));
+    fn slot_for<M: Module>(&self, model: &M) -> Result<ModelSlot, AccelerateError> {
+        if let Some(slot) = self.slots.find(params::first_id(model)) {
+            return Ok(slot);
         }
-        // One reducer and a model of its shapes under other ids: the same model rebuilt (or
+        // One model and a model of its shapes under other ids: the same model rebuilt (or
         // not the one `prepare` returned); its reducer says which parameter differs.
-        if let [only] = slots.as_slice()
-            && only.handle.lock().layout().shapes() == ParamLayout::of(model).shapes()
+        if let Some(only) = self.slots.only()
+            && only.lock().reducer.layout().shapes() == ParamLayout::of(model).shapes()
         {
-            return Ok((only.handle.clone(), 0));
+            return Ok(only);
         }
         let reducer = reducer::build(self.reducer_spec(model)?, OptimizerChoice::None, &self.comm)?;
-        let handle = ReducerHandle::new(reducer);
-        slots.push(ReducerSlot {
-            handle: handle.clone(),
-            prepared: false,
-        });
-        Ok((handle, slots.len() - 1))
+        Ok(match self.slots.register(reducer, false) {
+            Ok(slot) => slot,
+            Err(registered) => registered.slot,
+        })
     }
 
     /// Clips `grads` so that their global L2 norm, over every parameter of the prepared model
@@ -250,13 +252,15 @@ impl<B: AcceleratorBackend> Accelerator<B> {
     /// backward pass) was skipped because a gradient overflowed (fp16 only); the optimizer and
     /// scheduler did not move.
     pub fn optimizer_step_was_skipped(&self) -> bool {
-        self.training.lock().step_skipped()
+        self.slots
+            .latest()
+            .is_some_and(|slot| slot.lock().windows.step_skipped())
     }
 
     /// The current fp16 loss scale of the first prepared model (`None` without fp16); each
     /// prepared model has its own.
     pub fn loss_scale(&self) -> Option<f32> {
-        self.training.lock().loss_scale(0)
+        self.slots.loss_scale()
     }
 
     /// Time spent so far averaging gradients across processes (zero with one process), to
@@ -268,12 +272,14 @@ impl<B: AcceleratorBackend> Accelerator<B> {
     /// True when the latest backward pass completed an accumulation window, so the optimizer
     /// steps now (always true without accumulation).
     pub fn sync_gradients(&self) -> bool {
-        self.training.lock().sync_gradients()
+        self.slots
+            .latest()
+            .is_none_or(|slot| slot.lock().windows.sync_gradients())
     }
 
     /// Updates the first prepared optimizer applied so far (each
     /// [`PreparedOptimizer::updates`](crate::PreparedOptimizer::updates) counts its own).
     pub fn updates(&self) -> u64 {
-        self.training.lock().updates(0)
+        self.slots.updates()
     }
 }

@@ -86,7 +86,7 @@ fn load_own_part<M: Module>(
     restore_scheduler(dir, scheduler, training.scheduler, saved.updates)
         .map_err(|(detail, hint)| mismatch(detail, hint))?;
 
-    ctx.training.lock().restore(
+    ctx.slots.restore(
         optimizer.slot(),
         ModelLoopState {
             updates: saved.updates,
@@ -141,7 +141,8 @@ fn restore_model_and_optimizer<M: Module>(
     );
     let layout = layout.with_ids(param_ids);
 
-    let mut reducer = optimizer.reducer().lock();
+    let mut slot = optimizer.slot().lock();
+    let reducer = &mut slot.reducer;
     if let Some(saved_kind) = saved_kind
         && saved_kind != reducer.kind().name()
     {
@@ -231,8 +232,7 @@ fn load_own_pair<M: Module>(
     .map_err(|(detail, hint)| mismatch(format!("{name}: {detail}"), hint))?;
     restore_scheduler(&dir.join(name), scheduler, pair.scheduler, state.updates)
         .map_err(|(detail, hint)| mismatch(format!("{name}: {detail}"), hint))?;
-    ctx.training
-        .lock()
+    ctx.slots
         .restore(optimizer.slot(), state.clone(), ctx.device);
     Ok(model)
 }

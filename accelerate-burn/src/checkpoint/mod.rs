@@ -36,8 +36,8 @@ use serde::{Deserialize, Serialize};
 use crate::error::AccelerateError;
 use crate::group::Comm;
 use crate::loader_link::LoaderLinks;
+use crate::model_slot::ModelSlots;
 use crate::optim::{PreparedOptimizer, PreparedScheduler};
-use crate::training_loop::SharedLoop;
 
 pub use crate::reducer::bucketed::OPTIMIZER_FILE;
 pub(crate) use stage_error::StageError;
@@ -322,7 +322,7 @@ struct PairState {
 pub(crate) struct Context<'a> {
     pub state: &'a ProcessState,
     pub comm: &'a Comm,
-    pub training: &'a SharedLoop,
+    pub slots: &'a ModelSlots,
     pub links: &'a LoaderLinks,
     pub device: &'a Device,
     pub seed: Option<u64>,

@@ -25,10 +25,7 @@ pub(crate) fn save_state<M: Module>(
     checkpoint: &Checkpoint<'_, M>,
 ) -> Result<PathBuf, AccelerateError> {
     let rank = ctx.state.rank;
-    let (pending, steps) = {
-        let training = ctx.training.lock();
-        (training.pending(), training.accumulation_steps())
-    };
+    let (pending, steps) = (ctx.slots.pending(), ctx.slots.accumulation_steps());
     if pending > 0 {
         return Err(AccelerateError::Misuse {
             rank,
@@ -70,7 +67,7 @@ pub(crate) fn save_state<M: Module>(
                 format_version: checkpoint::FORMAT_VERSION,
                 library_version: env!("CARGO_PKG_VERSION").to_string(),
                 world_size: ctx.state.world_size,
-                updates: ctx.training.lock().updates(checkpoint.optimizer.slot()),
+                updates: checkpoint.optimizer.slot().lock().windows.updates(),
                 sequence: 0,
                 files: all_files.into_iter().flatten().collect(),
             };
@@ -107,15 +104,15 @@ fn write_own_files<M: Module>(
     {
         return Err(StageError::PairName(name.to_string()));
     }
-    let (snapshot, models) = {
-        let training = ctx.training.lock();
-        let models = checkpoint
-            .pairs
-            .iter()
-            .map(|pair| (pair.name.clone(), training.snapshot(pair.optimizer.slot())))
-            .collect();
-        (training.snapshot(checkpoint.optimizer.slot()), models)
-    };
+    let snapshot = checkpoint.optimizer.slot().lock().windows.snapshot();
+    let models = checkpoint
+        .pairs
+        .iter()
+        .map(|pair| {
+            let snapshot = pair.optimizer.slot().lock().windows.snapshot();
+            (pair.name.clone(), snapshot)
+        })
+        .collect();
     let updates = snapshot.updates;
     let state = RankState {
         rank,
@@ -137,11 +134,11 @@ fn write_own_files<M: Module>(
         distributed: ctx.comm.is_distributed(),
     };
     let kind = {
-        let mut reducer = checkpoint.optimizer.reducer().lock();
-        for file in reducer.save(partial, role)? {
+        let mut slot = checkpoint.optimizer.slot().lock();
+        for file in slot.reducer.save(partial, role)? {
             add(&file.name, file.contents, file.rank, file.bytes);
         }
-        reducer.kind()
+        slot.reducer.kind()
     };
     let mut pairs = BTreeMap::new();
     for pair in &checkpoint.pairs {
@@ -150,8 +147,8 @@ fn write_own_files<M: Module>(
             path: dir.clone(),
             source,
         })?;
-        let mut reducer = pair.optimizer.reducer().lock();
-        for file in reducer.save(&dir, role)? {
+        let mut slot = pair.optimizer.slot().lock();
+        for file in slot.reducer.save(&dir, role)? {
             let name = format!("{}/{}", pair.name, file.name);
             add(&name, file.contents, file.rank, file.bytes);
         }
@@ -181,7 +178,7 @@ fn write_own_files<M: Module>(
             }
             let saved = PairState {
                 param_ids: pair.param_ids.clone(),
-                optimizer: reducer.kind().to_string(),
+                optimizer: slot.reducer.kind().to_string(),
                 scheduler: pair.scheduler.is_some(),
             };
             pairs.insert(pair.name.clone(), saved);

@@ -131,6 +131,7 @@ impl DeviceCollectives {
     }
 
     /// See the `nccl` build's.
+    #[cfg_attr(not(feature = "device-kernels"), allow(dead_code))]
     pub fn reduce_scatter_mean(
         &self,
         _: Tensor<1>,

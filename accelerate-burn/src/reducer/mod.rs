@@ -16,7 +16,7 @@ pub(crate) mod bucketed;
 pub(crate) mod flat;
 pub(crate) mod wire;
 
-use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
+use std::sync::Arc;
 
 use accelerate_core::AcceleratorConfig;
 use burn::lr_scheduler::module_lr_scheduler::ModuleLearningRate;
@@ -206,28 +206,4 @@ pub(crate) fn build(
         spec.device_kernels,
         comm.device_collectives().cloned(),
     )))
-}
-
-/// A reducer shared by the accelerator (backward) and the prepared optimizer (step).
-#[derive(Clone)]
-pub(crate) struct ReducerHandle {
-    /// Distinguishes reducers, so gradients cannot reach another one's step.
-    pub id: u64,
-    inner: Arc<Mutex<Box<dyn GradientReducer>>>,
-}
-
-impl ReducerHandle {
-    pub fn new(reducer: Box<dyn GradientReducer>) -> Self {
-        static NEXT: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(1);
-        Self {
-            id: NEXT.fetch_add(1, std::sync::atomic::Ordering::Relaxed),
-            inner: Arc::new(Mutex::new(reducer)),
-        }
-    }
-
-    /// Locks the reducer. A panic inside one cannot leave it half-updated in a way a later
-    /// step would not report (buffers are checked), so a poisoned lock is still used.
-    pub fn lock(&self) -> MutexGuard<'_, Box<dyn GradientReducer>> {
-        self.inner.lock().unwrap_or_else(PoisonError::into_inner)
-    }
 }

@@ -125,7 +125,6 @@ impl DeviceFlat {
 
     /// One cubecl kernel per segment (a copy for segments without a gradient), writing the
     /// parameters to a new buffer.
-    #[cfg(feature = "device-kernels")]
     pub fn step(
         &mut self,
         plan: &mut FlatPlan,
@@ -196,20 +195,6 @@ impl DeviceFlat {
             (Some(_), Some(nccl)) => comm.timed_device(|| nccl.all_gather(params))?,
             _ => params,
         };
-        Ok(())
-    }
-
-    /// Without a cubecl backend in the build the buffers are never put on a device (the
-    /// reducer only does so when the backend has device kernels), so there is nothing to do.
-    #[cfg(not(feature = "device-kernels"))]
-    pub fn step(
-        &mut self,
-        _: &mut FlatPlan,
-        _: &FusedOptimizer,
-        _: &ModuleLearningRate,
-        _: f32,
-        _: &Comm,
-    ) -> Result<(), AccelerateError> {
         Ok(())
     }
 

@@ -12,11 +12,13 @@ use accelerate_core::checkpoint;
 use burn::lr_scheduler::module_lr_scheduler::ModuleLearningRate;
 use burn::tensor::Tensor;
 
+#[cfg(feature = "device-kernels")]
 mod device;
 mod host;
 mod plan;
 mod state_file;
 
+#[cfg(feature = "device-kernels")]
 use device::DeviceFlat;
 use host::{GradBuffer, HostFlat};
 pub(crate) use plan::FlatPlan;
@@ -36,9 +38,11 @@ use crate::reducer::wire::Wire;
 /// Prefix of the fused optimizer state files (`fused_optimizer_<rank>.bin`).
 const FUSED_PREFIX: &str = "fused_optimizer_";
 
-/// Where the flat buffers live.
+/// Where the flat buffers live, chosen once at prepare. The device variant exists only in
+/// builds with our cubecl kernels, the only ones that can update buffers there.
 pub(crate) enum Buffers {
     Host(Box<HostFlat>),
+    #[cfg(feature = "device-kernels")]
     Device(Box<DeviceFlat>),
 }
 
@@ -68,7 +72,9 @@ pub(crate) struct FlatOptions {
     pub zero_stage: u8,
     pub rank: usize,
     pub world: usize,
-    /// A cubecl backend: without ZeRO the buffers live on the device.
+    /// A cubecl backend: without ZeRO the buffers live on the device (always false, and
+    /// unread, in builds without our cubecl kernels).
+    #[cfg_attr(not(feature = "device-kernels"), allow(dead_code))]
     pub device_kernels: bool,
     /// The precision gradients travel in.
     pub wire: MixedPrecision,
@@ -137,32 +143,34 @@ impl FlatReducer {
                 ),
             });
         }
-        // The kernels index with 32 bits; larger buffers (ZeRO's padding included) stay on
-        // the host path.
-        let fits = plan.len > 0 && u32::try_from(plan.padded.max(plan.len)).is_ok();
-        // ZeRO-1 shards stay on the device only where NCCL can scatter and gather them there.
-        let on_device = options.device_kernels && fits && (!sharded || options.device_collectives);
-        Ok(if on_device {
-            Buffers::Device(Box::new(DeviceFlat::new(
-                trainable,
-                optimizer.state_buffers(),
-                sharded.then(|| (plan.shard.clone(), plan.padded)),
-            )))
-        } else {
-            Buffers::Host(Box::new(HostFlat::new(
-                plan,
-                trainable,
-                optimizer.state_buffers(),
-                grads()?,
-                sharded,
-            )))
-        })
+        #[cfg(feature = "device-kernels")]
+        {
+            // The kernels index with 32 bits; larger buffers (ZeRO's padding included) stay
+            // on the host path. ZeRO-1 shards stay on the device only where NCCL can scatter
+            // and gather them there.
+            let fits = plan.len > 0 && u32::try_from(plan.padded.max(plan.len)).is_ok();
+            if options.device_kernels && fits && (!sharded || options.device_collectives) {
+                return Ok(Buffers::Device(Box::new(DeviceFlat::new(
+                    trainable,
+                    optimizer.state_buffers(),
+                    sharded.then(|| (plan.shard.clone(), plan.padded)),
+                ))));
+            }
+        }
+        Ok(Buffers::Host(Box::new(HostFlat::new(
+            plan,
+            trainable,
+            optimizer.state_buffers(),
+            grads()?,
+            sharded,
+        ))))
     }
 
     /// This rank's state as a checkpoint stores it; state on the device is copied down.
     fn state_file(&self) -> FusedStateFile {
         let buffers = match &self.buffers {
             Buffers::Host(host) => host.state.clone(),
+            #[cfg(feature = "device-kernels")]
             Buffers::Device(device) => device.state_to_host(),
         };
         FusedStateFile {
@@ -237,6 +245,7 @@ impl FlatReducer {
         }
         match &mut self.buffers {
             Buffers::Host(host) => host.state = state,
+            #[cfg(feature = "device-kernels")]
             Buffers::Device(device) => device.set_state(state),
         }
         Ok(())
@@ -267,6 +276,7 @@ impl GradientReducer for FlatReducer {
                 host.gather(&self.plan, taken);
                 host.average(&mut self.wire, comm)?
             }
+            #[cfg(feature = "device-kernels")]
             Buffers::Device(device) => {
                 device.gather(&self.plan, taken);
                 device.average(&mut self.wire, comm)?
@@ -311,6 +321,7 @@ impl GradientReducer for FlatReducer {
                 }
                 host.values(&self.plan)
             }
+            #[cfg(feature = "device-kernels")]
             Buffers::Device(device) => {
                 device.step(&mut self.plan, &self.optimizer, &lr, grad_scale, comm)?;
                 device.values(&self.plan)
@@ -389,12 +400,17 @@ impl GradientReducer for FlatReducer {
     }
 
     fn state_on_device(&self) -> Option<bool> {
-        Some(matches!(self.buffers, Buffers::Device(_)))
+        match self.buffers {
+            Buffers::Host(_) => Some(false),
+            #[cfg(feature = "device-kernels")]
+            Buffers::Device(_) => Some(true),
+        }
     }
 
     fn state_bytes(&self) -> Option<usize> {
         Some(match &self.buffers {
             Buffers::Host(host) => host.state_bytes(),
+            #[cfg(feature = "device-kernels")]
             Buffers::Device(device) => device.state_bytes(),
         })
     }
