@@ -72,6 +72,62 @@ pub struct ConfigFileError {
     pub message: String,
 }
 
+/// What a rank waited for when the rendezvous timed out
+/// ([`CommError::RendezvousTimeout`]); its message ends with a hint.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum RendezvousWait {
+    /// A rank other than 0: rank 0 never accepted it.
+    Accepted {
+        /// The last attempt's failure (connection refused, no address published yet, ...).
+        last_error: String,
+    },
+    /// Rank 0: these ranks never arrived.
+    Arrivals {
+        /// Ranks that never completed their hello.
+        missing: Vec<usize>,
+        /// Ranks refused on the way, with the reason (a different world size, a duplicate).
+        refused: Vec<String>,
+        /// Connections that failed to authenticate (another job's token, not a rank).
+        failed_auth: usize,
+    },
+}
+
+impl std::fmt::Display for RendezvousWait {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Self::Accepted { last_error } => write!(
+                f,
+                "rank 0 never accepted this rank (last error: {last_error}). hint: start rank \
+                 0, check MASTER_ADDR/MASTER_PORT, the firewall and the job token, or raise \
+                 ACCELERATE_RENDEZVOUS_TIMEOUT"
+            ),
+            Self::Arrivals {
+                missing,
+                refused,
+                failed_auth,
+            } => {
+                let missing: Vec<String> = missing.iter().map(usize::to_string).collect();
+                write!(f, "ranks {} never arrived", missing.join(", "))?;
+                if !refused.is_empty() {
+                    write!(f, "; refused: {}", refused.join("; "))?;
+                }
+                if *failed_auth > 0 {
+                    write!(
+                        f,
+                        "; {failed_auth} connections failed to authenticate (a different {} or \
+                         not an accelerate-rs rank)",
+                        crate::env_vars::JOB_TOKEN
+                    )?;
+                }
+                f.write_str(
+                    ". hint: start every rank with the same MASTER_ADDR, MASTER_PORT, WORLD_SIZE \
+                     and job token, or raise ACCELERATE_RENDEZVOUS_TIMEOUT",
+                )
+            }
+        }
+    }
+}
+
 /// A collective, the rendezvous or a transport failed. Every variant names the operation or
 /// stage, this rank, the peer or peers at fault, and what to do.
 #[derive(Debug, Clone, PartialEq, thiserror::Error)]
@@ -165,6 +221,25 @@ pub enum CommError {
         world_size: usize,
         /// What went wrong, with a hint.
         reason: String,
+    },
+
+    /// The group did not form within the rendezvous timeout
+    /// (`ACCELERATE_RENDEZVOUS_TIMEOUT`): what this rank waited for is in `wait`.
+    #[error(
+        "rendezvous at {addr} failed on rank {rank} of {world_size}: timed out after \
+         {waited_s:.1} s: {wait}"
+    )]
+    RendezvousTimeout {
+        /// The rendezvous address.
+        addr: String,
+        /// This rank.
+        rank: usize,
+        /// Expected ranks.
+        world_size: usize,
+        /// Seconds waited.
+        waited_s: f64,
+        /// What never came.
+        wait: RendezvousWait,
     },
 
     /// The MPI library returned an error (the MPI engine).

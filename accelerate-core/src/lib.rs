@@ -72,7 +72,7 @@ pub use config_file::{ConfigFile, ConfigFileError, LoadedConfig};
 pub use distributed_sampler::{
     DistributedSampler, RankBatch, SamplerConfig, SamplerCursor, SamplerError,
 };
-pub use error::{CommError, ConfigError, StateError};
+pub use error::{CommError, ConfigError, RendezvousWait, StateError};
 pub use launch_settings::{DeviceSelection, LaunchFlags, LaunchSettings};
 pub use scaler::{DynamicLossScaler, ScaledStep, ScalerConfig, ScalerState};
 pub use state::{EnvSource, Launcher, ProcessEnv, ProcessState};

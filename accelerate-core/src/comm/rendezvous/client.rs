@@ -9,7 +9,7 @@ use super::conn::{Conn, Side};
 use super::secret::SecretError;
 use super::wire::{MAX_REPLY_BYTES, ProbeResult, Reply, decode_reply, parse_cookie};
 use super::{HELLO_DEADLINE, Rendezvous, RendezvousConfig, SharedMemoryHooks};
-use crate::error::CommError;
+use crate::error::{CommError, RendezvousWait};
 
 impl RendezvousConfig {
     pub(super) fn connect(
@@ -22,12 +22,7 @@ impl RendezvousConfig {
         let (mut conn, token) = loop {
             let left = deadline.saturating_duration_since(Instant::now());
             if left.is_zero() {
-                return Err(self.err(format!(
-                    "timed out after {:.1} s: rank 0 never accepted this rank (last error: \
-                     {last_error}). hint: start rank 0, check MASTER_ADDR/MASTER_PORT, the \
-                     firewall and the job token, or raise ACCELERATE_RENDEZVOUS_TIMEOUT",
-                    self.timeout.as_secs_f64()
-                )));
+                return Err(self.timed_out(RendezvousWait::Accepted { last_error }));
             }
             let retry = Duration::from_millis(50).min(left);
             let (token, addr) = match self.secret.current(addr) {

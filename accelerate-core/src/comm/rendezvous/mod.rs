@@ -119,6 +119,17 @@ impl RendezvousConfig {
         }
     }
 
+    /// The rendezvous timed out waiting for `wait`.
+    pub(super) fn timed_out(&self, wait: crate::error::RendezvousWait) -> CommError {
+        CommError::RendezvousTimeout {
+            addr: self.addr.clone(),
+            rank: self.rank,
+            world_size: self.world_size,
+            waited_s: self.timeout.as_secs_f64(),
+            wait,
+        }
+    }
+
     fn resolve(&self) -> Result<SocketAddr, CommError> {
         self.addr
             .to_socket_addrs()

@@ -13,7 +13,7 @@ use super::conn::{Conn, GreetError, greet};
 use super::secret::SecretError;
 use super::wire::{Hello, MAX_HELLO_BYTES, PeerInfo, ProbeResult, Reply};
 use super::{HELLO_DEADLINE, RendezvousConfig, STORE_CHECK_INTERVAL, SharedMemoryHooks};
-use crate::error::CommError;
+use crate::error::{CommError, RendezvousWait};
 
 /// A client that authenticated and said hello, or why a connection was dropped.
 type Arrival = Result<(Hello, Conn, SocketAddr), (SocketAddr, GreetError)>;
@@ -77,38 +77,20 @@ impl RendezvousConfig {
                 self.still_published(&token, addr, &mut arrived)?;
             }
             if Instant::now() >= deadline {
-                let missing: Vec<String> = arrived
-                    .iter()
-                    .enumerate()
-                    .filter(|(_, h)| h.is_none())
-                    .map(|(r, _)| r.to_string())
-                    .collect();
-                let mut reason = format!(
-                    "timed out after {:.1} s: ranks {} never arrived",
-                    self.timeout.as_secs_f64(),
-                    missing.join(", ")
+                let wait = RendezvousWait::Arrivals {
+                    missing: (0..arrived.len())
+                        .filter(|&r| arrived[r].is_none())
+                        .collect(),
+                    refused: std::mem::take(&mut refused),
+                    failed_auth: dropped,
+                };
+                // The others hear it as rank 0's refusal, in the same words.
+                let reason = format!(
+                    "timed out after {:.1} s: {wait}",
+                    self.timeout.as_secs_f64()
                 );
-                if !refused.is_empty() {
-                    reason.push_str(&format!("; refused: {}", refused.join("; ")));
-                }
-                if dropped > 0 {
-                    reason.push_str(&format!(
-                        "; {dropped} connections failed to authenticate (a different \
-                         {} or not an accelerate-rs rank)",
-                        crate::env_vars::JOB_TOKEN
-                    ));
-                }
-                reason.push_str(
-                    ". hint: start every rank with the same MASTER_ADDR, MASTER_PORT, WORLD_SIZE \
-                     and job token, or raise ACCELERATE_RENDEZVOUS_TIMEOUT",
-                );
-                self.refuse_all(
-                    &mut arrived,
-                    &Reply::Refused {
-                        reason: reason.clone(),
-                    },
-                );
-                return Err(self.err(reason));
+                self.refuse_all(&mut arrived, &Reply::Refused { reason });
+                return Err(self.timed_out(wait));
             }
             self.accept_some(&store, &arrivals, &admission, &token, deadline);
             match incoming.recv_timeout(Duration::from_millis(5)) {
