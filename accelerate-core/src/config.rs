@@ -2,14 +2,16 @@
 //!
 //! Precedence, highest first: a value set in code (on [`ConfigOverrides`]), then the
 //! `ACCELERATE_*` environment variable (which `accelerate-rs launch` flags set), then the config
-//! file ([`crate::config_file`]), then the default. Every value is validated once, here,
-//! and an error names the key, the source and what would have been accepted.
+//! file ([`crate::config_file`]), then the default: the rows of [`crate::setting_table`] and
+//! its resolver, which validates every value whatever its source; an error names the key, the
+//! source and what would have been accepted.
 
 use serde::{Deserialize, Serialize};
 
 use crate::config_file::{self, ConfigFile};
-use crate::env_vars::{self, EnvSource, ProcessEnv, parse_env as env_parse};
+use crate::env_vars::{self, EnvSource, ProcessEnv};
 use crate::error::ConfigError;
+use crate::setting_table::{self as table, GivenBy, Resolver};
 pub use crate::settings::{MixedPrecision, NcclMode};
 
 /// Environment variable for [`AcceleratorConfig::gradient_accumulation_steps`].
@@ -101,7 +103,9 @@ impl ConfigOverrides {
         if let Some(note) = loaded.as_ref().and_then(|l| l.ignored_note()) {
             tracing::debug!("{note}");
         }
-        self.resolve_with_file(&ProcessEnv, loaded.map(|l| l.file).as_ref())
+        let path = loaded.as_ref().map(|l| l.path.as_path());
+        let settings = Resolver::new(&ProcessEnv, GivenBy::Code, path);
+        self.resolve_from(settings, loaded.as_ref().map(|l| &l.file))
     }
 
     /// Resolves against `env` and the defaults (no config file).
@@ -118,111 +122,58 @@ impl ConfigOverrides {
         env: &(impl EnvSource + ?Sized),
         file: Option<&ConfigFile>,
     ) -> Result<AcceleratorConfig, ConfigError> {
+        self.resolve_from(Resolver::new(env, GivenBy::Code, None), file)
+    }
+
+    /// Every setting through the table's resolver: code, then the environment, then the
+    /// file, then the default.
+    fn resolve_from<E: EnvSource + ?Sized>(
+        &self,
+        settings: Resolver<'_, E>,
+        file: Option<&ConfigFile>,
+    ) -> Result<AcceleratorConfig, ConfigError> {
         let file = file.cloned().unwrap_or_default();
-        let defaults = AcceleratorConfig {
-            gradient_accumulation_steps: file
-                .gradient_accumulation_steps
-                .unwrap_or(AcceleratorConfig::default().gradient_accumulation_steps),
-            seed: file.seed,
-            mixed_precision: file.mixed_precision.unwrap_or_default(),
-            ..AcceleratorConfig::default()
-        };
-        let gradient_accumulation_steps = match self.gradient_accumulation_steps {
-            Some(0) => {
-                return Err(ConfigError::Invalid {
-                    key: "gradient_accumulation_steps",
-                    source_name: "code".into(),
-                    value: "0".into(),
-                    expected: "a positive integer",
-                });
-            }
-            Some(n) => n,
-            None => env_parse(
-                env,
-                ENV_GRADIENT_ACCUMULATION_STEPS,
-                "a positive integer",
-                |v| v.parse::<usize>().ok().filter(|&n| n > 0),
-            )?
-            .unwrap_or(defaults.gradient_accumulation_steps),
-        };
-        let seed = match self.seed {
-            Some(seed) => Some(seed),
-            None => env_parse(env, ENV_SEED, "an unsigned 64-bit integer", |v| {
-                v.parse::<u64>().ok()
-            })?
-            .or(defaults.seed),
-        };
-        let gradient_bucket_bytes = match self.gradient_bucket_bytes {
-            Some(bytes) => bytes.max(1),
-            None => env_parse(
-                env,
-                ENV_GRADIENT_BUCKET_MB,
-                "a positive number of MiB",
-                |v| {
-                    v.parse::<f64>()
-                        .ok()
-                        .filter(|mb| mb.is_finite() && *mb > 0.0)
-                        .map(|mb| ((mb * 1048576.0) as usize).max(1))
-                },
-            )?
-            .unwrap_or(defaults.gradient_bucket_bytes),
-        };
-        let mixed_precision = match self.mixed_precision {
-            Some(mp) => mp,
-            None => env_parse(env, ENV_MIXED_PRECISION, MixedPrecision::EXPECTED, |v| {
-                v.parse().ok()
-            })?
-            .unwrap_or(defaults.mixed_precision),
-        };
-        let gradient_communication = match self.gradient_communication {
-            Some(mp) => mp,
-            None => env_parse(
-                env,
-                ENV_GRADIENT_COMMUNICATION,
-                MixedPrecision::EXPECTED,
-                |v| v.parse().ok(),
-            )?
-            .unwrap_or(defaults.gradient_communication),
-        };
-        let zero_stage = match self.zero_stage {
-            Some(stage @ 0..=1) => stage,
-            Some(stage) => {
-                return Err(ConfigError::Invalid {
-                    key: "zero_stage",
-                    source_name: "code".into(),
-                    value: stage.to_string(),
-                    expected: "0 or 1",
-                });
-            }
-            None => env_parse(env, ENV_ZERO_STAGE, "0 or 1", |v| {
-                v.parse::<u8>().ok().filter(|s| *s <= 1)
-            })?
-            .unwrap_or(defaults.zero_stage),
-        };
-        let gradient_checkpointing = match self.gradient_checkpointing {
-            Some(on) => on,
-            None => env_parse(
-                env,
-                ENV_GRADIENT_CHECKPOINTING,
-                "true or false",
-                env_vars::parse_bool,
-            )?
-            .unwrap_or(defaults.gradient_checkpointing),
-        };
-        let nccl = match self.nccl {
-            Some(mode) => mode,
-            None => env_parse(env, ENV_NCCL, NcclMode::EXPECTED, |v| v.parse().ok())?
-                .unwrap_or_default(),
-        };
+        let default = AcceleratorConfig::default();
         Ok(AcceleratorConfig {
-            gradient_accumulation_steps,
-            seed,
-            gradient_bucket_bytes,
-            mixed_precision,
-            gradient_communication,
-            zero_stage,
-            gradient_checkpointing,
-            nccl,
+            gradient_accumulation_steps: settings.get_or(
+                &table::GRADIENT_ACCUMULATION_STEPS,
+                self.gradient_accumulation_steps,
+                file.gradient_accumulation_steps,
+                default.gradient_accumulation_steps,
+            )?,
+            seed: settings.get(&table::SEED, self.seed, file.seed)?,
+            // A bucket of 0 bytes set in code means the smallest, as it always has.
+            gradient_bucket_bytes: settings.get_or(
+                &table::GRADIENT_BUCKET_BYTES,
+                self.gradient_bucket_bytes.map(|bytes| bytes.max(1)),
+                None,
+                default.gradient_bucket_bytes,
+            )?,
+            mixed_precision: settings.get_or(
+                &table::MIXED_PRECISION,
+                self.mixed_precision,
+                file.mixed_precision,
+                default.mixed_precision,
+            )?,
+            gradient_communication: settings.get_or(
+                &table::GRADIENT_COMMUNICATION,
+                self.gradient_communication,
+                None,
+                default.gradient_communication,
+            )?,
+            zero_stage: settings.get_or(
+                &table::ZERO_STAGE,
+                self.zero_stage,
+                None,
+                default.zero_stage,
+            )?,
+            gradient_checkpointing: settings.get_or(
+                &table::GRADIENT_CHECKPOINTING,
+                self.gradient_checkpointing,
+                None,
+                default.gradient_checkpointing,
+            )?,
+            nccl: settings.get_or(&table::NCCL, self.nccl, None, default.nccl)?,
         })
     }
 }

@@ -5,8 +5,6 @@
 
 use std::collections::HashMap;
 
-use crate::error::ConfigError;
-
 /// Where a variable is read from: the process environment or, in tests, a map.
 pub trait EnvSource {
     /// The value of `key`, or `None` when it is not set (an empty value counts as unset).
@@ -107,26 +105,6 @@ pub fn parse_bool(value: &str) -> Option<bool> {
         "0" | "false" | "no" => Some(false),
         _ => None,
     }
-}
-
-/// The value of `key` in `env` parsed by `parse`; an error naming the variable when it does
-/// not parse.
-pub(crate) fn parse_env<T>(
-    env: &(impl EnvSource + ?Sized),
-    key: &'static str,
-    expected: &'static str,
-    parse: impl Fn(&str) -> Option<T>,
-) -> Result<Option<T>, ConfigError> {
-    env.var(key)
-        .map(|v| {
-            parse(v.trim()).ok_or(ConfigError::Invalid {
-                key,
-                source_name: "env".into(),
-                value: v,
-                expected,
-            })
-        })
-        .transpose()
 }
 
 #[cfg(test)]

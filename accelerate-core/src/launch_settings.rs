@@ -1,10 +1,14 @@
 //! What `accelerate-rs launch` runs with: each setting from its command-line flag, else its
-//! `ACCELERATE_*` variable, else the config file, else the default; every value validated
-//! here, with errors naming the key, its source and what is accepted.
+//! `ACCELERATE_*` variable, else the config file, else the default (the rows of
+//! [`crate::setting_table`] and its resolver), every value validated whatever its source, with
+//! errors naming the key, its source and what is accepted.
+
+use std::path::Path;
 
 use crate::config_file::ConfigFile;
-use crate::env_vars::{self, EnvSource, parse_env};
+use crate::env_vars::{self, EnvSource};
 use crate::error::ConfigError;
+use crate::setting_table::{self as table, GivenBy, Resolver};
 use crate::settings::MixedPrecision;
 
 /// The launcher's command-line flags (`None`/`false`: not given).
@@ -70,42 +74,39 @@ impl LaunchFlags {
         env: &(impl EnvSource + ?Sized),
         file: Option<&ConfigFile>,
     ) -> Result<LaunchSettings, ConfigError> {
+        self.resolve_from(env, file, None)
+    }
+
+    /// [`resolve`](Self::resolve) with the config file read from `path`, which errors about
+    /// its values name.
+    pub fn resolve_from(
+        &self,
+        env: &(impl EnvSource + ?Sized),
+        file: Option<&ConfigFile>,
+        path: Option<&Path>,
+    ) -> Result<LaunchSettings, ConfigError> {
+        let settings = Resolver::new(env, GivenBy::Flag, path);
         let file = file.cloned().unwrap_or_default();
-        let count = |key: &'static str| {
-            parse_env(env, key, "a non-negative integer", |v| {
-                v.parse::<usize>().ok()
-            })
-        };
-        let num_machines = self
-            .num_machines
-            .or(count(env_vars::NUM_MACHINES)?)
-            .or(file.num_machines)
-            .unwrap_or(1);
-        let main_process_port = match self.main_process_port {
-            Some(port) => Some(port),
-            None => parse_env(
-                env,
-                env_vars::MAIN_PROCESS_PORT,
-                "a port (0 to 65535)",
-                |v| v.parse::<u16>().ok(),
-            )?,
-        }
-        .or(file.main_process_port)
-        .unwrap_or(if num_machines == 1 { 0 } else { 29500 });
-        let gpu_ids = self
-            .gpu_ids
-            .clone()
-            .or(env.var(env_vars::GPU_IDS))
-            .or(file.gpu_ids);
-        let use_cpu = match parse_env(
-            env,
-            env_vars::USE_CPU,
-            "true, false, 1, 0, yes or no",
-            env_vars::parse_bool,
-        )? {
-            Some(flag) => flag,
-            None => file.use_cpu == Some(true),
-        };
+        let num_machines = settings.get_or(
+            &table::NUM_MACHINES,
+            self.num_machines,
+            file.num_machines,
+            1,
+        )?;
+        let main_process_port = settings.get_or(
+            &table::MAIN_PROCESS_PORT,
+            self.main_process_port,
+            file.main_process_port,
+            if num_machines == 1 { 0 } else { 29500 },
+        )?;
+        let gpu_ids = settings.get(&table::GPU_IDS, self.gpu_ids.clone(), file.gpu_ids)?;
+        // `--cpu` only ever says yes; without it the variable, then the file, decide.
+        let use_cpu = settings.get_or(
+            &table::USE_CPU,
+            self.cpu.then_some(true),
+            file.use_cpu,
+            false,
+        )?;
         let devices = match (self.cpu, gpu_ids) {
             (true, _) => DeviceSelection::Cpu,
             (false, Some(ids)) => DeviceSelection::Gpus(ids),
@@ -113,29 +114,34 @@ impl LaunchFlags {
             (false, None) => DeviceSelection::Default,
         };
         Ok(LaunchSettings {
-            num_processes: self
-                .num_processes
-                .or(count(env_vars::NUM_PROCESSES)?)
-                .or(file.num_processes)
-                .unwrap_or(1),
+            num_processes: settings.get_or(
+                &table::NUM_PROCESSES,
+                self.num_processes,
+                file.num_processes,
+                1,
+            )?,
             num_machines,
-            machine_rank: self
-                .machine_rank
-                .or(count(env_vars::MACHINE_RANK)?)
-                .or(file.machine_rank)
-                .unwrap_or(0),
-            main_process_ip: self
-                .main_process_ip
-                .clone()
-                .or(env.var(env_vars::MAIN_PROCESS_IP))
-                .or(file.main_process_ip)
-                .unwrap_or_else(|| "127.0.0.1".into()),
+            machine_rank: settings.get_or(
+                &table::MACHINE_RANK,
+                self.machine_rank,
+                file.machine_rank,
+                0,
+            )?,
+            main_process_ip: settings.get_or(
+                &table::MAIN_PROCESS_IP,
+                self.main_process_ip.clone(),
+                file.main_process_ip,
+                "127.0.0.1".into(),
+            )?,
             main_process_port,
-            max_restarts: self
-                .max_restarts
-                .or(count(env_vars::MAX_RESTARTS)?)
-                .or(file.max_restarts)
-                .unwrap_or(0),
+            max_restarts: settings.get_or(
+                &table::MAX_RESTARTS,
+                self.max_restarts,
+                file.max_restarts,
+                0,
+            )?,
+            // Only a precision given on the command line is passed on: the workers read the
+            // environment and the file themselves.
             mixed_precision: self.mixed_precision,
             devices,
         })

@@ -24,6 +24,8 @@
 //! - [`state`]: the launcher environment, parsed and validated (one reader per launcher, and
 //!   the [`state::contract`] between `accelerate-rs launch` and its workers).
 //! - [`settings`]: the settings' value types (precision, NCCL use, transport), a leaf.
+//! - [`setting_table`]: every setting's key, flag, variable and accepted values, and the one
+//!   resolver of flag or code > environment > config file > default.
 //! - [`config`]: [`AcceleratorConfig`] and its sources.
 //! - [`config_file`]: the config file (`accelerate-rs config`), and Accelerate's YAML import.
 //! - [`env_vars`]: every `ACCELERATE_*` variable, named once, and the environment reader.
@@ -59,6 +61,7 @@ pub mod nccl;
 pub mod output_file;
 pub mod sampler;
 pub mod scaler;
+pub mod setting_table;
 pub mod settings;
 pub mod state;
 pub mod tracking;

@@ -1,5 +1,5 @@
 //! The settings' value types, each with the one spelling that flags, variables and files use:
-//! compute precision, NCCL use, transport. A leaf: everything that reads a setting (the
+//! compute precision, NCCL use, transport, all-reduce algorithm. A leaf: everything that reads a setting (the
 //! process state, the config file, the accelerator's config, the group options) imports these,
 //! and this imports nothing of the crate but the environment reader.
 
@@ -138,6 +138,9 @@ pub enum TransportChoice {
 }
 
 impl TransportChoice {
+    /// The spellings accepted.
+    pub const EXPECTED: &'static str = "auto, shm, tcp or mpi";
+
     /// Whether a group formed with this choice uses the MPI engine: `mpi` always, `auto` in
     /// a build with the `mpi` feature when an MPI launcher started the process (Open MPI's
     /// `mpirun` sets `OMPI_COMM_WORLD_SIZE`, a PMIx launcher such as `srun --mpi=pmix` sets
@@ -164,7 +167,36 @@ impl FromStr for TransportChoice {
             "shm" => Ok(Self::Shm),
             "tcp" => Ok(Self::Tcp),
             "mpi" => Ok(Self::Mpi),
-            _ => Err(ParseSettingError::new(s, "auto, shm, tcp or mpi")),
+            _ => Err(ParseSettingError::new(s, Self::EXPECTED)),
+        }
+    }
+}
+
+/// Which all-reduce algorithm the message transports use.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum AllReduceAlgorithm {
+    /// Recursive doubling for small buffers (up to 64 KiB), the ring above.
+    Auto,
+    /// Always the ring.
+    Ring,
+    /// Always recursive doubling.
+    RecursiveDoubling,
+}
+
+impl AllReduceAlgorithm {
+    /// The spellings accepted.
+    pub const EXPECTED: &'static str = "auto, ring or recursive_doubling";
+}
+
+impl FromStr for AllReduceAlgorithm {
+    type Err = ParseSettingError;
+
+    fn from_str(s: &str) -> Result<Self, Self::Err> {
+        match s.trim().to_ascii_lowercase().as_str() {
+            "auto" => Ok(Self::Auto),
+            "ring" => Ok(Self::Ring),
+            "recursive_doubling" | "recursive-doubling" | "rd" => Ok(Self::RecursiveDoubling),
+            _ => Err(ParseSettingError::new(s, Self::EXPECTED)),
         }
     }
 }

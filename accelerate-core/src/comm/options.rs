@@ -5,9 +5,9 @@ use std::time::Duration;
 
 use super::collective::AllReduceAlgorithm;
 use super::transport::shm::DEFAULT_SLOT_BYTES;
-use crate::env_vars::{self, EnvSource, ProcessEnv};
+use crate::env_vars::{EnvSource, ProcessEnv};
 use crate::error::ConfigError;
-use crate::settings::ParseSettingError;
+use crate::setting_table::{self as table, GivenBy, Resolver};
 pub use crate::settings::TransportChoice;
 
 /// How a process group forms and behaves. Its `Debug` output never shows the token.
@@ -78,87 +78,47 @@ impl Default for GroupOptions {
     }
 }
 
-/// Smallest slot accepted: a reduce-scatter slot holds a sub-block of every rank's part.
-const MIN_SLOT_BYTES: usize = 4096;
-/// Largest slot or ring segment accepted from the environment: 1 GiB, far past where larger
-/// chunks stop helping, and small enough that no segment size arithmetic can overflow.
-const MAX_SLOT_BYTES: usize = 1 << 30;
-
 impl GroupOptions {
     /// Defaults overridden by the process environment.
     pub fn from_env() -> Result<Self, ConfigError> {
         Self::from_source(&ProcessEnv)
     }
 
-    /// Defaults overridden by `env`.
+    /// Defaults overridden by `env` (the rows of [`crate::setting_table`]).
     pub fn from_source(env: &(impl EnvSource + ?Sized)) -> Result<Self, ConfigError> {
-        let mut options = Self::default();
-        let invalid =
-            |key: &'static str, value: String, expected: &'static str| ConfigError::Invalid {
-                key,
-                source_name: "env".into(),
-                value,
-                expected,
-            };
-        let seconds = |key: &'static str| -> Result<Option<Duration>, ConfigError> {
-            env.var(key)
-                .map(|v| {
-                    crate::wait::seconds(&v)
-                        .filter(|s| !s.is_zero())
-                        .ok_or_else(|| {
-                            invalid(
-                                key,
-                                v,
-                                "a positive number of seconds, at most 2592000 (30 days)",
-                            )
-                        })
-                })
-                .transpose()
-        };
-        let bytes = |key: &'static str| -> Result<Option<usize>, ConfigError> {
-            env.var(key)
-                .map(|v| {
-                    v.trim()
-                        .parse::<usize>()
-                        .ok()
-                        .filter(|b| (MIN_SLOT_BYTES..=MAX_SLOT_BYTES).contains(b))
-                        .ok_or_else(|| {
-                            invalid(key, v, "a number of bytes from 4096 to 1073741824 (1 GiB)")
-                        })
-                })
-                .transpose()
-        };
-        if let Some(t) = seconds(env_vars::TIMEOUT)? {
-            options.timeout = t;
-        }
-        if let Some(t) = seconds(env_vars::RENDEZVOUS_TIMEOUT)? {
-            options.rendezvous_timeout = t;
-        }
-        if let Some(t) = seconds(env_vars::HEARTBEAT_TIMEOUT)? {
-            options.heartbeat_timeout = t;
-        }
-        if let Some(v) = env.var(env_vars::HIERARCHICAL) {
-            options.hierarchical = env_vars::parse_bool(&v)
-                .ok_or_else(|| invalid(env_vars::HIERARCHICAL, v, "true or false"))?;
-        }
-        if let Some(v) = env.var(env_vars::TRANSPORT) {
-            options.transport = v
-                .parse()
-                .map_err(|e: ParseSettingError| invalid(env_vars::TRANSPORT, v, e.expected))?;
-        }
-        if let Some(v) = env.var(env_vars::ALL_REDUCE_ALGORITHM) {
-            options.algorithm = v.parse().map_err(|e: ParseSettingError| {
-                invalid(env_vars::ALL_REDUCE_ALGORITHM, v, e.expected)
-            })?;
-        }
-        options.token = env.var(env_vars::JOB_TOKEN);
-        if let Some(b) = bytes(env_vars::SHM_SLOT_BYTES)? {
-            options.shm_slot_bytes = b;
-        }
-        if let Some(b) = bytes(env_vars::RING_SEGMENT_BYTES)? {
-            options.segment_bytes = b;
-        }
-        Ok(options)
+        let settings = Resolver::new(env, GivenBy::Code, None);
+        let d = Self::default();
+        Ok(Self {
+            timeout: settings.get_or(&table::TIMEOUT, None, None, d.timeout)?,
+            rendezvous_timeout: settings.get_or(
+                &table::RENDEZVOUS_TIMEOUT,
+                None,
+                None,
+                d.rendezvous_timeout,
+            )?,
+            heartbeat_timeout: settings.get_or(
+                &table::HEARTBEAT_TIMEOUT,
+                None,
+                None,
+                d.heartbeat_timeout,
+            )?,
+            hierarchical: settings.get_or(&table::HIERARCHICAL, None, None, d.hierarchical)?,
+            transport: settings.get_or(&table::TRANSPORT, None, None, d.transport)?,
+            algorithm: settings.get_or(&table::ALL_REDUCE_ALGORITHM, None, None, d.algorithm)?,
+            token: settings.get(&table::JOB_TOKEN, None, None)?,
+            shm_slot_bytes: settings.get_or(
+                &table::SHM_SLOT_BYTES,
+                None,
+                None,
+                d.shm_slot_bytes,
+            )?,
+            segment_bytes: settings.get_or(
+                &table::RING_SEGMENT_BYTES,
+                None,
+                None,
+                d.segment_bytes,
+            )?,
+        })
     }
 }
 

@@ -149,7 +149,11 @@ pub fn run(args: LaunchArgs) -> anyhow::Result<ExitCode> {
         gpu_ids: args.gpu_ids,
         max_restarts: args.max_restarts,
     };
-    let settings = flags.resolve(&ProcessEnv, loaded.as_ref().map(|l| &l.file))?;
+    let settings = flags.resolve_from(
+        &ProcessEnv,
+        loaded.as_ref().map(|l| &l.file),
+        loaded.as_ref().map(|l| l.path.as_path()),
+    )?;
     // The workers read the same file, below their environment.
     let mut env = vec![(
         env_vars::CONFIG_FILE.to_string(),

@@ -8,6 +8,7 @@ use std::sync::atomic::AtomicUsize;
 
 use accelerate_core::config_file;
 use accelerate_core::launch::{LaunchConfig, launch};
+use accelerate_core::setting_table::{self, GivenBy, Resolver};
 use accelerate_core::state::ProcessEnv;
 use clap::Args;
 
@@ -22,7 +23,8 @@ use crate::selftest;
 /// features (so the backend checked is the project's).
 #[derive(Debug, Args)]
 pub struct TestArgs {
-    /// Processes to check with [default: the config file's num_processes, else 2].
+    /// Processes to check with [default: ACCELERATE_NUM_PROCESSES, else the config file's
+    /// num_processes, else 2].
     #[arg(short = 'n', long)]
     num_processes: Option<usize>,
 
@@ -33,11 +35,19 @@ pub struct TestArgs {
 
 /// Launches the check and reports.
 pub fn run(args: TestArgs) -> anyhow::Result<ExitCode> {
-    let file = config_file::discover(&ProcessEnv)?.map(|l| l.file);
-    let num_processes = args
-        .num_processes
-        .or(file.and_then(|f| f.num_processes))
-        .unwrap_or(2);
+    let loaded = config_file::discover(&ProcessEnv)?;
+    let settings = Resolver::new(
+        &ProcessEnv,
+        GivenBy::Flag,
+        loaded.as_ref().map(|l| l.path.as_path()),
+    );
+    // Two processes by default: the smallest job that checks communication.
+    let num_processes = settings.get_or(
+        &setting_table::NUM_PROCESSES,
+        args.num_processes,
+        loaded.as_ref().and_then(|l| l.file.num_processes),
+        2,
+    )?;
     let program = selftest::locate(args.worker)?;
     let config = LaunchConfig {
         program: program.clone(),

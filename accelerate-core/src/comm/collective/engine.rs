@@ -1,6 +1,5 @@
 //! The message-passing engine: a [`Link`] plus timeouts, header checks and failure reporting.
 
-use std::str::FromStr;
 use std::time::{Duration, Instant};
 
 use crate::comm::call::{CallDesc, Header, OpKind};
@@ -11,29 +10,7 @@ use crate::error::CommError;
 /// Longest abort reason read from a peer, in bytes.
 const MAX_ABORT_BYTES: usize = 64 << 10;
 
-/// Which all-reduce algorithm the message engine uses.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum AllReduceAlgorithm {
-    /// Recursive doubling up to [`SMALL_BYTES`](MessageEngine::SMALL_BYTES), ring above.
-    Auto,
-    /// Always the ring.
-    Ring,
-    /// Always recursive doubling.
-    RecursiveDoubling,
-}
-
-impl FromStr for AllReduceAlgorithm {
-    type Err = crate::settings::ParseSettingError;
-
-    fn from_str(s: &str) -> Result<Self, Self::Err> {
-        match s.trim().to_ascii_lowercase().as_str() {
-            "auto" => Ok(Self::Auto),
-            "ring" => Ok(Self::Ring),
-            "recursive_doubling" | "recursive-doubling" | "rd" => Ok(Self::RecursiveDoubling),
-            _ => Err(Self::Err::new(s, "auto, ring or recursive_doubling")),
-        }
-    }
-}
+pub use crate::settings::AllReduceAlgorithm;
 
 /// Collectives over a message link.
 pub struct MessageEngine<L: Link> {
