@@ -1,10 +1,10 @@
 //! Collectives between the processes of a job: rendezvous, transports, algorithms, and the
 //! [`ProcessGroup`] API on top.
 //!
-//! - [`rendezvous`]: rank 0's TCP store; world size, settings and rank checks. Under it:
+//! - `rendezvous`: rank 0's TCP store; world size, settings and rank checks. Under it:
 //!   [`admission`] (how many connections are authenticated at once, and from one address),
-//!   [`auth`] and [`secret`] (the job secret and the challenge-response every connection opens
-//!   with), [`torch_store`] (torchrun's store, where a job torchrun spans over hosts finds
+//!   `auth` and [`secret`] (the job secret and the challenge-response every connection opens
+//!   with), `torch_store` (torchrun's store, where a job torchrun spans over hosts finds
 //!   rank 0).
 //! - [`transport`]: `local` (threads), `tcp` (hosts), `shm` (one host, direct collectives).
 //! - [`collective`]: ring, recursive-doubling, tree and dissemination algorithms over the
@@ -41,13 +41,20 @@
 //! is noticed within milliseconds (connection closed, or its process gone), and the error names
 //! the call, this rank and the missing or failed ranks.
 
+// The wire internals (call headers, the engine and link traits, the rendezvous and its
+// handshake, torchrun's store) are public only so that the fuzz and process tests can drive
+// them; they are hidden from the documentation and are not API: they change without notice.
+#[doc(hidden)]
 pub mod call;
 pub mod collective;
+#[doc(hidden)]
 pub mod engine;
 mod group;
 pub mod hierarchical;
+#[doc(hidden)]
 pub mod link;
 mod options;
+#[doc(hidden)]
 pub mod rendezvous;
 mod shared_buffer;
 pub mod transport;
@@ -57,5 +64,7 @@ pub use collective::AllReduceAlgorithm;
 pub use group::{MAX_GATHERED_OBJECT_BYTES, MAX_OBJECT_BYTES, ProcessGroup, Reduction};
 pub use options::{GroupOptions, TransportChoice};
 #[doc(no_inline)]
-pub use rendezvous::{admission, auth, secret, torch_store};
+pub use rendezvous::{admission, secret};
+#[doc(hidden)]
+pub use rendezvous::{auth, torch_store};
 pub use shared_buffer::SharedBuffer;
