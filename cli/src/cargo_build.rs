@@ -29,8 +29,10 @@ pub struct Target<'a> {
 /// The packages a build selects, which decide the features cargo resolves.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Among<'a> {
-    /// The member that owns the target, looked up (else cargo's own search applies).
-    Owner,
+    /// The packages cargo selects in the current directory, as `cargo build` and `cargo test`
+    /// there do (the whole workspace at a virtual workspace's root), so the build shares
+    /// their features and artifacts.
+    Current,
     /// This package: for a dependency, cargo takes its features from the members that
     /// depend on it.
     Package(&'a str),
@@ -60,15 +62,12 @@ pub fn build(target: &Target) -> anyhow::Result<PathBuf> {
     .arg(format!("--{kind}"))
     .arg(name)
     .stdout(Stdio::piped());
-    // The owner alone resolves the features `cargo run -p <owner>` would. Without a package,
-    // cargo resolves them over every member of the workspace (benches and their
-    // dev-dependencies too): another build of Burn when the two differ.
+    // No package for the user's program: cargo then resolves features as the project's own
+    // `cargo build` and `cargo test` do, so neither rebuilds Burn after a launch (with
+    // `-p <owner>` the features differ and the next `cargo test --workspace` recompiled
+    // Burn, about 8 minutes here).
     match target.among {
-        Among::Owner => {
-            if let Some(package) = package_of(&cargo, kind, name) {
-                cmd.args(["--package", &package]);
-            }
-        }
+        Among::Current => {}
         Among::Package(package) => {
             cmd.args(["--package", package]);
         }
@@ -116,13 +115,6 @@ pub fn build(target: &Target) -> anyhow::Result<PathBuf> {
     executable.with_context(|| format!("cargo built no executable for the {kind} `{name}`"))
 }
 
-/// The member of the current workspace that has the `kind` target `name`, when exactly one
-/// has it; `None` outside a cargo project too (then cargo's own search and errors apply).
-pub fn package_of(cargo: &str, kind: &str, name: &str) -> Option<String> {
-    let metadata = metadata(cargo, &["--no-deps"])?;
-    package_with_target(&metadata, kind, name)
-}
-
 /// A package of the current project's dependency graph that has a target.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Owner {
@@ -161,13 +153,6 @@ fn metadata(cargo: &str, extra: &[&str]) -> Option<serde_json::Value> {
         .ok()
         .filter(|o| o.status.success())?;
     serde_json::from_slice(&output.stdout).ok()
-}
-
-/// The name of the one package in cargo's `metadata` with the `kind` target `name`.
-fn package_with_target(metadata: &serde_json::Value, kind: &str, name: &str) -> Option<String> {
-    owner_with_target(metadata, kind, name)?["name"]
-        .as_str()
-        .map(str::to_string)
 }
 
 /// The one package in cargo's `metadata` with the `kind` target `name`.
@@ -267,7 +252,7 @@ impl BuildProgress {
 
 #[cfg(test)]
 mod tests {
-    use super::{Owner, owner_in_metadata, package_with_target};
+    use super::{Owner, owner_in_metadata};
 
     #[test]
     fn the_package_that_owns_an_example_is_found_and_an_ambiguous_name_is_left_to_cargo() {
@@ -279,7 +264,7 @@ mod tests {
             ]},
             { "name": "other", "targets": [{ "name": "digits", "kind": ["bin"] }] },
         ]});
-        let owner = |kind, name| package_with_target(&metadata, kind, name);
+        let owner = |kind, name| owner_in_metadata(&metadata, kind, name).map(|o| o.name);
         assert_eq!(
             owner("example", "digits").as_deref(),
             Some("accelerate-examples")
@@ -290,7 +275,7 @@ mod tests {
             { "name": "a", "targets": [{ "name": "x", "kind": ["example"] }] },
             { "name": "b", "targets": [{ "name": "x", "kind": ["example"] }] },
         ]});
-        assert_eq!(package_with_target(&twice, "example", "x"), None);
+        assert_eq!(owner_in_metadata(&twice, "example", "x"), None);
     }
 
     #[test]

@@ -113,7 +113,7 @@ pub fn run(args: LaunchArgs) -> anyhow::Result<ExitCode> {
     let target = |kind, name| cargo_build::Target {
         kind,
         name,
-        among: cargo_build::Among::Owner,
+        among: cargo_build::Among::Current,
         release: args.release,
         features: args.features.as_deref(),
     };
