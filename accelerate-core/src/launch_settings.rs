@@ -45,7 +45,7 @@ pub enum DeviceSelection {
     Gpus(String),
 }
 
-/// The resolved launch settings.
+/// The resolved launch settings: what [`LaunchConfig`](crate::launch::LaunchConfig) runs with.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct LaunchSettings {
     /// Worker processes on this machine (default 1).
@@ -145,6 +145,23 @@ impl LaunchFlags {
             mixed_precision: self.mixed_precision,
             devices,
         })
+    }
+}
+
+impl Default for LaunchSettings {
+    /// What a launch with no flag, variable or file runs: one process on this machine, rank 0
+    /// at 127.0.0.1 on a free port.
+    fn default() -> Self {
+        Self {
+            num_processes: 1,
+            num_machines: 1,
+            machine_rank: 0,
+            main_process_ip: "127.0.0.1".into(),
+            main_process_port: 0,
+            max_restarts: 0,
+            mixed_precision: None,
+            devices: DeviceSelection::Default,
+        }
     }
 }
 

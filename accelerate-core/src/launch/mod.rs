@@ -20,6 +20,7 @@ use std::sync::{Arc, Mutex};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
+use crate::launch_settings::LaunchSettings;
 use crate::state::contract::{DEFAULT_MASTER_PORT, WorkerIdentity};
 #[doc(inline)]
 pub use crate::state::follow_launcher;
@@ -36,21 +37,13 @@ pub struct LaunchConfig {
     pub program: PathBuf,
     /// Its arguments.
     pub args: Vec<String>,
-    /// Workers on this machine.
-    pub num_processes: usize,
-    /// Machines in the job (each runs its own launcher).
-    pub num_machines: usize,
-    /// This machine's index, `0..num_machines`.
-    pub machine_rank: usize,
-    /// Address of rank 0's machine.
-    pub main_process_ip: String,
-    /// Rank 0's rendezvous port; 0 picks a free one (single machine only).
-    pub main_process_port: u16,
-    /// Times the whole group is restarted after a failure before the launch fails.
-    pub max_restarts: usize,
+    /// The job's shape (processes, machines, rank 0's address; a port of 0 picks a free one,
+    /// on one machine only), restarts, and what the workers get (precision, devices).
+    pub settings: LaunchSettings,
     /// When set, each rank's output is also written to `rank_N.log` in this directory.
     pub log_dir: Option<PathBuf>,
-    /// Extra environment for every worker (configuration such as `ACCELERATE_*`).
+    /// Extra environment for every worker (configuration such as `ACCELERATE_*`), after the
+    /// variables of `settings`.
     pub env: Vec<(String, String)>,
     /// How long stopped workers get between SIGTERM and SIGKILL.
     pub grace: Duration,
@@ -79,12 +72,7 @@ impl std::fmt::Debug for LaunchConfig {
         f.debug_struct("LaunchConfig")
             .field("program", &self.program)
             .field("args", &self.args)
-            .field("num_processes", &self.num_processes)
-            .field("num_machines", &self.num_machines)
-            .field("machine_rank", &self.machine_rank)
-            .field("main_process_ip", &self.main_process_ip)
-            .field("main_process_port", &self.main_process_port)
-            .field("max_restarts", &self.max_restarts)
+            .field("settings", &self.settings)
             .field("log_dir", &self.log_dir)
             .field("env", &env)
             .field("grace", &self.grace)
@@ -97,12 +85,10 @@ impl Default for LaunchConfig {
         Self {
             program: PathBuf::new(),
             args: Vec::new(),
-            num_processes: 1,
-            num_machines: 1,
-            machine_rank: 0,
-            main_process_ip: "127.0.0.1".into(),
-            main_process_port: DEFAULT_MASTER_PORT,
-            max_restarts: 0,
+            settings: LaunchSettings {
+                main_process_port: DEFAULT_MASTER_PORT,
+                ..LaunchSettings::default()
+            },
             log_dir: None,
             env: Vec::new(),
             grace: Duration::from_secs(5),
@@ -234,42 +220,45 @@ impl LaunchConfig {
     }
 
     fn validate(&self) -> Result<(), LaunchError> {
-        if self.num_processes == 0 {
+        if self.settings.num_processes == 0 {
             return Err(LaunchError::Config(
                 "--num-processes must be at least 1".into(),
             ));
         }
         if self
+            .settings
             .num_processes
-            .checked_mul(self.num_machines)
+            .checked_mul(self.settings.num_machines)
             .is_none_or(|world| world > crate::state::MAX_WORLD_SIZE)
         {
             return Err(LaunchError::Config(format!(
                 "{} processes on each of {} machines is more than the {} ranks a job may have",
-                self.num_processes,
-                self.num_machines,
+                self.settings.num_processes,
+                self.settings.num_machines,
                 crate::state::MAX_WORLD_SIZE
             )));
         }
-        if self.num_machines == 0 || self.machine_rank >= self.num_machines {
+        if self.settings.num_machines == 0
+            || self.settings.machine_rank >= self.settings.num_machines
+        {
             return Err(LaunchError::Config(format!(
                 "--machine-rank {} must be below --num-machines {}",
-                self.machine_rank, self.num_machines
+                self.settings.machine_rank, self.settings.num_machines
             )));
         }
-        if self.num_machines > 1 && self.main_process_port == 0 {
+        if self.settings.num_machines > 1 && self.settings.main_process_port == 0 {
             return Err(LaunchError::Config(
                 "--main-process-port 0 (pick a free port) works on one machine only: every \
                  machine must be given rank 0's port"
                     .into(),
             ));
         }
-        if self.num_machines > 1 && self.given_token().is_none() {
+        if self.settings.num_machines > 1 && self.given_token().is_none() {
             return Err(LaunchError::Config(format!(
                 "a job on {} machines needs the same secret on every machine, and {var} is not \
                  set. hint: `export {var}=$(openssl rand -hex 16)` and copy that value to every \
                  machine",
-                self.num_machines,
+                self.settings.num_machines,
                 var = crate::env_vars::JOB_TOKEN
             )));
         }
@@ -279,45 +268,48 @@ impl LaunchConfig {
     /// The port rank 0 will serve on: a free one for 0, else the given one after checking
     /// (on rank 0's machine) that it is free.
     fn rendezvous_port(&self) -> Result<u16, LaunchError> {
-        if self.main_process_port == 0 {
-            return TcpListener::bind((self.main_process_ip.as_str(), 0))
+        if self.settings.main_process_port == 0 {
+            return TcpListener::bind((self.settings.main_process_ip.as_str(), 0))
                 .and_then(|l| l.local_addr())
                 .map(|a| a.port())
                 .map_err(|e| {
                     LaunchError::Config(format!(
                         "cannot find a free port on {}: {e}",
-                        self.main_process_ip
+                        self.settings.main_process_ip
                     ))
                 });
         }
-        if self.machine_rank == 0
-            && let Err(e) =
-                TcpListener::bind((self.main_process_ip.as_str(), self.main_process_port))
+        if self.settings.machine_rank == 0
+            && let Err(e) = TcpListener::bind((
+                self.settings.main_process_ip.as_str(),
+                self.settings.main_process_port,
+            ))
             && e.kind() == std::io::ErrorKind::AddrInUse
         {
             return Err(LaunchError::PortBusy {
-                ip: self.main_process_ip.clone(),
-                port: self.main_process_port,
+                ip: self.settings.main_process_ip.clone(),
+                port: self.settings.main_process_port,
             });
         }
-        Ok(self.main_process_port)
+        Ok(self.settings.main_process_port)
     }
 
     fn spawn(&self, local_rank: usize, port: u16, token: &str) -> Result<Worker, LaunchError> {
         use std::os::unix::process::CommandExt;
-        let rank = self.machine_rank * self.num_processes + local_rank;
+        let rank = self.settings.machine_rank * self.settings.num_processes + local_rank;
         let identity = WorkerIdentity {
             rank,
-            world_size: self.num_processes * self.num_machines,
+            world_size: self.settings.num_processes * self.settings.num_machines,
             local_rank,
-            local_world_size: self.num_processes,
-            node_rank: self.machine_rank,
-            master_addr: self.main_process_ip.clone(),
+            local_world_size: self.settings.num_processes,
+            node_rank: self.settings.machine_rank,
+            master_addr: self.settings.main_process_ip.clone(),
             master_port: port,
         };
         let mut cmd = Command::new(&self.program);
         cmd.args(&self.args)
             .envs(identity.vars())
+            .envs(self.settings.worker_env())
             .envs(self.env.iter().map(|(k, v)| (k, v)))
             .stdin(Stdio::null())
             .stdout(Stdio::piped())
@@ -366,11 +358,11 @@ impl LaunchConfig {
         // One machine: a fresh token. Several: each machine's launcher must present the same
         // one, so it comes from the environment (checked in `validate`).
         let token = match self.given_token() {
-            Some(token) if self.num_machines > 1 => token,
+            Some(token) if self.settings.num_machines > 1 => token,
             _ => fresh_token()?,
         };
-        let mut workers = Vec::with_capacity(self.num_processes);
-        for local_rank in 0..self.num_processes {
+        let mut workers = Vec::with_capacity(self.settings.num_processes);
+        for local_rank in 0..self.settings.num_processes {
             match self.spawn(local_rank, port, &token) {
                 Ok(worker) => workers.push(worker),
                 Err(e) => {
@@ -460,13 +452,13 @@ pub fn launch(config: &LaunchConfig, interrupted: &AtomicUsize) -> Result<(), La
     loop {
         match config.run_once(interrupted) {
             Err(LaunchError::WorkerFailed { rank, how, .. })
-                if attempt < config.max_restarts && received(interrupted).is_none() =>
+                if attempt < config.settings.max_restarts && received(interrupted).is_none() =>
             {
                 attempt += 1;
                 tracing::warn!(
                     "accelerate-rs launch: rank {rank} {how}; restarting every worker \
                      (restart {attempt} of {})",
-                    config.max_restarts
+                    config.settings.max_restarts
                 );
             }
             outcome => return outcome,
@@ -500,8 +492,11 @@ mod tests {
     #[test]
     fn contradictory_options_are_refused() {
         let bad = LaunchConfig {
-            num_machines: 2,
-            machine_rank: 2,
+            settings: LaunchSettings {
+                num_machines: 2,
+                machine_rank: 2,
+                ..LaunchConfig::default().settings
+            },
             ..LaunchConfig::default()
         };
         assert!(
@@ -511,8 +506,11 @@ mod tests {
                 .contains("--machine-rank 2")
         );
         let bad = LaunchConfig {
-            num_machines: 2,
-            main_process_port: 0,
+            settings: LaunchSettings {
+                num_machines: 2,
+                main_process_port: 0,
+                ..LaunchConfig::default().settings
+            },
             ..LaunchConfig::default()
         };
         assert!(
@@ -523,15 +521,21 @@ mod tests {
         );
         if std::env::var(crate::env_vars::JOB_TOKEN).is_err() {
             let bad = LaunchConfig {
-                num_machines: 2,
-                main_process_port: 29500,
+                settings: LaunchSettings {
+                    num_machines: 2,
+                    main_process_port: 29500,
+                    ..LaunchConfig::default().settings
+                },
                 ..LaunchConfig::default()
             };
             let err = bad.validate().unwrap_err().to_string();
             assert!(err.contains("openssl rand -hex 16"), "{err}");
         }
         let bad = LaunchConfig {
-            num_processes: 0,
+            settings: LaunchSettings {
+                num_processes: 0,
+                ..LaunchConfig::default().settings
+            },
             ..LaunchConfig::default()
         };
         assert!(bad.validate().is_err());
@@ -541,9 +545,12 @@ mod tests {
             [(usize::MAX, 2), ((1 << 20) + 1, 1), (1 << 11, 1 << 10)]
         {
             let bad = LaunchConfig {
-                num_processes,
-                num_machines,
-                main_process_port: 29500,
+                settings: LaunchSettings {
+                    num_processes,
+                    num_machines,
+                    main_process_port: 29500,
+                    ..LaunchConfig::default().settings
+                },
                 ..LaunchConfig::default()
             };
             let err = bad.validate().unwrap_err().to_string();

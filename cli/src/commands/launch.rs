@@ -155,13 +155,12 @@ pub fn run(args: LaunchArgs) -> anyhow::Result<ExitCode> {
         loaded.as_ref().map(|l| l.path.as_path()),
     )?;
     // The workers read the same file, below their environment.
-    let mut env = vec![(
+    let env = vec![(
         env_vars::CONFIG_FILE.to_string(),
         loaded
             .as_ref()
             .map_or("none".to_string(), |l| l.path.display().to_string()),
     )];
-    env.extend(settings.worker_env());
     let Some(grace) = accelerate_core::wait::seconds_f64(args.grace_period) else {
         bail!(
             "--grace-period {} is not a number of seconds from 0 to 2592000 (30 days)",
@@ -171,12 +170,7 @@ pub fn run(args: LaunchArgs) -> anyhow::Result<ExitCode> {
     let config = LaunchConfig {
         program,
         args: program_args,
-        num_processes: settings.num_processes,
-        num_machines: settings.num_machines,
-        machine_rank: settings.machine_rank,
-        main_process_ip: settings.main_process_ip,
-        main_process_port: settings.main_process_port,
-        max_restarts: settings.max_restarts,
+        settings,
         log_dir: args.log_dir,
         env,
         grace,

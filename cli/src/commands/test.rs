@@ -6,6 +6,7 @@ use std::path::PathBuf;
 use std::process::ExitCode;
 use std::sync::atomic::AtomicUsize;
 
+use accelerate_core::LaunchSettings;
 use accelerate_core::config_file;
 use accelerate_core::launch::{LaunchConfig, launch};
 use accelerate_core::setting_table::{self, GivenBy, Resolver};
@@ -51,8 +52,10 @@ pub fn run(args: TestArgs) -> anyhow::Result<ExitCode> {
     let program = selftest::locate(args.worker)?;
     let config = LaunchConfig {
         program: program.clone(),
-        num_processes,
-        main_process_port: 0,
+        settings: LaunchSettings {
+            num_processes,
+            ..LaunchSettings::default()
+        },
         ..LaunchConfig::default()
     };
     println!(
