@@ -14,9 +14,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
 
 use accelerate_core::DynamicLossScaler;
-use accelerate_core::checkpoint::ModelLoopState;
 use burn::module::ParamId;
-use burn::tensor::Device;
 
 use crate::reducer::GradientReducer;
 use crate::training_loop::{LoopClock, ModelWindows};
@@ -36,12 +34,6 @@ pub(crate) struct SlotState {
 }
 
 impl SlotState {
-    /// The id of the model's first float parameter, as its reducer's layout has it (loading a
-    /// checkpoint gives the model the saved ids).
-    fn first_param(&self) -> Option<ParamId> {
-        self.reducer.layout().entries.first().map(|e| e.id)
-    }
-
     /// Replaces the reducer (an optimizer prepared for a model `backward` already served);
     /// the windows go on.
     pub fn install(&mut self, reducer: Box<dyn GradientReducer>) {
@@ -49,6 +41,12 @@ impl SlotState {
         self.reducer_id = next_reducer_id();
         self.prepared = true;
     }
+}
+
+/// The id of the model's first float parameter, as `reducer`'s layout has it (what the table
+/// files a model under; loading a checkpoint gives the model the saved ids).
+fn first_param(reducer: &dyn GradientReducer) -> Option<ParamId> {
+    reducer.layout().entries.first().map(|e| e.id)
 }
 
 fn next_reducer_id() -> u64 {
@@ -134,7 +132,7 @@ impl ModelSlots {
         reducer: Box<dyn GradientReducer>,
         prepared: bool,
     ) -> Result<ModelSlot, Registered> {
-        let first_param = reducer.layout().entries.first().map(|e| e.id);
+        let first_param = first_param(reducer.as_ref());
         let mut table = self.table();
         if let Some(existing) = table.by_first_param.get(&first_param) {
             return Err(Registered {
@@ -202,14 +200,10 @@ impl ModelSlots {
         self.accumulation_steps
     }
 
-    /// Continues `slot`'s windows from a checkpoint's `snapshot` (the first model also
-    /// reseeds `device`), and files it under its model's first parameter as loaded.
-    pub fn restore(&self, slot: &ModelSlot, snapshot: ModelLoopState, device: &Device) {
-        let first_param = {
-            let mut state = slot.lock();
-            state.windows.restore(snapshot, device);
-            state.first_param()
-        };
+    /// Files `slot` under its model's first parameter as its reducer now has it (after a
+    /// checkpoint load gave the parameters the saved ids).
+    pub fn refile(&self, slot: &ModelSlot) {
+        let first_param = first_param(slot.lock().reducer.as_ref());
         let mut table = self.table();
         table.by_first_param.retain(|_, s| !s.same(slot));
         table.by_first_param.insert(first_param, slot.clone());

@@ -1079,3 +1079,59 @@ fn two_models_with_their_own_optimizers_train_as_if_alone_and_resume_together() 
     let resumed = together(Run::Resume(&dir)).unwrap();
     assert_eq!(resumed, uninterrupted);
 }
+
+/// Models built again after a restart have parameter ids of their own; loading a checkpoint
+/// gives them the saved ones, and `backward` must then find each model's own optimizer under
+/// those ids. With two models there is no one-model fallback to hide a miss: each resumed
+/// model steps on bit for bit as the saved run did.
+#[test]
+fn rebuilt_models_are_found_by_backward_after_a_load() {
+    use accelerate_burn::{Checkpoint, PreparedOptimizer};
+    let device = Device::default().autodiff();
+    let step = |acc: &Accelerator<DefaultBackend>,
+                model: Net,
+                optim: &mut PreparedOptimizer,
+                batch: (Tensor<2>, Tensor<2>)| {
+        let grads = acc.backward(model.loss(batch), &model).unwrap();
+        optim.step(1e-2, model, grads).unwrap()
+    };
+    let batch = |acc: &Accelerator<DefaultBackend>| {
+        let eval = acc.prepare_eval_data_loader(loader(40, 4)).unwrap();
+        eval.iter().next().unwrap().unwrap()
+    };
+    let tmp = tempfile::tempdir().unwrap();
+    let dir = tmp.path().join("ckpt");
+
+    let acc = accelerator(1);
+    let (a, mut optim_a) = acc
+        .prepare((Net::new(&device), SgdConfig::new().init()))
+        .unwrap();
+    let (b, mut optim_b) = acc
+        .prepare((Net::new(&device), AdamWConfig::new()))
+        .unwrap();
+    let a = step(&acc, a, &mut optim_a, batch(&acc));
+    let b = step(&acc, b, &mut optim_b, batch(&acc));
+    let checkpoint = Checkpoint::new(&a, &optim_a).pair("second", &b, &optim_b);
+    acc.save_state(&dir, &checkpoint).unwrap();
+    drop(checkpoint);
+    let saved_run = (
+        step(&acc, a, &mut optim_a, batch(&acc)).bits(),
+        step(&acc, b, &mut optim_b, batch(&acc)).bits(),
+    );
+
+    let acc = accelerator(1);
+    let (a, mut optim_a) = acc
+        .prepare((Net::new(&device), SgdConfig::new().init()))
+        .unwrap();
+    let (b, mut optim_b) = acc
+        .prepare((Net::new(&device), AdamWConfig::new()))
+        .unwrap();
+    let restored = acc.load_state(&dir, a, &mut optim_a, None).unwrap();
+    let b = acc
+        .load_pair(&restored.info, "second", b, &mut optim_b, None)
+        .unwrap();
+    let a = step(&acc, restored.model, &mut optim_a, batch(&acc));
+    let b = step(&acc, b, &mut optim_b, batch(&acc));
+    assert_eq!((optim_a.updates(), optim_b.updates()), (2, 2));
+    assert_eq!((a.bits(), b.bits()), saved_run);
+}

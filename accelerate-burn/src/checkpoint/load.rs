@@ -14,6 +14,7 @@ use super::{
     TrainingState, rank_file,
 };
 use crate::error::AccelerateError;
+use crate::model_slot::ModelSlots;
 use crate::optim::{PreparedOptimizer, PreparedScheduler};
 use crate::params::{self, ParamLayout, Replacement};
 use crate::reducer::LoadSource;
@@ -75,6 +76,7 @@ fn load_own_part<M: Module>(
     }
 
     let model = restore_model_and_optimizer(
+        ctx.slots,
         dir,
         &manifest.files,
         model,
@@ -86,8 +88,7 @@ fn load_own_part<M: Module>(
     restore_scheduler(dir, scheduler, training.scheduler, saved.updates)
         .map_err(|(detail, hint)| mismatch(detail, hint))?;
 
-    ctx.slots.restore(
-        optimizer.slot(),
+    optimizer.slot().lock().windows.restore(
         ModelLoopState {
             updates: saved.updates,
             windows: saved.windows,
@@ -111,6 +112,7 @@ fn load_own_part<M: Module>(
 /// the saved `param_ids`, and `optimizer`'s reducer continuing from the state in `files`
 /// (names relative to `dir`); on failure, what does not fit and a hint.
 fn restore_model_and_optimizer<M: Module>(
+    slots: &ModelSlots,
     dir: &Path,
     files: &[ManifestFile],
     model: M,
@@ -155,19 +157,22 @@ fn restore_model_and_optimizer<M: Module>(
              FusedOptimizer::...; `burn`: config.init())",
         ));
     }
-    reducer
-        .load(LoadSource {
-            dir,
-            files,
-            values: params::values(&model),
-            layout,
-        })
-        .map_err(|e| {
-            (
-                e.to_string(),
-                "resume with the optimizer the checkpoint was saved with",
-            )
-        })?;
+    let loaded = reducer.load(LoadSource {
+        dir,
+        files,
+        values: params::values(&model),
+        layout,
+    });
+    drop(slot);
+    // The reducer's layout now has the saved ids (also when its load stopped half-way):
+    // `backward` finds the model under them.
+    slots.refile(optimizer.slot());
+    loaded.map_err(|e| {
+        (
+            e.to_string(),
+            "resume with the optimizer the checkpoint was saved with",
+        )
+    })?;
     Ok(model)
 }
 
@@ -222,6 +227,7 @@ fn load_own_pair<M: Module>(
         })
         .collect();
     let model = restore_model_and_optimizer(
+        ctx.slots,
         &dir.join(name),
         &files,
         model,
@@ -232,8 +238,11 @@ fn load_own_pair<M: Module>(
     .map_err(|(detail, hint)| mismatch(format!("{name}: {detail}"), hint))?;
     restore_scheduler(&dir.join(name), scheduler, pair.scheduler, state.updates)
         .map_err(|(detail, hint)| mismatch(format!("{name}: {detail}"), hint))?;
-    ctx.slots
-        .restore(optimizer.slot(), state.clone(), ctx.device);
+    optimizer
+        .slot()
+        .lock()
+        .windows
+        .restore(state.clone(), ctx.device);
     Ok(model)
 }
 
