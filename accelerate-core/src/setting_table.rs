@@ -196,21 +196,12 @@ fn positive(n: &usize) -> bool {
     *n > 0
 }
 
-fn parse_count(text: &str) -> Option<usize> {
-    text.parse().ok()
-}
-
 fn parse_from<T: std::str::FromStr>(text: &str) -> Option<T> {
     text.parse().ok()
 }
 
 fn parse_string(text: &str) -> Option<String> {
     Some(text.to_string())
-}
-
-/// Longest timeout accepted: 30 days (any longer, and deadline arithmetic could overflow).
-fn parse_seconds(text: &str) -> Option<Duration> {
-    crate::wait::seconds(text)
 }
 
 fn positive_duration(d: &Duration) -> bool {
@@ -244,7 +235,7 @@ pub const NUM_PROCESSES: Setting<usize> = Setting {
     flag: Some("--num-processes"),
     env: env_vars::NUM_PROCESSES,
     expected: "a positive integer",
-    parse: parse_count,
+    parse: parse_from,
     valid: positive,
 };
 
@@ -254,7 +245,7 @@ pub const NUM_MACHINES: Setting<usize> = Setting {
     flag: Some("--num-machines"),
     env: env_vars::NUM_MACHINES,
     expected: "a positive integer",
-    parse: parse_count,
+    parse: parse_from,
     valid: positive,
 };
 
@@ -264,7 +255,7 @@ pub const MACHINE_RANK: Setting<usize> = Setting {
     flag: Some("--machine-rank"),
     env: env_vars::MACHINE_RANK,
     expected: "a non-negative integer",
-    parse: parse_count,
+    parse: parse_from,
     valid: any,
 };
 
@@ -314,7 +305,7 @@ pub const MAX_RESTARTS: Setting<usize> = Setting {
     flag: Some("--max-restarts"),
     env: env_vars::MAX_RESTARTS,
     expected: "a non-negative integer",
-    parse: parse_count,
+    parse: parse_from,
     valid: any,
 };
 
@@ -326,7 +317,7 @@ pub const GRADIENT_ACCUMULATION_STEPS: Setting<usize> = Setting {
     flag: None,
     env: env_vars::GRADIENT_ACCUMULATION_STEPS,
     expected: "a positive integer",
-    parse: parse_count,
+    parse: parse_from,
     valid: positive,
 };
 
@@ -410,7 +401,7 @@ pub const TIMEOUT: Setting<Duration> = Setting {
     flag: None,
     env: env_vars::TIMEOUT,
     expected: SECONDS,
-    parse: parse_seconds,
+    parse: crate::wait::seconds,
     valid: positive_duration,
 };
 
@@ -420,7 +411,7 @@ pub const RENDEZVOUS_TIMEOUT: Setting<Duration> = Setting {
     flag: None,
     env: env_vars::RENDEZVOUS_TIMEOUT,
     expected: SECONDS,
-    parse: parse_seconds,
+    parse: crate::wait::seconds,
     valid: positive_duration,
 };
 
@@ -430,7 +421,7 @@ pub const HEARTBEAT_TIMEOUT: Setting<Duration> = Setting {
     flag: None,
     env: env_vars::HEARTBEAT_TIMEOUT,
     expected: SECONDS,
-    parse: parse_seconds,
+    parse: crate::wait::seconds,
     valid: positive_duration,
 };
 
@@ -482,7 +473,7 @@ pub const SHM_SLOT_BYTES: Setting<usize> = Setting {
     flag: None,
     env: env_vars::SHM_SLOT_BYTES,
     expected: CHUNK,
-    parse: parse_count,
+    parse: parse_from,
     valid: chunk_bytes,
 };
 
@@ -492,7 +483,7 @@ pub const RING_SEGMENT_BYTES: Setting<usize> = Setting {
     flag: None,
     env: env_vars::RING_SEGMENT_BYTES,
     expected: CHUNK,
-    parse: parse_count,
+    parse: parse_from,
     valid: chunk_bytes,
 };
 
