@@ -479,6 +479,123 @@ fn gelu_and_cross_entropy_equal_burns_on(device: &Device) {
     }
 }
 
+#[test]
+fn linear_equals_burns() {
+    linear_equals_burns_on(&Device::default().autodiff());
+}
+
+/// Under gradient checkpointing the product's output is kept (compute-bound): the same values
+/// and gradients.
+#[test]
+fn linear_equals_burns_under_gradient_checkpointing() {
+    linear_equals_burns_on(&Device::default().autodiff().gradient_checkpointing());
+}
+
+/// `nn::linear` against `burn::tensor::module::linear`: outputs and the gradients of the input,
+/// the weight and the bias within 1e-5, over odd shapes, batch 1, with and without a bias, a
+/// 3-d input, and a tied embedding's transposed weight read in place; without autodiff too.
+fn linear_equals_burns_on(device: &Device) {
+    use burn::tensor::module::linear;
+    let device = device.clone();
+    for ([batch, seq, d_in, d_out], bias, transposed) in [
+        ([1, 1, 1, 1], true, false),
+        ([1, 3, 7, 5], false, false),
+        ([2, 17, 33, 1], true, false),
+        ([3, 5, 64, 129], true, true),
+        ([4, 32, 96, 256], false, true),
+        ([2, 64, 256, 768], true, false),
+    ] {
+        let what = format!(
+            "{:?} bias {bias} transposed {transposed}",
+            [batch, seq, d_in, d_out]
+        );
+        let input =
+            Tensor::<3>::random([batch, seq, d_in], Distribution::Normal(0.0, 1.0), &device);
+        // A transposed weight: the transpose of a [d_out, d_in] tensor, as a tied output layer's.
+        let stored = if transposed {
+            [d_out, d_in]
+        } else {
+            [d_in, d_out]
+        };
+        let weight = Tensor::<2>::random(stored, Distribution::Normal(0.0, 0.2), &device);
+        let b = Tensor::<1>::random([d_out], Distribution::Normal(0.0, 1.0), &device);
+        let dy = Tensor::<3>::random([batch, seq, d_out], Distribution::Normal(0.0, 1.0), &device);
+        let run = |ours: bool| {
+            let x = input.clone().require_grad();
+            let w = weight.clone().require_grad();
+            let bias_param = b.clone().require_grad();
+            let view = if transposed {
+                w.clone().transpose()
+            } else {
+                w.clone()
+            };
+            let bias_arg = bias.then(|| bias_param.clone());
+            let y = if ours {
+                nn::linear(x.clone(), view, bias_arg)
+            } else {
+                linear(x.clone(), view, bias_arg)
+            };
+            let grads = (y.clone() * dy.clone()).sum().backward();
+            let db = bias.then(|| bias_param.grad(&grads).unwrap().into_data());
+            (
+                y.into_data(),
+                x.grad(&grads).unwrap().into_data(),
+                w.grad(&grads).unwrap().into_data(),
+                db,
+            )
+        };
+        let (y, dx, dw, db) = run(true);
+        let (y_theirs, dx_theirs, dw_theirs, db_theirs) = run(false);
+        assert_close(y, y_theirs, 1e-5, &format!("y {what}"));
+        assert_close(dx, dx_theirs, 1e-5, &format!("dx {what}"));
+        assert_close(dw, dw_theirs, 1e-5, &format!("dW {what}"));
+        if let (Some(db), Some(db_theirs)) = (db, db_theirs) {
+            assert_close(db, db_theirs, 1e-5, &format!("db {what}"));
+        }
+        // Without autodiff: the same values.
+        let view = if transposed {
+            weight.clone().transpose()
+        } else {
+            weight.clone()
+        };
+        let bias_arg = bias.then(|| b.clone().inner());
+        assert_close(
+            nn::linear(
+                input.clone().inner(),
+                view.clone().inner(),
+                bias_arg.clone(),
+            )
+            .into_data(),
+            linear(input.clone().inner(), view.inner(), bias_arg).into_data(),
+            1e-5,
+            &format!("plain y {what}"),
+        );
+    }
+}
+
+/// f64 tensors are not ours to compute: Burn's `linear` runs, with its result.
+#[test]
+fn linear_of_other_float_types_is_burns() {
+    let device = Device::default();
+    let x =
+        Tensor::<2>::random([5, 3], Distribution::Normal(0.0, 1.0), &device).cast(FloatDType::F64);
+    let w =
+        Tensor::<2>::random([3, 4], Distribution::Normal(0.0, 1.0), &device).cast(FloatDType::F64);
+    let ours = nn::linear(x.clone(), w.clone(), None);
+    let theirs = burn::tensor::module::linear(x, w, None);
+    assert_eq!(ours.dtype(), burn::tensor::DType::F64);
+    assert_eq!(ours.into_data(), theirs.into_data());
+}
+
+#[test]
+#[should_panic(expected = "linear: input of width 3 for a weight of 4 x 2")]
+fn a_linear_input_of_the_wrong_width_says_so() {
+    let device = Device::default();
+    let x = Tensor::<2>::zeros([5, 3], &device);
+    let w = Tensor::<2>::zeros([4, 2], &device);
+    nn::linear(x, w, None);
+}
+
 /// The feed-forward network's record is burn-nn's (both ways), and it computes the same.
 #[test]
 fn feed_forward_networks_load_both_ways_and_compute_the_same() {

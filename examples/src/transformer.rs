@@ -3,13 +3,13 @@
 //! layer tied to the token embedding (logits are hidden states times its transpose).
 //!
 //! The layers, norms and loss are `accelerate_burn::nn`'s (burn-nn's modules, records and
-//! results, with our fused kernels on the CPU: layer norm, attention softmax, GELU,
+//! results, with our fused kernels on the CPU: linear layers, layer norm, attention, GELU,
 //! cross-entropy); `fused: false` computes all of them as burn-nn and Burn do, for comparisons.
 
 use accelerate_burn::burn;
 use accelerate_burn::nn::{
     LayerNorm, LayerNormConfig, TransformerEncoder, TransformerEncoderConfig,
-    TransformerEncoderInput, cross_entropy,
+    TransformerEncoderInput, cross_entropy, linear,
 };
 use burn::config::Config;
 use burn::module::Module;
@@ -101,7 +101,13 @@ impl TransformerLm {
             .layers
             .forward(TransformerEncoderInput::new(x).mask_attn(mask));
         let x = self.norm.forward(x).reshape([batch * seq, d_model]);
-        let logits = x.matmul(self.tokens.weight.val().transpose());
+        // The output layer is the token embedding, transposed (tied weights).
+        let tied = self.tokens.weight.val().transpose();
+        let logits = if self.fused {
+            linear(x, tied, None)
+        } else {
+            x.matmul(tied)
+        };
         logits.reshape([batch, seq, vocab])
     }
 

@@ -8,6 +8,8 @@
 //! - [`norm`]: sum of squares and global L2 norm, f32 lanes with f64 block totals.
 //! - [`layer_norm`]: layer normalisation forward and backward, one parallel pass each,
 //!   the same bits on any number of threads.
+//! - [`linear`]: a linear layer's product with its bias, and its three gradients, without the
+//!   zero-fill and alignment copy around Burn's products.
 //! - [`softmax`]: attention's scaled, masked softmax, forward and backward.
 //! - [`attention`]: self-attention in (batch, head) tiles, flash-style: the probabilities
 //!   recomputed in backward, never kept.
@@ -46,6 +48,7 @@ pub mod cube;
 pub mod element;
 pub mod gelu;
 pub mod layer_norm;
+pub mod linear;
 mod matmul;
 pub mod norm;
 pub mod optim;

@@ -1,7 +1,10 @@
-//! Strided f32 matrix products on one thread, through the `gemm` crate (Burn's Flex uses the
-//! same one): the products inside our fused kernels' tiles, each called from one rayon task,
-//! so the bits never depend on the number of threads. The one unsafe call is here, after the
-//! views' extents were checked against their slices.
+//! Strided f32 matrix products through the `gemm` crate (Burn's Flex uses the same one): on
+//! one thread for the products inside our fused kernels' tiles (each called from one rayon
+//! task), and over the rayon pool for a linear layer's whole products. Either way every element
+//! is summed in the same order whatever the number of threads: gemm splits the rows and columns
+//! of the destination among threads, never the depth, and its depth blocking depends only on
+//! the shapes and the caches. The unsafe calls are here, after the views' extents were checked
+//! against their slices.
 
 #![allow(unsafe_code)]
 
@@ -81,25 +84,13 @@ pub(crate) fn matmul(
         a.rows, a.cols, b.rows, b.cols
     );
     let (m, n, k) = (a.rows, b.cols, a.cols);
-    for (view, len, what) in [
-        (
-            extent(a.offset, a.rows, a.cols, a.row_stride, a.col_stride),
-            a.data.len(),
-            "a",
-        ),
-        (
-            extent(b.offset, b.rows, b.cols, b.row_stride, b.col_stride),
-            b.data.len(),
-            "b",
-        ),
-        (
-            extent(dst_offset, m, n, dst_row_stride, 1),
-            dst.len(),
-            "dst",
-        ),
-    ] {
-        assert!(view <= len, "matmul: {what} reaches {view} of {len} values");
-    }
+    check_operands(a, b);
+    let dst_extent = extent(dst_offset, m, n, dst_row_stride, 1);
+    assert!(
+        dst_extent <= dst.len(),
+        "matmul: dst reaches {dst_extent} of {} values",
+        dst.len()
+    );
     if m == 0 || n == 0 {
         return;
     }
@@ -112,16 +103,94 @@ pub(crate) fn matmul(
         }
         return;
     }
+    // SAFETY: every element the three views address lies inside its slice (checked above), and
+    // the destination is borrowed mutably and so aliases neither operand.
+    unsafe {
+        call_gemm(
+            dst.as_mut_ptr().add(dst_offset),
+            dst_row_stride,
+            accumulate,
+            a,
+            b,
+            factor,
+            gemm::Parallelism::None,
+        );
+    }
+}
+
+/// Products below this many multiply-adds run on the calling thread (Burn's Flex uses the same
+/// threshold): splitting them costs more than it saves. The bits are the same either way.
+const PARALLEL_FROM: usize = 192 * 192 * 192;
+
+/// `a b` into `dst` (cleared first), a row-major `a.rows x b.cols` matrix, the product spread
+/// over the current rayon pool when it is large enough. The bits do not depend on the number
+/// of threads.
+///
+/// # Panics
+/// When the shapes do not chain, or a view reaches past its slice.
+pub(crate) fn product_into(dst: &mut Vec<f32>, a: Mat<'_>, b: Mat<'_>) {
+    assert_eq!(
+        a.cols, b.rows,
+        "matmul: {}x{} by {}x{}",
+        a.rows, a.cols, b.rows, b.cols
+    );
+    check_operands(a, b);
+    let (m, n, k) = (a.rows, b.cols, a.cols);
+    let len = m.checked_mul(n).expect("a product's size fits usize");
+    dst.clear();
+    if k == 0 {
+        dst.resize(len, 0.0);
+        return;
+    }
+    dst.reserve_exact(len);
+    if len == 0 {
+        return;
+    }
+    let parallelism = if m.saturating_mul(n).saturating_mul(k) >= PARALLEL_FROM {
+        gemm::Parallelism::Rayon(0)
+    } else {
+        gemm::Parallelism::None
+    };
+    // SAFETY: the operands were checked to lie inside their slices; `dst` has room for the
+    // `m x n` values (reserved above) and is a separate allocation. With `read_dst` false gemm
+    // writes every destination element without reading it (its microkernels store `beta * acc`
+    // when alpha is zero; `k` is not 0 here), so all `len` values are initialised before
+    // `set_len`.
+    unsafe {
+        call_gemm(dst.as_mut_ptr(), n, false, a, b, 1.0, parallelism);
+        dst.set_len(len);
+    }
+}
+
+/// `a b` as a new row-major `a.rows x b.cols` matrix: [`product_into`] a fresh buffer.
+pub(crate) fn product(a: Mat<'_>, b: Mat<'_>) -> Vec<f32> {
+    let mut dst = Vec::new();
+    product_into(&mut dst, a, b);
+    dst
+}
+
+/// `dst (+)= factor a b` for a row-major destination at `dst` with rows `dst_row_stride` apart.
+///
+/// # Safety
+/// `a` and `b` lie inside their slices, and `dst` is valid for writes (and, when `accumulate`,
+/// reads) of `a.rows x b.cols` values at that stride, aliasing neither operand.
+unsafe fn call_gemm(
+    dst: *mut f32,
+    dst_row_stride: usize,
+    accumulate: bool,
+    a: Mat<'_>,
+    b: Mat<'_>,
+    factor: f32,
+    parallelism: gemm::Parallelism,
+) {
     let stride = |s: usize| isize::try_from(s).expect("a stride within a slice fits isize");
-    // SAFETY: every element the three views address lies inside its slice (checked above), the
-    // destination is borrowed mutably and so aliases neither operand, and the call runs on
-    // this thread only (`Parallelism::None`).
+    // SAFETY: the caller's contract; the offsets are inside the operands' slices.
     unsafe {
         gemm::gemm(
-            m,
-            n,
-            k,
-            dst.as_mut_ptr().add(dst_offset),
+            a.rows,
+            b.cols,
+            a.cols,
+            dst,
             1,
             stride(dst_row_stride),
             accumulate,
@@ -136,8 +205,26 @@ pub(crate) fn matmul(
             false,
             false,
             false,
-            gemm::Parallelism::None,
+            parallelism,
         );
+    }
+}
+
+/// Asserts that each operand's view lies inside its slice.
+fn check_operands(a: Mat<'_>, b: Mat<'_>) {
+    for (view, len, what) in [
+        (
+            extent(a.offset, a.rows, a.cols, a.row_stride, a.col_stride),
+            a.data.len(),
+            "a",
+        ),
+        (
+            extent(b.offset, b.rows, b.cols, b.row_stride, b.col_stride),
+            b.data.len(),
+            "b",
+        ),
+    ] {
+        assert!(view <= len, "matmul: {what} reaches {view} of {len} values");
     }
 }
 

@@ -64,26 +64,6 @@ fn gelu_backward_avx2(x: &[f32], dy: &[f32], dx: &mut [f32]) {
     gelu::backward_chunk(x, dy, dx);
 }
 
-/// Runs the GELU on AVX2 when the CPU has it (true); false: the caller runs the portable loop.
-pub(crate) fn try_gelu_forward(x: &[f32], y: &mut [f32]) -> bool {
-    if !has_avx2_f16c() {
-        return false;
-    }
-    // SAFETY: the CPU has AVX2 (checked above), the one requirement of the callee.
-    unsafe { gelu_forward_avx2(x, y) };
-    true
-}
-
-/// Runs the GELU derivative on AVX2 when the CPU has it (true), as [`try_gelu_forward`].
-pub(crate) fn try_gelu_backward(x: &[f32], dy: &[f32], dx: &mut [f32]) -> bool {
-    if !has_avx2_f16c() {
-        return false;
-    }
-    // SAFETY: the CPU has AVX2 (checked above), the one requirement of the callee.
-    unsafe { gelu_backward_avx2(x, dy, dx) };
-    true
-}
-
 /// The GELU recomputed with its derivative (`gelu::recompute_backward_chunk`) compiled for
 /// AVX2.
 #[target_feature(enable = "avx2")]
@@ -91,14 +71,94 @@ fn gelu_recompute_backward_avx2(x: &[f32], y: &mut [f32], grad: &mut [f32]) {
     gelu::recompute_backward_chunk(x, y, grad);
 }
 
-/// Runs the GELU and its derivative in one pass on AVX2 when the CPU has it (true), as
+/// The GELU loop compiled for AVX-512: 16 lanes and 32 registers, so the `erfc` polynomial's
+/// constants stay in registers (AVX2's 16 cannot hold them and the loop reloads them). The
+/// same operations in the same order, so the same bits.
+#[target_feature(enable = "avx512f")]
+fn gelu_forward_avx512(x: &[f32], y: &mut [f32]) {
+    gelu::forward_chunk(x, y);
+}
+
+/// The GELU derivative loop compiled for AVX-512.
+#[target_feature(enable = "avx512f")]
+fn gelu_backward_avx512(x: &[f32], dy: &[f32], dx: &mut [f32]) {
+    gelu::backward_chunk(x, dy, dx);
+}
+
+/// The GELU recomputed with its derivative, compiled for AVX-512.
+#[target_feature(enable = "avx512f")]
+fn gelu_recompute_backward_avx512(x: &[f32], y: &mut [f32], grad: &mut [f32]) {
+    gelu::recompute_backward_chunk(x, y, grad);
+}
+
+/// The widest vector build of the GELU loops this CPU runs (checked once, then cached).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum GeluBuild {
+    Avx512,
+    Avx2,
+    Portable,
+}
+
+fn gelu_build() -> GeluBuild {
+    static STATE: AtomicU8 = AtomicU8::new(0);
+    match STATE.load(Ordering::Relaxed) {
+        1 => GeluBuild::Avx512,
+        2 => GeluBuild::Avx2,
+        3 => GeluBuild::Portable,
+        _ => {
+            let build = if is_x86_feature_detected!("avx512f") {
+                GeluBuild::Avx512
+            } else if has_avx2_f16c() {
+                GeluBuild::Avx2
+            } else {
+                GeluBuild::Portable
+            };
+            let code = match build {
+                GeluBuild::Avx512 => 1,
+                GeluBuild::Avx2 => 2,
+                GeluBuild::Portable => 3,
+            };
+            STATE.store(code, Ordering::Relaxed);
+            build
+        }
+    }
+}
+
+/// Runs the GELU in the widest vector build the CPU has (true); false: the caller runs the
+/// portable loop.
+pub(crate) fn try_gelu_forward(x: &[f32], y: &mut [f32]) -> bool {
+    match gelu_build() {
+        // SAFETY: the CPU has AVX-512F (checked by `gelu_build`), the callee's one requirement.
+        GeluBuild::Avx512 => unsafe { gelu_forward_avx512(x, y) },
+        // SAFETY: the CPU has AVX2 (checked by `gelu_build`), the callee's one requirement.
+        GeluBuild::Avx2 => unsafe { gelu_forward_avx2(x, y) },
+        GeluBuild::Portable => return false,
+    }
+    true
+}
+
+/// Runs the GELU derivative in the widest vector build, as [`try_gelu_forward`].
+pub(crate) fn try_gelu_backward(x: &[f32], dy: &[f32], dx: &mut [f32]) -> bool {
+    match gelu_build() {
+        // SAFETY: the CPU has AVX-512F (checked by `gelu_build`), the callee's one requirement.
+        GeluBuild::Avx512 => unsafe { gelu_backward_avx512(x, dy, dx) },
+        // SAFETY: the CPU has AVX2 (checked by `gelu_build`), the callee's one requirement.
+        GeluBuild::Avx2 => unsafe { gelu_backward_avx2(x, dy, dx) },
+        GeluBuild::Portable => return false,
+    }
+    true
+}
+
+/// Runs the GELU and its derivative in one pass in the widest vector build, as
 /// [`try_gelu_forward`].
 pub(crate) fn try_gelu_recompute_backward(x: &[f32], y: &mut [f32], grad: &mut [f32]) -> bool {
-    if !has_avx2_f16c() {
-        return false;
+    match gelu_build() {
+        // SAFETY: the CPU has AVX-512F (checked by `gelu_build`), the callee's one requirement.
+        GeluBuild::Avx512 => unsafe { gelu_recompute_backward_avx512(x, y, grad) },
+        // SAFETY: the CPU has AVX2 (checked by `gelu_build`), the callee's one requirement.
+        GeluBuild::Avx2 => unsafe { gelu_recompute_backward_avx2(x, y, grad) },
+        GeluBuild::Portable => return false,
     }
-    // SAFETY: the CPU has AVX2 (checked above), the one requirement of the callee.
-    unsafe { gelu_recompute_backward_avx2(x, y, grad) };
     true
 }
 

@@ -4,9 +4,9 @@
 //! Apart, the GELU keeps its input and the linear layer keeps the GELU's output, two tensors of
 //! the network's widest shape (`[tokens, d_ff]`) per layer until the backward pass. Here the
 //! GELU's output is a temporary of the forward pass, recomputed in the backward pass in the same
-//! element-wise pass that differentiates it. The products are Burn's own `linear` and its backward functions on
-//! Flex: the output has the bits of the GELU followed by Burn's `Linear`; the gradients are the
-//! same products, rounded differently only where Burn's autodiff multiplies in batches.
+//! element-wise pass that differentiates it. The products are the fused linear layer's
+//! ([`super::linear`]): the `gemm` crate's, as Burn's, without Burn's zero-fill and copy around
+//! each.
 
 use burn::backend::Flex;
 use burn::backend::autodiff::Autodiff;
@@ -16,14 +16,13 @@ use burn::backend::autodiff::checkpoint::strategy::CheckpointStrategy;
 use burn::backend::autodiff::grads::Gradients;
 use burn::backend::autodiff::ops::{Backward, Ops, OpsKind};
 use burn::backend::flex::FlexTensor;
-use burn::backend::ops::ModuleOps;
 use burn::backend::tensor::FloatTensor;
 
-use super::gelu;
+use super::{gelu, linear};
 
 /// `linear(gelu(x), weight, bias)` on Flex tensors.
-pub(super) fn forward(x: &FlexTensor, weight: FlexTensor, bias: FlexTensor) -> FlexTensor {
-    <Flex as ModuleOps<Flex>>::linear(gelu::forward(x), weight, Some(bias))
+pub(super) fn forward(x: &FlexTensor, weight: &FlexTensor, bias: &FlexTensor) -> FlexTensor {
+    linear::forward(&gelu::forward(x), weight, Some(bias))
 }
 
 /// The backward node (parents: x, weight, bias).
@@ -46,14 +45,13 @@ impl Backward<Flex, 3> for GeluLinearBackward {
         let weight: FlexTensor = checkpointer.retrieve_node_output(weight_state);
         let dy: FlexTensor = grads.consume::<Flex>(&ops.node);
         // dy W^T first: then the GELU and its derivative come out of one pass over x.
-        let dactivation = <Flex as ModuleOps<Flex>>::linear_x_backward(weight, dy.clone());
+        let dactivation = linear::input_grad(&dy, &weight);
         let (activation, dx) = gelu::recompute_backward(&x, dactivation);
         if let Some(node) = node_weight {
-            let dweight = <Flex as ModuleOps<Flex>>::linear_weight_backward(activation, dy.clone());
-            grads.register::<Flex>(node.id, dweight);
+            grads.register::<Flex>(node.id, linear::weight_grad(&activation, &dy));
         }
         if let Some(node) = node_bias {
-            grads.register::<Flex>(node.id, <Flex as ModuleOps<Flex>>::linear_bias_backward(dy));
+            grads.register::<Flex>(node.id, linear::bias_grad(&dy));
         }
         if let Some(node) = node_x {
             grads.register::<Flex>(node.id, dx);
@@ -67,11 +65,7 @@ pub(super) fn tracked<C: CheckpointStrategy>(
     weight: FloatTensor<Autodiff<Flex, C>>,
     bias: FloatTensor<Autodiff<Flex, C>>,
 ) -> FloatTensor<Autodiff<Flex, C>> {
-    let y = forward(
-        x.primitive(),
-        weight.primitive().clone(),
-        bias.primitive().clone(),
-    );
+    let y = forward(x.primitive(), weight.primitive(), bias.primitive());
     // Compute-bound for checkpointing (it holds a matrix product): its output is kept when a
     // later recomputation needs it, never recomputed.
     match GeluLinearBackward

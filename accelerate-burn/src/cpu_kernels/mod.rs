@@ -1,5 +1,5 @@
 //! Our CPU kernels ([`accelerate_kernels`]' layer norm, attention softmax, flash-style
-//! self-attention, cross-entropy, GELU, and the GELU inside a linear layer) on Burn's Flex
+//! self-attention, cross-entropy, GELU, linear layer, and the GELU inside a linear layer) on Burn's Flex
 //! tensors, with our own backward nodes on `Autodiff<Flex>`, through a
 //! Burn backend extension.
 //!
@@ -19,6 +19,7 @@ mod cross_entropy;
 mod gelu;
 mod gelu_linear;
 mod layer_norm;
+mod linear;
 mod self_attention;
 mod softmax;
 
@@ -96,6 +97,19 @@ pub(crate) trait CpuKernels: Backend {
         weight: FloatTensor<Self>,
         bias: FloatTensor<Self>,
     ) -> FloatTensor<Self>;
+
+    /// `x weight + bias` over the last dimension of `x` (`weight` `[d_in, d_out]`, any strides).
+    fn fused_linear(
+        x: FloatTensor<Self>,
+        weight: FloatTensor<Self>,
+        bias: FloatTensor<Self>,
+    ) -> FloatTensor<Self>;
+
+    /// `x weight` over the last dimension of `x` (`weight` `[d_in, d_out]`, any strides).
+    fn fused_linear_without_bias(
+        x: FloatTensor<Self>,
+        weight: FloatTensor<Self>,
+    ) -> FloatTensor<Self>;
 }
 
 impl CpuKernels for Flex {
@@ -161,7 +175,22 @@ impl CpuKernels for Flex {
         weight: FloatTensor<Self>,
         bias: FloatTensor<Self>,
     ) -> FloatTensor<Self> {
-        gelu_linear::forward(&x, weight, bias)
+        gelu_linear::forward(&x, &weight, &bias)
+    }
+
+    fn fused_linear(
+        x: FloatTensor<Self>,
+        weight: FloatTensor<Self>,
+        bias: FloatTensor<Self>,
+    ) -> FloatTensor<Self> {
+        linear::forward(&x, &weight, Some(&bias))
+    }
+
+    fn fused_linear_without_bias(
+        x: FloatTensor<Self>,
+        weight: FloatTensor<Self>,
+    ) -> FloatTensor<Self> {
+        linear::forward(&x, &weight, None)
     }
 }
 
@@ -232,6 +261,21 @@ impl<C: CheckpointStrategy> CpuKernels for Autodiff<Flex, C> {
         bias: FloatTensor<Self>,
     ) -> FloatTensor<Self> {
         gelu_linear::tracked::<C>(x, weight, bias)
+    }
+
+    fn fused_linear(
+        x: FloatTensor<Self>,
+        weight: FloatTensor<Self>,
+        bias: FloatTensor<Self>,
+    ) -> FloatTensor<Self> {
+        linear::tracked::<C>(x, weight, Some(bias))
+    }
+
+    fn fused_linear_without_bias(
+        x: FloatTensor<Self>,
+        weight: FloatTensor<Self>,
+    ) -> FloatTensor<Self> {
+        linear::tracked::<C>(x, weight, None)
     }
 }
 
@@ -364,4 +408,18 @@ pub(crate) fn gelu_linear<const D: usize>(
         weight.into_dispatch(),
         bias.into_dispatch(),
     ))
+}
+
+/// `x weight (+ bias)` of f32 dispatch tensors on Flex, `x` `[..., d_in]`, `weight` `[d_in,
+/// d_out]` (a transposed view is read in place).
+pub(crate) fn linear<const D: usize>(
+    x: Tensor<D>,
+    weight: Tensor<2>,
+    bias: Option<Tensor<1>>,
+) -> Tensor<D> {
+    let (x, weight) = (x.into_dispatch(), weight.into_dispatch());
+    Tensor::from_dispatch(match bias {
+        Some(bias) => <Dispatch as CpuKernels>::fused_linear(x, weight, bias.into_dispatch()),
+        None => <Dispatch as CpuKernels>::fused_linear_without_bias(x, weight),
+    })
 }

@@ -189,9 +189,9 @@ impl MultiHeadAttention {
             self.project_together(input.query)
         } else {
             (
-                self.heads(self.query.forward(input.query)),
-                self.heads(self.key.forward(input.key)),
-                self.heads(self.value.forward(input.value)),
+                self.heads(self.project(&self.query, input.query)),
+                self.heads(self.project(&self.key, input.key)),
+                self.heads(self.project(&self.value, input.value)),
             )
         };
         let weights = attention_weights(
@@ -209,8 +209,13 @@ impl MultiHeadAttention {
                 .reshape([batch, seq, self.d_model]);
         MhaOutput {
             weights,
-            context: self.output.forward(context),
+            context: self.project(&self.output, context),
         }
+    }
+
+    /// `x` through one of the four projections: [`super::linear`] when fused, else burn-nn's.
+    fn project(&self, layer: &Linear, x: Tensor<3>) -> Tensor<3> {
+        super::functional::linear_layer(layer, x, self.fused)
     }
 
     /// `[batch, seq, d_model]` as `[batch, heads, seq, d_k]`.
@@ -244,7 +249,7 @@ impl MultiHeadAttention {
             let context = super::in_f32(self.project_qkv(input.query), |qkv| {
                 crate::cpu_kernels::self_attention(qkv, mask, heads, scale, fill, quiet)
             });
-            return self.output.forward(context);
+            return self.project(&self.output, context);
         }
         self.forward(input).context
     }
@@ -279,11 +284,12 @@ impl MultiHeadAttention {
             .collect();
         let d = self.d_model;
         // One 2-d product over all tokens, as Linear computes it.
-        (x.reshape([batch * seq, d]).matmul(weight) + Tensor::cat(biases, 0).unsqueeze()).reshape([
-            batch,
-            seq,
-            3 * d,
-        ])
+        super::linear(
+            x.reshape([batch * seq, d]),
+            weight,
+            Some(Tensor::cat(biases, 0)),
+        )
+        .reshape([batch, seq, 3 * d])
     }
 
     /// [`MultiHeadAttention::project_qkv`] split into heads, each `[batch, heads, seq, d_k]`.

@@ -78,7 +78,7 @@ impl PositionWiseFeedForward {
             last, d_model,
             "PositionWiseFeedForward: input's last dimension is {last}, the network's d_model {d_model}"
         );
-        let x = self.linear_inner.forward(input);
+        let x = super::functional::linear_layer(&self.linear_inner, input, self.fused);
         let exact_gelu = matches!(&self.activation, Activation::Gelu(gelu) if !gelu.approximate);
         #[cfg(feature = "flex")]
         if self.fused
@@ -93,7 +93,7 @@ impl PositionWiseFeedForward {
         } else {
             self.activation.forward(x)
         };
-        self.linear_outer.forward(self.dropout.forward(x))
+        super::functional::linear_layer(&self.linear_outer, self.dropout.forward(x), self.fused)
     }
 
     /// The second layer's weight and bias when the GELU and that layer run as one operation
@@ -105,10 +105,8 @@ impl PositionWiseFeedForward {
         &self,
         hidden: &Tensor<D>,
     ) -> Option<(Tensor<2>, Tensor<1>)> {
-        use burn::tensor::DType;
         let weight = self.linear_outer.weight.val();
         let bias = self.linear_outer.bias.as_ref()?.val();
-        let all_f32 = [hidden.dtype(), weight.dtype(), bias.dtype()] == [DType::F32; 3];
-        (all_f32 && super::on_flex(&hidden.device())).then_some((weight, bias))
+        super::all_f32_on_flex(hidden, &[&weight], Some(&bias)).then_some((weight, bias))
     }
 }

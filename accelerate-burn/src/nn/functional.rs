@@ -1,12 +1,64 @@
-//! Free functions for hand-built models: [`gelu`], [`attention`], [`cross_entropy`] (and
-//! [`layer_norm`](super::layer_norm)). Each runs our fused kernel on Flex (f32, and f16/bf16
-//! computed in f32) and Burn's own operations everywhere else, with the same results.
+//! Free functions for hand-built models: [`linear`], [`gelu`], [`attention`], [`cross_entropy`]
+//! (and [`layer_norm`](super::layer_norm)). Each runs our fused kernel on Flex (f32, and f16/bf16
+//! computed in f32; [`linear`] f32 only) and Burn's own operations everywhere else, with the same
+//! results.
 
 use burn::tensor::activation::{log_softmax, quiet_softmax, softmax};
 use burn::tensor::{Bool, Int, Tensor};
 
 #[cfg(feature = "flex")]
 use super::{fused_here, in_f32};
+
+/// `x weight + bias` over the last dimension of `x` (`[..., d_in]`, `weight` `[d_in, d_out]`),
+/// as `burn::tensor::module::linear` and burn-nn's `Linear`. On Flex with f32 values, our
+/// product with the bias in the same call and our backward (the `gemm` crate's products, as
+/// Burn's, without Burn's zero-fill and alignment copy of each output on the calling thread,
+/// and with a parallel bias gradient); a transposed `weight` (a tied embedding's
+/// `weight.transpose()`) is read in place. Elsewhere, Burn's `linear`.
+///
+/// # Panics
+/// When the last dimension of `x` is not `d_in`, or the bias is not `d_out` wide.
+pub fn linear<const D: usize>(
+    x: Tensor<D>,
+    weight: Tensor<2>,
+    bias: Option<Tensor<1>>,
+) -> Tensor<D> {
+    let [d_in, d_out] = weight.dims();
+    let last = x.dims()[D - 1];
+    assert_eq!(
+        last, d_in,
+        "linear: input of width {last} for a weight of {d_in} x {d_out}"
+    );
+    if let Some(bias) = &bias {
+        let [width] = bias.dims();
+        assert_eq!(
+            width, d_out,
+            "linear: a bias of {width} for {d_out} outputs"
+        );
+    }
+    #[cfg(feature = "flex")]
+    if super::all_f32_on_flex(&x, &[&weight], bias.as_ref()) {
+        return crate::cpu_kernels::linear(x, weight, bias);
+    }
+    burn::tensor::module::linear(x, weight, bias)
+}
+
+/// burn-nn's `layer` applied to `x` through [`linear`] when `fused`, else as burn-nn applies it.
+pub(super) fn linear_layer<const D: usize>(
+    layer: &burn::nn::Linear,
+    x: Tensor<D>,
+    fused: bool,
+) -> Tensor<D> {
+    if fused {
+        linear(
+            x,
+            layer.weight.val(),
+            layer.bias.as_ref().map(|bias| bias.val()),
+        )
+    } else {
+        layer.forward(x)
+    }
+}
 
 /// The exact GELU, `x * Φ(x)`, as `burn::tensor::activation::gelu`, with the exact derivative
 /// `Φ(x) + x φ(x)` as its gradient.

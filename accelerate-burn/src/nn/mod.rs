@@ -15,8 +15,10 @@
 //!   output is recomputed in the backward pass, not kept).
 //! - [`TransformerEncoder`] / [`TransformerEncoderConfig`] / [`TransformerEncoderInput`]:
 //!   burn-nn's encoder made of the modules above.
-//! - Free functions for hand-built models: [`layer_norm`], [`gelu`], [`attention`],
+//! - Free functions for hand-built models: [`linear`], [`layer_norm`], [`gelu`], [`attention`],
 //!   [`cross_entropy`].
+//!
+//! Their linear layers are burn-nn's `Linear` (same record), applied through [`linear`].
 //!
 //! Every config has a `fused` field (default true, not part of the record): `false` computes
 //! exactly as burn-nn does, for comparisons.
@@ -41,7 +43,7 @@ mod transformer;
 
 pub use attention::{MhaInput, MhaOutput, MultiHeadAttention, MultiHeadAttentionConfig};
 pub use feed_forward::{PositionWiseFeedForward, PositionWiseFeedForwardConfig};
-pub use functional::{attention, cross_entropy, gelu};
+pub use functional::{attention, cross_entropy, gelu, linear};
 pub use layer_norm::{LayerNorm, LayerNormConfig, layer_norm};
 pub use transformer::{
     TransformerEncoder, TransformerEncoderConfig, TransformerEncoderInput, TransformerEncoderLayer,
@@ -54,6 +56,21 @@ pub(crate) fn on_flex(device: &burn::tensor::Device) -> bool {
         device.clone().inner().as_dispatch(),
         burn::backend::DispatchDevice::Flex(_)
     )
+}
+
+/// Whether `x`, the `weights` and the `bias` are all f32 on Flex: what our kernels that keep
+/// parameters (the linear layers) take; other types use Burn's operations.
+#[cfg(feature = "flex")]
+pub(crate) fn all_f32_on_flex<const D: usize>(
+    x: &burn::tensor::Tensor<D>,
+    weights: &[&burn::tensor::Tensor<2>],
+    bias: Option<&burn::tensor::Tensor<1>>,
+) -> bool {
+    use burn::tensor::DType;
+    x.dtype() == DType::F32
+        && weights.iter().all(|w| w.dtype() == DType::F32)
+        && bias.is_none_or(|b| b.dtype() == DType::F32)
+        && on_flex(&x.device())
 }
 
 /// Whether our fused kernels compute `tensor`'s operation: on Flex, a float type (f16 and
