@@ -29,9 +29,9 @@ use rayon::prelude::*;
 
 use crate::matmul::{self, Mat};
 
-/// Output columns per bias-gradient task: a block of accumulators that stays in L1 while every
-/// row streams past.
-const BIAS_COLUMNS_PER_TASK: usize = 128;
+/// Rows of `dy` per bias-gradient task: enough to pay for a task, few enough that a step's
+/// `[tokens, d_out]` gradients give both cores dozens of tasks.
+const BIAS_ROWS_PER_TASK: usize = 128;
 
 /// Output rows per task when the bias is added to the product.
 const ROWS_PER_TASK: usize = 64;
@@ -159,20 +159,30 @@ pub fn weight_grad(x: &[f32], dy: &[f32], d_in: usize, d_out: usize) -> Vec<f32>
 
 /// The column sums of `dy` (row-major, `d_out` wide): the gradient of the bias.
 ///
+/// Each task sums a fixed block of rows (contiguous memory, which the prefetcher streams), then
+/// the blocks' sums are added in block order: the same bits on any number of threads.
+///
 /// # Panics
 /// When `dy` is not rows of `d_out`.
 pub fn bias_grad(dy: &[f32], d_out: usize) -> Vec<f32> {
     rows(dy, d_out, "dy");
-    let mut sums = vec![0.0; d_out];
-    sums.par_chunks_mut(BIAS_COLUMNS_PER_TASK)
-        .enumerate()
-        .for_each(|(block, sums)| {
-            let first = block * BIAS_COLUMNS_PER_TASK;
-            for row in dy.chunks_exact(d_out) {
-                let row = &row[first..first + sums.len()];
+    if d_out == 0 {
+        return Vec::new();
+    }
+    let partials: Vec<Vec<f32>> = dy
+        .par_chunks(BIAS_ROWS_PER_TASK * d_out)
+        .map(|block| {
+            let mut sums = vec![0.0; d_out];
+            for row in block.chunks_exact(d_out) {
                 sums.iter_mut().zip(row).for_each(|(sum, v)| *sum += v);
             }
-        });
+            sums
+        })
+        .collect();
+    let mut sums = vec![0.0; d_out];
+    for partial in &partials {
+        sums.iter_mut().zip(partial).for_each(|(sum, v)| *sum += v);
+    }
     sums
 }
 
