@@ -14,6 +14,13 @@
 //! softmax), the products the `gemm` crate's on one thread. Each tile is one task with a fixed
 //! order, so the bits do not depend on the number of threads.
 //!
+//! A tile runs in blocks of query rows, and each block stops at the last key any of its rows
+//! attends to (rounded up to whole lanes): under a causal mask the blocks above the diagonal,
+//! about a third of the products and exponentials, are never computed. Skipping is exact: it
+//! happens only where every skipped probability is exactly 0 (`exp(fill - max)` underflows, as
+//! for burn-nn's fill of -1e4), so the skipped terms would have added nothing; a block with a
+//! fully masked row, or a fill too close to its scores, runs over every key.
+//!
 //! ```
 //! use accelerate_kernels::attention::{SelfAttention, backward, forward};
 //!
@@ -30,9 +37,16 @@
 
 use rayon::prelude::*;
 
+use std::ops::Range;
+
+use crate::LANES;
 use crate::matmul::{Mat, matmul};
 use crate::rows::{exp, lane_sum_and_dot};
-use crate::softmax::normalise_row;
+use crate::softmax::{normalise_row, softmax_max};
+
+/// Query rows per block of a tile: small enough that a causal mask lets most blocks stop well
+/// short of the last key, large enough that each block's products pay for their calls.
+const QUERY_BLOCK: usize = 32;
 
 /// Which scores are masked: a byte per (query, key) pair for each sequence (nonzero: masked),
 /// `[batch, seq, seq]`, the same for every head (Burn's broadcast attention or padding mask).
@@ -113,12 +127,47 @@ impl SelfAttention<'_> {
         })
     }
 
-    /// The scaled, masked scores of head `head` of sequence `b` into `scores` (`seq * seq`).
-    fn scores(&self, qkv: &[f32], b: usize, head: usize, scores: &mut [f32]) {
-        let q = self.part(qkv, b, head, 0);
-        let k = self.part(qkv, b, head, 1);
-        matmul(scores, 0, self.seq, q, k.t(), 1.0, false);
-        for (i, row) in scores.chunks_exact_mut(self.seq).enumerate() {
+    /// How many keys (from the first) the query rows `rows` of sequence `b` need: up to the
+    /// last one any of them attends to, rounded up to whole lanes; every key without a mask or
+    /// when a row attends to none.
+    fn keys_for(&self, b: usize, rows: Range<usize>) -> usize {
+        let Some(mask) = &self.mask else {
+            return self.seq;
+        };
+        let mut end = 0;
+        for i in rows {
+            let start = (b * self.seq + i) * self.seq;
+            match mask.masked[start..start + self.seq]
+                .iter()
+                .rposition(|&m| m == 0)
+            {
+                Some(last) => end = end.max(last + 1),
+                None => return self.seq,
+            }
+        }
+        end.next_multiple_of(LANES).min(self.seq)
+    }
+
+    /// Whether a row whose softmax maximum is `max` gives its masked keys a probability of
+    /// exactly 0 (then leaving out masked keys changes no sum).
+    fn masked_keys_vanish(&self, max: f32) -> bool {
+        self.mask.is_none_or(|mask| exp(mask.fill - max) == 0.0)
+    }
+
+    /// The scaled, masked scores of query rows `rows` of head `head` of sequence `b` against the
+    /// first `keys` keys, into `scores` (rows `keys` apart).
+    fn block_scores(
+        &self,
+        qkv: &[f32],
+        (b, head): (usize, usize),
+        rows: Range<usize>,
+        keys: usize,
+        scores: &mut [f32],
+    ) {
+        let q = self.part(qkv, b, head, 0).rows_from(rows.start, rows.len());
+        let k = self.part(qkv, b, head, 1).rows_from(0, keys);
+        matmul(scores, 0, keys, q, k.t(), 1.0, false);
+        for (i, row) in rows.zip(scores.chunks_exact_mut(keys)) {
             match self.mask_row(b, i) {
                 Some((masked, fill)) => {
                     for (s, &m) in row.iter_mut().zip(masked) {
@@ -162,28 +211,38 @@ pub fn forward(attention: &SelfAttention<'_>, qkv: &[f32], context: &mut [f32], 
 
 /// One head of one sequence: its context `[seq, head_dim]` and its rows' statistics.
 fn forward_tile(a: &SelfAttention<'_>, qkv: &[f32], b: usize, head: usize) -> (Vec<f32>, Vec<f32>) {
-    let seq = a.seq;
-    let mut probs = vec![0.0; seq * seq];
-    a.scores(qkv, b, head, &mut probs);
+    let (seq, dim) = (a.seq, a.head_dim);
+    let mut context = vec![0.0; seq * dim];
     let mut stats = vec![0.0; seq * STATS_PER_ROW];
-    for (row, stat) in probs
-        .chunks_exact_mut(seq)
-        .zip(stats.chunks_exact_mut(STATS_PER_ROW))
-    {
-        let (max, inverse) = normalise_row(row, a.quiet);
-        stat.copy_from_slice(&[max, inverse]);
+    let mut probs = vec![0.0; QUERY_BLOCK.min(seq) * seq];
+    for start in (0..seq).step_by(QUERY_BLOCK) {
+        let rows = start..(start + QUERY_BLOCK).min(seq);
+        let mut keys = a.keys_for(b, rows.clone());
+        let block = &mut probs[..rows.len() * seq];
+        a.block_scores(qkv, (b, head), rows.clone(), keys, block);
+        let vanish = |row: &[f32]| a.masked_keys_vanish(softmax_max(row, a.quiet));
+        if keys < seq && !block[..rows.len() * keys].chunks_exact(keys).all(vanish) {
+            keys = seq;
+            a.block_scores(qkv, (b, head), rows.clone(), keys, block);
+        }
+        let block = &mut block[..rows.len() * keys];
+        for (row, stat) in block
+            .chunks_exact_mut(keys)
+            .zip(stats[start * STATS_PER_ROW..].chunks_exact_mut(STATS_PER_ROW))
+        {
+            let (max, inverse) = normalise_row(row, a.quiet);
+            stat.copy_from_slice(&[max, inverse]);
+        }
+        matmul(
+            &mut context,
+            start * dim,
+            dim,
+            Mat::rows_of(block, 0, [rows.len(), keys], keys),
+            a.part(qkv, b, head, 2).rows_from(0, keys),
+            1.0,
+            false,
+        );
     }
-    let mut context = vec![0.0; seq * a.head_dim];
-    let probs = Mat::rows_of(&probs, 0, [seq, seq], seq);
-    matmul(
-        &mut context,
-        0,
-        a.head_dim,
-        probs,
-        a.part(qkv, b, head, 2),
-        1.0,
-        false,
-    );
     (context, stats)
 }
 
@@ -251,49 +310,83 @@ fn backward_tile(
     head: usize,
 ) -> [Vec<f32>; 3] {
     let (seq, dim) = (a.seq, a.head_dim);
-    let mut probs = vec![0.0; seq * seq];
-    a.scores(qkv, b, head, &mut probs);
-    for (row, stat) in probs
-        .chunks_exact_mut(seq)
-        .zip(stats.chunks_exact(STATS_PER_ROW))
-    {
-        let (max, inverse) = (stat[0], stat[1]);
-        for p in row.iter_mut() {
-            *p = exp(*p - max) * inverse;
-        }
-    }
-    let square = |data| Mat::rows_of(data, 0, [seq, seq], seq);
     let dout = a.head_of(dcontext, b, head);
     let (q, k, v) = (
         a.part(qkv, b, head, 0),
         a.part(qkv, b, head, 1),
         a.part(qkv, b, head, 2),
     );
-    let mut dv = vec![0.0; seq * dim];
-    matmul(&mut dv, 0, dim, square(&probs).t(), dout, 1.0, false);
-    let mut dscores = vec![0.0; seq * seq];
-    matmul(&mut dscores, 0, seq, dout, v.t(), 1.0, false);
-    for (i, (ds, p)) in dscores
-        .chunks_exact_mut(seq)
-        .zip(probs.chunks_exact(seq))
-        .enumerate()
-    {
-        let (_, dot) = lane_sum_and_dot(ds, p);
-        for (ds, &p) in ds.iter_mut().zip(p) {
-            *ds = a.scale * p * (*ds - dot);
+    let (mut dq, mut dk, mut dv) = (
+        vec![0.0; seq * dim],
+        vec![0.0; seq * dim],
+        vec![0.0; seq * dim],
+    );
+    let mut probs = vec![0.0; QUERY_BLOCK.min(seq) * seq];
+    let mut dscores = vec![0.0; QUERY_BLOCK.min(seq) * seq];
+    for start in (0..seq).step_by(QUERY_BLOCK) {
+        let rows = start..(start + QUERY_BLOCK).min(seq);
+        let n = rows.len();
+        let block_stats = &stats[start * STATS_PER_ROW..rows.end * STATS_PER_ROW];
+        // The forward pass's maxima decide, so the skipped probabilities are exactly 0 here too.
+        let mut keys = a.keys_for(b, rows.clone());
+        if !block_stats
+            .chunks_exact(STATS_PER_ROW)
+            .all(|stat| a.masked_keys_vanish(stat[0]))
+        {
+            keys = seq;
         }
-        if let Some((masked, _)) = a.mask_row(b, i) {
-            for (ds, &m) in ds.iter_mut().zip(masked) {
-                if m != 0 {
-                    *ds = 0.0;
+        let p = &mut probs[..n * keys];
+        a.block_scores(qkv, (b, head), rows.clone(), keys, p);
+        for (row, stat) in p
+            .chunks_exact_mut(keys)
+            .zip(block_stats.chunks_exact(STATS_PER_ROW))
+        {
+            let (max, inverse) = (stat[0], stat[1]);
+            for p in row.iter_mut() {
+                *p = exp(*p - max) * inverse;
+            }
+        }
+        let p = Mat::rows_of(&probs[..n * keys], 0, [n, keys], keys);
+        let dout = dout.rows_from(start, n);
+        matmul(&mut dv, 0, dim, p.t(), dout, 1.0, start > 0);
+        let ds = &mut dscores[..n * keys];
+        matmul(ds, 0, keys, dout, v.rows_from(0, keys).t(), 1.0, false);
+        for (i, (ds, p)) in rows
+            .clone()
+            .zip(ds.chunks_exact_mut(keys).zip(probs.chunks_exact(keys)))
+        {
+            let (_, dot) = lane_sum_and_dot(ds, p);
+            for (ds, &p) in ds.iter_mut().zip(p) {
+                *ds = a.scale * p * (*ds - dot);
+            }
+            if let Some((masked, _)) = a.mask_row(b, i) {
+                for (ds, &m) in ds.iter_mut().zip(masked) {
+                    if m != 0 {
+                        *ds = 0.0;
+                    }
                 }
             }
         }
+        let ds = Mat::rows_of(&dscores[..n * keys], 0, [n, keys], keys);
+        matmul(
+            &mut dq,
+            start * dim,
+            dim,
+            ds,
+            k.rows_from(0, keys),
+            1.0,
+            false,
+        );
+        matmul(
+            &mut dk,
+            0,
+            dim,
+            ds.t(),
+            q.rows_from(start, n),
+            1.0,
+            start > 0,
+        );
     }
-    let mut dq = vec![0.0; seq * dim];
-    matmul(&mut dq, 0, dim, square(&dscores), k, 1.0, false);
-    let mut dk = vec![0.0; seq * dim];
-    matmul(&mut dk, 0, dim, square(&dscores).t(), q, 1.0, false);
     [dq, dk, dv]
 }
 
@@ -430,6 +523,41 @@ mod tests {
                 assert_close(&floats(dqkv), &want_dqkv, &format!("dqkv, {what}"));
                 assert_same_on_1_2_3_threads(run);
             }
+        }
+    }
+
+    /// Sequences longer than a block under a causal mask: the blocks that stop short of the
+    /// last key (burn-nn's fill of -1e4) and those that run over every key (a fully masked
+    /// row, or a fill of -0.5, whose masked probabilities are not 0) equal the definition.
+    #[test]
+    fn blocks_that_skip_masked_keys_equal_the_definition() {
+        let (batch, seq, heads, head_dim) = (2, 100, 2, 8);
+        let width = heads * head_dim;
+        let qkv = uniform(batch * seq * 3 * width, 13, 1.5);
+        let dcontext = uniform(batch * seq * width, 14, 1.0);
+        let masked = causal_mask(batch, seq);
+        for (fill, quiet) in [(-1.0e4, false), (-1.0e4, true), (-0.5, false)] {
+            let a = SelfAttention {
+                batch,
+                seq,
+                heads,
+                head_dim,
+                scale: 1.0 / (head_dim as f32).sqrt(),
+                quiet,
+                mask: Some(Mask {
+                    masked: &masked,
+                    fill,
+                }),
+            };
+            let mut context = vec![0.0; batch * seq * width];
+            let mut stats = vec![0.0; batch * seq * heads * STATS_PER_ROW];
+            forward(&a, &qkv, &mut context, &mut stats);
+            let mut dqkv = vec![0.0; qkv.len()];
+            backward(&a, &qkv, &stats, &dcontext, &mut dqkv);
+            let (want_context, want_dqkv) = reference(&a, &qkv, &dcontext);
+            let what = format!("fill {fill}, quiet {quiet}");
+            assert_close(&context, &want_context, &format!("context, {what}"));
+            assert_close(&dqkv, &want_dqkv, &format!("dqkv, {what}"));
         }
     }
 

@@ -44,6 +44,15 @@ impl<'a> Mat<'a> {
         }
     }
 
+    /// Rows `start..start + count` of the view (no copy).
+    pub(crate) fn rows_from(self, start: usize, count: usize) -> Self {
+        Self {
+            offset: self.offset + start * self.row_stride,
+            rows: count,
+            ..self
+        }
+    }
+
     /// The transposed view (no copy).
     pub(crate) fn t(self) -> Self {
         Self {

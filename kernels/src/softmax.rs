@@ -137,18 +137,23 @@ pub fn forward(shape: Shape, softmax: &Softmax<'_>, scores: &[f32], probs: &mut 
         });
 }
 
+/// The maximum a row's softmax subtracts: the row's largest score, except that for a row of
+/// -inf scores Burn's quiet softmax takes 0 (the row is then 0); the plain softmax gives NaN
+/// there, as Burn's does.
+pub(crate) fn softmax_max(row: &[f32], quiet: bool) -> f32 {
+    let max = lane_max(row);
+    if quiet && max == f32::NEG_INFINITY {
+        0.0
+    } else {
+        max
+    }
+}
+
 /// `row` (scaled, masked scores) into its probabilities, in place; returns the row's maximum
 /// and inverse denominator (each probability is `exp(score - max) * inverse`, so
 /// [`crate::attention`] recomputes the same bits from the two).
 pub(crate) fn normalise_row(row: &mut [f32], quiet: bool) -> (f32, f32) {
-    let max = lane_max(row);
-    // A row of -inf scores: Burn's quiet softmax takes 0 as its maximum (the row is then 0);
-    // the plain softmax gives NaN, as Burn's does.
-    let max = if quiet && max == f32::NEG_INFINITY {
-        0.0
-    } else {
-        max
-    };
+    let max = softmax_max(row, quiet);
     for v in row.iter_mut() {
         *v = exp(*v - max);
     }
