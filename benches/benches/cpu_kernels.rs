@@ -3,7 +3,8 @@
 //! MLP 1024, byte vocabulary): one layer norm, one causal self-attention (the whole module:
 //! projections, scores, softmax, context; `fused` is `forward`, `flash` `forward_context`), one
 //! feed-forward network (its GELU and second layer one operation in ours), one GELU, one
-//! cross-entropy. Each group's `loss_alone`
+//! cross-entropy, one linear layer (self-attention's QKV projection, 256 to 768, with its
+//! weight and bias gradients). Each group's `loss_alone`
 //! row is the weighted sum and its backward without the op, which both other rows include.
 //! Bytes counted: the op's input read and output written forward, input, output gradient and
 //! input gradient backward.
@@ -121,6 +122,40 @@ fn feed_forward(c: &mut Criterion) {
     group.finish();
 }
 
+fn linear(c: &mut Criterion) {
+    let device = Device::default().autodiff();
+    let [batch, seq, d_model] = DIMS;
+    let x = Tensor::<3>::random(DIMS, Distribution::Normal(0.0, 1.0), &device);
+    let out = [batch, seq, 3 * d_model];
+    let weights = Tensor::<3>::random(out, Distribution::Normal(0.0, 1.0), &device);
+    let w = Tensor::<2>::random(
+        [d_model, 3 * d_model],
+        Distribution::Normal(0.0, 0.05),
+        &device,
+    )
+    .require_grad();
+    let b =
+        Tensor::<1>::random([3 * d_model], Distribution::Normal(0.0, 0.05), &device).require_grad();
+    let mut group = c.benchmark_group("linear_fwd_bwd");
+    group.sample_size(20);
+    // Input and output forward; output gradient, input gradient and weight gradient backward.
+    group.throughput(Throughput::Bytes(4 * (TOKENS * (3 * d_model) * 3) as u64));
+    group.bench_function("burn", |bench| {
+        bench.iter(|| {
+            step(&x, &weights, &|x| {
+                burn::tensor::module::linear(x, w.clone(), Some(b.clone()))
+            })
+        })
+    });
+    group.bench_function("fused", |bench| {
+        bench.iter(|| step(&x, &weights, &|x| nn::linear(x, w.clone(), Some(b.clone()))))
+    });
+    group.bench_function("loss_alone", |bench| {
+        bench.iter(|| step(&weights, &weights, &|y| y))
+    });
+    group.finish();
+}
+
 fn gelu(c: &mut Criterion) {
     let device = Device::default().autodiff();
     let dims = [TOKENS, 4 * DIMS[2]];
@@ -173,6 +208,7 @@ criterion_group!(
     attention,
     feed_forward,
     gelu,
-    cross_entropy
+    cross_entropy,
+    linear
 );
 criterion_main!(benches);
