@@ -263,7 +263,7 @@ mod tests {
 
     /// A tied output layer's weight: the transpose of a `[vocab, d_model]` embedding, no copy.
     #[test]
-    fn a_transposed_weight_view_gives_the_products_of_its_copy() {
+    fn a_transposed_weight_view_is_read_in_place() {
         let (n, d_in, d_out) = (9, 6, 11);
         let embedding = uniform(d_out * d_in, 5, 1.0);
         let x = uniform(n * d_in, 6, 1.0);
