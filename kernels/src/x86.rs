@@ -364,3 +364,63 @@ pub(crate) fn scale_bf16_lanes(values: &mut [bf16], factor: f32) -> usize {
     // SAFETY: the CPU supports AVX2 and F16C (checked above).
     unsafe { scale_bf16_avx2(values, factor) }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::test_support::{bits, uniform};
+
+    /// The three GELU loops of one build on `x` and `dy`: output, derivative, and the one-pass
+    /// recomputation's output and gradient, as bit patterns.
+    type Gelu = fn(&[f32], &[f32], &mut [Vec<f32>; 4]);
+
+    fn portable(x: &[f32], dy: &[f32], out: &mut [Vec<f32>; 4]) {
+        let [y, dx, ry, grad] = out;
+        gelu::forward_chunk(x, y);
+        gelu::backward_chunk(x, dy, dx);
+        gelu::recompute_backward_chunk(x, ry, grad);
+    }
+
+    fn avx2(x: &[f32], dy: &[f32], out: &mut [Vec<f32>; 4]) {
+        let [y, dx, ry, grad] = out;
+        // SAFETY: only called where the CPU has AVX2 (checked by the test).
+        unsafe {
+            gelu_forward_avx2(x, y);
+            gelu_backward_avx2(x, dy, dx);
+            gelu_recompute_backward_avx2(x, ry, grad);
+        }
+    }
+
+    fn avx512(x: &[f32], dy: &[f32], out: &mut [Vec<f32>; 4]) {
+        let [y, dx, ry, grad] = out;
+        // SAFETY: only called where the CPU has AVX-512F (checked by the test).
+        unsafe {
+            gelu_forward_avx512(x, y);
+            gelu_backward_avx512(x, dy, dx);
+            gelu_recompute_backward_avx512(x, ry, grad);
+        }
+    }
+
+    /// Every GELU build this CPU can run (AVX-512, AVX2) gives the portable loop's bits, so a
+    /// machine that takes another path trains to the same numbers.
+    #[test]
+    fn every_gelu_build_gives_the_portable_bits() {
+        let run = |build: Gelu, x: &[f32], dy: &[f32]| {
+            let n = x.len();
+            let mut out = [vec![0.0; n], vec![0.0; n], vec![0.0; n], dy.to_vec()];
+            build(x, dy, &mut out);
+            out.map(|values| bits(&values))
+        };
+        for n in [1, 15, 16, 17, 1000] {
+            let (x, dy) = (uniform(n, 31, 6.0), uniform(n, 32, 1.0));
+            let want = run(portable, &x, &dy);
+            let builds: [(&str, bool, Gelu); 2] = [
+                ("avx2", is_x86_feature_detected!("avx2"), avx2),
+                ("avx512", is_x86_feature_detected!("avx512f"), avx512),
+            ];
+            for (name, _, build) in builds.into_iter().filter(|(_, has, _)| *has) {
+                assert_eq!(run(build, &x, &dy), want, "{name}, {n} values");
+            }
+        }
+    }
+}

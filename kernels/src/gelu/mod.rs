@@ -92,10 +92,11 @@ mod tests {
     use super::*;
     use crate::test_support::bits;
 
-    /// The AVX2 build (where the CPU has it) computes the portable loop's bits: the same IEEE
-    /// operations in the same order, wider.
+    /// The build the dispatch picks on this CPU (AVX-512 or AVX2 where it has them) computes
+    /// the portable loop's bits: the same IEEE operations in the same order, wider. (`x86`'s
+    /// tests run every build the CPU has.)
     #[test]
-    fn the_avx2_build_gives_the_portable_bits() {
+    fn the_dispatched_build_gives_the_portable_bits() {
         let x: Vec<f32> = (0..1_003).map(|i| -12.0 + i as f32 * 0.025).collect();
         let dy: Vec<f32> = x.iter().map(|v| 1.0 - v * 0.1).collect();
         let (mut portable, mut dispatched) = (vec![0.0; x.len()], vec![0.0; x.len()]);
