@@ -454,6 +454,22 @@ mod tests {
         (context, dqkv)
     }
 
+    /// The context and the gradient of qkv, through [`forward`] and [`backward`] into fresh
+    /// buffers.
+    fn forward_and_backward(
+        a: &SelfAttention<'_>,
+        qkv: &[f32],
+        dcontext: &[f32],
+    ) -> (Vec<f32>, Vec<f32>) {
+        let tokens = a.batch * a.seq;
+        let mut context = vec![0.0; tokens * a.width()];
+        let mut stats = vec![0.0; tokens * a.heads * STATS_PER_ROW];
+        forward(a, qkv, &mut context, &mut stats);
+        let mut dqkv = vec![0.0; qkv.len()];
+        backward(a, qkv, &stats, dcontext, &mut dqkv);
+        (context, dqkv)
+    }
+
     fn assert_close(ours: &[f32], want: &[f64], what: &str) {
         assert_eq!(ours.len(), want.len(), "{what}: lengths");
         for (i, (&o, &w)) in ours.iter().zip(want).enumerate() {
@@ -509,11 +525,7 @@ mod tests {
                     "{batch}x{seq}, {heads} heads of {head_dim}, mask {mask}, quiet {quiet}"
                 );
                 let run = || {
-                    let mut context = vec![0.0; batch * seq * width];
-                    let mut stats = vec![0.0; batch * seq * heads * STATS_PER_ROW];
-                    forward(&a, &qkv, &mut context, &mut stats);
-                    let mut dqkv = vec![0.0; qkv.len()];
-                    backward(&a, &qkv, &stats, &dcontext, &mut dqkv);
+                    let (context, dqkv) = forward_and_backward(&a, &qkv, &dcontext);
                     (bits(&context), bits(&dqkv))
                 };
                 let (context, dqkv) = run();
@@ -549,11 +561,7 @@ mod tests {
                     fill,
                 }),
             };
-            let mut context = vec![0.0; batch * seq * width];
-            let mut stats = vec![0.0; batch * seq * heads * STATS_PER_ROW];
-            forward(&a, &qkv, &mut context, &mut stats);
-            let mut dqkv = vec![0.0; qkv.len()];
-            backward(&a, &qkv, &stats, &dcontext, &mut dqkv);
+            let (context, dqkv) = forward_and_backward(&a, &qkv, &dcontext);
             let (want_context, want_dqkv) = reference(&a, &qkv, &dcontext);
             let what = format!("fill {fill}, quiet {quiet}");
             assert_close(&context, &want_context, &format!("context, {what}"));

@@ -131,13 +131,12 @@ pub(crate) fn matmul(
 /// threshold): splitting them costs more than it saves. The bits are the same either way.
 const PARALLEL_FROM: usize = 192 * 192 * 192;
 
-/// `a b` into `dst` (cleared first), a row-major `a.rows x b.cols` matrix, the product spread
-/// over the current rayon pool when it is large enough. The bits do not depend on the number
-/// of threads.
+/// `a b` as a new row-major `a.rows x b.cols` matrix, the product spread over the current
+/// rayon pool when it is large enough. The bits do not depend on the number of threads.
 ///
 /// # Panics
 /// When the shapes do not chain, or a view reaches past its slice.
-pub(crate) fn product_into(dst: &mut Vec<f32>, a: Mat<'_>, b: Mat<'_>) {
+pub(crate) fn product(a: Mat<'_>, b: Mat<'_>) -> Vec<f32> {
     assert_eq!(
         a.cols, b.rows,
         "matmul: {}x{} by {}x{}",
@@ -146,35 +145,23 @@ pub(crate) fn product_into(dst: &mut Vec<f32>, a: Mat<'_>, b: Mat<'_>) {
     check_operands(a, b);
     let (m, n, k) = (a.rows, b.cols, a.cols);
     let len = m.checked_mul(n).expect("a product's size fits usize");
-    dst.clear();
-    if k == 0 {
-        dst.resize(len, 0.0);
-        return;
-    }
-    dst.reserve_exact(len);
-    if len == 0 {
-        return;
+    if k == 0 || len == 0 {
+        return vec![0.0; len];
     }
     let parallelism = if m.saturating_mul(n).saturating_mul(k) >= PARALLEL_FROM {
         gemm::Parallelism::Rayon(0)
     } else {
         gemm::Parallelism::None
     };
+    let mut dst = Vec::with_capacity(len);
     // SAFETY: the operands were checked to lie inside their slices; `dst` has room for the
-    // `m x n` values (reserved above) and is a separate allocation. With `read_dst` false gemm
-    // writes every destination element without reading it (its microkernels store `beta * acc`
-    // when alpha is zero; `k` is not 0 here), so all `len` values are initialised before
-    // `set_len`.
+    // `m x n` values and is a separate allocation. With `read_dst` false gemm writes every
+    // destination element without reading it (its microkernels store `beta * acc` when alpha
+    // is zero; `k` is not 0 here), so all `len` values are initialised before `set_len`.
     unsafe {
         call_gemm(dst.as_mut_ptr(), n, false, a, b, 1.0, parallelism);
         dst.set_len(len);
     }
-}
-
-/// `a b` as a new row-major `a.rows x b.cols` matrix: [`product_into`] a fresh buffer.
-pub(crate) fn product(a: Mat<'_>, b: Mat<'_>) -> Vec<f32> {
-    let mut dst = Vec::new();
-    product_into(&mut dst, a, b);
     dst
 }
 

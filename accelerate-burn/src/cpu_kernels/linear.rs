@@ -14,7 +14,7 @@ use burn::backend::autodiff::NodeId;
 use burn::backend::autodiff::checkpoint::base::Checkpointer;
 use burn::backend::autodiff::checkpoint::strategy::CheckpointStrategy;
 use burn::backend::autodiff::grads::Gradients;
-use burn::backend::autodiff::ops::{Backward, Ops, OpsKind};
+use burn::backend::autodiff::ops::{Backward, NodeGuard, Ops, OpsKind};
 use burn::backend::flex::FlexTensor;
 use burn::backend::tensor::FloatTensor;
 use burn::tensor::Shape;
@@ -75,15 +75,15 @@ impl WeightView {
             col_stride: self.col_stride,
         }
     }
+}
 
-    /// `x`'s shape with its last dimension `width`.
-    fn with_last(shape: &Shape, width: usize) -> Shape {
-        let mut dims = shape.as_slice().to_vec();
-        if let Some(last) = dims.last_mut() {
-            *last = width;
-        }
-        dims.into()
+/// `shape` with its last dimension `width`.
+fn with_last(shape: &Shape, width: usize) -> Shape {
+    let mut dims = shape.as_slice().to_vec();
+    if let Some(last) = dims.last_mut() {
+        *last = width;
     }
+    dims.into()
 }
 
 /// `x W (+ b)` of Flex tensors, `x` `[..., d_in]`.
@@ -93,7 +93,7 @@ pub(super) fn forward(
     bias: Option<&FlexTensor>,
 ) -> FlexTensor {
     let view = WeightView::of(weight);
-    let shape = WeightView::with_last(&x.shape(), view.d_out);
+    let shape = with_last(&x.shape(), view.d_out);
     let x = contiguous(x);
     let bias = bias.map(contiguous);
     let y = linear::forward(values(&x), view.weight(), bias.as_ref().map(values));
@@ -103,7 +103,7 @@ pub(super) fn forward(
 /// `dy W^T`, shaped as `dy` with its last dimension `d_in`.
 pub(super) fn input_grad(dy: &FlexTensor, weight: &FlexTensor) -> FlexTensor {
     let view = WeightView::of(weight);
-    let shape = WeightView::with_last(&dy.shape(), view.d_in);
+    let shape = with_last(&dy.shape(), view.d_in);
     let dy = contiguous(dy);
     flex_tensor(linear::input_grad(values(&dy), view.weight()), shape)
 }
@@ -196,30 +196,34 @@ pub(super) fn tracked<C: CheckpointStrategy>(
         weight.primitive(),
         bias.as_ref().map(|bias| bias.primitive()),
     );
-    // Compute-bound for checkpointing (a matrix product): its output is kept when a later
-    // recomputation needs it, never recomputed.
     match bias {
-        Some(bias) => match LinearBackward
-            .prepare::<C>([x.node(), weight.node(), bias.node()])
-            .compute_bound()
-            .stateful()
-        {
-            OpsKind::Tracked(mut prep) => {
-                let state = (prep.checkpoint(&x), prep.checkpoint(&weight));
-                prep.finish(state, y)
-            }
-            OpsKind::UnTracked(prep) => prep.finish(y),
-        },
-        None => match LinearBackward
-            .prepare::<C>([x.node(), weight.node()])
-            .compute_bound()
-            .stateful()
-        {
-            OpsKind::Tracked(mut prep) => {
-                let state = (prep.checkpoint(&x), prep.checkpoint(&weight));
-                prep.finish(state, y)
-            }
-            OpsKind::UnTracked(prep) => prep.finish(y),
-        },
+        Some(bias) => record::<C, 3>([x.node(), weight.node(), bias.node()], &x, &weight, y),
+        None => record::<C, 2>([x.node(), weight.node()], &x, &weight, y),
+    }
+}
+
+/// Records the linear layer's backward node over `parents` (the input, the weight, and the
+/// bias when there is one), keeping the input and the weight by checkpoint. Compute-bound for
+/// checkpointing (a matrix product): its output is kept when a later recomputation needs it,
+/// never recomputed.
+fn record<C: CheckpointStrategy, const N: usize>(
+    parents: [NodeGuard; N],
+    x: &FloatTensor<Autodiff<Flex, C>>,
+    weight: &FloatTensor<Autodiff<Flex, C>>,
+    y: FlexTensor,
+) -> FloatTensor<Autodiff<Flex, C>>
+where
+    LinearBackward: Backward<Flex, N, State = (NodeId, NodeId)>,
+{
+    match LinearBackward
+        .prepare::<C>(parents)
+        .compute_bound()
+        .stateful()
+    {
+        OpsKind::Tracked(mut prep) => {
+            let state = (prep.checkpoint(x), prep.checkpoint(weight));
+            prep.finish(state, y)
+        }
+        OpsKind::UnTracked(prep) => prep.finish(y),
     }
 }
