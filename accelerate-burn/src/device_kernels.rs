@@ -8,41 +8,55 @@
 use accelerate_kernels::cube::Half;
 use burn::backend::tensor::{FloatTensor, IntTensor};
 use burn::backend::{Backend, Dispatch, backend_extension};
-use burn::tensor::{Device, Int, Tensor};
-use burn_cubecl::cubecl::server::ServerError;
+use burn::tensor::{DType, Device, Int, Tensor, TensorData};
 
 use accelerate_kernels::optim::{AdamHyper, SgdHyper};
 
 use crate::error::AccelerateError;
 
-/// The device kernels as Burn operations. The narrowed bytes, which are read back to the host,
-/// come as a `Result` with the runtime's error as text.
-#[backend_extension(Cube: cfg(feature = "device-kernels"))]
+/// The device kernels as Burn operations: tensors in, tensors out, so that under Burn's fusion
+/// (the `fusion` feature) each is one lazy operation in the fused stream, ordered with the
+/// operations around it, and its buffers are resolved through the fusion client.
+#[backend_extension(Cube: cfg(feature = "device-kernels"), Fusion: cfg(feature = "fusion"))]
 pub(crate) trait GradientKernels: Backend {
     /// `grad` times `inv_scale` (in place where its buffer is not shared), and `flag` (one
     /// zeroed integer) set to non-zero if any result is not finite. One flag collects many
     /// calls and is read once.
+    #[fusion(meta = |grad, flag, _inv_scale| (grad.clone(), flag.clone()))]
     fn unscale_and_flag(
         grad: FloatTensor<Self>,
         flag: IntTensor<Self>,
         inv_scale: f32,
     ) -> (FloatTensor<Self>, IntTensor<Self>);
 
-    /// `values` (returned untouched) and their bytes as f16 or bf16 after multiplying by
-    /// `scale`.
-    fn narrow_to_half(
-        values: FloatTensor<Self>,
-        bf16: bool,
-        scale: f32,
-    ) -> (FloatTensor<Self>, Result<Vec<u8>, ServerError>);
+    /// `values` times `scale`, narrowed to f16 or bf16 and packed two to a word: a u32
+    /// tensor of `values.len().div_ceil(2)` elements whose bytes are the halves in order.
+    #[fusion(meta = |values, _bf16, _scale| burn::backend::fusion::custom::TensorSpec::new(
+        burn::tensor::Shape::new([values.shape.num_elements().div_ceil(2)]),
+        burn::tensor::DType::U32,
+    ))]
+    fn narrow_to_half(values: FloatTensor<Self>, bf16: bool, scale: f32) -> IntTensor<Self>;
 
-    /// The f32 values of `packed` (f16 or bf16 bytes), as a tensor of `like`'s shape on its
-    /// device; `like` itself is dropped.
-    fn widen_from_half(like: FloatTensor<Self>, packed: Vec<u8>, bf16: bool) -> FloatTensor<Self>;
+    /// The `len` f32 values of `packed` (halves two to a u32 word, as `narrow_to_half` makes
+    /// them), on `packed`'s device.
+    #[fusion(meta = |_packed, len, _bf16| burn::backend::fusion::custom::TensorSpec::new(
+        burn::tensor::Shape::new([*len]),
+        burn::tensor::DType::F32,
+    ))]
+    fn widen_from_half(packed: IntTensor<Self>, len: usize, bf16: bool) -> FloatTensor<Self>;
 
     /// One fused optimizer update over flat buffers: the new parameters (a new buffer) and the
     /// three state slots, updated in place (slots the optimizer does not use are placeholders,
-    /// returned as they came).
+    /// returned as they came). Everything comes out in f32.
+    #[fusion(meta = |params, _grads, first, second, third, _plan| {
+        let f32 = |spec: &burn::backend::fusion::custom::TensorSpec| {
+            burn::backend::fusion::custom::TensorSpec::new(
+                spec.shape.clone(),
+                burn::tensor::DType::F32,
+            )
+        };
+        (f32(params), f32(first), f32(second), f32(third))
+    })]
     fn fused_update(
         params: FloatTensor<Self>,
         grads: FloatTensor<Self>,
@@ -106,12 +120,12 @@ pub(crate) struct PlannedSegment {
 
 mod cube {
     use accelerate_kernels::cube::{self as kernels, FlatBuffers, Half, NonFiniteFlag};
-    use burn::tensor::DType;
+    use burn::tensor::{DType, Shape};
     use burn_cubecl::CubeBackend;
     use burn_cubecl::kernel::{cast, into_contiguous};
     use burn_cubecl::tensor::CubeTensor;
 
-    use super::{FusedPlan, GradientKernels, PlannedSegment, ServerError, UpdateRule};
+    use super::{FusedPlan, GradientKernels, PlannedSegment, UpdateRule};
 
     /// `tensor` as contiguous f32 values that this call may overwrite.
     fn writable_f32(tensor: CubeTensor) -> CubeTensor {
@@ -167,11 +181,7 @@ mod cube {
             (values, flag)
         }
 
-        fn narrow_to_half(
-            values: CubeTensor,
-            bf16: bool,
-            scale: f32,
-        ) -> (CubeTensor, Result<Vec<u8>, ServerError>) {
+        fn narrow_to_half(values: CubeTensor, bf16: bool, scale: f32) -> CubeTensor {
             let values = contiguous_f32(values);
             let len = values.meta.shape().num_elements();
             let packed = kernels::narrow_to_half(
@@ -181,11 +191,13 @@ mod cube {
                 half(bf16),
                 scale,
             );
-            let bytes = values
-                .client
-                .read_one(packed)
-                .map(|bytes| bytes[..len * 2].to_vec());
-            (values, bytes)
+            CubeTensor::new_contiguous(
+                values.client.clone(),
+                values.device.clone(),
+                Shape::new([len.div_ceil(2)]),
+                packed,
+                DType::U32,
+            )
         }
 
         fn fused_update(
@@ -262,17 +274,19 @@ mod cube {
             (updated, first, second, third)
         }
 
-        fn widen_from_half(like: CubeTensor, packed: Vec<u8>, bf16: bool) -> CubeTensor {
-            let len = packed.len() / 2;
-            // Whole words: an odd count leaves the last word's high half unread.
-            let mut words = packed;
-            words.resize(len.div_ceil(2) * 4, 0);
-            let input = like.client.create_from_slice(&words);
-            let output = kernels::widen_from_half(&like.client, input, len, half(bf16));
+        fn widen_from_half(packed: CubeTensor, len: usize, bf16: bool) -> CubeTensor {
+            // Made by `from_data` or by `narrow_to_half`: contiguous u32 words.
+            let packed = if packed.is_contiguous() {
+                packed
+            } else {
+                into_contiguous(packed)
+            };
+            let output =
+                kernels::widen_from_half(&packed.client, packed.handle.clone(), len, half(bf16));
             CubeTensor::new_contiguous(
-                like.client.clone(),
-                like.device.clone(),
-                like.meta.shape().clone(),
+                packed.client.clone(),
+                packed.device.clone(),
+                Shape::new([len]),
                 output,
                 DType::F32,
             )
@@ -310,31 +324,47 @@ impl OverflowFlag {
 }
 
 /// `values` times `scale`, narrowed to `half` on the device: the bytes of a `[f16]`/`[bf16]`
-/// slice. `values` comes back unchanged.
+/// slice, read back once the narrowing (and whatever it waits on) has run.
 pub(crate) fn narrow_to_half(
     values: Tensor<1>,
     half: Half,
     scale: f32,
     rank: usize,
-) -> Result<(Tensor<1>, Vec<u8>), AccelerateError> {
-    let (values, bytes) = <Dispatch as GradientKernels>::narrow_to_half(
+) -> Result<Vec<u8>, AccelerateError> {
+    let len = values.dims()[0];
+    let words = Tensor::<1, Int>::from_dispatch(<Dispatch as GradientKernels>::narrow_to_half(
         values.into_dispatch(),
         half == Half::Bf16,
         scale,
-    );
-    let bytes = bytes.map_err(|e| AccelerateError::Tensor {
+    ));
+    let data = words.try_into_data().map_err(|e| AccelerateError::Tensor {
         rank,
         op: "narrowing gradients on the device",
         detail: e.to_string(),
     })?;
-    Ok((Tensor::from_dispatch(values), bytes))
+    data.as_bytes()
+        .get(..len * 2)
+        .map(<[u8]>::to_vec)
+        .ok_or_else(|| AccelerateError::Tensor {
+            rank,
+            op: "narrowing gradients on the device",
+            detail: format!("{} bytes came back for {len} halves", data.as_bytes().len()),
+        })
 }
 
-/// The f32 values of `packed` (`half` bytes) on `like`'s device, in `like`'s shape.
-pub(crate) fn widen_from_half(like: Tensor<1>, packed: Vec<u8>, half: Half) -> Tensor<1> {
+/// The f32 values of `packed` (`half` bytes) on `device`.
+pub(crate) fn widen_from_half(packed: &[u8], half: Half, device: &Device) -> Tensor<1> {
+    let len = packed.len() / 2;
+    // Whole words: an odd count leaves the last word's high half unread.
+    let mut words = vec![0u32; len.div_ceil(2)];
+    bytemuck::cast_slice_mut::<u32, u8>(&mut words)[..len * 2].copy_from_slice(&packed[..len * 2]);
+    let words = Tensor::<1, Int>::from_data(
+        TensorData::new(words, [len.div_ceil(2)]),
+        (device, DType::U32),
+    );
     Tensor::from_dispatch(<Dispatch as GradientKernels>::widen_from_half(
-        like.into_dispatch(),
-        packed,
+        words.into_dispatch(),
+        len,
         half == Half::Bf16,
     ))
 }

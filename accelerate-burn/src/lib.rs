@@ -118,13 +118,13 @@ pub use accelerate_core::{
 /// The Burn this crate is built on, re-exported so users match its version.
 pub use burn;
 
-#[cfg(feature = "cuda")]
+#[cfg(feature = "cuda-backend")]
 pub use backend::Cuda;
 #[cfg(feature = "flex")]
 pub use backend::Flex;
 #[cfg(feature = "ndarray")]
 pub use backend::NdArray;
-#[cfg(feature = "wgpu")]
+#[cfg(feature = "wgpu-backend")]
 pub use backend::Wgpu;
 
 /// The crate's README, whose examples run as doctests so that what crates.io shows compiles.

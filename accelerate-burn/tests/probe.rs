@@ -1,19 +1,19 @@
 //! Probing a backend's device never panics: on a machine without the backend's driver or
 //! adapter, building an accelerator is a one-line error naming the backend and what to install.
 
-#![cfg(any(feature = "cuda", feature = "wgpu"))]
+#![cfg(any(feature = "cuda-backend", feature = "wgpu-backend"))]
 
 use accelerate_burn::{Accelerator, ProcessState};
 
 /// What the cuda backend looks for before touching a device.
-#[cfg(feature = "cuda")]
+#[cfg(feature = "cuda-backend")]
 fn nvidia_driver_present() -> bool {
     ["/proc/driver/nvidia/version", "/dev/nvidiactl", "/dev/dxg"]
         .iter()
         .any(|path| std::path::Path::new(path).exists())
 }
 
-#[cfg(feature = "cuda")]
+#[cfg(feature = "cuda-backend")]
 #[test]
 fn cuda_without_a_driver_is_a_one_line_error_and_with_one_a_device() {
     let built = Accelerator::<accelerate_burn::Cuda>::builder()
@@ -37,7 +37,7 @@ fn cuda_without_a_driver_is_a_one_line_error_and_with_one_a_device() {
 /// `CUBECL_WGPU_DEFAULT_DEVICE`; a machine without any Vulkan driver takes the same path): a
 /// one-line error naming the backend, what wgpu said and what to install. The probe runs in a
 /// child process, because a process chooses its wgpu device once.
-#[cfg(feature = "wgpu")]
+#[cfg(feature = "wgpu-backend")]
 #[test]
 fn wgpu_without_an_adapter_is_a_one_line_error() {
     const CHILD: &str = "ACCELERATE_PROBE_CHILD";

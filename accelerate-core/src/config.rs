@@ -26,6 +26,8 @@ pub const ENV_GRADIENT_COMMUNICATION: &str = env_vars::GRADIENT_COMMUNICATION;
 pub const ENV_ZERO_STAGE: &str = env_vars::ZERO_STAGE;
 /// Environment variable for [`AcceleratorConfig::gradient_checkpointing`].
 pub const ENV_GRADIENT_CHECKPOINTING: &str = env_vars::GRADIENT_CHECKPOINTING;
+/// Environment variable for [`AcceleratorConfig::fusion`].
+pub const ENV_FUSION: &str = env_vars::FUSION;
 /// Environment variable for [`AcceleratorConfig::nccl`].
 pub const ENV_NCCL: &str = env_vars::NCCL;
 /// Environment variable for [`AcceleratorConfig::gradient_bucket_bytes`], in MiB.
@@ -53,6 +55,12 @@ pub struct AcceleratorConfig {
     /// activations instead of keeping them from the forward pass (Burn's balanced strategy on
     /// the prepared device; default off).
     pub gradient_checkpointing: bool,
+    /// Burn's kernel fusion, in a build whose GPU backend has it (`wgpu`, `cuda`; default on,
+    /// as a plain Burn user has it). Off, Burn's fused stream stays but runs each operation
+    /// as its own kernel: for debugging, and for comparing against fusion. Nothing changes
+    /// on the CPU backends or in a build without fusion.
+    #[serde(default = "fusion_default")]
+    pub fusion: bool,
     /// Whether the cuda backend averages gradients with NCCL (default `auto`: when every
     /// process can load libnccl; see [`crate::nccl`]).
     #[serde(default)]
@@ -69,9 +77,14 @@ impl Default for AcceleratorConfig {
             gradient_communication: MixedPrecision::No,
             zero_stage: 0,
             gradient_checkpointing: false,
+            fusion: true,
             nccl: NcclMode::Auto,
         }
     }
+}
+
+fn fusion_default() -> bool {
+    true
 }
 
 /// Values set in code; each one that is `Some` wins over the environment.
@@ -91,6 +104,8 @@ pub struct ConfigOverrides {
     pub zero_stage: Option<u8>,
     /// See [`AcceleratorConfig::gradient_checkpointing`].
     pub gradient_checkpointing: Option<bool>,
+    /// See [`AcceleratorConfig::fusion`].
+    pub fusion: Option<bool>,
     /// See [`AcceleratorConfig::nccl`].
     pub nccl: Option<NcclMode>,
 }
@@ -173,6 +188,7 @@ impl ConfigOverrides {
                 None,
                 default.gradient_checkpointing,
             )?,
+            fusion: settings.get_or(&table::FUSION, self.fusion, None, default.fusion)?,
             nccl: settings.get_or(&table::NCCL, self.nccl, None, default.nccl)?,
         })
     }
@@ -186,6 +202,35 @@ mod tests {
     fn defaults_without_env() {
         let c = ConfigOverrides::default().resolve_with(&[][..]).unwrap();
         assert_eq!(c, AcceleratorConfig::default());
+    }
+
+    #[test]
+    fn fusion_is_on_unless_the_environment_or_code_turns_it_off() {
+        assert!(
+            ConfigOverrides::default()
+                .resolve_with(&[][..])
+                .unwrap()
+                .fusion
+        );
+        let env = [(ENV_FUSION, "false")];
+        assert!(
+            !ConfigOverrides::default()
+                .resolve_with(&env[..])
+                .unwrap()
+                .fusion
+        );
+        let code = ConfigOverrides {
+            fusion: Some(true),
+            ..Default::default()
+        };
+        assert!(code.resolve_with(&env[..]).unwrap().fusion);
+        let err = ConfigOverrides::default()
+            .resolve_with(&[(ENV_FUSION, "fused")][..])
+            .unwrap_err();
+        assert_eq!(
+            err.to_string(),
+            "ACCELERATE_FUSION (env) = fused: expected true or false"
+        );
     }
 
     #[test]

@@ -381,6 +381,16 @@ pub const GRADIENT_CHECKPOINTING: Setting<bool> = Setting {
     valid: any,
 };
 
+/// Burn's kernel fusion on a GPU backend built with it.
+pub const FUSION: Setting<bool> = Setting {
+    key: "fusion",
+    flag: None,
+    env: env_vars::FUSION,
+    expected: "true or false",
+    parse: env_vars::parse_bool,
+    valid: any,
+};
+
 /// Whether the cuda backend averages gradients with NCCL.
 pub const NCCL: Setting<NcclMode> = Setting {
     key: "nccl",

@@ -3,7 +3,7 @@
 # minutes and with nothing but bash, xz and the driver: digits accuracy, mlp_synthetic's step
 # time in fp32 / bf16 / fp16 (Burn's AdamW and the fused one), the transformer example's
 # tokens/s and peak device memory in fp32 / bf16 / fp16 with and without activation
-# checkpointing, our cubecl kernels' GB/s, and (nccl build) NCCL against the host path: the
+# checkpointing, the same with Burn's kernel fusion on and off, our cubecl kernels' GB/s, and (nccl build) NCCL against the host path: the
 # parameters after 30 updates, the all-reduce's algbw/busbw, and the step time of
 # mlp_synthetic and the transformer with NCCL required vs off.
 #
@@ -75,6 +75,27 @@ for precision in no bf16 fp16; do
     echo "| $precision ${checkpointing:-(no checkpointing)} | $(cat "$work/out")$memory |"
   done
 done
+echo
+echo "## Burn's kernel fusion on and off (the same build; ACCELERATE_FUSION=false takes Burn's fusers out)"
+echo
+fusion_row() { # label, pattern, limit, command...
+  local label="$1" pattern="$2" limit="$3"; shift 3
+  local on off on_peak off_peak
+  on_peak="$(ACCELERATE_FUSION=true with_peak_memory first_match "$pattern" "$limit" "$@")"
+  on="$(cat "$work/out")"
+  off_peak="$(ACCELERATE_FUSION=false with_peak_memory first_match "$pattern" "$limit" "$@")"
+  off="$(cat "$work/out")"
+  echo "| $label | $on${on_peak} | $off${off_peak} |"
+}
+echo "| run | fusion on | peak device memory | fusion off | peak device memory |"
+echo "|---|---|---|---|---|"
+for precision in no bf16; do
+  ACCELERATE_MIXED_PRECISION=$precision fusion_row "transformer_lm, $steps updates, $precision" \
+    'tokens/s' 240 "$bin" transformer --steps "$steps" --eval-every 1000 --sample-bytes 0
+  ACCELERATE_MIXED_PRECISION=$precision fusion_row "mlp_synthetic, $precision, fused" \
+    'samples/s' 60 "$bin" mlp "$samples"
+done
+
 echo
 echo "## device kernels"
 timeout 90 "$bin" kernels "${KERNEL_MELEMS:-64}" 2>&1 | grep -E '^\||^device|^Error' || echo "kernels FAILED"

@@ -102,6 +102,16 @@ impl<B: AcceleratorBackend> AcceleratorBuilder<B> {
         self
     }
 
+    /// Burn's kernel fusion on a GPU backend built with it (`wgpu`, `cuda`): on by default,
+    /// as a plain Burn user has it. Off takes Burn's fusers out for the whole process, so
+    /// every operation runs as its own kernel (for debugging, or to compare); it must be
+    /// chosen before the first tensor operation on the GPU, so build the accelerator first.
+    /// Wins over `ACCELERATE_FUSION`; no effect on the CPU backends.
+    pub fn fusion(mut self, on: bool) -> Self {
+        self.overrides.fusion = Some(on);
+        self
+    }
+
     /// Fails to build when the device cannot compute in the requested precision, instead of
     /// warning once and training in f32.
     pub fn strict_mixed_precision(mut self, strict: bool) -> Self {
@@ -232,6 +242,7 @@ impl<B: AcceleratorBackend> AcceleratorBuilder<B> {
             let options = self.group_options.unwrap_or_default();
             (ProcessGroup::single(), options.timeout)
         };
+        crate::backend::fusion::choose(config.fusion, rank)?;
         let mut device = B::device(state.local_rank)?.autodiff();
         // After the device probe, so that a machine without the backend's driver gets that
         // error, not one about NCCL.

@@ -15,22 +15,23 @@ use burn::tensor::{DType, Device};
 
 use crate::error::AccelerateError;
 
-#[cfg(feature = "cuda")]
+#[cfg(feature = "cuda-backend")]
 mod cuda;
 #[cfg(feature = "flex")]
 mod flex;
+pub mod fusion;
 #[cfg(feature = "ndarray")]
 mod ndarray;
-#[cfg(feature = "wgpu")]
+#[cfg(feature = "wgpu-backend")]
 mod wgpu;
 
-#[cfg(feature = "cuda")]
+#[cfg(feature = "cuda-backend")]
 pub use cuda::Cuda;
 #[cfg(feature = "flex")]
 pub use flex::Flex;
 #[cfg(feature = "ndarray")]
 pub use ndarray::NdArray;
-#[cfg(feature = "wgpu")]
+#[cfg(feature = "wgpu-backend")]
 pub use wgpu::Wgpu;
 
 /// A kind of Burn backend that an [`Accelerator`](crate::Accelerator) can train on.
@@ -56,18 +57,22 @@ pub trait AcceleratorBackend: 'static + Send + Sync {
 }
 
 /// The best backend kind enabled in this build: cuda, then wgpu, then flex, then ndarray.
-#[cfg(feature = "cuda")]
+#[cfg(feature = "cuda-backend")]
 pub type DefaultBackend = Cuda;
 /// The best backend kind enabled in this build: cuda, then wgpu, then flex, then ndarray.
-#[cfg(all(not(feature = "cuda"), feature = "wgpu"))]
+#[cfg(all(not(feature = "cuda-backend"), feature = "wgpu-backend"))]
 pub type DefaultBackend = Wgpu;
 /// The best backend kind enabled in this build: cuda, then wgpu, then flex, then ndarray.
-#[cfg(all(not(feature = "cuda"), not(feature = "wgpu"), feature = "flex"))]
+#[cfg(all(
+    not(feature = "cuda-backend"),
+    not(feature = "wgpu-backend"),
+    feature = "flex"
+))]
 pub type DefaultBackend = Flex;
 /// The best backend kind enabled in this build: cuda, then wgpu, then flex, then ndarray.
 #[cfg(all(
-    not(feature = "cuda"),
-    not(feature = "wgpu"),
+    not(feature = "cuda-backend"),
+    not(feature = "wgpu-backend"),
     not(feature = "flex"),
     feature = "ndarray"
 ))]
@@ -78,9 +83,9 @@ pub type DefaultBackend = NdArray;
 #[allow(clippy::vec_init_then_push)]
 pub fn enabled_backends() -> Vec<&'static str> {
     let mut names = Vec::new();
-    #[cfg(feature = "cuda")]
+    #[cfg(feature = "cuda-backend")]
     names.push(Cuda::NAME);
-    #[cfg(feature = "wgpu")]
+    #[cfg(feature = "wgpu-backend")]
     names.push(Wgpu::NAME);
     #[cfg(feature = "flex")]
     names.push(Flex::NAME);

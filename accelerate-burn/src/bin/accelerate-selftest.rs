@@ -17,8 +17,8 @@ const USAGE: &str = "usage: accelerate-selftest [--report]
 #[cfg(any(
     feature = "flex",
     feature = "ndarray",
-    feature = "wgpu",
-    feature = "cuda"
+    feature = "wgpu-backend",
+    feature = "cuda-backend"
 ))]
 fn main() -> ExitCode {
     use accelerate_burn::DefaultBackend;
@@ -47,8 +47,8 @@ fn main() -> ExitCode {
 #[cfg(any(
     feature = "flex",
     feature = "ndarray",
-    feature = "wgpu",
-    feature = "cuda"
+    feature = "wgpu-backend",
+    feature = "cuda-backend"
 ))]
 fn check<B: accelerate_burn::AcceleratorBackend>() -> ExitCode {
     use accelerate_burn::Accelerator;
@@ -94,8 +94,8 @@ fn check<B: accelerate_burn::AcceleratorBackend>() -> ExitCode {
 #[cfg(not(any(
     feature = "flex",
     feature = "ndarray",
-    feature = "wgpu",
-    feature = "cuda"
+    feature = "wgpu-backend",
+    feature = "cuda-backend"
 )))]
 fn main() -> ExitCode {
     eprintln!(

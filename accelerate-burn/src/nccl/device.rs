@@ -376,6 +376,9 @@ pub(crate) trait NcclKernels: Backend {
     ) -> (FloatTensor<Self>, Result<(), GpuError>);
 }
 
+#[cfg(feature = "fusion")]
+mod fused;
+
 mod cube {
     use burn_cubecl::CubeBackend;
     use burn_cubecl::tensor::CubeTensor;

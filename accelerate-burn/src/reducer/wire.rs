@@ -126,7 +126,8 @@ pub(crate) fn average_on_device(
         MixedPrecision::Fp16 => (Half::F16, 1.0 / group.world_size() as f32, Reduction::Sum),
         _ => (Half::Bf16, 1.0, Reduction::Mean),
     };
-    let (joined, bytes) = device_kernels::narrow_to_half(joined, half, scale, rank)?;
+    let device = joined.device();
+    let bytes = device_kernels::narrow_to_half(joined, half, scale, rank)?;
     let bytes = match half {
         Half::F16 => {
             let mut values: Vec<f16> = bytemuck::pod_collect_to_vec(&bytes);
@@ -139,7 +140,7 @@ pub(crate) fn average_on_device(
             bytemuck::cast_slice(&values).to_vec()
         }
     };
-    let joined = device_kernels::widen_from_half(joined, bytes, half);
+    let joined = device_kernels::widen_from_half(&bytes, half, &device);
     match inv_scale {
         Some(inv) => {
             let mut flag = device_kernels::OverflowFlag::new(&joined.device());

@@ -3,7 +3,7 @@
 
 use std::fmt::Write as _;
 
-use crate::backend::{AcceleratorBackend, enabled_backends};
+use crate::backend::{AcceleratorBackend, enabled_backends, fusion};
 
 /// The Burn release this build links. Our manifests accept any 0.22.x, so it is read from
 /// Burn itself: the version burn-store writes into every file it saves (Burn's crates are
@@ -49,6 +49,35 @@ pub fn build_report<B: AcceleratorBackend>() -> String {
     }
     let _ = writeln!(
         out,
+        "fusion and autotune: {}",
+        match (B::DEVICE_KERNELS, fusion::COMPILED) {
+            (false, _) => "not applicable (a CPU backend)".to_string(),
+            (true, false) => format!(
+                "fusion off, autotune {} (built with `{}-backend`; `--features {}` gives \
+                 Burn's defaults)",
+                on_off(fusion::AUTOTUNE),
+                B::NAME,
+                B::NAME
+            ),
+            (true, true) => {
+                // What an accelerator of this environment would choose (ACCELERATE_FUSION,
+                // the config file).
+                let chosen = accelerate_core::config::ConfigOverrides::default()
+                    .resolve()
+                    .map(|config| config.fusion);
+                format!(
+                    "fusion {} (compiled in; ACCELERATE_FUSION=false turns it off), autotune {}",
+                    match chosen {
+                        Ok(on) => on_off(on).to_string(),
+                        Err(e) => format!("unknown ({e})"),
+                    },
+                    on_off(fusion::AUTOTUNE)
+                )
+            }
+        }
+    );
+    let _ = writeln!(
+        out,
         "NCCL use: {}",
         if cfg!(feature = "nccl") {
             "the cuda backend averages gradients with it (ACCELERATE_NCCL=auto|off|require)"
@@ -66,6 +95,10 @@ pub fn build_report<B: AcceleratorBackend>() -> String {
         }
     );
     out
+}
+
+fn on_off(on: bool) -> &'static str {
+    if on { "on" } else { "off" }
 }
 
 #[cfg(test)]
@@ -90,8 +123,8 @@ mod tests {
     #[cfg(any(
         feature = "flex",
         feature = "ndarray",
-        feature = "wgpu",
-        feature = "cuda"
+        feature = "wgpu-backend",
+        feature = "cuda-backend"
     ))]
     #[test]
     fn the_report_names_backends_and_the_device() {

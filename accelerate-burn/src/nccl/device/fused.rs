@@ -1,0 +1,58 @@
+//! NCCL on Burn's fused cuda tensors: each collective resolves its tensors through the fusion
+//! client, runs on the cubecl tensors underneath, and hands its output back to the fusion
+//! stream as a new tensor.
+//!
+//! Ordering: resolving drains the tensor's fusion stream, so every queued operation that
+//! writes the input has been handed to cubecl before the collective's `client.sync()` waits
+//! for it; the output is registered after NCCL's stream is idle, so every later operation
+//! reads finished values. Collectives are not lazy: they block, as on the unfused backend.
+
+use burn::backend::fusion::custom::{OperationIr, OperationOutput};
+use burn::backend::fusion::stream::StreamId;
+use burn::backend::fusion::{Client, Fusion, FusionTensor, NoOp};
+use burn::backend::ir::{BackendIr, InitOperationIr};
+use burn_cubecl::CubeBackend;
+use burn_cubecl::fusion::FusionCubeRuntime;
+use burn_cubecl::tensor::CubeTensor;
+
+use super::{GpuError, NcclCall, NcclKernels};
+
+type Fused = FusionTensor<FusionCubeRuntime>;
+
+impl NcclKernels for Fusion<CubeBackend> {
+    fn nccl_all_reduce(values: Fused, call: NcclCall) -> (Fused, Result<(), GpuError>) {
+        let client = values.client.clone();
+        // The only reference: resolved read-write, so the reduction runs in place.
+        let values = client.resolve_tensor_float::<CubeBackend>(values);
+        let (values, result) = <CubeBackend as NcclKernels>::nccl_all_reduce(values, call);
+        (register(&client, values), result)
+    }
+
+    fn nccl_collective(
+        input: Fused,
+        output: Fused,
+        call: NcclCall,
+    ) -> (Fused, Result<(), GpuError>) {
+        let client = output.client.clone();
+        let input = client.resolve_tensor_float::<CubeBackend>(input);
+        let output = client.resolve_tensor_float::<CubeBackend>(output);
+        let (output, result) = <CubeBackend as NcclKernels>::nccl_collective(input, output, call);
+        (register(&client, output), result)
+    }
+}
+
+/// `tensor`, computed outside the fusion stream, as a fused tensor of `client`'s (the way
+/// Burn's fusion registers uploaded data).
+fn register(client: &Client<FusionCubeRuntime>, tensor: CubeTensor) -> Fused {
+    let shape = tensor.meta.shape().clone();
+    let dtype = tensor.dtype;
+    let handle = CubeBackend::float_tensor_handle(tensor);
+    let init = InitOperationIr::create(shape, dtype, || client.register_tensor_handle(handle));
+    client
+        .register(
+            StreamId::current(),
+            OperationIr::Init(init),
+            NoOp::<CubeBackend>::new(),
+        )
+        .output()
+}
