@@ -5,7 +5,7 @@
 //! the switch cannot remove the fused stream; it removes Burn's built-in fusers from its
 //! registry before the stream starts, and every operation then runs as its own kernel. Burn
 //! seals that registry at the first operation on a fused device, so the switch must come
-//! first: [`choose`] runs when an accelerator is built, before the device's first use.
+//! first: it is applied when an accelerator is built, before the device's first use.
 
 use crate::error::AccelerateError;
 

@@ -22,7 +22,8 @@ type Fused = FusionTensor<FusionCubeRuntime>;
 impl NcclKernels for Fusion<CubeBackend> {
     fn nccl_all_reduce(values: Fused, call: NcclCall) -> (Fused, Result<(), GpuError>) {
         let client = values.client.clone();
-        // The only reference: resolved read-write, so the reduction runs in place.
+        // Resolved read-write when this is the tensor's only reference (as after a `cat`), so
+        // the reduction runs in place; otherwise the unfused path reduces a copy.
         let values = client.resolve_tensor_float::<CubeBackend>(values);
         let (values, result) = <CubeBackend as NcclKernels>::nccl_all_reduce(values, call);
         (register(&client, values), result)
