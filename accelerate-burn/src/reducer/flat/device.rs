@@ -83,7 +83,21 @@ impl DeviceFlat {
         {
             parts.push(Tensor::zeros([*padded - plan.len], &device));
         }
-        self.grads = Some(Tensor::cat(parts, 0));
+        // Each part copied into its range, not `Tensor::cat`: Burn's fusion fuses a cat with
+        // what follows (the sum of squares) into one kernel that picks the input per element,
+        // 30-40 ms for 2.9 M values on lavapipe against a few ms for the copies.
+        let total = parts
+            .iter()
+            .map(|p| p.shape().num_elements())
+            .sum::<usize>();
+        let mut flat = Tensor::<1>::empty([total], &device);
+        let mut offset = 0;
+        for part in parts {
+            let n = part.shape().num_elements();
+            flat = flat.slice_assign(offset..offset + n, part);
+            offset += n;
+        }
+        self.grads = Some(flat);
     }
 
     /// Averages the gathered gradients over the processes (on the host, where the collectives
