@@ -79,7 +79,15 @@ pub(crate) struct FusedPlan {
     pub rule: UpdateRule,
     /// fp16 unscale times the clipping factor.
     pub grad_scale: f32,
-    /// Every segment of the flat buffers, in order.
+    /// Values in the flat buffers (the state's length).
+    pub len: usize,
+    /// The flat index of the first value of `params`: 0 when it spans the buffers, a
+    /// segment's offset when it is that segment's own tensor.
+    pub params_offset: usize,
+    /// The same for `grads`.
+    pub grads_offset: usize,
+    /// The segments to update (every segment of the flat buffers, in order, or the one that
+    /// `params` holds).
     pub segments: Vec<PlannedSegment>,
 }
 
@@ -216,8 +224,9 @@ mod cube {
                 writable_f32(third),
             ];
             let client = params.client.clone();
-            let len = params.meta.shape().num_elements();
-            let out = client.empty(len * 4);
+            let params_len = params.meta.shape().num_elements();
+            let grads_len = grads.meta.shape().num_elements();
+            let out = client.empty(params_len * 4);
             let buffers = FlatBuffers {
                 params: params.handle.clone(),
                 grads: grads.handle.clone(),
@@ -226,7 +235,9 @@ mod cube {
                     .map(|t| t.handle.clone())
                     .collect(),
                 out: out.clone(),
-                len,
+                len: plan.len,
+                params_range: plan.params_offset..plan.params_offset + params_len,
+                grads_range: plan.grads_offset..plan.grads_offset + grads_len,
             };
             for &PlannedSegment {
                 offset: start,
@@ -383,7 +394,8 @@ pub(crate) fn fused_update(
     let mut slot = || {
         slots
             .next()
-            .unwrap_or_else(|| Tensor::<1>::zeros([1], &device))
+            // Never read (its comptime flag is off): `empty` launches no fill kernel.
+            .unwrap_or_else(|| Tensor::<1>::empty([1], &device))
             .into_dispatch()
     };
     let (first, second, third) = (slot(), slot(), slot());

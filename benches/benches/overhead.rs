@@ -6,12 +6,13 @@
 //! standard error.
 //!
 //! ```text
-//! cargo bench -p accelerate-benches --bench overhead [-- ROUNDS] [fused] [transformer]
+//! cargo bench -p accelerate-benches --bench overhead [-- ROUNDS] [fused] [transformer] [only-plain|only-accelerated]
 //! ```
 //!
 //! With `fused`, the accelerated loop uses the fused AdamW over flat parameters. With
 //! `transformer`, the model is the transformer example's default (8 sequences of 128 bytes
-//! per step) instead of the MLP (batch 128).
+//! per step) instead of the MLP (batch 128). `only-plain` or `only-accelerated` runs that loop
+//! alone (no comparison), so that a profiler (`perf`, cubecl's kernel profile) sees one loop.
 
 use std::time::Instant;
 
@@ -41,9 +42,19 @@ fn measure<M: BenchModel>(
         .skip(1)
         .find_map(|a| a.parse().ok())
         .unwrap_or(default_rounds);
+    let only = std::env::args().find_map(|a| match a.as_str() {
+        "only-plain" => Some(true),
+        "only-accelerated" => Some(false),
+        _ => None,
+    });
+    let runs = |is_plain: bool| only.is_none_or(|only_plain| only_plain == is_plain);
     for _ in 0..warm_up {
-        bench.plain_step();
-        bench.accelerated_step();
+        if runs(true) {
+            bench.plain_step();
+        }
+        if runs(false) {
+            bench.accelerated_step();
+        }
     }
     bench.sync();
     let mut plain = Vec::with_capacity(rounds);
@@ -55,7 +66,7 @@ fn measure<M: BenchModel>(
         } else {
             [false, true]
         };
-        for is_plain in order {
+        for is_plain in order.into_iter().filter(|&p| runs(p)) {
             let started = Instant::now();
             if is_plain {
                 bench.plain_step();
@@ -72,6 +83,18 @@ fn measure<M: BenchModel>(
         }
     }
     let mean = |v: &[f64]| v.iter().sum::<f64>() / v.len() as f64;
+    if let Some(only_plain) = only {
+        let (name, times) = if only_plain {
+            ("plain burn step", &plain)
+        } else {
+            ("accelerated step", &accelerated)
+        };
+        println!(
+            "rounds: {rounds} ({what}), {name} alone: {:.3} ms",
+            mean(times)
+        );
+        return;
+    }
     let diffs: Vec<f64> = accelerated.iter().zip(&plain).map(|(a, p)| a - p).collect();
     let d = mean(&diffs);
     let sd = (diffs.iter().map(|x| (x - d).powi(2)).sum::<f64>() / (diffs.len() - 1).max(1) as f64)

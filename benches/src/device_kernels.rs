@@ -55,6 +55,8 @@ pub fn run(melems: usize) {
         ],
         out: client.empty(len * 4),
         len,
+        params_range: 0..len,
+        grads_range: 0..len,
     };
     let hyper = crate::BURN_ADAMW;
     row("fused AdamW update", 28, &|| {

@@ -277,6 +277,8 @@ mod fused_updates {
                 .collect(),
             out: client.empty(len * 4),
             len,
+            params_range: 0..len,
+            grads_range: 0..len,
         }
     }
 
@@ -427,6 +429,60 @@ mod fused_updates {
                     optim::sgd_step(p, g, velocity, time == 1, lr, 0.5, &hyper);
                 },
             );
+        }
+    }
+
+    /// An update whose parameters and gradients are one segment's own buffers (`params_range`
+    /// and `grads_range` that segment) writes the same bits as the update of that segment
+    /// within whole flat buffers, and leaves the same state.
+    #[test]
+    fn a_segment_in_buffers_of_its_own_updates_like_the_flat_buffers() {
+        let hyper = AdamHyper {
+            beta_1: 0.9,
+            beta_2: 0.999,
+            epsilon: 1e-5,
+            weight_decay: 0.05,
+            decoupled: true,
+        };
+        let (n, segment) = (1000, 300..700);
+        let initial: Vec<f32> = gradients(n).iter().map(|g| g / 65536.0).collect();
+        for (runtime, client) in clients() {
+            let mut flat = buffers(&client, &initial, 2);
+            let mut own = buffers(&client, &initial, 2);
+            own.params = upload(&client, &initial[segment.clone()]);
+            own.out = client.empty(segment.len() * 4);
+            own.params_range = segment.clone();
+            let grads = gradients(n);
+            flat.grads = upload(&client, &grads);
+            own.grads = upload(&client, &grads[segment.clone()]);
+            own.grads_range = segment.clone();
+            for time in 1..=3 {
+                for buffers in [&flat, &own] {
+                    cube::adam_step(
+                        &client,
+                        buffers,
+                        segment.start,
+                        segment.len(),
+                        time,
+                        1e-2,
+                        0.5,
+                        &hyper,
+                        false,
+                    );
+                }
+                flat.params = std::mem::replace(&mut flat.out, client.empty(n * 4));
+                own.params = std::mem::replace(&mut own.out, client.empty(segment.len() * 4));
+            }
+            let whole = read_f32(&client, flat.params.clone(), n);
+            let mine = read_f32(&client, own.params.clone(), segment.len());
+            assert_bits_eq(&mine, &whole[segment.clone()], runtime);
+            for (a, b) in flat.state.iter().zip(&own.state) {
+                let (a, b) = (
+                    read_f32(&client, a.clone(), n),
+                    read_f32(&client, b.clone(), n),
+                );
+                assert_bits_eq(&b[segment.clone()], &a[segment.clone()], runtime);
+            }
         }
     }
 

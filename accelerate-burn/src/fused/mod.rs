@@ -10,10 +10,10 @@
 //! unscale x clip factor, moments and parameter in place, no allocation), and the model
 //! receives its new values in one upload per parameter tensor.
 //!
-//! On wgpu and cuda (without ZeRO) the flat buffers live on the GPU instead: the gradients are
-//! concatenated there, the update is our cubecl kernel, and the model's parameters become views
-//! of the flat parameter buffer, so nothing crosses to the host but a 4-byte norm (and, with
-//! several processes, the gradients the collectives average).
+//! On wgpu and cuda (without ZeRO) the state lives on the GPU instead and the update is our
+//! cubecl kernel, one launch per parameter tensor, writing each parameter's new values to a
+//! tensor of its own, so nothing crosses to the host (the norm only when clipping or fp16 needs
+//! it; with several processes, the gradients the collectives average).
 //!
 //! ZeRO-1 (`AcceleratorBuilder::zero_stage(1)`): gradients are reduce-scattered instead of
 //! all-reduced, each rank updates its 1/N of the flat parameters with its 1/N of the optimizer

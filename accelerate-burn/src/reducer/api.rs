@@ -25,22 +25,62 @@ pub(crate) enum Outcome {
         grads: ParamList,
         layout: Arc<ParamLayout>,
     },
-    /// Held by the reducer; the global L2 norm measured while averaging (before clipping) and
-    /// the clipping factor the step will apply.
+    /// Held by the reducer; the global L2 norm (before clipping) and the clipping factor the
+    /// step will apply.
     Held {
-        norm: f32,
+        norm: HeldNorm,
         clip_factor: f32,
     },
 }
 
+/// The global L2 norm of gradients a reducer holds: measured while averaging, or left on the
+/// device until clipping asks for it. Reading a device value waits for every queued kernel, so
+/// a step that never clips (and is not fp16, whose overflow test needs the value) queues its
+/// whole update without stopping the device's stream.
+#[derive(Debug)]
+pub(crate) enum HeldNorm {
+    /// Measured.
+    Known(f32),
+    /// Not measured yet: the averaged gradients (sharing the reducer's buffers, not copies)
+    /// and the fp16 unscale factor; the norm is `sqrt(sum of squares) * unscale`.
+    OnDevice { grads: Vec<Tensor<1>>, unscale: f32 },
+}
+
+impl HeldNorm {
+    /// The norm, read from the device on the first call.
+    pub fn value(&mut self) -> f32 {
+        let norm = match self {
+            Self::Known(norm) => return *norm,
+            Self::OnDevice { grads, unscale } => {
+                let sum_sq = sum_of_squares_on_device(grads);
+                (sum_sq.sqrt() * f64::from(*unscale)) as f32
+            }
+        };
+        *self = Self::Known(norm);
+        norm
+    }
+}
+
+/// The sum of the squares of every value of `parts`, as a one-value tensor on the device;
+/// `None` when there are no parts.
+fn squares_summed<'a>(parts: impl Iterator<Item = &'a Tensor<1>>) -> Option<Tensor<1>> {
+    parts
+        .map(|part| part.clone().square().sum())
+        .reduce(|total, sum| total + sum)
+}
+
+/// The sum of the squares of every value of `parts`, summed on the device: one 4-byte read.
+pub(crate) fn sum_of_squares_on_device(parts: &[Tensor<1>]) -> f64 {
+    squares_summed(parts.iter()).map_or(0.0, |total| f64::from(total.into_scalar::<f32>()))
+}
+
 /// The L2 norm over every gradient of `grads`, computed on the device; `None` when empty.
 pub(crate) fn global_norm(grads: &ParamList) -> Option<f32> {
-    let total = grads
-        .iter()
-        .flatten()
-        .map(|g| g.clone().square().sum())
-        .reduce(|a, b| a + b)?;
-    Some(total.sqrt().into_scalar::<f32>())
+    Some(
+        squares_summed(grads.iter().flatten())?
+            .sqrt()
+            .into_scalar::<f32>(),
+    )
 }
 
 /// What a reducer made of a completed window.

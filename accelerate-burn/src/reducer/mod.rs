@@ -114,7 +114,7 @@ impl Gradients {
             }
             Outcome::Held { norm, clip_factor } => {
                 // The norm as clipped so far, so that a second call sees what tensors would.
-                let current = *norm * *clip_factor;
+                let current = norm.value() * *clip_factor;
                 let factor = accelerate_kernels::clip_coefficient(current, max_norm);
                 if factor < 1.0 || factor.is_nan() {
                     *clip_factor *= factor;

@@ -31,9 +31,20 @@ use crate::fused::FusedOptimizer;
 use crate::group::Comm;
 use crate::params::{ParamLayout, ParamList};
 use crate::reducer::api::{
-    GradientReducer, LoadSource, ModelUpdate, Outcome, Reduced, ReducerKind, SaveRole, SavedFile,
+    GradientReducer, HeldNorm, LoadSource, ModelUpdate, Outcome, Reduced, ReducerKind, SaveRole,
+    SavedFile,
 };
 use crate::reducer::wire::Wire;
+
+/// The sum of squares of a window's averaged gradients, as the buffers measured it.
+pub(crate) enum SumOfSquares {
+    /// Read (on the host, or from the device).
+    Measured(f64),
+    /// Left on the device: the averaged gradients (one flat tensor or one per segment), to be
+    /// measured when someone asks.
+    #[cfg_attr(not(feature = "device-kernels"), allow(dead_code))]
+    Deferred(Vec<Tensor<1>>),
+}
 
 /// Prefix of the fused optimizer state files (`fused_optimizer_<rank>.bin`).
 const FUSED_PREFIX: &str = "fused_optimizer_";
@@ -274,25 +285,33 @@ impl GradientReducer for FlatReducer {
         let sum_sq = match &mut self.buffers {
             Buffers::Host(host) => {
                 host.gather(&self.plan, taken);
-                host.average(&mut self.wire, comm)?
+                SumOfSquares::Measured(host.average(&mut self.wire, comm)?)
             }
             #[cfg(feature = "device-kernels")]
             Buffers::Device(device) => {
-                device.gather(&self.plan, taken);
-                device.average(&mut self.wire, comm)?
+                device.gather(&self.plan, taken, !comm.is_distributed());
+                // fp16's overflow test needs the value now; otherwise it waits for clipping.
+                device.average(&mut self.wire, comm, inv_scale.is_none())?
             }
         };
         let unscale = inv_scale.unwrap_or(1.0);
         self.pending = Some(Pending { unscale });
-        let norm = (sum_sq.sqrt() * f64::from(unscale)) as f32;
+        let (norm, overflow) = match sum_sq {
+            // The sum of squares over every rank's values is non-finite exactly when some
+            // gradient is: the fp16 overflow test.
+            SumOfSquares::Measured(sum_sq) => (
+                HeldNorm::Known((sum_sq.sqrt() * f64::from(unscale)) as f32),
+                !sum_sq.is_finite(),
+            ),
+            // Deferred only without fp16's loss scaler, which alone reads the overflow test.
+            SumOfSquares::Deferred(grads) => (HeldNorm::OnDevice { grads, unscale }, false),
+        };
         Ok(Reduced {
             outcome: Outcome::Held {
                 norm,
                 clip_factor: 1.0,
             },
-            // The sum of squares over every rank's values is non-finite exactly when some
-            // gradient is: the fp16 overflow test.
-            overflow: !sum_sq.is_finite(),
+            overflow,
         })
     }
 
