@@ -61,6 +61,16 @@ impl HeldNorm {
     }
 }
 
+/// The sum of squares of a window's averaged gradients, as the buffers measured it.
+pub(crate) enum SumOfSquares {
+    /// Read (on the host, or from the device).
+    Measured(f64),
+    /// Left on the device: the averaged gradients (one flat tensor or one per segment), to be
+    /// measured when someone asks.
+    #[cfg_attr(not(feature = "device-kernels"), allow(dead_code))]
+    Deferred(Vec<Tensor<1>>),
+}
+
 /// The sum of the squares of every value of `parts`, as a one-value tensor on the device;
 /// `None` when there are no parts.
 fn squares_summed<'a>(parts: impl Iterator<Item = &'a Tensor<1>>) -> Option<Tensor<1>> {

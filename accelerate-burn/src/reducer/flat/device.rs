@@ -14,13 +14,12 @@ use accelerate_core::comm::Reduction;
 use burn::lr_scheduler::module_lr_scheduler::ModuleLearningRate;
 use burn::tensor::{Device, Tensor};
 
-use super::SumOfSquares;
 use super::plan::FlatPlan;
 use crate::error::AccelerateError;
 use crate::fused::FusedOptimizer;
 use crate::group::Comm;
 use crate::params;
-use crate::reducer::api::sum_of_squares_on_device;
+use crate::reducer::api::{SumOfSquares, sum_of_squares_on_device};
 use crate::reducer::wire::Wire;
 
 /// `parts` end to end in one new `[len]` tensor on `device`, each copied into its range.

@@ -32,19 +32,9 @@ use crate::group::Comm;
 use crate::params::{ParamLayout, ParamList};
 use crate::reducer::api::{
     GradientReducer, HeldNorm, LoadSource, ModelUpdate, Outcome, Reduced, ReducerKind, SaveRole,
-    SavedFile,
+    SavedFile, SumOfSquares,
 };
 use crate::reducer::wire::Wire;
-
-/// The sum of squares of a window's averaged gradients, as the buffers measured it.
-pub(crate) enum SumOfSquares {
-    /// Read (on the host, or from the device).
-    Measured(f64),
-    /// Left on the device: the averaged gradients (one flat tensor or one per segment), to be
-    /// measured when someone asks.
-    #[cfg_attr(not(feature = "device-kernels"), allow(dead_code))]
-    Deferred(Vec<Tensor<1>>),
-}
 
 /// Prefix of the fused optimizer state files (`fused_optimizer_<rank>.bin`).
 const FUSED_PREFIX: &str = "fused_optimizer_";
