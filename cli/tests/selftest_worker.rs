@@ -30,15 +30,26 @@ fn fake_worker(dir: &Path, who: &str) {
     std::fs::set_permissions(&path, std::fs::Permissions::from_mode(0o755)).unwrap();
 }
 
-/// Runs the command in `cwd` with `path` as PATH (plus the system's directories).
+/// Runs the command in `cwd` with `path` as PATH (plus the system's directories). Retried
+/// while the kernel answers "text file busy": a test on another thread that forks between our
+/// writing the command and running it holds our write descriptor until its child execs (the
+/// descriptor closes on exec), so the wait is short; CI hit it once.
 fn run(command: &Path, args: &[&str], cwd: &Path, path: &Path) -> Output {
-    Command::new(command)
-        .args(args)
-        .current_dir(cwd)
-        .env("PATH", format!("{}:/usr/bin:/bin", path.display()))
-        .env("ACCELERATE_CONFIG_FILE", "none")
-        .output()
-        .unwrap()
+    for _ in 0..100 {
+        let output = Command::new(command)
+            .args(args)
+            .current_dir(cwd)
+            .env("PATH", format!("{}:/usr/bin:/bin", path.display()))
+            .env("ACCELERATE_CONFIG_FILE", "none")
+            .output();
+        match output {
+            Err(error) if error.kind() == std::io::ErrorKind::ExecutableFileBusy => {
+                std::thread::sleep(std::time::Duration::from_millis(20));
+            }
+            output => return output.unwrap(),
+        }
+    }
+    panic!("{} stayed busy (text file busy) for 2 s", command.display())
 }
 
 fn text(bytes: &[u8]) -> String {
