@@ -27,17 +27,22 @@
 //! // One sequence of two tokens, one head of width 1: q = k = v = the token's value.
 //! let attention = SelfAttention { batch: 1, seq: 2, heads: 1, head_dim: 1, scale: 1.0, quiet: false, mask: None };
 //! let qkv = [0.0, 0.0, 1.0, /* token 1 */ 0.0, 0.0, 3.0];
-//! let (mut context, mut stats) = ([0.0; 2], [0.0; 4]);
-//! forward(&attention, &qkv, &mut context, &mut stats);
+//! let (context, stats) = forward(&attention, &qkv);
 //! assert_eq!(context, [2.0, 2.0]); // zero scores: each token averages the values
-//! let mut dqkv = [0.0; 6];
-//! backward(&attention, &qkv, &stats, &[1.0, 0.0], &mut dqkv);
+//! let dqkv = backward(&attention, &qkv, &stats, &[1.0, 0.0]);
 //! assert_eq!(dqkv[2], 0.5); // the first token's context took half of each value
 //! ```
 
+// The outputs are allocated without clearing (`fresh::written_by`); each unsafe block says why
+// every element is written.
+#![allow(unsafe_code)]
+
 use rayon::prelude::*;
 
+use std::mem::MaybeUninit;
 use std::ops::Range;
+
+use crate::fresh::written_by;
 
 use crate::LANES;
 use crate::matmul::{Mat, matmul};
@@ -49,10 +54,12 @@ use crate::softmax::{normalise_row, softmax_max};
 const QUERY_BLOCK: usize = 32;
 
 /// Which scores are masked: a byte per (query, key) pair for each sequence (nonzero: masked),
-/// `[batch, seq, seq]`, the same for every head (Burn's broadcast attention or padding mask).
+/// `[batch, seq, seq]`, the same for every head (Burn's broadcast attention or padding mask);
+/// or `[seq, seq]`, one plane every sequence shares (a causal mask, which Burn expands over the
+/// batch without copying).
 #[derive(Debug, Clone, Copy)]
 pub struct Mask<'a> {
-    /// The mask bytes, `batch * seq * seq` of them.
+    /// The mask bytes, `batch * seq * seq` of them, or `seq * seq` shared by every sequence.
     pub masked: &'a [u8],
     /// The value a masked score takes before the softmax (burn-nn's `min_float`, -1e4).
     pub fill: f32,
@@ -98,10 +105,11 @@ impl SelfAttention<'_> {
             assert_eq!(got, want, "attention: {got} values of {name} for {self:?}");
         }
         if let Some(mask) = &self.mask {
-            assert_eq!(
-                mask.masked.len(),
-                self.batch * self.seq * self.seq,
-                "attention: mask bytes for {self:?}"
+            let plane = self.seq * self.seq;
+            assert!(
+                [self.batch * plane, plane].contains(&mask.masked.len()),
+                "attention: {} mask bytes for {self:?}",
+                mask.masked.len()
             );
         }
     }
@@ -122,9 +130,19 @@ impl SelfAttention<'_> {
     /// The mask row of query `i` of sequence `b`.
     fn mask_row(&self, b: usize, i: usize) -> Option<(&[u8], f32)> {
         self.mask.map(|mask| {
-            let start = (b * self.seq + i) * self.seq;
+            let start = self.mask_row_start(&mask, b, i);
             (&mask.masked[start..start + self.seq], mask.fill)
         })
+    }
+
+    /// Where the mask row of query `i` of sequence `b` starts in `mask`'s bytes.
+    fn mask_row_start(&self, mask: &Mask<'_>, b: usize, i: usize) -> usize {
+        let plane = if mask.masked.len() == self.seq * self.seq {
+            0
+        } else {
+            b
+        };
+        (plane * self.seq + i) * self.seq
     }
 
     /// How many keys (from the first) the query rows `rows` of sequence `b` need: up to the
@@ -136,7 +154,7 @@ impl SelfAttention<'_> {
         };
         let mut end = 0;
         for i in rows {
-            let start = (b * self.seq + i) * self.seq;
+            let start = self.mask_row_start(mask, b, i);
             match mask.masked[start..start + self.seq]
                 .iter()
                 .rposition(|&m| m == 0)
@@ -180,33 +198,42 @@ impl SelfAttention<'_> {
     }
 }
 
-/// The context of every head into `context` (`[batch, seq, heads, head_dim]`) and each query
-/// row's statistics into `stats` (`[batch, heads, seq, 2]`, for [`backward`]).
+/// The context of every head (`[batch, seq, heads, head_dim]`) and each query row's
+/// statistics (`[batch, heads, seq, 2]`, for [`backward`]).
 ///
 /// # Panics
 /// When a buffer's length does not match the sizes.
-pub fn forward(attention: &SelfAttention<'_>, qkv: &[f32], context: &mut [f32], stats: &mut [f32]) {
-    attention.check(qkv.len(), context.len(), stats.len(), "context");
+pub fn forward(attention: &SelfAttention<'_>, qkv: &[f32]) -> (Vec<f32>, Vec<f32>) {
     let a = attention;
+    let tokens = a.batch * a.seq;
+    let (context_len, stats_len) = (tokens * a.width(), tokens * a.heads * STATS_PER_ROW);
+    a.check(qkv.len(), context_len, stats_len, "context");
+    let mut stats = vec![0.0; stats_len];
     let (seq, width) = (a.seq, a.width());
     if seq == 0 || width == 0 {
-        return;
+        return (vec![0.0; context_len], stats);
     }
-    context
-        .par_chunks_mut(seq * width)
-        .zip(stats.par_chunks_mut(a.heads * seq * STATS_PER_ROW))
-        .enumerate()
-        .for_each(|(b, (context, stats))| {
-            let tiles: Vec<(Vec<f32>, Vec<f32>)> = (0..a.heads)
-                .into_par_iter()
-                .map(|head| forward_tile(a, qkv, b, head))
-                .collect();
-            for (head, (tile, tile_stats)) in tiles.into_iter().enumerate() {
-                scatter(context, &tile, head * a.head_dim, width, a.head_dim);
-                let at = head * seq * STATS_PER_ROW;
-                stats[at..at + tile_stats.len()].copy_from_slice(&tile_stats);
-            }
-        });
+    let fill = |context: &mut [MaybeUninit<f32>]| {
+        context
+            .par_chunks_mut(seq * width)
+            .zip(stats.par_chunks_mut(a.heads * seq * STATS_PER_ROW))
+            .enumerate()
+            .for_each(|(b, (context, stats))| {
+                let tiles: Vec<(Vec<f32>, Vec<f32>)> = (0..a.heads)
+                    .into_par_iter()
+                    .map(|head| forward_tile(a, qkv, b, head))
+                    .collect();
+                for (head, (tile, tile_stats)) in tiles.into_iter().enumerate() {
+                    scatter(context, &tile, head * a.head_dim, width, a.head_dim);
+                    let at = head * seq * STATS_PER_ROW;
+                    stats[at..at + tile_stats.len()].copy_from_slice(&tile_stats);
+                }
+            });
+    };
+    // SAFETY: each sequence's `seq x width` chunk receives every head's `seq x head_dim` tile
+    // in the head's columns, and the heads' columns make up the width: every element is written.
+    let context = unsafe { written_by(context_len, fill) };
+    (context, stats)
 }
 
 /// One head of one sequence: its context `[seq, head_dim]` and its rows' statistics.
@@ -247,14 +274,16 @@ fn forward_tile(a: &SelfAttention<'_>, qkv: &[f32], b: usize, head: usize) -> (V
 }
 
 /// Copies the `[rows, cols]` tile into `dst` (row stride `stride`) from column `column` on.
-fn scatter(dst: &mut [f32], tile: &[f32], column: usize, stride: usize, cols: usize) {
+fn scatter(dst: &mut [MaybeUninit<f32>], tile: &[f32], column: usize, stride: usize, cols: usize) {
     for (row, values) in tile.chunks_exact(cols).enumerate() {
         let start = row * stride + column;
-        dst[start..start + cols].copy_from_slice(values);
+        for (d, &v) in dst[start..start + cols].iter_mut().zip(values) {
+            d.write(v);
+        }
     }
 }
 
-/// The gradient of `qkv` into `dqkv` from the context's gradient `dcontext` (`[batch, seq,
+/// The gradient of `qkv` (as a new vector) from the context's gradient `dcontext` (`[batch, seq,
 /// heads, head_dim]`) and the statistics [`forward`] kept: the probabilities are recomputed
 /// tile by tile, `dv = p^T do`, `dp = do v^T`, `ds = scale * p * (dp - sum(p * dp))` (0 where
 /// masked, as `mask_fill` passes no gradient), `dq = ds k`, `dk = ds^T q`.
@@ -266,38 +295,37 @@ pub fn backward(
     qkv: &[f32],
     stats: &[f32],
     dcontext: &[f32],
-    dqkv: &mut [f32],
-) {
+) -> Vec<f32> {
     let a = attention;
     a.check(qkv.len(), dcontext.len(), stats.len(), "dcontext");
-    assert_eq!(
-        dqkv.len(),
-        qkv.len(),
-        "attention: dqkv for {} qkv values",
-        qkv.len()
-    );
     let (seq, width) = (a.seq, a.width());
     if seq == 0 || width == 0 {
-        return;
+        return vec![0.0; qkv.len()];
     }
-    dqkv.par_chunks_mut(seq * 3 * width)
-        .enumerate()
-        .for_each(|(b, dqkv)| {
-            let tiles: Vec<[Vec<f32>; 3]> = (0..a.heads)
-                .into_par_iter()
-                .map(|head| {
-                    let at = (b * a.heads + head) * seq * STATS_PER_ROW;
-                    let stats = &stats[at..at + seq * STATS_PER_ROW];
-                    backward_tile(a, qkv, stats, dcontext, b, head)
-                })
-                .collect();
-            for (head, parts) in tiles.iter().enumerate() {
-                for (part, tile) in parts.iter().enumerate() {
-                    let column = part * width + head * a.head_dim;
-                    scatter(dqkv, tile, column, 3 * width, a.head_dim);
+    let fill = |dqkv: &mut [MaybeUninit<f32>]| {
+        dqkv.par_chunks_mut(seq * 3 * width)
+            .enumerate()
+            .for_each(|(b, dqkv)| {
+                let tiles: Vec<[Vec<f32>; 3]> = (0..a.heads)
+                    .into_par_iter()
+                    .map(|head| {
+                        let at = (b * a.heads + head) * seq * STATS_PER_ROW;
+                        let stats = &stats[at..at + seq * STATS_PER_ROW];
+                        backward_tile(a, qkv, stats, dcontext, b, head)
+                    })
+                    .collect();
+                for (head, parts) in tiles.iter().enumerate() {
+                    for (part, tile) in parts.iter().enumerate() {
+                        let column = part * width + head * a.head_dim;
+                        scatter(dqkv, tile, column, 3 * width, a.head_dim);
+                    }
                 }
-            }
-        });
+            });
+    };
+    // SAFETY: each sequence's `seq x 3 width` chunk receives, for every head, its `seq x
+    // head_dim` tiles of dq, dk and dv in their columns, which make up the three widths: every
+    // element is written.
+    unsafe { written_by(qkv.len(), fill) }
 }
 
 /// One head of one sequence's `[dq, dk, dv]`, each `[seq, head_dim]`.
@@ -461,12 +489,8 @@ mod tests {
         qkv: &[f32],
         dcontext: &[f32],
     ) -> (Vec<f32>, Vec<f32>) {
-        let tokens = a.batch * a.seq;
-        let mut context = vec![0.0; tokens * a.width()];
-        let mut stats = vec![0.0; tokens * a.heads * STATS_PER_ROW];
-        forward(a, qkv, &mut context, &mut stats);
-        let mut dqkv = vec![0.0; qkv.len()];
-        backward(a, qkv, &stats, dcontext, &mut dqkv);
+        let (context, stats) = forward(a, qkv);
+        let dqkv = backward(a, qkv, &stats, dcontext);
         (context, dqkv)
     }
 
@@ -569,6 +593,35 @@ mod tests {
         }
     }
 
+    /// One `[seq, seq]` plane for every sequence gives the bits of the same plane repeated over
+    /// the batch (what Burn's expanded causal mask is, without the copy).
+    #[test]
+    fn a_shared_mask_plane_equals_the_plane_repeated() {
+        let (batch, seq, heads, head_dim) = (3, 40, 2, 8);
+        let width = heads * head_dim;
+        let qkv = uniform(batch * seq * 3 * width, 15, 1.5);
+        let dcontext = uniform(batch * seq * width, 16, 1.0);
+        let repeated = causal_mask(batch, seq);
+        let shared = causal_mask(1, seq);
+        let run = |masked: &[u8]| {
+            let a = SelfAttention {
+                batch,
+                seq,
+                heads,
+                head_dim,
+                scale: 0.3,
+                quiet: false,
+                mask: Some(Mask {
+                    masked,
+                    fill: -1.0e4,
+                }),
+            };
+            let (context, dqkv) = forward_and_backward(&a, &qkv, &dcontext);
+            (bits(&context), bits(&dqkv))
+        };
+        assert_eq!(run(&shared), run(&repeated));
+    }
+
     #[test]
     #[should_panic(expected = "attention: 5 values of qkv")]
     fn a_qkv_of_the_wrong_length_says_so() {
@@ -581,6 +634,6 @@ mod tests {
             quiet: false,
             mask: None,
         };
-        forward(&a, &[0.0; 5], &mut [0.0; 2], &mut [0.0; 4]);
+        forward(&a, &[0.0; 5]);
     }
 }

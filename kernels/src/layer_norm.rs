@@ -17,19 +17,25 @@
 //! let shape = Shape { rows: 2, width: 3 };
 //! let x = [1.0, 2.0, 3.0, -1.0, 0.0, 1.0];
 //! let (gamma, beta) = ([1.0; 3], [0.0; 3]);
-//! let mut y = [0.0; 6];
-//! let mut stats = vec![0.0; 2 * shape.rows];
-//! forward(shape, &x, &gamma, Some(&beta[..]), 1e-5, &mut y, &mut stats);
+//! let (y, stats) = forward(shape, &x, &gamma, Some(&beta[..]), 1e-5);
 //! assert!((y[0] + 1.2247).abs() < 1e-3 && y[1].abs() < 1e-6);
 //!
-//! let dy = [1.0; 6];
-//! let (mut dx, mut dgamma, mut dbeta) = ([0.0; 6], [0.0; 3], [0.0; 3]);
-//! backward(shape, &x, &gamma, &stats, &dy, &mut dx, &mut dgamma, &mut dbeta);
+//! let mut grad = [1.0; 6]; // dy, then dx
+//! let (mut dgamma, mut dbeta) = ([0.0; 3], [0.0; 3]);
+//! backward(shape, &x, &gamma, &stats, &mut grad, &mut dgamma, &mut dbeta);
 //! assert_eq!(dbeta, [2.0; 3]); // the sum of dy over the rows
-//! assert!(dx.iter().all(|g| g.abs() < 1e-5)); // a constant shift does not change y
+//! assert!(grad.iter().all(|g| g.abs() < 1e-5)); // a constant shift does not change y
 //! ```
 
+// The output is allocated without clearing (`fresh::written_by`); the unsafe block says why
+// every element is written.
+#![allow(unsafe_code)]
+
+use std::mem::MaybeUninit;
+
 use rayon::prelude::*;
+
+use crate::fresh::written_by;
 
 pub use crate::rows::Shape;
 use crate::rows::{lane_centred_squares, lane_sum, lane_sum_and_dot};
@@ -40,86 +46,88 @@ use crate::rows::{lane_centred_squares, lane_sum, lane_sum_and_dot};
 pub const ROWS_PER_CHUNK: usize = 32;
 
 /// `y = (x - mean) / sqrt(var + epsilon) * gamma + beta` for every row, with the biased
-/// variance (Burn's and PyTorch's `LayerNorm`). `stats` receives each row's mean and
-/// reciprocal standard deviation (`2 * rows` values: `[mean_0, rstd_0, mean_1, ...]`), which
-/// [`backward`] needs.
+/// variance (Burn's and PyTorch's `LayerNorm`), returned with each row's mean and reciprocal
+/// standard deviation (`2 * rows` values: `[mean_0, rstd_0, mean_1, ...]`), which [`backward`]
+/// needs.
 ///
 /// # Panics
-/// When a buffer's length does not match `shape` (`x`, `y`: `rows * width`; `gamma`, `beta`:
-/// `width`; `stats`: `2 * rows`): callers size them from the tensors' shapes.
+/// When a buffer's length does not match `shape` (`x`: `rows * width`; `gamma`, `beta`:
+/// `width`): callers size them from the tensors' shapes.
 pub fn forward(
     shape: Shape,
     x: &[f32],
     gamma: &[f32],
     beta: Option<&[f32]>,
     epsilon: f32,
-    y: &mut [f32],
-    stats: &mut [f32],
-) {
+) -> (Vec<f32>, Vec<f32>) {
     let Shape { rows, width } = shape;
     assert_eq!(x.len(), rows * width, "x");
-    assert_eq!(y.len(), rows * width, "y");
     assert_eq!(gamma.len(), width, "gamma");
     assert!(beta.is_none_or(|b| b.len() == width), "beta");
-    assert_eq!(stats.len(), 2 * rows, "stats");
+    let mut stats = vec![0.0; 2 * rows];
     if width == 0 {
-        return;
+        return (Vec::new(), stats);
     }
     let chunk = ROWS_PER_CHUNK * width;
-    y.par_chunks_mut(chunk)
-        .zip(x.par_chunks(chunk))
-        .zip(stats.par_chunks_mut(2 * ROWS_PER_CHUNK))
-        .for_each(|((y, x), stats)| {
-            for ((y, x), stat) in y
-                .chunks_exact_mut(width)
-                .zip(x.chunks_exact(width))
-                .zip(stats.chunks_exact_mut(2))
-            {
-                let n = width as f32;
-                let mean = lane_sum(x) / n;
-                let var = lane_centred_squares(x, mean) / n;
-                let rstd = 1.0 / (var + epsilon).sqrt();
-                stat[0] = mean;
-                stat[1] = rstd;
-                // Zipped iterators: equal lengths are known, so the loops vectorise.
-                match beta {
-                    Some(beta) => {
-                        for (((y, &x), &g), &b) in y.iter_mut().zip(x).zip(gamma).zip(beta) {
-                            *y = (x - mean) * rstd * g + b;
+    let fill = |y: &mut [MaybeUninit<f32>]| {
+        y.par_chunks_mut(chunk)
+            .zip(x.par_chunks(chunk))
+            .zip(stats.par_chunks_mut(2 * ROWS_PER_CHUNK))
+            .for_each(|((y, x), stats)| {
+                for ((y, x), stat) in y
+                    .chunks_exact_mut(width)
+                    .zip(x.chunks_exact(width))
+                    .zip(stats.chunks_exact_mut(2))
+                {
+                    let n = width as f32;
+                    let mean = lane_sum(x) / n;
+                    let var = lane_centred_squares(x, mean) / n;
+                    let rstd = 1.0 / (var + epsilon).sqrt();
+                    stat[0] = mean;
+                    stat[1] = rstd;
+                    // Zipped iterators: equal lengths are known, so the loops vectorise.
+                    match beta {
+                        Some(beta) => {
+                            for (((y, &x), &g), &b) in y.iter_mut().zip(x).zip(gamma).zip(beta) {
+                                y.write((x - mean) * rstd * g + b);
+                            }
                         }
-                    }
-                    None => {
-                        for ((y, &x), &g) in y.iter_mut().zip(x).zip(gamma) {
-                            *y = (x - mean) * rstd * g;
+                        None => {
+                            for ((y, &x), &g) in y.iter_mut().zip(x).zip(gamma) {
+                                y.write((x - mean) * rstd * g);
+                            }
                         }
                     }
                 }
-            }
-        });
+            });
+    };
+    // SAFETY: `y` and `x` split into the same chunks of whole rows (`rows * width` values
+    // each), every row of `y` is zipped with a row of `x` and a `gamma` (and `beta`) of `width`
+    // values, so every element is written.
+    let y = unsafe { written_by(rows * width, fill) };
+    (y, stats)
 }
 
-/// The gradients of [`forward`] for the output gradient `dy`: `dx` (overwritten), and the
-/// gradients of `gamma` and `beta` (overwritten; `dbeta` is the sum of `dy` over rows). With
-/// `xhat = (x - mean) * rstd` and `g = dy * gamma`:
+/// The gradients of [`forward`] for the output gradient `dy`, which `grad` holds and which
+/// becomes `dx` in place (each row is read before it is written: no second buffer of the
+/// activation's size), and the gradients of `gamma` and `beta` (overwritten; `dbeta` is the sum
+/// of `dy` over rows). With `xhat = (x - mean) * rstd` and `g = dy * gamma`:
 /// `dx = rstd * (g - mean(g) - xhat * mean(g * xhat))`, `dgamma = sum(dy * xhat)`.
 ///
 /// # Panics
 /// When a buffer's length does not match `shape`, as for [`forward`].
-#[allow(clippy::too_many_arguments)]
 pub fn backward(
     shape: Shape,
     x: &[f32],
     gamma: &[f32],
     stats: &[f32],
-    dy: &[f32],
-    dx: &mut [f32],
+    grad: &mut [f32],
     dgamma: &mut [f32],
     dbeta: &mut [f32],
 ) {
     let Shape { rows, width } = shape;
     assert_eq!(x.len(), rows * width, "x");
-    assert_eq!(dy.len(), rows * width, "dy");
-    assert_eq!(dx.len(), rows * width, "dx");
+    assert_eq!(grad.len(), rows * width, "dy");
     assert_eq!(gamma.len(), width, "gamma");
     assert_eq!(dgamma.len(), width, "dgamma");
     assert_eq!(dbeta.len(), width, "dbeta");
@@ -132,22 +140,21 @@ pub fn backward(
     let chunk = ROWS_PER_CHUNK * width;
     // Each task: its rows' dx, and its partial dgamma and dbeta (2 * width), summed below in
     // chunk order.
-    let partials: Vec<Vec<f32>> = dx
+    let partials: Vec<Vec<f32>> = grad
         .par_chunks_mut(chunk)
         .zip(x.par_chunks(chunk))
-        .zip(dy.par_chunks(chunk))
         .zip(stats.par_chunks(2 * ROWS_PER_CHUNK))
-        .map(|(((dx, x), dy), stats)| {
+        .map(|((grad, x), stats)| {
             let mut partial = vec![0.0_f32; 2 * width];
             let (pg, pb) = partial.split_at_mut(width);
             let mut g = vec![0.0_f32; width];
             let mut xhat = vec![0.0_f32; width];
-            for (((dx, x), dy), stat) in dx
+            for ((row, x), stat) in grad
                 .chunks_exact_mut(width)
                 .zip(x.chunks_exact(width))
-                .zip(dy.chunks_exact(width))
                 .zip(stats.chunks_exact(2))
             {
+                // `row` holds this row's dy until the last loop overwrites it with dx.
                 let (mean, rstd) = (stat[0], stat[1]);
                 for (((((xh, gi), pg), pb), &x), (&dy, &gamma)) in xhat
                     .iter_mut()
@@ -155,7 +162,7 @@ pub fn backward(
                     .zip(pg.iter_mut())
                     .zip(pb.iter_mut())
                     .zip(x)
-                    .zip(dy.iter().zip(gamma))
+                    .zip(row.iter().zip(gamma))
                 {
                     *xh = (x - mean) * rstd;
                     *gi = dy * gamma;
@@ -165,7 +172,7 @@ pub fn backward(
                 let (sum_g, sum_gx) = lane_sum_and_dot(&g, &xhat);
                 let n = width as f32;
                 let (mean_g, mean_gx) = (sum_g / n, sum_gx / n);
-                for ((dx, &g), &xh) in dx.iter_mut().zip(&g).zip(&xhat) {
+                for ((dx, &g), &xh) in row.iter_mut().zip(&g).zip(&xhat) {
                     *dx = rstd * (g - mean_g - xh * mean_gx);
                 }
             }
@@ -249,21 +256,9 @@ mod tests {
             let gamma = data(width, 2);
             let beta = data(width, 3);
             let dy = data(rows * width, 4);
-            let mut y = vec![0.0; rows * width];
-            let mut stats = vec![0.0; 2 * rows];
-            forward(shape, &x, &gamma, Some(&beta), 1e-5, &mut y, &mut stats);
-            let (mut dx, mut dgamma, mut dbeta) =
-                (vec![0.0; rows * width], vec![0.0; width], vec![0.0; width]);
-            backward(
-                shape,
-                &x,
-                &gamma,
-                &stats,
-                &dy,
-                &mut dx,
-                &mut dgamma,
-                &mut dbeta,
-            );
+            let (y, stats) = forward(shape, &x, &gamma, Some(&beta), 1e-5);
+            let (mut dx, mut dgamma, mut dbeta) = (dy.clone(), vec![0.0; width], vec![0.0; width]);
+            backward(shape, &x, &gamma, &stats, &mut dx, &mut dgamma, &mut dbeta);
             let (ry, rdx, rdgamma, rdbeta) = reference(shape, &x, &gamma, &beta, &dy, 1e-5);
             // Sums over many rows carry the rounding of each addend: scaled by the row count.
             close(&y, &ry, 1.0, "y");
@@ -283,15 +278,10 @@ mod tests {
         let gamma = data(shape.width, 6);
         let dy = data(shape.rows * shape.width, 7);
         assert_same_on_1_2_3_threads(|| {
-            let mut y = vec![0.0; x.len()];
-            let mut stats = vec![0.0; 2 * shape.rows];
-            forward(shape, &x, &gamma, None, 1e-5, &mut y, &mut stats);
-            let (mut dx, mut dg, mut db) = (
-                vec![0.0; x.len()],
-                vec![0.0; shape.width],
-                vec![0.0; shape.width],
-            );
-            backward(shape, &x, &gamma, &stats, &dy, &mut dx, &mut dg, &mut db);
+            let (y, stats) = forward(shape, &x, &gamma, None, 1e-5);
+            let (mut dx, mut dg, mut db) =
+                (dy.clone(), vec![0.0; shape.width], vec![0.0; shape.width]);
+            backward(shape, &x, &gamma, &stats, &mut dx, &mut dg, &mut db);
             (bits(&y), bits(&dx), bits(&dg), bits(&db))
         });
     }
@@ -299,17 +289,7 @@ mod tests {
     #[test]
     fn a_constant_row_normalises_to_beta() {
         let shape = Shape { rows: 1, width: 5 };
-        let mut y = [0.0; 5];
-        let mut stats = [0.0; 2];
-        forward(
-            shape,
-            &[3.0; 5],
-            &[2.0; 5],
-            Some(&[0.5; 5]),
-            1e-5,
-            &mut y,
-            &mut stats,
-        );
+        let (y, stats) = forward(shape, &[3.0; 5], &[2.0; 5], Some(&[0.5; 5]), 1e-5);
         assert_eq!(y, [0.5; 5]);
         assert_eq!(stats[0], 3.0);
     }

@@ -46,6 +46,7 @@ pub mod cross_entropy;
 #[allow(unsafe_code)]
 pub mod cube;
 pub mod element;
+mod fresh;
 pub mod gelu;
 pub mod layer_norm;
 pub mod linear;

@@ -92,21 +92,39 @@ pub(crate) fn lane_max(values: &[f32]) -> f32 {
 /// built from its exponent bits. No branch and no table, so loops over it vectorise.
 #[inline(always)]
 pub(crate) fn exp(x: f32) -> f32 {
+    exp_by(x, |a, b, c| a * b + c)
+}
+
+/// [`exp`] with every multiply-add fused (`f32::mul_add`: one rounding, so the same bits on
+/// every target; fast only where the target has FMA, slow through libm's `fmaf` elsewhere).
+#[inline(always)]
+pub(crate) fn exp_fused(x: f32) -> f32 {
+    exp_by(x, f32::mul_add)
+}
+
+/// [`exp`]'s arithmetic with `madd(a, b, c)` for each `a * b + c`.
+#[inline(always)]
+fn exp_by(x: f32, madd: impl Fn(f32, f32, f32) -> f32) -> f32 {
     const LN2_HI: f32 = 0.693_359_4;
     const LN2_LO: f32 = -2.121_944_4e-4;
     // 1.5 * 2^23: adding it rounds a float of magnitude below 2^22 to an integer, which then
     // sits in the low bits of the sum's mantissa.
     const ROUNDER: f32 = 12_582_912.0;
     let clamped = x.clamp(-87.0, 88.0);
-    let shifted = clamped * std::f32::consts::LOG2_E + ROUNDER;
+    let shifted = madd(clamped, std::f32::consts::LOG2_E, ROUNDER);
     let n = shifted - ROUNDER;
-    let r = clamped - n * LN2_HI - n * LN2_LO;
-    let poly = ((((1.987_569_1e-4 * r + 1.398_199_9e-3) * r + 8.333_452e-3) * r + 4.166_579_6e-2)
-        * r
-        + 1.666_666_5e-1)
-        * r
-        + 0.5;
-    let e_r = poly * (r * r) + r + 1.0;
+    // `clamped - n ln2`, in two parts; `-n * h + c` is `c - n * h` to the bit.
+    let r = madd(-n, LN2_LO, madd(-n, LN2_HI, clamped));
+    let poly = [
+        1.398_199_9e-3,
+        8.333_452e-3,
+        4.166_579_6e-2,
+        1.666_666_5e-1,
+        0.5,
+    ]
+    .into_iter()
+    .fold(1.987_569_1e-4, |acc, c| madd(acc, r, c));
+    let e_r = madd(poly, r * r, r) + 1.0;
     // n is in [-126, 127] after the clamp: `n + 127` is a normal float's biased exponent.
     let n_bits = shifted.to_bits().wrapping_sub(ROUNDER.to_bits());
     let two_n = f32::from_bits(n_bits.wrapping_add(127) << 23);
@@ -135,6 +153,22 @@ mod tests {
         assert_eq!(exp(-1.0e4), 0.0);
         assert_eq!(exp(f32::NEG_INFINITY), 0.0);
         assert!(exp(f32::NAN).is_nan());
+    }
+
+    #[test]
+    fn the_fused_exp_is_within_two_ulp_too() {
+        let mut x = -87.0_f32;
+        let mut worst = 0.0_f64;
+        while x <= 88.0 {
+            let want = f64::from(x).exp();
+            let ulp = f64::from(f32::EPSILON) * want;
+            worst = worst.max((f64::from(exp_fused(x)) - want).abs() / ulp);
+            x += 0.001_37;
+        }
+        assert!(worst <= 2.0, "worst error {worst} ulp");
+        assert_eq!(exp_fused(0.0), 1.0);
+        assert_eq!(exp_fused(-87.5), 0.0);
+        assert!(exp_fused(f32::NAN).is_nan());
     }
 
     #[test]

@@ -1,7 +1,9 @@
-//! AVX2 + F16C versions of the half-precision reductions and conversions, and AVX2 builds of
-//! the fused Adam update and the GELU: the only unsafe code of this crate. Each is entered only through a `try_` wrapper, after [`has_avx2_f16c`]
-//! confirmed the CPU supports it; the helpers carry `#[target_feature]`, so the compiler
-//! itself refuses a call from code not compiled for AVX2 and F16C. Each computes exactly what its portable twin in `reduce`/`convert` computes (the tests
+//! AVX2 + F16C versions of the half-precision reductions and conversions, an AVX2 build of the
+//! fused Adam update and AVX2 and AVX-512 builds of the GELU: the crate's unsafe code for CPU
+//! features (the rest: gemm calls in `matmul`, outputs allocated uncleared by `fresh` for the
+//! GELU, layer norm and attention, cubecl launches). Each is entered only through a `try_` wrapper, after [`has_avx2_f16c`] (or the
+//! GELU's own check) confirmed the CPU supports it; the helpers carry `#[target_feature]`, so
+//! the compiler itself refuses a call from code not compiled for those features. Each computes exactly what its portable twin in `reduce`/`convert` computes (the tests
 //! compare them bit for bit on odd lengths).
 //!
 //! This module sits below the code that dispatches to it: it reads only the leaves it builds
@@ -17,6 +19,7 @@
 #![allow(unsafe_code)]
 
 use std::arch::x86_64::*;
+use std::mem::MaybeUninit;
 use std::sync::atomic::{AtomicU8, Ordering};
 
 use half::{bf16, f16};
@@ -51,43 +54,44 @@ fn adam_lanes_avx2<const DECOUPLED: bool, const FIRST: bool>(
     adam_lanes::<DECOUPLED, FIRST>(lanes, grad_scale, c);
 }
 
-/// The portable GELU loop (`gelu::forward_chunk`, inlined) compiled for AVX2: the same
-/// operations in the same order, so the same bits, in 8 lanes.
-#[target_feature(enable = "avx2")]
-fn gelu_forward_avx2(x: &[f32], y: &mut [f32]) {
+/// The portable GELU loop (`gelu::forward_chunk`, inlined) compiled for AVX2 and FMA: the same
+/// operations in the same order (its `mul_add`s become FMA instructions), so the same bits, in
+/// 8 lanes.
+#[target_feature(enable = "avx2,fma")]
+fn gelu_forward_avx2(x: &[f32], y: &mut [MaybeUninit<f32>]) {
     gelu::forward_chunk(x, y);
 }
 
-/// The portable GELU derivative loop (`gelu::backward_chunk`) compiled for AVX2.
-#[target_feature(enable = "avx2")]
-fn gelu_backward_avx2(x: &[f32], dy: &[f32], dx: &mut [f32]) {
+/// The portable GELU derivative loop (`gelu::backward_chunk`) compiled for AVX2 and FMA.
+#[target_feature(enable = "avx2,fma")]
+fn gelu_backward_avx2(x: &[f32], dy: &[f32], dx: &mut [MaybeUninit<f32>]) {
     gelu::backward_chunk(x, dy, dx);
 }
 
 /// The GELU recomputed with its derivative (`gelu::recompute_backward_chunk`) compiled for
-/// AVX2.
-#[target_feature(enable = "avx2")]
-fn gelu_recompute_backward_avx2(x: &[f32], y: &mut [f32], grad: &mut [f32]) {
+/// AVX2 and FMA.
+#[target_feature(enable = "avx2,fma")]
+fn gelu_recompute_backward_avx2(x: &[f32], y: &mut [MaybeUninit<f32>], grad: &mut [f32]) {
     gelu::recompute_backward_chunk(x, y, grad);
 }
 
-/// The GELU loop compiled for AVX-512: 16 lanes and 32 registers, so the `erfc` polynomial's
-/// constants stay in registers (AVX2's 16 cannot hold them and the loop reloads them). The
-/// same operations in the same order, so the same bits.
-#[target_feature(enable = "avx512f")]
-fn gelu_forward_avx512(x: &[f32], y: &mut [f32]) {
+/// The GELU loop compiled for AVX-512 (and FMA): 16 lanes and 32 registers, so the `erfc`
+/// polynomial's constants stay in registers (AVX2's 16 cannot hold them and the loop reloads
+/// them). The same operations in the same order, so the same bits.
+#[target_feature(enable = "avx512f,fma")]
+fn gelu_forward_avx512(x: &[f32], y: &mut [MaybeUninit<f32>]) {
     gelu::forward_chunk(x, y);
 }
 
-/// The GELU derivative loop compiled for AVX-512.
-#[target_feature(enable = "avx512f")]
-fn gelu_backward_avx512(x: &[f32], dy: &[f32], dx: &mut [f32]) {
+/// The GELU derivative loop compiled for AVX-512 and FMA.
+#[target_feature(enable = "avx512f,fma")]
+fn gelu_backward_avx512(x: &[f32], dy: &[f32], dx: &mut [MaybeUninit<f32>]) {
     gelu::backward_chunk(x, dy, dx);
 }
 
-/// The GELU recomputed with its derivative, compiled for AVX-512.
-#[target_feature(enable = "avx512f")]
-fn gelu_recompute_backward_avx512(x: &[f32], y: &mut [f32], grad: &mut [f32]) {
+/// The GELU recomputed with its derivative, compiled for AVX-512 and FMA.
+#[target_feature(enable = "avx512f,fma")]
+fn gelu_recompute_backward_avx512(x: &[f32], y: &mut [MaybeUninit<f32>], grad: &mut [f32]) {
     gelu::recompute_backward_chunk(x, y, grad);
 }
 
@@ -106,9 +110,11 @@ fn gelu_build() -> GeluBuild {
         2 => GeluBuild::Avx2,
         3 => GeluBuild::Portable,
         _ => {
-            let build = if is_x86_feature_detected!("avx512f") {
+            // Every vector build fuses its multiply-adds: without FMA the portable loop runs.
+            let fma = is_x86_feature_detected!("fma");
+            let build = if fma && is_x86_feature_detected!("avx512f") {
                 GeluBuild::Avx512
-            } else if has_avx2_f16c() {
+            } else if fma && has_avx2_f16c() {
                 GeluBuild::Avx2
             } else {
                 GeluBuild::Portable
@@ -126,11 +132,11 @@ fn gelu_build() -> GeluBuild {
 
 /// Runs the GELU in the widest vector build the CPU has (true); false: the caller runs the
 /// portable loop.
-pub(crate) fn try_gelu_forward(x: &[f32], y: &mut [f32]) -> bool {
+pub(crate) fn try_gelu_forward(x: &[f32], y: &mut [MaybeUninit<f32>]) -> bool {
     match gelu_build() {
-        // SAFETY: the CPU has AVX-512F (checked by `gelu_build`), the callee's one requirement.
+        // SAFETY: the CPU has AVX-512F and FMA (checked by `gelu_build`), the callee's requirements.
         GeluBuild::Avx512 => unsafe { gelu_forward_avx512(x, y) },
-        // SAFETY: the CPU has AVX2 (checked by `gelu_build`), the callee's one requirement.
+        // SAFETY: the CPU has AVX2 and FMA (checked by `gelu_build`), the callee's requirements.
         GeluBuild::Avx2 => unsafe { gelu_forward_avx2(x, y) },
         GeluBuild::Portable => return false,
     }
@@ -138,11 +144,11 @@ pub(crate) fn try_gelu_forward(x: &[f32], y: &mut [f32]) -> bool {
 }
 
 /// Runs the GELU derivative in the widest vector build, as [`try_gelu_forward`].
-pub(crate) fn try_gelu_backward(x: &[f32], dy: &[f32], dx: &mut [f32]) -> bool {
+pub(crate) fn try_gelu_backward(x: &[f32], dy: &[f32], dx: &mut [MaybeUninit<f32>]) -> bool {
     match gelu_build() {
-        // SAFETY: the CPU has AVX-512F (checked by `gelu_build`), the callee's one requirement.
+        // SAFETY: the CPU has AVX-512F and FMA (checked by `gelu_build`), the callee's requirements.
         GeluBuild::Avx512 => unsafe { gelu_backward_avx512(x, dy, dx) },
-        // SAFETY: the CPU has AVX2 (checked by `gelu_build`), the callee's one requirement.
+        // SAFETY: the CPU has AVX2 and FMA (checked by `gelu_build`), the callee's requirements.
         GeluBuild::Avx2 => unsafe { gelu_backward_avx2(x, dy, dx) },
         GeluBuild::Portable => return false,
     }
@@ -151,11 +157,15 @@ pub(crate) fn try_gelu_backward(x: &[f32], dy: &[f32], dx: &mut [f32]) -> bool {
 
 /// Runs the GELU and its derivative in one pass in the widest vector build, as
 /// [`try_gelu_forward`].
-pub(crate) fn try_gelu_recompute_backward(x: &[f32], y: &mut [f32], grad: &mut [f32]) -> bool {
+pub(crate) fn try_gelu_recompute_backward(
+    x: &[f32],
+    y: &mut [MaybeUninit<f32>],
+    grad: &mut [f32],
+) -> bool {
     match gelu_build() {
-        // SAFETY: the CPU has AVX-512F (checked by `gelu_build`), the callee's one requirement.
+        // SAFETY: the CPU has AVX-512F and FMA (checked by `gelu_build`), the callee's requirements.
         GeluBuild::Avx512 => unsafe { gelu_recompute_backward_avx512(x, y, grad) },
-        // SAFETY: the CPU has AVX2 (checked by `gelu_build`), the callee's one requirement.
+        // SAFETY: the CPU has AVX2 and FMA (checked by `gelu_build`), the callee's requirements.
         GeluBuild::Avx2 => unsafe { gelu_recompute_backward_avx2(x, y, grad) },
         GeluBuild::Portable => return false,
     }
@@ -368,55 +378,78 @@ pub(crate) fn scale_bf16_lanes(values: &mut [bf16], factor: f32) -> usize {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::fresh::written_by;
     use crate::test_support::{bits, uniform};
 
     /// The three GELU loops of one build on `x` and `dy`: output, derivative, and the one-pass
     /// recomputation's output and gradient, as bit patterns.
-    type Gelu = fn(&[f32], &[f32], &mut [Vec<f32>; 4]);
+    type Gelu = fn(&[f32], &[f32]) -> [Vec<u32>; 4];
 
-    fn portable(x: &[f32], dy: &[f32], out: &mut [Vec<f32>; 4]) {
-        let [y, dx, ry, grad] = out;
-        gelu::forward_chunk(x, y);
-        gelu::backward_chunk(x, dy, dx);
-        gelu::recompute_backward_chunk(x, ry, grad);
+    /// The loops `forward`, `backward` and `recompute` of one build, run on `x` and `dy`.
+    fn outputs(
+        x: &[f32],
+        dy: &[f32],
+        forward: impl Fn(&[f32], &mut [MaybeUninit<f32>]),
+        backward: impl Fn(&[f32], &[f32], &mut [MaybeUninit<f32>]),
+        recompute: impl Fn(&[f32], &mut [MaybeUninit<f32>], &mut [f32]),
+    ) -> [Vec<u32>; 4] {
+        let n = x.len();
+        let mut grad = dy.to_vec();
+        // SAFETY: each loop writes every element of its output (as long as its input).
+        let (y, dx, ry) = unsafe {
+            (
+                written_by(n, |y| forward(x, y)),
+                written_by(n, |dx| backward(x, dy, dx)),
+                written_by(n, |ry| recompute(x, ry, &mut grad)),
+            )
+        };
+        [bits(&y), bits(&dx), bits(&ry), bits(&grad)]
     }
 
-    fn avx2(x: &[f32], dy: &[f32], out: &mut [Vec<f32>; 4]) {
-        let [y, dx, ry, grad] = out;
-        // SAFETY: only called where the CPU has AVX2 (checked by the test).
-        unsafe {
-            gelu_forward_avx2(x, y);
-            gelu_backward_avx2(x, dy, dx);
-            gelu_recompute_backward_avx2(x, ry, grad);
-        }
+    fn portable(x: &[f32], dy: &[f32]) -> [Vec<u32>; 4] {
+        outputs(
+            x,
+            dy,
+            gelu::forward_chunk,
+            gelu::backward_chunk,
+            gelu::recompute_backward_chunk,
+        )
     }
 
-    fn avx512(x: &[f32], dy: &[f32], out: &mut [Vec<f32>; 4]) {
-        let [y, dx, ry, grad] = out;
-        // SAFETY: only called where the CPU has AVX-512F (checked by the test).
-        unsafe {
-            gelu_forward_avx512(x, y);
-            gelu_backward_avx512(x, dy, dx);
-            gelu_recompute_backward_avx512(x, ry, grad);
-        }
+    fn avx2(x: &[f32], dy: &[f32]) -> [Vec<u32>; 4] {
+        // SAFETY (each call): only run where the CPU has AVX2 and FMA (checked by the test).
+        outputs(
+            x,
+            dy,
+            |x, y| unsafe { gelu_forward_avx2(x, y) },
+            |x, dy, dx| unsafe { gelu_backward_avx2(x, dy, dx) },
+            |x, y, grad| unsafe { gelu_recompute_backward_avx2(x, y, grad) },
+        )
+    }
+
+    fn avx512(x: &[f32], dy: &[f32]) -> [Vec<u32>; 4] {
+        // SAFETY (each call): only run where the CPU has AVX-512F and FMA (checked by the test).
+        outputs(
+            x,
+            dy,
+            |x, y| unsafe { gelu_forward_avx512(x, y) },
+            |x, dy, dx| unsafe { gelu_backward_avx512(x, dy, dx) },
+            |x, y, grad| unsafe { gelu_recompute_backward_avx512(x, y, grad) },
+        )
     }
 
     /// Every GELU build this CPU can run (AVX-512, AVX2) gives the portable loop's bits, so a
     /// machine that takes another path trains to the same numbers.
     #[test]
     fn every_gelu_build_gives_the_portable_bits() {
-        let run = |build: Gelu, x: &[f32], dy: &[f32]| {
-            let n = x.len();
-            let mut out = [vec![0.0; n], vec![0.0; n], vec![0.0; n], dy.to_vec()];
-            build(x, dy, &mut out);
-            out.map(|values| bits(&values))
-        };
+        let run = |build: Gelu, x: &[f32], dy: &[f32]| build(x, dy);
         for n in [1, 15, 16, 17, 1000] {
             let (x, dy) = (uniform(n, 31, 6.0), uniform(n, 32, 1.0));
             let want = run(portable, &x, &dy);
+            let fma = is_x86_feature_detected!("fma");
             let builds: [(&str, bool, Gelu); 2] = [
-                ("avx2", is_x86_feature_detected!("avx2"), avx2),
-                ("avx512", is_x86_feature_detected!("avx512f"), avx512),
+                ("avx2", fma && is_x86_feature_detected!("avx2"), avx2),
+                ("avx512", fma && is_x86_feature_detected!("avx512f"), avx512),
             ];
             for (name, _, build) in builds.into_iter().filter(|(_, has, _)| *has) {
                 assert_eq!(run(build, &x, &dy), want, "{name}, {n} values");

@@ -23,10 +23,7 @@ use super::{contiguous, flex_tensor, owned_contiguous, values};
 pub(super) fn forward(x: &FlexTensor) -> FlexTensor {
     let shape = x.shape();
     let x = contiguous(x);
-    let x = values(&x);
-    let mut y = vec![0.0; x.len()];
-    gelu::forward(x, &mut y);
-    flex_tensor(y, shape)
+    flex_tensor(gelu::forward(values(&x)), shape)
 }
 
 /// The backward node of the fused GELU.
@@ -70,8 +67,7 @@ pub(super) fn recompute_backward(x: &FlexTensor, dy: FlexTensor) -> (FlexTensor,
     let shape = x.shape();
     let x = contiguous(x);
     let mut grad = owned_contiguous(dy);
-    let mut y = vec![0.0; shape.num_elements()];
-    gelu::recompute_backward(values(&x), &mut y, grad.storage_mut::<f32>());
+    let y = gelu::recompute_backward(values(&x), grad.storage_mut::<f32>());
     (flex_tensor(y, shape), grad)
 }
 
@@ -79,9 +75,7 @@ pub(super) fn recompute_backward(x: &FlexTensor, dy: FlexTensor) -> (FlexTensor,
 pub(super) fn backward(x: &FlexTensor, dy: &FlexTensor) -> FlexTensor {
     let shape = x.shape();
     let (x, dy) = (contiguous(x), contiguous(dy));
-    let mut dx = vec![0.0; shape.num_elements()];
-    gelu::backward(values(&x), values(&dy), &mut dx);
-    flex_tensor(dx, shape)
+    flex_tensor(gelu::backward(values(&x), values(&dy)), shape)
 }
 
 /// The fused GELU under autodiff.

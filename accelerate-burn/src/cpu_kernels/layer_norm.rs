@@ -12,7 +12,7 @@ use burn::backend::autodiff::ops::{Backward, Ops, OpsKind};
 use burn::backend::flex::FlexTensor;
 use burn::backend::tensor::FloatTensor;
 
-use super::{contiguous, flex_tensor, row_shape, values};
+use super::{contiguous, flex_tensor, owned_contiguous, row_shape, values};
 
 /// The forward pass: the output, and each row's mean and reciprocal standard deviation.
 pub(super) fn forward(
@@ -24,16 +24,12 @@ pub(super) fn forward(
     let shape = x.shape();
     let rows = row_shape(&shape);
     let (x, gamma, beta) = (contiguous(x), contiguous(gamma), contiguous(beta));
-    let mut y = vec![0.0; rows.rows * rows.width];
-    let mut stats = vec![0.0; 2 * rows.rows];
-    layer_norm::forward(
+    let (y, stats) = layer_norm::forward(
         rows,
         values(&x),
         values(&gamma),
         Some(values(&beta)),
         epsilon as f32,
-        &mut y,
-        &mut stats,
     );
     let stats_len = stats.len();
     (
@@ -56,8 +52,9 @@ impl Backward<Flex, 3> for LayerNormBackward {
         let (x, gamma, stats) = ops.state;
         let shape = x.shape();
         let rows = row_shape(&shape);
-        let (x, gamma, dy) = (contiguous(&x), contiguous(&gamma), contiguous(&dy));
-        let mut dx = vec![0.0; rows.rows * rows.width];
+        let (x, gamma) = (contiguous(&x), contiguous(&gamma));
+        // dy's storage becomes dx (copied first only where another tensor shares it).
+        let mut dx = owned_contiguous(dy);
         let mut dgamma = vec![0.0; rows.width];
         let mut dbeta = vec![0.0; rows.width];
         layer_norm::backward(
@@ -65,14 +62,13 @@ impl Backward<Flex, 3> for LayerNormBackward {
             values(&x),
             values(&gamma),
             values(&stats),
-            values(&dy),
-            &mut dx,
+            dx.storage_mut::<f32>(),
             &mut dgamma,
             &mut dbeta,
         );
         let width: burn::tensor::Shape = [rows.width].into();
         if let Some(node) = node_x {
-            grads.register::<Flex>(node.id, flex_tensor(dx, shape));
+            grads.register::<Flex>(node.id, dx);
         }
         if let Some(node) = node_gamma {
             grads.register::<Flex>(node.id, flex_tensor(dgamma, width.clone()));

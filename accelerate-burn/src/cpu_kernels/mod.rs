@@ -156,7 +156,12 @@ impl CpuKernels for Flex {
         quiet: bool,
     ) -> FloatTensor<Self> {
         let settings = self_attention::Settings::new(heads, scale, fill, quiet);
-        self_attention::forward(&qkv, Some(&softmax::mask_bytes(&mask)), settings).0
+        self_attention::forward(
+            &qkv,
+            Some(&self_attention::attention_mask_bytes(&mask)),
+            settings,
+        )
+        .0
     }
 
     fn fused_cross_entropy(

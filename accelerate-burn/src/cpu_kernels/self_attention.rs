@@ -3,7 +3,7 @@
 //! node (state: the QKV tensor, two numbers per query row, the mask). The `[batch, heads, seq,
 //! seq]` weights are never kept: the backward pass recomputes them tile by tile.
 
-use accelerate_kernels::attention::{self, Mask, STATS_PER_ROW, SelfAttention};
+use accelerate_kernels::attention::{self, Mask, SelfAttention};
 use burn::backend::Flex;
 use burn::backend::TensorMetadata;
 use burn::backend::autodiff::Autodiff;
@@ -68,10 +68,7 @@ pub(super) fn forward(
     let dims = shape.as_slice();
     let call = settings.describe(dims, mask);
     let qkv = contiguous(qkv);
-    let tokens = call.batch * call.seq;
-    let mut context = vec![0.0; tokens * call.heads * call.head_dim];
-    let mut stats = vec![0.0; tokens * call.heads * STATS_PER_ROW];
-    attention::forward(&call, values(&qkv), &mut context, &mut stats);
+    let (context, stats) = attention::forward(&call, values(&qkv));
     let out: burn::tensor::Shape = [call.batch, call.seq, call.heads * call.head_dim].into();
     (flex_tensor(context, out), stats)
 }
@@ -92,10 +89,26 @@ impl Backward<Flex, 1> for SelfAttentionBackward {
         let shape = qkv.shape();
         let call = settings.describe(shape.as_slice(), mask.as_deref());
         let (qkv, dcontext) = (contiguous(&qkv), contiguous(&dcontext));
-        let mut dqkv = vec![0.0; shape.num_elements()];
-        attention::backward(&call, values(&qkv), &stats, values(&dcontext), &mut dqkv);
+        let dqkv = attention::backward(&call, values(&qkv), &stats, values(&dcontext));
         grads.register::<Flex>(node.id, flex_tensor(dqkv, shape));
     }
+}
+
+/// The mask's bytes for the kernel: one `[seq, seq]` plane when every sequence shares it (a
+/// mask expanded over the batch, as burn-nn's causal mask is: a batch stride of 0), else
+/// [`mask_bytes`]' copy of the whole `[batch, seq, seq]`.
+pub(super) fn attention_mask_bytes(mask: &FlexTensor) -> Vec<u8> {
+    let layout = mask.layout();
+    if let ([_, rows, cols], [0, row_stride, 1]) = (layout.shape().as_slice(), layout.strides())
+        && usize::try_from(*row_stride).ok() == Some(*cols)
+    {
+        let start = layout.start_offset();
+        let plane = mask.storage::<u8>().get(start..start + rows * cols);
+        if let Some(plane) = plane {
+            return plane.to_vec();
+        }
+    }
+    mask_bytes(mask)
 }
 
 /// The fused self-attention under autodiff (the mask is not differentiable).
@@ -104,7 +117,7 @@ pub(super) fn tracked<C: CheckpointStrategy>(
     mask: Option<FlexTensor>,
     settings: Settings,
 ) -> FloatTensor<Autodiff<Flex, C>> {
-    let bytes = mask.as_ref().map(mask_bytes);
+    let bytes = mask.as_ref().map(attention_mask_bytes);
     let (context, stats) = forward(qkv.primitive(), bytes.as_deref(), settings);
     // Compute-bound for checkpointing: the statistics are kept, never recomputed.
     match SelfAttentionBackward
