@@ -112,12 +112,12 @@ fn worker() {
 fn overwrite_store() {
     use accelerate_core::comm::torch_store::TorchStore;
     let main_ip = std::env::var("MAIN_IP").unwrap();
-    let store = format!("{main_ip}:29500");
+    let store_addr = format!("{main_ip}:29500");
     // torchrun names a run started with --master-port `none`; the job id adds the store.
-    let key = format!("accelerate-rs/none.0@{store}/rendezvous");
+    let key = format!("accelerate-rs/none.0@{store_addr}/rendezvous");
     let until = Instant::now() + Duration::from_secs(60);
     let mut store = loop {
-        match TorchStore::connect(&store, Instant::now() + Duration::from_secs(2)) {
+        match TorchStore::connect(&store_addr, Instant::now() + Duration::from_secs(2)) {
             Ok(store) => break store,
             Err(_) if Instant::now() < until => std::thread::sleep(Duration::from_millis(10)),
             Err(e) => panic!("torchrun's store never came up: {e}"),
@@ -125,9 +125,16 @@ fn overwrite_store() {
     };
     println!("OVERWRITING {key}");
     while Instant::now() < until {
-        if store.set(&key, b"10.9.9.9:29999 00").is_err() {
-            // The agent and its store are gone: the job ended.
-            return;
+        if let Err(e) = store.set(&key, b"10.9.9.9:29999 00") {
+            // The store dropped this connection, or the job ended and took the store with it
+            // (the test then kills this process): connect again and keep overwriting, so a
+            // connection lost early cannot leave the job unattacked.
+            println!("SET FAILED ({e}); reconnecting");
+            match TorchStore::connect(&store_addr, Instant::now() + Duration::from_secs(2)) {
+                Ok(again) => store = again,
+                Err(_) => std::thread::sleep(Duration::from_millis(10)),
+            }
+            continue;
         }
         std::thread::sleep(Duration::from_millis(1));
     }
@@ -366,13 +373,17 @@ fn torchrun_refuses_an_address_in_its_store_that_rank_0_did_not_sign() {
     let _ = intruder.kill();
     let intruder = intruder.wait_with_output().unwrap();
     let took = started.elapsed();
+    let intruder_said = String::from_utf8_lossy(&intruder.stdout);
     assert!(
-        String::from_utf8_lossy(&intruder.stdout).contains("OVERWRITING"),
+        intruder_said.contains("OVERWRITING"),
         "{}",
         String::from_utf8_lossy(&intruder.stderr)
     );
     for (machine, (code, stdout, stderr)) in results.iter().enumerate() {
-        assert_ne!(*code, 0, "machine {machine} trained: {stdout}");
+        assert_ne!(
+            *code, 0,
+            "machine {machine} trained: {stdout}\nthe intruder: {intruder_said}"
+        );
         assert!(!stdout.contains("TRAINED"), "machine {machine}: {stdout}");
         assert!(
             stderr.contains("not rank 0's address signed with this job's ACCELERATE_JOB_TOKEN"),
