@@ -52,13 +52,18 @@ impl HeldNorm {
         let norm = match self {
             Self::Known(norm) => return *norm,
             Self::OnDevice { grads, unscale } => {
-                let sum_sq = sum_of_squares_on_device(grads);
-                (sum_sq.sqrt() * f64::from(*unscale)) as f32
+                unscaled_norm(sum_of_squares_on_device(grads), *unscale)
             }
         };
         *self = Self::Known(norm);
         norm
     }
+}
+
+/// The L2 norm of gradients whose squares sum to `sum_sq`, times fp16's `unscale` (1 without
+/// loss scaling), computed in f64.
+pub(crate) fn unscaled_norm(sum_sq: f64, unscale: f32) -> f32 {
+    (sum_sq.sqrt() * f64::from(unscale)) as f32
 }
 
 /// The sum of squares of a window's averaged gradients, as the buffers measured it.

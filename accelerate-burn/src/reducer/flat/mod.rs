@@ -32,7 +32,7 @@ use crate::group::Comm;
 use crate::params::{ParamLayout, ParamList};
 use crate::reducer::api::{
     GradientReducer, HeldNorm, LoadSource, ModelUpdate, Outcome, Reduced, ReducerKind, SaveRole,
-    SavedFile, SumOfSquares,
+    SavedFile, SumOfSquares, unscaled_norm,
 };
 use crate::reducer::wire::Wire;
 
@@ -290,7 +290,7 @@ impl GradientReducer for FlatReducer {
             // The sum of squares over every rank's values is non-finite exactly when some
             // gradient is: the fp16 overflow test.
             SumOfSquares::Measured(sum_sq) => (
-                HeldNorm::Known((sum_sq.sqrt() * f64::from(unscale)) as f32),
+                HeldNorm::Known(unscaled_norm(sum_sq, unscale)),
                 !sum_sq.is_finite(),
             ),
             // Deferred only without fp16's loss scaler, which alone reads the overflow test.
