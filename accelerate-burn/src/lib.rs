@@ -106,7 +106,7 @@ pub use backend::{AcceleratorBackend, DefaultBackend, enabled_backends};
 pub use checkpoint::{Checkpoint, CheckpointInfo, Restored};
 pub use data::{BatchIter, DEFAULT_PREFETCH, DataLoader, DataLoaderBuilder, PreparedDataLoader};
 pub use error::AccelerateError;
-pub use fused::FusedOptimizer;
+pub use fused::{FusedOptimizer, HeldBytes};
 pub use optim::{PreparedOptimizer, PreparedScheduler};
 pub use precision::{Autocast, Caster};
 pub use reducer::{Gradients, GradientsStatus};

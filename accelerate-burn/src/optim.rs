@@ -8,6 +8,7 @@ use burn::optim::ModuleOptimizer;
 
 use crate::buffers::BufferSync;
 use crate::error::AccelerateError;
+use crate::fused::HeldBytes;
 use crate::group::Comm;
 use crate::model_slot::{ModelSlot, ModelSlots};
 use crate::reducer::{Gradients, ModelCell, Outcome, ReducerKind};
@@ -108,10 +109,17 @@ impl PreparedOptimizer {
         self.slot.lock().reducer.state_on_device()
     }
 
-    /// Bytes of optimizer state this process holds for a fused optimizer: with ZeRO-1 on N
+    /// Bytes of optimizer state this process holds for a fused optimizer: with ZeRO on N
     /// processes, 1/N of the unsharded amount. `None` for Burn's optimizer.
     pub fn state_bytes(&self) -> Option<usize> {
-        self.slot.lock().reducer.state_bytes()
+        self.held_bytes().map(|held| held.optimizer_state)
+    }
+
+    /// What a fused optimizer keeps on this process between steps: master parameters,
+    /// gradients and state (ZeRO-2 on N processes holds 1/N of each). `None` for Burn's
+    /// optimizer.
+    pub fn held_bytes(&self) -> Option<HeldBytes> {
+        self.slot.lock().reducer.held_bytes()
     }
 }
 

@@ -49,7 +49,8 @@ pub struct AcceleratorConfig {
     /// `Fp16` halve the bytes, like DDP's compression hooks (sums still accumulate in f32).
     pub gradient_communication: MixedPrecision,
     /// ZeRO stage of a fused optimizer: 0 keeps all optimizer state on every process
-    /// (default), 1 shards it across the processes (ZeRO-1).
+    /// (default), 1 shards it across the processes (ZeRO-1), 2 shards the gradients and the
+    /// master parameters too (ZeRO-2).
     pub zero_stage: u8,
     /// Activation (gradient) checkpointing: the backward pass recomputes memory-bound
     /// activations instead of keeping them from the forward pass (Burn's balanced strategy on
@@ -179,7 +180,7 @@ impl ConfigOverrides {
             zero_stage: settings.get_or(
                 &table::ZERO_STAGE,
                 self.zero_stage,
-                None,
+                file.zero_stage,
                 default.zero_stage,
             )?,
             gradient_checkpointing: settings.get_or(

@@ -60,6 +60,10 @@ pub struct ConfigFile {
     /// Seed of the device's random streams.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub seed: Option<u64>,
+    /// ZeRO stage of a fused optimizer (from Accelerate's YAML: `deepspeed_config.zero_stage`,
+    /// or `fsdp_config`'s sharding strategy).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub zero_stage: Option<u8>,
 }
 
 /// Which format a config file was read as.
@@ -264,6 +268,16 @@ pub fn parse_accelerate_yaml(path: &Path, text: &str) -> Result<LoadedConfig, Co
             serde_yaml::Value::String(s) => s.clone(),
             other => format!("{other:?}"),
         };
+        if matches!(name.as_str(), "deepspeed_config" | "fsdp_config") {
+            match zero_stage_of(&name, &value) {
+                Ok(Some(stage)) => {
+                    kept.insert("zero_stage".into(), stage.into());
+                }
+                Ok(None) => ignored.push(name),
+                Err(message) => return Err(fail(line_of_key(text, &name), message)),
+            }
+            continue;
+        }
         if !ACCELERATE_KEYS.contains(&name.as_str()) {
             ignored.push(name);
             continue;
@@ -317,6 +331,64 @@ pub fn parse_accelerate_yaml(path: &Path, text: &str) -> Result<LoadedConfig, Co
     };
     validate(&loaded, text)?;
     Ok(loaded)
+}
+
+/// The ZeRO stage that Accelerate's `deepspeed_config` (its `zero_stage`) or `fsdp_config`
+/// (its sharding strategy: FSDP's `FULL_SHARD` shards parameters, gradients and state like
+/// ZeRO-3, `SHARD_GRAD_OP` gradients and state like ZeRO-2; the hybrid strategies shard the
+/// same within a machine) asks for; `None` when the section names none.
+fn zero_stage_of(section: &str, value: &serde_yaml::Value) -> Result<Option<u64>, String> {
+    use serde_yaml::Value;
+    let get = |key: &str| value.get(key).filter(|v| !v.is_null());
+    if section == "deepspeed_config" {
+        return match get("zero_stage") {
+            None => Ok(None),
+            Some(Value::Number(n)) if n.as_u64().is_some() => Ok(n.as_u64()),
+            Some(other) => Err(format!(
+                "deepspeed_config.zero_stage: expected a number, found {other:?}"
+            )),
+        };
+    }
+    // FSDP2 (`fsdp_version: 2`) says whether parameters are resharded after the forward pass.
+    if let Some(reshard) = get("fsdp_reshard_after_forward") {
+        return match reshard {
+            Value::Bool(true) => Ok(Some(3)),
+            Value::Bool(false) => Ok(Some(2)),
+            Value::String(s) => fsdp_strategy(s).map(Some),
+            other => Err(format!(
+                "fsdp_config.fsdp_reshard_after_forward: expected true or false, found {other:?}"
+            )),
+        };
+    }
+    match get("fsdp_sharding_strategy") {
+        None => Ok(None),
+        Some(Value::String(s)) => fsdp_strategy(s).map(Some),
+        // Older Accelerate versions write the enum's number (1 = FULL_SHARD).
+        Some(Value::Number(n)) => match n.as_u64() {
+            Some(1 | 4) => Ok(Some(3)),
+            Some(2 | 5) => Ok(Some(2)),
+            Some(3) => Ok(Some(0)),
+            _ => Err(format!(
+                "fsdp_config.fsdp_sharding_strategy = {n}: expected 1 to 5 or a strategy's name"
+            )),
+        },
+        Some(other) => Err(format!(
+            "fsdp_config.fsdp_sharding_strategy: expected a strategy's name, found {other:?}"
+        )),
+    }
+}
+
+/// The ZeRO stage of FSDP's sharding strategy `name`.
+fn fsdp_strategy(name: &str) -> Result<u64, String> {
+    match name.trim().to_ascii_uppercase().as_str() {
+        "FULL_SHARD" | "HYBRID_SHARD" => Ok(3),
+        "SHARD_GRAD_OP" | "HYBRID_SHARD_ZERO2" => Ok(2),
+        "NO_SHARD" => Ok(0),
+        _ => Err(format!(
+            "fsdp_config: unknown sharding strategy {name:?} (expected FULL_SHARD, \
+             SHARD_GRAD_OP, NO_SHARD, HYBRID_SHARD or HYBRID_SHARD_ZERO2)"
+        )),
+    }
 }
 
 /// Writes `file` to `path` as our TOML (creating the directory; written to a temporary name
@@ -380,6 +452,44 @@ tpu_use_cluster: false
 tpu_use_sudo: false
 use_cpu: false
 ";
+
+    #[test]
+    fn accelerate_yaml_deepspeed_and_fsdp_sections_give_the_zero_stage() {
+        let stage = |section: &str| {
+            parse_accelerate_yaml(Path::new("c.yaml"), &format!("{HF_YAML}{section}"))
+                .map(|loaded| loaded.file.zero_stage)
+        };
+        assert_eq!(stage("").unwrap(), None);
+        let deepspeed = "deepspeed_config:\n  zero_stage: 2\n  offload_optimizer_device: none\n";
+        assert_eq!(stage(deepspeed).unwrap(), Some(2));
+        for (strategy, zero) in [
+            ("FULL_SHARD", 3),
+            ("SHARD_GRAD_OP", 2),
+            ("NO_SHARD", 0),
+            ("HYBRID_SHARD_ZERO2", 2),
+            ("1", 3),
+            ("2", 2),
+        ] {
+            let fsdp = format!("fsdp_config:\n  fsdp_sharding_strategy: {strategy}\n");
+            assert_eq!(stage(&fsdp).unwrap(), Some(zero), "{strategy}");
+        }
+        let fsdp2 = "fsdp_config:\n  fsdp_version: 2\n  fsdp_reshard_after_forward: false\n";
+        assert_eq!(stage(fsdp2).unwrap(), Some(2));
+        let err = stage("fsdp_config:\n  fsdp_sharding_strategy: HALF_SHARD\n")
+            .unwrap_err()
+            .to_string();
+        assert!(
+            err.starts_with("config file c.yaml:18: fsdp_config: unknown sharding strategy"),
+            "{err}"
+        );
+        // A section without a stage is ignored, and said to be.
+        let other = parse_accelerate_yaml(
+            Path::new("c.yaml"),
+            &format!("{HF_YAML}fsdp_config:\n  fsdp_offload_params: false\n"),
+        )
+        .unwrap();
+        assert!(other.ignored.contains(&"fsdp_config".to_string()));
+    }
 
     #[test]
     fn accelerate_yaml_num_processes_is_the_total_over_machines() {

@@ -26,6 +26,8 @@ pub struct LaunchFlags {
     pub main_process_port: Option<u16>,
     /// `--mixed-precision`.
     pub mixed_precision: Option<MixedPrecision>,
+    /// `--zero-stage`.
+    pub zero_stage: Option<u8>,
     /// `--cpu`.
     pub cpu: bool,
     /// `--gpu-ids`.
@@ -63,6 +65,8 @@ pub struct LaunchSettings {
     /// A precision given on the command line, passed to the workers (they read env and file
     /// themselves otherwise).
     pub mixed_precision: Option<MixedPrecision>,
+    /// A ZeRO stage given on the command line, passed to the workers.
+    pub zero_stage: Option<u8>,
     /// Which devices the workers see.
     pub devices: DeviceSelection,
 }
@@ -143,6 +147,8 @@ impl LaunchFlags {
             // Only a precision given on the command line is passed on: the workers read the
             // environment and the file themselves.
             mixed_precision: self.mixed_precision,
+            // Checked here, so that a bad value stops the launch rather than every worker.
+            zero_stage: settings.get(&table::ZERO_STAGE, self.zero_stage, None)?,
             devices,
         })
     }
@@ -160,6 +166,7 @@ impl Default for LaunchSettings {
             main_process_port: 0,
             max_restarts: 0,
             mixed_precision: None,
+            zero_stage: None,
             devices: DeviceSelection::Default,
         }
     }
@@ -174,6 +181,9 @@ impl LaunchSettings {
                 env_vars::MIXED_PRECISION.to_string(),
                 precision.as_str().to_string(),
             ));
+        }
+        if let Some(stage) = self.zero_stage {
+            env.push((env_vars::ZERO_STAGE.to_string(), stage.to_string()));
         }
         match &self.devices {
             DeviceSelection::Default => {}
@@ -303,5 +313,21 @@ mod tests {
             vec![(env_vars::MIXED_PRECISION.to_string(), "bf16".to_string())]
         );
         assert_eq!("bf16".parse::<MixedPrecision>(), Ok(MixedPrecision::Bf16));
+    }
+
+    #[test]
+    fn the_zero_stage_flag_reaches_the_workers_and_a_stage_not_built_stops_the_launch() {
+        let none: [(&str, &str); 0] = [];
+        let flags = |stage| LaunchFlags {
+            zero_stage: Some(stage),
+            ..LaunchFlags::default()
+        };
+        let env = flags(2).resolve(&none[..], None).unwrap().worker_env();
+        assert_eq!(
+            env,
+            vec![(env_vars::ZERO_STAGE.to_string(), "2".to_string())]
+        );
+        let err = flags(3).resolve(&none[..], None).unwrap_err().to_string();
+        assert_eq!(err, "--zero-stage (flag) = 3: expected 0, 1 or 2");
     }
 }

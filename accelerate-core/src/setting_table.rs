@@ -364,11 +364,11 @@ pub const GRADIENT_COMMUNICATION: Setting<MixedPrecision> = Setting {
 /// ZeRO stage of a fused optimizer.
 pub const ZERO_STAGE: Setting<u8> = Setting {
     key: "zero_stage",
-    flag: None,
+    flag: Some("--zero-stage"),
     env: env_vars::ZERO_STAGE,
-    expected: "0 or 1",
+    expected: "0, 1 or 2",
     parse: parse_from,
-    valid: |stage| *stage <= 1,
+    valid: |stage| *stage <= 2,
 };
 
 /// Activation (gradient) checkpointing.

@@ -101,13 +101,14 @@ fn train<B: AcceleratorBackend>() -> anyhow::Result<()> {
 
 /// Trains the digits MLP for 2 epochs with a fused AdamW (ZeRO stage `TEST_ZERO`), gradient
 /// accumulation 2 and clipping at 1.0; batch `TEST_BATCH` per process, gradients sent in
-/// `TEST_WIRE` precision.
+/// `TEST_WIRE` precision, the forward pass in `TEST_AUTOCAST` precision.
 fn fused() -> anyhow::Result<()> {
     let acc = Accelerator::<DefaultBackend>::builder()
         .seed(7)
         .gradient_accumulation_steps(2)
         .zero_stage(env_number::<usize>("TEST_ZERO") as u8)
         .gradient_communication(precision("TEST_WIRE"))
+        .mixed_precision(precision("TEST_AUTOCAST"))
         .build()?;
     println!("FUSION {}", accelerate_burn::backend::fusion::active());
     let model = MlpConfig::new(digits::PIXELS, vec![32], digits::CLASSES).init(&acc.device());
@@ -122,7 +123,11 @@ fn fused() -> anyhow::Result<()> {
         train.set_epoch(epoch);
         for batch in train.iter() {
             let batch = batch?;
-            let loss = model.forward_loss(batch.images, batch.targets).loss;
+            let loss = acc
+                .autocast(&model, |m, c| {
+                    m.forward_loss(c.input(batch.images), batch.targets)
+                })
+                .loss;
             let mut grads = acc.backward(loss, &model)?;
             acc.clip_grad_norm(&model, &mut grads, 1.0)?;
             model = optim.step(3e-3, model, grads)?;
@@ -130,6 +135,11 @@ fn fused() -> anyhow::Result<()> {
     }
     println!("UPDATES {}", optim.updates());
     println!("STATE_BYTES {}", optim.state_bytes().unwrap_or(0));
+    let held = optim.held_bytes().unwrap_or_default();
+    println!(
+        "HELD {} {} {}",
+        held.master_parameters, held.gradients, held.optimizer_state
+    );
     print_params(&model);
     Ok(())
 }
@@ -759,54 +769,137 @@ fn fusion_on_and_off_train_to_the_same_parameters() {
 #[test]
 fn zero_1_on_two_and_three_processes_equals_one_unsharded_process() {
     for world in [2usize, 3] {
-        let global = (PER_RANK_BATCH * world).to_string();
-        let single = run(
-            "fused",
-            1,
-            &[("TEST_BATCH", global), ("TEST_ZERO", "0".into())],
-        );
-        assert!(
-            single[0].status.success(),
-            "{}",
-            String::from_utf8_lossy(&single[0].stderr)
-        );
-        let reference = params(&single[0]);
-        let unsharded: usize = line(&single[0], "STATE_BYTES ").parse().unwrap();
-        // AdamW: two moments of 2,410 parameters.
-        assert_eq!(unsharded, 2 * reference.len() * 4);
-        let ranks = run(
-            "fused",
-            world,
-            &[
-                ("TEST_BATCH", PER_RANK_BATCH.to_string()),
-                ("TEST_ZERO", "1".into()),
-            ],
-        );
-        for (rank, output) in ranks.iter().enumerate() {
-            assert!(
-                output.status.success(),
-                "rank {rank}: {}",
-                String::from_utf8_lossy(&output.stderr)
+        assert_zero_equals_one_process(1, world, PER_RANK_BATCH, "no");
+    }
+}
+
+/// ZeRO-2 (the gradients and master parameters sharded too, each micro-batch reduce-scattered
+/// into the window's sum) on 2 and 4 processes against the unsharded fused AdamW on 1 process
+/// with the same global batches, with accumulation 2 and global clipping: within 1e-6 (as
+/// ZeRO-1; the window's sum is now taken after averaging, in another order), bit for bit
+/// across ranks, 1/N of the optimizer state per rank. (4 processes take 6 samples each: 240
+/// samples are 10 global batches of 24.)
+#[test]
+fn zero_2_on_two_and_four_processes_equals_one_unsharded_process() {
+    for (world, per_rank) in [(2usize, PER_RANK_BATCH), (4, 6)] {
+        assert_zero_equals_one_process(2, world, per_rank, "no");
+    }
+}
+
+/// Under bf16 autocast a batch split over processes rounds its forward pass differently from
+/// one batch (the loss's mean, the products' rows), so N processes are not one process
+/// there, at any stage. What ZeRO-2 must not add is an error of its own: on the same N
+/// processes, ZeRO-2 ends within 1e-6 of the unsharded fused optimizer (the same sums in
+/// another order), with accumulation 2 and global clipping.
+#[test]
+fn zero_2_under_bf16_autocast_equals_the_unsharded_optimizer_on_the_same_processes() {
+    for (world, per_rank) in [(2usize, PER_RANK_BATCH), (4, 6)] {
+        let train = |stage: &str| {
+            let ranks = run(
+                "fused",
+                world,
+                &[
+                    ("TEST_BATCH", per_rank.to_string()),
+                    ("TEST_ZERO", stage.into()),
+                    ("TEST_AUTOCAST", "bf16".into()),
+                ],
             );
-            assert_eq!(line(output, "UPDATES "), line(&single[0], "UPDATES "));
+            for (rank, output) in ranks.iter().enumerate() {
+                assert!(
+                    output.status.success(),
+                    "ZeRO-{stage}, {world} processes, rank {rank}: {}",
+                    String::from_utf8_lossy(&output.stderr)
+                );
+            }
+            ranks
+        };
+        let (unsharded, sharded) = (train("0"), train("2"));
+        let reference = params(&unsharded[0]);
+        for (rank, output) in sharded.iter().enumerate() {
             let worst = largest_difference(&params(output), &reference);
-            eprintln!("ZeRO-1, {world} processes, rank {rank}: largest difference {worst:e}");
-            assert!(
-                worst <= 1e-6,
-                "world {world}, rank {rank}: largest difference {worst}"
-            );
-            let bytes: usize = line(output, "STATE_BYTES ").parse().unwrap();
-            // Each rank holds its shard of the padded range: 1/N, rounded up to whole elements.
-            let padded = reference.len().div_ceil(world) * world;
-            assert_eq!(bytes, 2 * 4 * padded / world, "world {world}, rank {rank}");
-            assert!((bytes * world) as f64 <= unsharded as f64 * 1.001);
+            eprintln!("bf16, ZeRO-2 against ZeRO-0, {world} processes, rank {rank}: {worst:e}");
+            assert!(worst <= 1e-6, "{world} processes, rank {rank}: {worst}");
         }
         assert!(
-            ranks
+            sharded
                 .windows(2)
                 .all(|w| param_bits(&w[0]) == param_bits(&w[1]))
         );
     }
+}
+
+/// Trains the `fused` scenario at ZeRO stage `stage` on `world` processes of `per_rank`
+/// samples each, and unsharded on one process with their global batch, and asserts that they
+/// agree (see the tests above).
+fn assert_zero_equals_one_process(stage: u8, world: usize, per_rank: usize, autocast: &str) {
+    let global = (per_rank * world).to_string();
+    let single = run(
+        "fused",
+        1,
+        &[
+            ("TEST_BATCH", global),
+            ("TEST_ZERO", "0".into()),
+            ("TEST_AUTOCAST", autocast.into()),
+        ],
+    );
+    assert!(
+        single[0].status.success(),
+        "{}",
+        String::from_utf8_lossy(&single[0].stderr)
+    );
+    let reference = params(&single[0]);
+    let unsharded: usize = line(&single[0], "STATE_BYTES ").parse().unwrap();
+    // AdamW: two moments of 2,410 parameters.
+    assert_eq!(unsharded, 2 * reference.len() * 4);
+    let ranks = run(
+        "fused",
+        world,
+        &[
+            ("TEST_BATCH", per_rank.to_string()),
+            ("TEST_ZERO", stage.to_string()),
+            ("TEST_AUTOCAST", autocast.into()),
+        ],
+    );
+    let case = format!("ZeRO-{stage}, {world} processes, autocast {autocast}");
+    for (rank, output) in ranks.iter().enumerate() {
+        assert!(
+            output.status.success(),
+            "{case}, rank {rank}: {}",
+            String::from_utf8_lossy(&output.stderr)
+        );
+        assert_eq!(line(output, "UPDATES "), line(&single[0], "UPDATES "));
+        let worst = largest_difference(&params(output), &reference);
+        eprintln!("{case}, rank {rank}: largest difference {worst:e}");
+        assert!(
+            worst <= 1e-6,
+            "{case}, rank {rank}: largest difference {worst}"
+        );
+        let bytes: usize = line(output, "STATE_BYTES ").parse().unwrap();
+        // Each rank holds its shard of the padded range: 1/N, rounded up to whole elements.
+        let padded = reference.len().div_ceil(world) * world;
+        let shard = 4 * padded / world;
+        assert_eq!(bytes, 2 * shard, "{case}, rank {rank}");
+        assert!((bytes * world) as f64 <= unsharded as f64 * 1.001);
+        // Master parameters and gradients kept between steps: whole under ZeRO-1 (beside the
+        // averaged shard and its staging copy), only the shard under ZeRO-2.
+        let held = line(output, "HELD ");
+        let expected = match stage {
+            1 => format!(
+                "{} {} {}",
+                4 * padded + shard,
+                4 * padded + shard,
+                2 * shard
+            ),
+            _ => format!("{shard} {shard} {}", 2 * shard),
+        };
+        assert_eq!(held, expected, "{case}, rank {rank}: held bytes");
+    }
+    assert!(
+        ranks
+            .windows(2)
+            .all(|w| param_bits(&w[0]) == param_bits(&w[1])),
+        "{case}: ranks disagree"
+    );
 }
 
 /// What each rank of an `mpirun --output-filename DIR` job printed, in rank order (Open MPI

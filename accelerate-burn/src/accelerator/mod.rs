@@ -200,12 +200,26 @@ impl<B: AcceleratorBackend> Accelerator<B> {
 
     /// Wraps Burn's optimizer for the prepared `model`: gradients are averaged in buckets and
     /// the optimizer steps once per accumulation window. (ZeRO needs a fused optimizer; with
-    /// Burn's, `zero_stage` is ignored with a warning.)
+    /// Burn's, `zero_stage(1)` is ignored with a warning, and `zero_stage(2)` is an error:
+    /// Burn's optimizer updates whole parameters from whole gradients, and ZeRO-2 leaves each
+    /// process only its shard of them.)
     pub fn prepare_optimizer<M: Module>(
         &self,
         model: &M,
         optim: ModuleOptimizer,
     ) -> Result<PreparedOptimizer, AccelerateError> {
+        if self.config.zero_stage >= 2 {
+            return Err(AccelerateError::Misuse {
+                rank: self.state.rank,
+                what: format!(
+                    "zero_stage {} with Burn's optimizer, which updates whole parameters from \
+                     whole gradients",
+                    self.config.zero_stage
+                ),
+                hint: "prepare a fused optimizer (FusedOptimizer::adamw(&config), not \
+                       config.init()), or set zero_stage 1 or 0",
+            });
+        }
         if self.config.zero_stage > 0 && self.is_main_process() {
             tracing::warn!(
                 zero_stage = self.config.zero_stage,
@@ -224,7 +238,7 @@ impl<B: AcceleratorBackend> Accelerator<B> {
     /// Prepares a fused optimizer for the prepared `model`: its trainable parameters, their
     /// gradients and the optimizer state become flat f32 buffers, updated by one fused pass per
     /// step (see [`crate::fused`]); with `zero_stage(1)` and several processes the state is
-    /// sharded.
+    /// sharded, with `zero_stage(2)` the gradients and master parameters too.
     pub fn prepare_fused_optimizer<M: Module>(
         &self,
         model: &M,

@@ -9,7 +9,7 @@ use super::Accelerator;
 use crate::backend::AcceleratorBackend;
 use crate::error::AccelerateError;
 use crate::model_slot::{ModelSlot, SlotState};
-use crate::params::{self, ParamLayout, Replacement};
+use crate::params::{self, ParamLayout, ParamList, Replacement};
 use crate::precision::{Autocast, Caster, low_precision_view};
 use crate::reducer::{self, Gradients, OptimizerChoice, Outcome};
 use crate::training_loop::LossKind;
@@ -103,11 +103,22 @@ impl<B: AcceleratorBackend> Accelerator<B> {
                 detail: unknown.to_string(),
             }
         })?;
-        let Some(mut summed) = windows.accumulate(list, step) else {
-            return Ok(Gradients::new(Outcome::NotDue, 0, id));
+        let mut summed = if reducer.holds_window_sum() {
+            // ZeRO-2: the reducer averages each micro-batch into its shard of the sum now.
+            reducer.accumulate(list, step.first, &self.comm)?;
+            if !step.sync {
+                return Ok(Gradients::new(Outcome::NotDue, 0, id));
+            }
+            ParamList::new()
+        } else {
+            let Some(summed) = windows.accumulate(list, step) else {
+                return Ok(Gradients::new(Outcome::NotDue, 0, id));
+            };
+            summed
         };
         if let Some(local) = windows.window_items() {
             let factor = self.per_item_factor(local)?;
+            reducer.scale_held(factor);
             for grad in summed.iter_mut() {
                 if let Some(g) = grad.take() {
                     *grad = Some(g.mul_scalar(factor));

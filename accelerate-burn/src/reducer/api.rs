@@ -12,6 +12,7 @@ use burn::tensor::Tensor;
 
 use crate::checkpoint::StageError;
 use crate::error::AccelerateError;
+use crate::fused::HeldBytes;
 use crate::group::Comm;
 use crate::params::{ParamLayout, ParamList};
 
@@ -189,6 +190,29 @@ pub(crate) trait GradientReducer: Send {
         inv_scale: Option<f32>,
     ) -> Result<Reduced, AccelerateError>;
 
+    /// True when the reducer averages each micro-batch as it comes and holds the open
+    /// window's sum itself (ZeRO-2 holds it as this rank's shard): `backward` then hands it
+    /// every micro-batch through [`accumulate`](Self::accumulate) and, at the window's end,
+    /// calls `reduce` with no gradients.
+    fn holds_window_sum(&self) -> bool {
+        false
+    }
+
+    /// Averages one micro-batch's gradients (layout order) into the held window sum;
+    /// `first` starts a new window. Only called when [`holds_window_sum`](Self::holds_window_sum).
+    fn accumulate(
+        &mut self,
+        _grads: ParamList,
+        _first: bool,
+        comm: &Comm,
+    ) -> Result<(), AccelerateError> {
+        Err(AccelerateError::UnexpectedGradients { rank: comm.rank() })
+    }
+
+    /// Multiplies the held window sum by `factor` (a window of summed losses, weighted by
+    /// its items).
+    fn scale_held(&mut self, _factor: f64) {}
+
     /// Forgets what `reduce` held (the step was skipped).
     fn discard(&mut self) {}
 
@@ -213,8 +237,9 @@ pub(crate) trait GradientReducer: Send {
         None
     }
 
-    /// Bytes of optimizer state this process holds (`None` when not known).
-    fn state_bytes(&self) -> Option<usize> {
+    /// What this process's buffers hold between steps (`None` when the reducer does not
+    /// hold the optimizer's buffers itself).
+    fn held_bytes(&self) -> Option<HeldBytes> {
         None
     }
 

@@ -55,6 +55,11 @@ pub struct LaunchArgs {
     #[arg(long)]
     mixed_precision: Option<MixedPrecision>,
 
+    /// ZeRO stage of the workers' fused optimizers: 0, 1 (optimizer state sharded) or 2
+    /// (gradients too) (passed as ACCELERATE_ZERO_STAGE).
+    #[arg(long)]
+    zero_stage: Option<u8>,
+
     /// Hide every GPU from the workers (CUDA_VISIBLE_DEVICES="").
     #[arg(long, conflicts_with = "gpu_ids")]
     cpu: bool,
@@ -145,6 +150,7 @@ pub fn run(args: LaunchArgs) -> anyhow::Result<ExitCode> {
         main_process_ip: args.main_process_ip,
         main_process_port: args.main_process_port,
         mixed_precision: args.mixed_precision,
+        zero_stage: args.zero_stage,
         cpu: args.cpu,
         gpu_ids: args.gpu_ids,
         max_restarts: args.max_restarts,

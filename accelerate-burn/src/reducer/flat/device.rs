@@ -16,7 +16,7 @@ use burn::tensor::{Device, Tensor};
 
 use super::plan::FlatPlan;
 use crate::error::AccelerateError;
-use crate::fused::FusedOptimizer;
+use crate::fused::{FusedOptimizer, HeldBytes};
 use crate::group::Comm;
 use crate::params;
 use crate::reducer::api::{SumOfSquares, sum_of_squares_on_device};
@@ -362,10 +362,16 @@ impl DeviceFlat {
     }
 
     /// Bytes of optimizer state held.
-    pub fn state_bytes(&self) -> usize {
-        self.state
-            .iter()
-            .map(|s| s.shape().num_elements() * 4)
-            .sum()
+    pub fn held_bytes(&self) -> HeldBytes {
+        HeldBytes {
+            // The model views the master parameters; the gradients live for one step.
+            master_parameters: 0,
+            gradients: 0,
+            optimizer_state: self
+                .state
+                .iter()
+                .map(|s| s.shape().num_elements() * 4)
+                .sum(),
+        }
     }
 }

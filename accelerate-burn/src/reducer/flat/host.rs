@@ -5,14 +5,14 @@
 
 use std::ops::{Deref, DerefMut};
 
-use accelerate_core::comm::{ProcessGroup, Reduction, SharedBuffer};
+use accelerate_core::comm::{Reduction, SharedBuffer};
 use accelerate_kernels::optim::{adam_step, sgd_step};
 use burn::lr_scheduler::module_lr_scheduler::ModuleLearningRate;
 use burn::tensor::{Device, Tensor};
 
-use super::plan::FlatPlan;
+use super::plan::{FlatPlan, Sharding};
 use crate::error::AccelerateError;
-use crate::fused::FusedOptimizer;
+use crate::fused::{FusedOptimizer, HeldBytes};
 use crate::group::Comm;
 use crate::params::{self, copy_f32};
 use crate::reducer::wire::Wire;
@@ -49,17 +49,19 @@ impl DerefMut for GradBuffer {
 
 /// Flat buffers on the host.
 pub(crate) struct HostFlat {
-    /// Master parameters, all of them (padded).
+    /// Master parameters: all of them (padded), or this rank's shard under ZeRO-2.
     params: Vec<f32>,
     /// Gradients, all of them (padded), as copied from the device; without ZeRO, averaged
-    /// there in place.
+    /// there in place. Empty under ZeRO-2, which gathers each micro-batch into a buffer of
+    /// its own and lets it go once scattered.
     grads: GradBuffer,
-    /// This rank's averaged gradients under ZeRO (empty otherwise).
+    /// This rank's averaged gradients under ZeRO (empty otherwise); under ZeRO-2 the sum of
+    /// the open window's micro-batches.
     shard_grads: Vec<f32>,
-    sharded: bool,
+    sharding: Sharding,
     /// Optimizer state over the shard: `state_buffers` vectors.
     pub state: Vec<Vec<f32>>,
-    /// This rank's updated shard, sent to the others (ZeRO).
+    /// This rank's updated shard, sent to the others (ZeRO-1; ZeRO-2 sends `params`).
     shard_params: Vec<f32>,
     /// Where the model's parameters are uploaded.
     device: Device,
@@ -67,34 +69,52 @@ pub(crate) struct HostFlat {
 
 impl HostFlat {
     /// Buffers for `plan`, starting from `trainable` (one tensor per segment), with `grads`
-    /// (`plan.padded` zeros) for the gradients.
+    /// (`plan.padded` zeros; empty under ZeRO-2) for the gradients.
     pub fn new(
         plan: &FlatPlan,
         trainable: Vec<Tensor<1>>,
         state_buffers: usize,
         grads: GradBuffer,
-        sharded: bool,
+        sharding: Sharding,
     ) -> Self {
         let device = trainable.first().map(Tensor::device).unwrap_or_default();
-        let mut params = vec![0.0; plan.padded];
-        for (segment, value) in plan.segments.iter().zip(trainable) {
-            copy_f32(
-                value.into_data(),
-                &mut params[segment.offset..segment.offset + segment.len],
-            );
-        }
         let shard = plan.shard.len();
+        let held = if sharding == Sharding::Gradients {
+            plan.shard.clone()
+        } else {
+            0..plan.padded
+        };
+        let mut params = vec![0.0; held.len()];
+        for (segment, value) in plan.segments.iter().zip(trainable) {
+            let start = segment.offset.max(held.start);
+            let end = (segment.offset + segment.len).min(held.end);
+            if start >= end {
+                continue;
+            }
+            let target = &mut params[start - held.start..end - held.start];
+            if end - start == segment.len {
+                copy_f32(value.into_data(), target);
+            } else {
+                // Only part of this parameter is ours: read it whole, keep the part.
+                let whole = params::to_host_f32(value);
+                target.copy_from_slice(&whole[start - segment.offset..end - segment.offset]);
+            }
+        }
         Self {
             params,
             grads,
-            shard_grads: if sharded {
+            shard_grads: if sharding.splits() {
                 vec![0.0; shard]
             } else {
                 Vec::new()
             },
-            sharded,
+            sharding,
             state: vec![vec![0.0; shard]; state_buffers],
-            shard_params: vec![0.0; shard],
+            shard_params: if sharding == Sharding::State {
+                vec![0.0; shard]
+            } else {
+                Vec::new()
+            },
             device,
         }
     }
@@ -113,35 +133,77 @@ impl HostFlat {
     /// Copies each segment's gradient into the flat gradient buffer (zeros where a parameter
     /// got none).
     pub fn gather(&mut self, plan: &FlatPlan, grads: impl Iterator<Item = Option<Tensor<1>>>) {
-        for (segment, grad) in plan.segments.iter().zip(grads) {
-            let range = segment.offset..segment.offset + segment.len;
-            match grad {
-                // Moved, not cloned: a uniquely owned tensor hands its data over uncopied.
-                Some(grad) => copy_f32(grad.into_data(), &mut self.grads[range]),
-                None => self.grads[range].fill(0.0),
-            }
-        }
+        flatten(plan, grads, &mut self.grads);
     }
 
     /// Averages the gathered gradients over the processes into the shard (all-reduce, or
-    /// reduce-scatter with ZeRO) and returns the sum of their squares over every rank.
+    /// reduce-scatter with ZeRO-1) and returns the sum of their squares over every rank.
     pub fn average(&mut self, wire: &mut Wire, comm: &Comm) -> Result<f64, AccelerateError> {
         if comm.is_distributed() {
             comm.timed(|group| match &mut self.grads {
-                GradBuffer::Local(grads) if self.sharded => {
+                GradBuffer::Local(grads) if self.sharding.splits() => {
                     wire.reduce_scatter_mean(grads, &mut self.shard_grads, group)
                 }
                 GradBuffer::Local(grads) => wire.all_reduce_mean(grads, group),
                 GradBuffer::Group(grads) => wire.all_reduce_mean_shared(grads, group),
             })?;
-        } else if self.sharded {
+        } else if self.sharding.splits() {
             // One process's shard is everything (ZeRO kept for one GPU under required NCCL,
             // on a model too large for the device buffers).
             let n = self.shard_grads.len();
             self.shard_grads.copy_from_slice(&self.grads[..n]);
         }
+        self.measure(comm)
+    }
+
+    /// ZeRO-2: averages one micro-batch's gradients over the processes straight into this
+    /// rank's shard of the window's sum (`first`: the window's first micro-batch, which
+    /// replaces the sum). The whole flat gradient exists only for this call.
+    ///
+    /// Each micro-batch communicates: holding the window's sum as shards means each rank's
+    /// share of it must be sent away before the next backward pass, as DeepSpeed's ZeRO-2
+    /// does. (ZeRO-1 keeps the whole local sum and communicates once per window.)
+    pub fn accumulate(
+        &mut self,
+        plan: &FlatPlan,
+        grads: impl Iterator<Item = Option<Tensor<1>>>,
+        first: bool,
+        wire: &mut Wire,
+        comm: &Comm,
+    ) -> Result<(), AccelerateError> {
+        let mut flat = vec![0.0; plan.padded];
+        flatten(plan, grads, &mut flat);
+        let mut part = if first {
+            std::mem::take(&mut self.shard_grads)
+        } else {
+            vec![0.0; plan.shard.len()]
+        };
+        if comm.is_distributed() {
+            comm.timed(|group| wire.reduce_scatter_mean(&mut flat, &mut part, group))?;
+        } else {
+            part.copy_from_slice(&flat[plan.shard.clone()]);
+        }
+        if first {
+            self.shard_grads = part;
+        } else {
+            for (sum, value) in self.shard_grads.iter_mut().zip(&part) {
+                *sum += value;
+            }
+        }
+        Ok(())
+    }
+
+    /// ZeRO-2: multiplies the window's held sum by `factor` (a window of summed losses,
+    /// weighted by its items).
+    pub fn scale_held(&mut self, factor: f32) {
+        accelerate_kernels::scale_in_place(&mut self.shard_grads, factor);
+    }
+
+    /// The sum of the squares of the averaged gradients over every rank (this rank's shard,
+    /// summed across the ranks, under ZeRO).
+    pub fn measure(&self, comm: &Comm) -> Result<f64, AccelerateError> {
         let mut sum_sq = accelerate_kernels::sum_of_squares(self.averaged());
-        if comm.is_distributed() && self.sharded {
+        if comm.is_distributed() && self.sharding.splits() {
             // Each rank measured its shard; infinities and NaN survive the sum.
             let mut total = [sum_sq as f32];
             comm.timed(|group| group.all_reduce(&mut total, Reduction::Sum))?;
@@ -152,7 +214,7 @@ impl HostFlat {
 
     /// This rank's averaged gradients: its shard under ZeRO, else all of them.
     fn averaged(&self) -> &[f32] {
-        if self.sharded {
+        if self.sharding.splits() {
             &self.shard_grads
         } else {
             &self.grads
@@ -183,9 +245,15 @@ impl HostFlat {
             }
             let rate = plan.rate(index, lr);
             let time = plan.times[index];
-            let params = &mut self.params[start..end];
+            // ZeRO-2 holds only the shard of the master parameters.
+            let base = if self.sharding == Sharding::Gradients {
+                shard.start
+            } else {
+                0
+            };
+            let params = &mut self.params[start - base..end - base];
             let local = start - shard.start..end - shard.start;
-            let grads = if self.sharded {
+            let grads = if self.sharding.splits() {
                 &self.shard_grads[local.clone()]
             } else {
                 &self.grads[local.clone()]
@@ -222,33 +290,58 @@ impl HostFlat {
         }
     }
 
-    /// Gives every rank every shard of the updated parameters (ZeRO).
-    pub fn gather_params(
+    /// The updated master parameters, one tensor per segment; under ZeRO every rank's shard
+    /// is gathered first (under ZeRO-2 into a buffer that lives only for this call).
+    pub fn publish(
         &mut self,
         plan: &FlatPlan,
-        group: &mut ProcessGroup,
-    ) -> Result<(), AccelerateError> {
-        self.shard_params
-            .copy_from_slice(&self.params[plan.shard.clone()]);
-        group.all_gather(&self.shard_params, &mut self.params)?;
-        Ok(())
+        comm: &Comm,
+    ) -> Result<Vec<Tensor<1>>, AccelerateError> {
+        let gathered = comm.is_distributed() && plan.shard.len() < plan.padded;
+        match self.sharding {
+            Sharding::State if gathered => {
+                self.shard_params
+                    .copy_from_slice(&self.params[plan.shard.clone()]);
+                comm.timed(|group| group.all_gather(&self.shard_params, &mut self.params))?;
+            }
+            Sharding::Gradients if gathered => {
+                let mut all = vec![0.0; plan.padded];
+                comm.timed(|group| group.all_gather(&self.params, &mut all))?;
+                return Ok(self.upload(plan, &all));
+            }
+            _ => {}
+        }
+        Ok(self.upload(plan, &self.params))
     }
 
-    /// The master parameters, one tensor per segment.
-    pub fn values(&self, plan: &FlatPlan) -> Vec<Tensor<1>> {
+    /// `all` (every master parameter, padded), one tensor per segment on the model's device.
+    fn upload(&self, plan: &FlatPlan, all: &[f32]) -> Vec<Tensor<1>> {
         plan.segments
             .iter()
-            .map(|s| {
-                params::upload(
-                    self.params[s.offset..s.offset + s.len].to_vec(),
-                    &self.device,
-                )
-            })
+            .map(|s| params::upload(all[s.offset..s.offset + s.len].to_vec(), &self.device))
             .collect()
     }
 
-    /// Bytes of optimizer state held.
-    pub fn state_bytes(&self) -> usize {
-        self.state.iter().map(|s| s.capacity() * 4).sum()
+    /// What these buffers hold between steps.
+    pub fn held_bytes(&self) -> HeldBytes {
+        let bytes = |v: &Vec<f32>| v.capacity() * 4;
+        HeldBytes {
+            master_parameters: bytes(&self.params) + bytes(&self.shard_params),
+            gradients: self.grads.len() * 4 + bytes(&self.shard_grads),
+            optimizer_state: self.state.iter().map(bytes).sum(),
+        }
+    }
+}
+
+/// Copies each segment's gradient into `flat` at its offset (zeros where a parameter got
+/// none).
+fn flatten(plan: &FlatPlan, grads: impl Iterator<Item = Option<Tensor<1>>>, flat: &mut [f32]) {
+    for (segment, grad) in plan.segments.iter().zip(grads) {
+        let range = segment.offset..segment.offset + segment.len;
+        match grad {
+            // Moved, not cloned: a uniquely owned tensor hands its data over uncopied.
+            Some(grad) => copy_f32(grad.into_data(), &mut flat[range]),
+            None => flat[range].fill(0.0),
+        }
     }
 }

@@ -22,12 +22,13 @@ mod state_file;
 use device::DeviceFlat;
 use host::{GradBuffer, HostFlat};
 pub(crate) use plan::FlatPlan;
+use plan::Sharding;
 pub(crate) use state_file::FusedStateError;
 use state_file::FusedStateFile;
 
 use crate::checkpoint::StageError;
 use crate::error::AccelerateError;
-use crate::fused::FusedOptimizer;
+use crate::fused::{FusedOptimizer, HeldBytes};
 use crate::group::Comm;
 use crate::params::{ParamLayout, ParamList};
 use crate::reducer::api::{
@@ -47,6 +48,17 @@ pub(crate) enum Buffers {
     Device(Box<DeviceFlat>),
 }
 
+impl Buffers {
+    /// The host buffers, if that is where they are.
+    fn host_mut(&mut self) -> Option<&mut HostFlat> {
+        match self {
+            Self::Host(host) => Some(host),
+            #[cfg(feature = "device-kernels")]
+            Self::Device(_) => None,
+        }
+    }
+}
+
 /// The pending step's measure: set by `reduce`, consumed by `step`.
 #[derive(Clone, Copy)]
 struct Pending {
@@ -54,11 +66,11 @@ struct Pending {
     unscale: f32,
 }
 
-/// Fused optimizer state over flat buffers; ZeRO-1 when `sharded`.
+/// Fused optimizer state over flat buffers, split across the processes as `sharding` says.
 pub(crate) struct FlatReducer {
     layout: Arc<ParamLayout>,
     optimizer: FusedOptimizer,
-    sharded: bool,
+    sharding: Sharding,
     plan: FlatPlan,
     buffers: Buffers,
     wire: Wire,
@@ -95,24 +107,28 @@ impl FlatReducer {
     ) -> Result<Self, AccelerateError> {
         // One process has nothing to shard, except where NCCL was required: the device ZeRO
         // path then runs as it would over N GPUs (that is how one GPU tests it).
-        let sharded = options.zero_stage >= 1 && (options.world > 1 || options.device_collectives);
-        let plan = FlatPlan::new(&layout, sharded, options.rank, options.world);
+        let sharding = Sharding::of(
+            options.zero_stage,
+            options.world,
+            options.device_collectives,
+        );
+        let plan = FlatPlan::new(&layout, sharding.splits(), options.rank, options.world);
         // All-reduced whole, the gradients go in the group's shared buffer (every rank
         // allocates it here, at prepare, in the same order). On transports without shared
         // memory that is an ordinary vector and the all-reduce the usual one.
         let padded = plan.padded;
         let grads = || {
-            Ok(if comm.is_distributed() && !sharded {
+            Ok(if comm.is_distributed() && sharding == Sharding::Whole {
                 GradBuffer::Group(comm.lock().shared_buffer(padded)?)
             } else {
-                GradBuffer::Local(vec![0.0; padded])
+                Self::local_grads(sharding, padded)
             })
         };
-        let buffers = Self::buffers(&plan, values, &optimizer, sharded, &options, grads)?;
+        let buffers = Self::buffers(&plan, values, &optimizer, sharding, &options, grads)?;
         Ok(Self {
             layout,
             optimizer,
-            sharded,
+            sharding,
             plan,
             buffers,
             wire: Wire::new(options.wire),
@@ -121,11 +137,21 @@ impl FlatReducer {
         })
     }
 
+    /// A gradient buffer of this process's own: `padded` zeros, or none under ZeRO-2 (which
+    /// gathers each micro-batch into a buffer that lives for one call).
+    fn local_grads(sharding: Sharding, padded: usize) -> GradBuffer {
+        GradBuffer::Local(if sharding == Sharding::Gradients {
+            Vec::new()
+        } else {
+            vec![0.0; padded]
+        })
+    }
+
     fn buffers(
         plan: &FlatPlan,
         values: Vec<Tensor<1>>,
         optimizer: &FusedOptimizer,
-        sharded: bool,
+        sharding: Sharding,
         options: &FlatOptions,
         grads: impl FnOnce() -> Result<GradBuffer, AccelerateError>,
     ) -> Result<Buffers, AccelerateError> {
@@ -148,13 +174,18 @@ impl FlatReducer {
         {
             // The kernels index with 32 bits; larger buffers (ZeRO's padding included) stay
             // on the host path. ZeRO-1 shards stay on the device only where NCCL can scatter
-            // and gather them there.
+            // and gather them there; ZeRO-2 runs on the host.
             let fits = plan.len > 0 && u32::try_from(plan.padded.max(plan.len)).is_ok();
-            if options.device_kernels && fits && (!sharded || options.device_collectives) {
+            let placeable = match sharding {
+                Sharding::Whole => true,
+                Sharding::State => options.device_collectives,
+                Sharding::Gradients => false,
+            };
+            if options.device_kernels && fits && placeable {
                 return Ok(Buffers::Device(Box::new(DeviceFlat::new(
                     trainable,
                     optimizer.state_buffers(),
-                    sharded.then(|| (plan.shard.clone(), plan.padded)),
+                    sharding.splits().then(|| (plan.shard.clone(), plan.padded)),
                 ))));
             }
         }
@@ -163,7 +194,7 @@ impl FlatReducer {
             trainable,
             optimizer.state_buffers(),
             grads()?,
-            sharded,
+            sharding,
         ))))
     }
 
@@ -268,17 +299,21 @@ impl GradientReducer for FlatReducer {
         comm: &Comm,
         inv_scale: Option<f32>,
     ) -> Result<Reduced, AccelerateError> {
-        for (index, &entry) in self.plan.entries.iter().enumerate() {
-            self.plan.has_grad[index] = grads[entry].is_some();
-        }
-        let taken = self.plan.entries.iter().map(|&e| grads[e].take());
         let sum_sq = match &mut self.buffers {
+            // ZeRO-2: `accumulate` already averaged the window into the shard.
+            Buffers::Host(host) if self.sharding == Sharding::Gradients => {
+                SumOfSquares::Measured(host.measure(comm)?)
+            }
             Buffers::Host(host) => {
+                self.plan.note_grads(&grads, true);
+                let taken = self.plan.entries.iter().map(|&e| grads[e].take());
                 host.gather(&self.plan, taken);
                 SumOfSquares::Measured(host.average(&mut self.wire, comm)?)
             }
             #[cfg(feature = "device-kernels")]
             Buffers::Device(device) => {
+                self.plan.note_grads(&grads, true);
+                let taken = self.plan.entries.iter().map(|&e| grads[e].take());
                 device.gather(&self.plan, taken, !comm.is_distributed());
                 // fp16's overflow test needs the value now; otherwise it waits for clipping.
                 device.average(&mut self.wire, comm, inv_scale.is_none())?
@@ -305,6 +340,31 @@ impl GradientReducer for FlatReducer {
         })
     }
 
+    fn holds_window_sum(&self) -> bool {
+        self.sharding == Sharding::Gradients && matches!(self.buffers, Buffers::Host(_))
+    }
+
+    fn accumulate(
+        &mut self,
+        mut grads: ParamList,
+        first: bool,
+        comm: &Comm,
+    ) -> Result<(), AccelerateError> {
+        // ZeRO-2's buffers are always on the host (`buffers`).
+        let Some(host) = self.buffers.host_mut() else {
+            return Err(AccelerateError::UnexpectedGradients { rank: comm.rank() });
+        };
+        self.plan.note_grads(&grads, first);
+        let taken = self.plan.entries.iter().map(|&e| grads[e].take());
+        host.accumulate(&self.plan, taken, first, &mut self.wire, comm)
+    }
+
+    fn scale_held(&mut self, factor: f64) {
+        if let (Sharding::Gradients, Some(host)) = (self.sharding, self.buffers.host_mut()) {
+            host.scale_held(factor as f32);
+        }
+    }
+
     fn discard(&mut self) {
         self.pending = None;
     }
@@ -325,10 +385,7 @@ impl GradientReducer for FlatReducer {
         let values = match &mut self.buffers {
             Buffers::Host(host) => {
                 host.step(&mut self.plan, &self.optimizer, &lr, grad_scale);
-                if self.sharded && self.plan.shard.len() < self.plan.padded {
-                    comm.timed(|group| host.gather_params(&self.plan, group))?;
-                }
-                host.values(&self.plan)
+                host.publish(&self.plan, comm)?
             }
             #[cfg(feature = "device-kernels")]
             Buffers::Device(device) => {
@@ -346,7 +403,7 @@ impl GradientReducer for FlatReducer {
 
     fn save(&mut self, dir: &Path, role: SaveRole) -> Result<Vec<SavedFile>, StageError> {
         // Every rank's shard with ZeRO, else the main process's (all hold the same state).
-        if !(role.main || self.sharded && role.distributed) {
+        if !(role.main || self.sharding.splits() && role.distributed) {
             return Ok(Vec::new());
         }
         let name = format!("{FUSED_PREFIX}{}.bin", role.rank);
@@ -378,7 +435,7 @@ impl GradientReducer for FlatReducer {
         self.layout = Arc::new(source.layout);
         self.plan = FlatPlan::new(
             &self.layout,
-            self.sharded,
+            self.sharding.splits(),
             self.options.rank,
             self.options.world,
         );
@@ -391,12 +448,12 @@ impl GradientReducer for FlatReducer {
             &self.plan,
             source.values,
             &self.optimizer,
-            self.sharded,
+            self.sharding,
             &self.options,
             || {
                 Ok(match old {
                     Buffers::Host(host) if host.grads_len() == padded => host.take_grads(),
-                    _ => GradBuffer::Local(vec![0.0; padded]),
+                    _ => Self::local_grads(self.sharding, padded),
                 })
             },
         )?;
@@ -416,11 +473,11 @@ impl GradientReducer for FlatReducer {
         }
     }
 
-    fn state_bytes(&self) -> Option<usize> {
+    fn held_bytes(&self) -> Option<HeldBytes> {
         Some(match &self.buffers {
-            Buffers::Host(host) => host.state_bytes(),
+            Buffers::Host(host) => host.held_bytes(),
             #[cfg(feature = "device-kernels")]
-            Buffers::Device(device) => device.state_bytes(),
+            Buffers::Device(device) => device.held_bytes(),
         })
     }
 }

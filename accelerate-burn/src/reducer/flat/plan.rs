@@ -8,7 +8,40 @@ use burn::lr_scheduler::module_lr_scheduler::ModuleLearningRate;
 use burn::module::ParamId;
 
 use super::state_file::Segment;
-use crate::params::ParamLayout;
+use crate::params::{ParamLayout, ParamList};
+
+/// What each process holds of the flat buffers (the fused optimizer's ZeRO stage, where
+/// there is more than one process to split across).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Sharding {
+    /// Every process holds everything (no ZeRO, or one process).
+    Whole,
+    /// ZeRO-1: the optimizer state and its update are split; every process holds all the
+    /// master parameters and all the gradients.
+    State,
+    /// ZeRO-2: the gradients are split too (each micro-batch is averaged into this rank's
+    /// shard of the window's sum), and so are the master parameters; the model's own
+    /// parameters stay whole.
+    Gradients,
+}
+
+impl Sharding {
+    /// The sharding of ZeRO stage `stage` over `world` processes (`forced`: NCCL was
+    /// required, so the device path shards one process too, as it would over N GPUs).
+    pub fn of(stage: u8, world: usize, forced: bool) -> Self {
+        match stage {
+            _ if world <= 1 && !forced => Self::Whole,
+            0 => Self::Whole,
+            1 => Self::State,
+            _ => Self::Gradients,
+        }
+    }
+
+    /// True when each process holds only its shard of something.
+    pub fn splits(self) -> bool {
+        self != Self::Whole
+    }
+}
 
 /// What the flat buffers are cut into: segments (trainable parameters in visit order), the
 /// padded length and this rank's shard.
@@ -64,6 +97,15 @@ impl FlatPlan {
             shard,
             times: vec![0; n],
             has_grad: vec![false; n],
+        }
+    }
+
+    /// Records which segments have a gradient in `grads` (layout order): afresh when `first`
+    /// (a window's first micro-batch), else added to what the window had so far.
+    pub fn note_grads(&mut self, grads: &ParamList, first: bool) {
+        for (index, &entry) in self.entries.iter().enumerate() {
+            let has = grads.get(entry).is_some_and(Option::is_some);
+            self.has_grad[index] = has || !first && self.has_grad[index];
         }
     }
 
