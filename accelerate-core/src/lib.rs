@@ -56,6 +56,7 @@ pub mod input_file;
 pub mod launch;
 pub mod launch_settings;
 pub mod malloc_tuning;
+pub mod memory_estimate;
 #[cfg(unix)]
 pub mod nccl;
 pub mod output_file;

@@ -1,5 +1,5 @@
-//! The command line of accelerate-rs: `accelerate-rs config`, `launch`, `env` and `test`, also
-//! reachable as `cargo accelerate ...`.
+//! The command line of accelerate-rs: `accelerate-rs config`, `launch`, `env`, `test` and
+//! `estimate-memory`, also reachable as `cargo accelerate ...`.
 //!
 //! The binary is named `accelerate-rs`, not `accelerate`, so that it never hides (or is
 //! hidden by) Hugging Face Accelerate's `accelerate`, which most users of ours also have on
@@ -61,6 +61,9 @@ enum Command {
     /// Print versions, backends, devices, the active config and the launcher environment,
     /// for bug reports.
     Env(commands::env::EnvArgs),
+    /// Estimate what each process holds to train a model with a fused optimizer, at each
+    /// ZeRO stage.
+    EstimateMemory(commands::estimate_memory::EstimateMemoryArgs),
     /// Start the worker processes of a training job and supervise them.
     Launch(Box<commands::launch::LaunchArgs>),
     /// Check that distributed training works on this machine.
@@ -113,6 +116,7 @@ where
     let result = match cli.command {
         Command::Config(args) => commands::config::run(args),
         Command::Env(args) => commands::env::run(args),
+        Command::EstimateMemory(args) => commands::estimate_memory::run(args),
         Command::Launch(args) => commands::launch::run(*args),
         Command::Test(args) => commands::test::run(args),
     };

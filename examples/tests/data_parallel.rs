@@ -20,6 +20,7 @@ use accelerate_burn::{
     AccelerateError, Accelerator, AcceleratorBackend, DataLoader, DefaultBackend, FusedOptimizer,
     MixedPrecision, Reduction, ScalerConfig,
 };
+use accelerate_core::memory_estimate::MemoryEstimate;
 use accelerate_examples::digits::{self, DigitBatcher};
 use accelerate_examples::{Mlp, MlpConfig};
 use anyhow::Context;
@@ -851,6 +852,14 @@ fn assert_zero_equals_one_process(stage: u8, world: usize, per_rank: usize, auto
     let unsharded: usize = line(&single[0], "STATE_BYTES ").parse().unwrap();
     // AdamW: two moments of 2,410 parameters.
     assert_eq!(unsharded, 2 * reference.len() * 4);
+    let whole = MemoryEstimate::new(reference.len() as u64, 2, 1, 0);
+    assert_eq!(
+        line(&single[0], "HELD "),
+        format!(
+            "{} {} {}",
+            whole.master_parameters, whole.gradients, whole.optimizer_state
+        )
+    );
     let ranks = run(
         "fused",
         world,
@@ -880,19 +889,22 @@ fn assert_zero_equals_one_process(stage: u8, world: usize, per_rank: usize, auto
         let shard = 4 * padded / world;
         assert_eq!(bytes, 2 * shard, "{case}, rank {rank}");
         assert!((bytes * world) as f64 <= unsharded as f64 * 1.001);
-        // Master parameters and gradients kept between steps: whole under ZeRO-1 (beside the
-        // averaged shard and its staging copy), only the shard under ZeRO-2.
-        let held = line(output, "HELD ");
-        let expected = match stage {
-            1 => format!(
-                "{} {} {}",
-                4 * padded + shard,
-                4 * padded + shard,
-                2 * shard
-            ),
-            _ => format!("{shard} {shard} {}", 2 * shard),
-        };
-        assert_eq!(held, expected, "{case}, rank {rank}: held bytes");
+        // What the buffers keep between steps is what `estimate-memory` says: master
+        // parameters and gradients whole under ZeRO-1 (beside the averaged shard and its
+        // staging copy), only the shard under ZeRO-2.
+        let estimate = MemoryEstimate::new(reference.len() as u64, 2, world as u64, stage);
+        let expected = format!(
+            "{} {} {}",
+            estimate.master_parameters, estimate.gradients, estimate.optimizer_state
+        );
+        assert_eq!(
+            line(output, "HELD "),
+            expected,
+            "{case}, rank {rank}: held bytes"
+        );
+        if stage == 2 {
+            assert_eq!(expected, format!("{shard} {shard} {}", 2 * shard));
+        }
     }
     assert!(
         ranks

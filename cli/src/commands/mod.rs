@@ -2,5 +2,6 @@
 
 pub mod config;
 pub mod env;
+pub mod estimate_memory;
 pub mod launch;
 pub mod test;

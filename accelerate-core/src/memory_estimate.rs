@@ -1,0 +1,251 @@
+//! What a fused optimizer's training holds per process at each ZeRO stage, computed from a
+//! parameter count (or a safetensors file's header), before anything is allocated: the
+//! arithmetic behind `accelerate-rs estimate-memory`.
+//!
+//! The figures follow the buffers the fused optimizer really keeps on the host path (the CPU
+//! backends, and every backend under ZeRO-2), per process, with P trainable f32 parameters
+//! padded to a multiple of the N processes and S state buffers per parameter (AdamW 2, with
+//! AMSGrad 3, SGD with momentum 1):
+//!
+//! | stage | model | master copy | gradients kept | optimizer state |
+//! |---|---|---|---|---|
+//! | 0 | 4P | 4P | 4P | 4SP |
+//! | 1 | 4P | 4P + 4P/N | 4P + 4P/N | 4SP/N |
+//! | 2 | 4P | 4P/N | 4P/N | 4SP/N |
+//!
+//! Burn's backward pass also returns every gradient at once (4P for a moment, in
+//! [`MemoryEstimate::backward_gradients`]); activations come on top and depend on the batch.
+//!
+//! ```
+//! use accelerate_core::memory_estimate::MemoryEstimate;
+//!
+//! // 1 M parameters, AdamW (2 state buffers), 4 processes.
+//! let zero2 = MemoryEstimate::new(1_000_000, 2, 4, 2);
+//! assert_eq!(zero2.optimizer_state, 2_000_000); // 8 bytes per parameter over 4 processes
+//! assert_eq!(zero2.gradients, 1_000_000);
+//! assert_eq!(zero2.held(), 4_000_000 + 1_000_000 + 1_000_000 + 2_000_000);
+//! ```
+
+use std::collections::BTreeMap;
+use std::path::{Path, PathBuf};
+
+/// Bytes of an f32 value.
+const F32: u64 = 4;
+/// The largest safetensors header read (the format's own limit is 100 MB).
+const MAX_HEADER: u64 = 100_000_000;
+
+/// What one process holds for training at one ZeRO stage, in bytes.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct MemoryEstimate {
+    /// The ZeRO stage (0 to 2).
+    pub stage: u8,
+    /// The model's own f32 parameters (whole on every process).
+    pub model_parameters: u64,
+    /// The fused optimizer's f32 master copy (and ZeRO-1's staging copy of the shard).
+    pub master_parameters: u64,
+    /// Gradient buffers kept from step to step.
+    pub gradients: u64,
+    /// Optimizer state (moments, velocity).
+    pub optimizer_state: u64,
+    /// Every gradient at once, as Burn's backward pass returns them (for a moment, at the end
+    /// of each backward pass; Burn has no per-parameter hooks to hand them over sooner).
+    pub backward_gradients: u64,
+}
+
+impl MemoryEstimate {
+    /// The estimate for `parameters` trainable f32 values with `state_buffers` optimizer
+    /// buffers each, at ZeRO `stage` (stages above 2 are counted as 2) over `world`
+    /// processes (at least 1). One process shards nothing, whatever the stage.
+    pub fn new(parameters: u64, state_buffers: u64, world: u64, stage: u8) -> Self {
+        let world = world.max(1);
+        let stage = if world == 1 { 0 } else { stage.min(2) };
+        let whole = parameters.saturating_mul(F32);
+        let shard = parameters.div_ceil(world).saturating_mul(F32);
+        let padded = shard.saturating_mul(world);
+        let (master, gradients, state_elements) = match stage {
+            0 => (whole, whole, whole),
+            1 => (padded + shard, padded + shard, shard),
+            _ => (shard, shard, shard),
+        };
+        Self {
+            stage,
+            model_parameters: whole,
+            master_parameters: master,
+            gradients,
+            optimizer_state: state_elements.saturating_mul(state_buffers),
+            backward_gradients: whole,
+        }
+    }
+
+    /// Everything kept between steps: model, master copy, gradients and optimizer state.
+    pub fn held(&self) -> u64 {
+        self.model_parameters
+            .saturating_add(self.master_parameters)
+            .saturating_add(self.gradients)
+            .saturating_add(self.optimizer_state)
+    }
+
+    /// The peak over a step, activations aside: what is held plus the gradients of one
+    /// backward pass.
+    pub fn peak(&self) -> u64 {
+        self.held().saturating_add(self.backward_gradients)
+    }
+}
+
+/// Elements of each dtype in a safetensors file, read from its header only.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct SafetensorsCounts {
+    /// Elements per dtype (`F32`, `BF16`, `I64`, ...), as the header names them.
+    pub elements: BTreeMap<String, u64>,
+    /// Tensors in the file.
+    pub tensors: usize,
+}
+
+impl SafetensorsCounts {
+    /// Elements of floating-point tensors: what a model trains (integer tensors are buffers
+    /// such as token positions).
+    pub fn float_elements(&self) -> u64 {
+        self.elements
+            .iter()
+            .filter(|(dtype, _)| dtype.starts_with('F') || dtype.starts_with("BF"))
+            .map(|(_, n)| n)
+            .fold(0u64, |sum, n| sum.saturating_add(*n))
+    }
+}
+
+/// A safetensors file that could not be read.
+#[derive(Debug, thiserror::Error)]
+#[error("{path}: {what}")]
+pub struct SafetensorsError {
+    /// The file.
+    pub path: PathBuf,
+    /// What went wrong.
+    pub what: String,
+}
+
+/// Counts the elements of every tensor in the safetensors file at `path`, reading only its
+/// header (8 bytes of length, then JSON), never its data.
+pub fn count_safetensors(path: &Path) -> Result<SafetensorsCounts, SafetensorsError> {
+    use std::io::Read;
+    let fail = |what: String| SafetensorsError {
+        path: path.to_path_buf(),
+        what,
+    };
+    let mut file = std::fs::File::open(path).map_err(|e| fail(e.to_string()))?;
+    let mut length = [0u8; 8];
+    file.read_exact(&mut length)
+        .map_err(|e| fail(format!("no safetensors header ({e})")))?;
+    let length = u64::from_le_bytes(length);
+    if length > MAX_HEADER {
+        return Err(fail(format!(
+            "the header claims {length} bytes, more than safetensors allows: not a \
+             safetensors file?"
+        )));
+    }
+    let mut header = Vec::new();
+    file.take(length)
+        .read_to_end(&mut header)
+        .map_err(|e| fail(e.to_string()))?;
+    if header.len() as u64 != length {
+        return Err(fail(format!(
+            "the header is cut short ({} of {length} bytes)",
+            header.len()
+        )));
+    }
+    #[derive(serde::Deserialize)]
+    struct Entry {
+        dtype: String,
+        shape: Vec<u64>,
+    }
+    let entries: BTreeMap<String, serde_json::Value> = serde_json::from_slice(&header)
+        .map_err(|e| fail(format!("the header is not safetensors' JSON: {e}")))?;
+    let mut counts = SafetensorsCounts::default();
+    for (name, value) in entries {
+        if name == "__metadata__" {
+            continue;
+        }
+        let entry: Entry =
+            serde_json::from_value(value).map_err(|e| fail(format!("tensor {name:?}: {e}")))?;
+        let elements = entry
+            .shape
+            .iter()
+            .try_fold(1u64, |n, d| n.checked_mul(*d))
+            .ok_or_else(|| fail(format!("tensor {name:?}: its shape overflows")))?;
+        let total = counts.elements.entry(entry.dtype).or_default();
+        *total = total.saturating_add(elements);
+        counts.tensors += 1;
+    }
+    Ok(counts)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn write_safetensors(path: &Path, header: &str) {
+        let mut bytes = (header.len() as u64).to_le_bytes().to_vec();
+        bytes.extend_from_slice(header.as_bytes());
+        std::fs::write(path, bytes).unwrap();
+    }
+
+    #[test]
+    fn stages_hold_what_the_table_says() {
+        // 10 parameters over 4 processes: shards of 3, padded to 12.
+        let [zero0, zero1, zero2] = [0, 1, 2].map(|s| MemoryEstimate::new(10, 2, 4, s));
+        assert_eq!(
+            (
+                zero0.master_parameters,
+                zero0.gradients,
+                zero0.optimizer_state
+            ),
+            (40, 40, 80)
+        );
+        assert_eq!(
+            (
+                zero1.master_parameters,
+                zero1.gradients,
+                zero1.optimizer_state
+            ),
+            (48 + 12, 48 + 12, 24)
+        );
+        assert_eq!(
+            (
+                zero2.master_parameters,
+                zero2.gradients,
+                zero2.optimizer_state
+            ),
+            (12, 12, 24)
+        );
+        assert!(zero2.held() < zero1.held() && zero1.held() < zero0.held() + 40);
+        assert_eq!(zero2.peak(), zero2.held() + 40);
+        // One process shards nothing.
+        assert_eq!(
+            MemoryEstimate::new(10, 2, 1, 2),
+            MemoryEstimate::new(10, 2, 1, 0)
+        );
+    }
+
+    #[test]
+    fn a_safetensors_header_is_counted_without_reading_the_data() {
+        let tmp = tempfile::tempdir().unwrap();
+        let path = tmp.path().join("model.safetensors");
+        write_safetensors(
+            &path,
+            r#"{"__metadata__":{"format":"pt"},
+                "w":{"dtype":"F32","shape":[3,4],"data_offsets":[0,48]},
+                "b":{"dtype":"BF16","shape":[4],"data_offsets":[48,56]},
+                "pos":{"dtype":"I64","shape":[2],"data_offsets":[56,72]}}"#,
+        );
+        let counts = count_safetensors(&path).unwrap();
+        assert_eq!(counts.tensors, 3);
+        assert_eq!(counts.float_elements(), 16);
+        assert_eq!(counts.elements["I64"], 2);
+
+        std::fs::write(&path, u64::MAX.to_le_bytes()).unwrap();
+        let err = count_safetensors(&path).unwrap_err().to_string();
+        assert!(err.contains("more than safetensors allows"), "{err}");
+        write_safetensors(&path, "[1, 2]");
+        let err = count_safetensors(&path).unwrap_err().to_string();
+        assert!(err.contains("not safetensors' JSON"), "{err}");
+    }
+}

@@ -1,0 +1,188 @@
+//! `accelerate-rs estimate-memory`: what each process would hold to train a model with a fused
+//! optimizer, at each ZeRO stage, before anything is allocated.
+
+use std::fmt::Write as _;
+use std::path::PathBuf;
+use std::process::ExitCode;
+
+use accelerate_core::memory_estimate::{MemoryEstimate, count_safetensors};
+use anyhow::Context;
+use clap::{Args, ValueEnum};
+
+/// The optimizers whose state the estimate counts.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+pub enum OptimizerKind {
+    /// AdamW or Adam: two moments per parameter.
+    Adamw,
+    /// AdamW with AMSGrad: three buffers per parameter.
+    Amsgrad,
+    /// SGD with momentum: one velocity per parameter.
+    SgdMomentum,
+    /// Plain SGD: no state.
+    Sgd,
+}
+
+impl OptimizerKind {
+    /// The name the flag takes.
+    fn name(self) -> &'static str {
+        match self {
+            Self::Adamw => "adamw",
+            Self::Amsgrad => "amsgrad",
+            Self::SgdMomentum => "sgd-momentum",
+            Self::Sgd => "sgd",
+        }
+    }
+
+    /// f32 state buffers per parameter.
+    fn state_buffers(self) -> u64 {
+        match self {
+            Self::Adamw => 2,
+            Self::Amsgrad => 3,
+            Self::SgdMomentum => 1,
+            Self::Sgd => 0,
+        }
+    }
+}
+
+/// Arguments of `accelerate-rs estimate-memory`.
+#[derive(Debug, Args)]
+pub struct EstimateMemoryArgs {
+    /// The model's weights, a safetensors file (only its header is read); its floating-point
+    /// tensors are counted as trainable f32 parameters.
+    #[arg(required_unless_present = "parameters", conflicts_with = "parameters")]
+    model: Option<PathBuf>,
+
+    /// A parameter count instead of a file (e.g. 7000000000).
+    #[arg(long)]
+    parameters: Option<u64>,
+
+    /// Processes in the job, every machine's together [default: 1].
+    #[arg(long, default_value_t = 1)]
+    num_processes: u64,
+
+    /// The fused optimizer.
+    #[arg(long, value_enum, default_value_t = OptimizerKind::Adamw)]
+    optimizer: OptimizerKind,
+}
+
+/// Prints the table on stdout.
+pub fn run(args: EstimateMemoryArgs) -> anyhow::Result<ExitCode> {
+    let (parameters, source) = match (&args.model, args.parameters) {
+        (_, Some(count)) => (count, format!("{count} parameters")),
+        (Some(path), None) => {
+            let counts = count_safetensors(path).context("reading the model's header")?;
+            let floats = counts.float_elements();
+            (
+                floats,
+                format!(
+                    "{}: {} tensors, {floats} floating-point values",
+                    path.display(),
+                    counts.tensors
+                ),
+            )
+        }
+        (None, None) => anyhow::bail!("give a safetensors file or --parameters N"),
+    };
+    print!(
+        "{}",
+        table(
+            &source,
+            parameters,
+            args.num_processes.max(1),
+            args.optimizer
+        )
+    );
+    Ok(ExitCode::SUCCESS)
+}
+
+/// The table for `parameters` over `world` processes.
+fn table(source: &str, parameters: u64, world: u64, optimizer: OptimizerKind) -> String {
+    let mut out = String::new();
+    let _ = writeln!(
+        out,
+        "{source}\nper process, {world} process{}, {} in f32 (activations not included):\n",
+        if world == 1 { "" } else { "es" },
+        optimizer.name()
+    );
+    let _ = writeln!(
+        out,
+        "{:<6} {:>11} {:>11} {:>11} {:>11} {:>11} {:>11}",
+        "stage", "model", "master", "gradients", "optimizer", "held", "peak"
+    );
+    for stage in 0..=2u8 {
+        let e = MemoryEstimate::new(parameters, optimizer.state_buffers(), world, stage);
+        let _ = writeln!(
+            out,
+            "{:<6} {:>11} {:>11} {:>11} {:>11} {:>11} {:>11}",
+            format!("ZeRO-{stage}"),
+            human(e.model_parameters),
+            human(e.master_parameters),
+            human(e.gradients),
+            human(e.optimizer_state),
+            human(e.held()),
+            human(e.peak()),
+        );
+    }
+    let _ = writeln!(
+        out,
+        "\nheld: kept between steps; peak: held plus the gradients of one backward pass,\n\
+         which Burn returns all at once.{}",
+        if world == 1 {
+            " One process shards nothing: give --num-processes."
+        } else {
+            ""
+        }
+    );
+    out
+}
+
+/// `bytes` in binary units, to three significant figures.
+fn human(bytes: u64) -> String {
+    const UNITS: [&str; 5] = ["B", "KiB", "MiB", "GiB", "TiB"];
+    let mut value = bytes as f64;
+    let mut unit = 0;
+    while value >= 1024.0 && unit + 1 < UNITS.len() {
+        value /= 1024.0;
+        unit += 1;
+    }
+    let decimals = match value {
+        v if v >= 100.0 => 0,
+        v if v >= 10.0 => 1,
+        _ => 2,
+    };
+    let text = format!("{value:.decimals$}");
+    let text = if text.contains('.') {
+        text.trim_end_matches('0').trim_end_matches('.')
+    } else {
+        &text
+    };
+    format!("{text} {}", UNITS[unit])
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_table_gives_each_stage_its_bytes_in_binary_units() {
+        // 2^28 parameters (1 GiB in f32), AdamW, 4 processes.
+        let text = table("m", 1 << 28, 4, OptimizerKind::Adamw);
+        let row = |stage: &str| {
+            text.lines()
+                .find(|l| l.starts_with(stage))
+                .unwrap()
+                .split_whitespace()
+                .collect::<Vec<_>>()
+                .join(" ")
+        };
+        assert_eq!(row("ZeRO-0"), "ZeRO-0 1 GiB 1 GiB 1 GiB 2 GiB 5 GiB 6 GiB");
+        assert_eq!(
+            row("ZeRO-2"),
+            "ZeRO-2 1 GiB 256 MiB 256 MiB 512 MiB 2 GiB 3 GiB"
+        );
+        assert_eq!(human(1536), "1.5 KiB");
+        assert_eq!(human(124_000_000 * 4), "473 MiB");
+        assert_eq!(human(2_480_000_000), "2.31 GiB");
+        assert_eq!(human(12), "12 B");
+    }
+}
