@@ -58,7 +58,7 @@
 //! - [`metrics`]: evaluation metrics (mean loss, accuracy, perplexity, bits per byte) summed
 //!   over batches and processes, without the samples `even_batches` repeated.
 //! - [`selftest`]: the checks `accelerate-rs test` runs on every process.
-//! - [`fused`]: fused AdamW / Adam / SGD over flat parameters, and ZeRO-1.
+//! - [`fused`]: fused AdamW / Adam / SGD over flat parameters, ZeRO-1 and ZeRO-2.
 //! - [`checkpoint`]: `save_state` / `load_state` with exact resume, atomic saves, rotation.
 //! - [`nn`]: burn-nn modules (layer norm) with fused CPU kernels for training on Flex.
 //!

@@ -84,8 +84,8 @@ impl<B: AcceleratorBackend> AcceleratorBuilder<B> {
     }
 
     /// ZeRO stage of a fused optimizer: 1 shards the optimizer state across the processes
-    /// (each updates its 1/N of the parameters); 0 (default) keeps all of it everywhere. Wins
-    /// over `ACCELERATE_ZERO_STAGE`.
+    /// (each updates its 1/N of the parameters), 2 the gradients and master parameters too;
+    /// 0 (default) keeps all of it everywhere. Wins over `ACCELERATE_ZERO_STAGE`.
     pub fn zero_stage(mut self, stage: u8) -> Self {
         self.overrides.zero_stage = Some(stage);
         self
