@@ -184,4 +184,28 @@ pub enum AccelerateError {
         /// What the system said.
         source: std::io::Error,
     },
+
+    /// A model's weight files could not be saved, read or merged.
+    #[error("rank {rank}: {source}")]
+    Weights {
+        /// This process's rank.
+        rank: usize,
+        /// What went wrong, and with which file.
+        #[source]
+        source: accelerate_core::weights::WeightsError,
+    },
+
+    /// Weight files that do not fit the model they are loaded into.
+    #[error(
+        "rank {rank}: loading {}: {detail}. hint: load into the model type (and configuration) \
+         the weights were saved from", path.display()
+    )]
+    WeightsMismatch {
+        /// This process's rank.
+        rank: usize,
+        /// The weights' file or directory.
+        path: PathBuf,
+        /// Which tensors do not fit.
+        detail: String,
+    },
 }

@@ -308,6 +308,95 @@ fn saved_weights_load_into_a_fresh_plain_burn_model() {
     acc.save_model(&model, dir.path()).unwrap();
 }
 
+/// A model saved in shards (the hub's layout) loads back through `load_model`, merges into one
+/// file that plain Burn loads, and gives the same outputs bit for bit either way; a whole save
+/// into the same directory replaces the shards; a missing shard is an error naming it.
+#[test]
+fn a_sharded_save_loads_back_and_merges_into_one_file_plain_burn_reads() {
+    use accelerate_core::weights::{INDEX_FILE, merge_sharded};
+    let acc = accelerator(1);
+    let device = acc.device();
+    let (mut model, mut optim, train) = acc
+        .prepare((Net::new(&device), AdamWConfig::new().init(), loader(40, 8)))
+        .unwrap();
+    for batch in train.iter() {
+        let grads = acc.backward(model.loss(batch.unwrap()), &model).unwrap();
+        model = optim.step(1e-2, model, grads).unwrap();
+    }
+    let tmp = tempfile::tempdir().unwrap();
+    let dir = tmp.path().join("sharded");
+    // Tensors of 384, 64, 64 and 4 bytes in shards of at most 100: [384], [64], [64, 4].
+    let files = acc.save_model_sharded(&model, &dir, 100).unwrap();
+    let names: Vec<String> = files
+        .iter()
+        .map(|f| f.file_name().unwrap().to_string_lossy().into_owned())
+        .collect();
+    assert_eq!(
+        names,
+        [
+            "model-00001-of-00003.safetensors",
+            "model-00002-of-00003.safetensors",
+            "model-00003-of-00003.safetensors",
+            INDEX_FILE
+        ]
+    );
+    assert_eq!(
+        std::fs::read_dir(&dir).unwrap().count(),
+        4,
+        "no staging left"
+    );
+
+    let plain_device = Device::default();
+    let x = Tensor::<2>::from_data(
+        TensorData::new(
+            items(5).iter().flat_map(|(x, _)| *x).collect::<Vec<_>>(),
+            [5, FEATURES],
+        ),
+        &plain_device,
+    );
+    let bits = |net: &Net| -> Vec<u32> {
+        net.forward(x.clone())
+            .into_data()
+            .try_to_vec::<f32>()
+            .unwrap()
+            .into_iter()
+            .map(f32::to_bits)
+            .collect()
+    };
+    let ours = bits(&model.valid());
+    let loaded = acc.load_model(Net::new(&plain_device), &dir).unwrap();
+    assert_eq!(bits(&loaded), ours);
+
+    // Merged offline into one file, which a plain Burn program loads.
+    let merged = tmp.path().join("merged");
+    let report = merge_sharded(&dir, &merged).unwrap();
+    assert_eq!((report.files, report.tensors), (3, 4));
+    let mut fresh = Net::new(&plain_device);
+    fresh
+        .load_from(&mut SafetensorsStore::from_file(&report.output))
+        .unwrap();
+    assert_eq!(bits(&fresh), ours);
+
+    // A missing shard is named.
+    let shard = dir.join("model-00002-of-00003.safetensors");
+    let kept = std::fs::read(&shard).unwrap();
+    std::fs::remove_file(&shard).unwrap();
+    let err = acc
+        .load_model(Net::new(&plain_device), &dir)
+        .unwrap_err()
+        .to_string();
+    assert!(err.contains("model-00002-of-00003"), "{err}");
+    std::fs::write(&shard, kept).unwrap();
+
+    // Saved whole into the same directory: the shards and index go, the file loads.
+    let path = acc.save_model(&model, &dir).unwrap();
+    assert_eq!(std::fs::read_dir(&dir).unwrap().count(), 1);
+    assert_eq!(
+        bits(&acc.load_model(Net::new(&plain_device), &path).unwrap()),
+        ours
+    );
+}
+
 #[test]
 fn the_scheduler_advances_once_per_update() {
     let acc = accelerator(3);

@@ -42,6 +42,8 @@
 //! - [`tracking`]: metrics to CSV and TensorBoard event files (main process).
 //! - `launch` (Unix): starting and supervising the workers of one machine.
 //! - [`wait`]: configured waits, bounded, and deadlines that cannot overflow.
+//! - [`weights`]: safetensors headers, the Hugging Face sharded layout, merging shards.
+//! - [`memory_estimate`]: what each ZeRO stage holds per process.
 
 pub mod accumulation;
 pub mod checkpoint;
@@ -67,6 +69,7 @@ pub mod settings;
 pub mod state;
 pub mod tracking;
 pub mod wait;
+pub mod weights;
 
 pub use accumulation::{BatchPosition, GradientAccumulation, MicroStep};
 pub use checkpoint::{CheckpointError, CheckpointRotation, LoaderState, Manifest, RankState};

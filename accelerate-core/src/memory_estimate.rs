@@ -27,12 +27,12 @@
 //! ```
 
 use std::collections::BTreeMap;
-use std::path::{Path, PathBuf};
+use std::path::Path;
+
+use crate::weights::{self, ShardIndex, WeightsError};
 
 /// Bytes of an f32 value.
 const F32: u64 = 4;
-/// The largest safetensors header read (the format's own limit is 100 MB).
-const MAX_HEADER: u64 = 100_000_000;
 
 /// What one process holds for training at one ZeRO stage, in bytes.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -113,67 +113,28 @@ impl SafetensorsCounts {
     }
 }
 
-/// A safetensors file that could not be read.
-#[derive(Debug, thiserror::Error)]
-#[error("{path}: {what}")]
-pub struct SafetensorsError {
-    /// The file.
-    pub path: PathBuf,
-    /// What went wrong.
-    pub what: String,
-}
-
-/// Counts the elements of every tensor in the safetensors file at `path`, reading only its
-/// header (8 bytes of length, then JSON), never its data.
-pub fn count_safetensors(path: &Path) -> Result<SafetensorsCounts, SafetensorsError> {
-    use std::io::Read;
-    let fail = |what: String| SafetensorsError {
-        path: path.to_path_buf(),
-        what,
-    };
-    let mut file = std::fs::File::open(path).map_err(|e| fail(e.to_string()))?;
-    let mut length = [0u8; 8];
-    file.read_exact(&mut length)
-        .map_err(|e| fail(format!("no safetensors header ({e})")))?;
-    let length = u64::from_le_bytes(length);
-    if length > MAX_HEADER {
-        return Err(fail(format!(
-            "the header claims {length} bytes, more than safetensors allows: not a \
-             safetensors file?"
-        )));
-    }
-    let mut header = Vec::new();
-    file.take(length)
-        .read_to_end(&mut header)
-        .map_err(|e| fail(e.to_string()))?;
-    if header.len() as u64 != length {
-        return Err(fail(format!(
-            "the header is cut short ({} of {length} bytes)",
-            header.len()
-        )));
-    }
-    #[derive(serde::Deserialize)]
-    struct Entry {
-        dtype: String,
-        shape: Vec<u64>,
-    }
-    let entries: BTreeMap<String, serde_json::Value> = serde_json::from_slice(&header)
-        .map_err(|e| fail(format!("the header is not safetensors' JSON: {e}")))?;
-    let mut counts = SafetensorsCounts::default();
-    for (name, value) in entries {
-        if name == "__metadata__" {
-            continue;
+/// Counts the elements of every tensor of a model's weights, reading only safetensors
+/// headers, never the data: `path` is a safetensors file, or a directory holding a sharded
+/// model (`model.safetensors.index.json` and its shards) or a `model.safetensors`.
+pub fn count_safetensors(path: &Path) -> Result<SafetensorsCounts, WeightsError> {
+    let files = if path.is_dir() {
+        if path.join(weights::INDEX_FILE).is_file() {
+            let index = ShardIndex::read(path)?;
+            index.files().into_iter().map(|f| path.join(f)).collect()
+        } else {
+            vec![path.join(weights::MODEL_FILE)]
         }
-        let entry: Entry =
-            serde_json::from_value(value).map_err(|e| fail(format!("tensor {name:?}: {e}")))?;
-        let elements = entry
-            .shape
-            .iter()
-            .try_fold(1u64, |n, d| n.checked_mul(*d))
-            .ok_or_else(|| fail(format!("tensor {name:?}: its shape overflows")))?;
-        let total = counts.elements.entry(entry.dtype).or_default();
-        *total = total.saturating_add(elements);
-        counts.tensors += 1;
+    } else {
+        vec![path.to_path_buf()]
+    };
+    let mut counts = SafetensorsCounts::default();
+    for file in files {
+        for entry in weights::read_header(&file)?.tensors.into_values() {
+            let elements = entry.elements().unwrap_or(u64::MAX);
+            let total = counts.elements.entry(entry.dtype).or_default();
+            *total = total.saturating_add(elements);
+            counts.tensors += 1;
+        }
     }
     Ok(counts)
 }
@@ -182,9 +143,11 @@ pub fn count_safetensors(path: &Path) -> Result<SafetensorsCounts, SafetensorsEr
 mod tests {
     use super::*;
 
-    fn write_safetensors(path: &Path, header: &str) {
+    /// A safetensors file of `header` and `data` zero bytes.
+    fn write_safetensors(path: &Path, header: &str, data: usize) {
         let mut bytes = (header.len() as u64).to_le_bytes().to_vec();
         bytes.extend_from_slice(header.as_bytes());
+        bytes.resize(bytes.len() + data, 0);
         std::fs::write(path, bytes).unwrap();
     }
 
@@ -235,6 +198,7 @@ mod tests {
                 "w":{"dtype":"F32","shape":[3,4],"data_offsets":[0,48]},
                 "b":{"dtype":"BF16","shape":[4],"data_offsets":[48,56]},
                 "pos":{"dtype":"I64","shape":[2],"data_offsets":[56,72]}}"#,
+            72,
         );
         let counts = count_safetensors(&path).unwrap();
         assert_eq!(counts.tensors, 3);
@@ -244,8 +208,32 @@ mod tests {
         std::fs::write(&path, u64::MAX.to_le_bytes()).unwrap();
         let err = count_safetensors(&path).unwrap_err().to_string();
         assert!(err.contains("more than safetensors allows"), "{err}");
-        write_safetensors(&path, "[1, 2]");
+        write_safetensors(&path, "[1, 2]", 0);
         let err = count_safetensors(&path).unwrap_err().to_string();
         assert!(err.contains("not safetensors' JSON"), "{err}");
+    }
+
+    #[test]
+    fn a_sharded_model_is_counted_over_its_shards() {
+        let tmp = tempfile::tempdir().unwrap();
+        let shard = |i: usize| weights::shard_file_name(i, 2);
+        write_safetensors(
+            &tmp.path().join(shard(0)),
+            r#"{"w":{"dtype":"F32","shape":[3,4],"data_offsets":[0,48]}}"#,
+            48,
+        );
+        write_safetensors(
+            &tmp.path().join(shard(1)),
+            r#"{"b":{"dtype":"F32","shape":[4],"data_offsets":[0,16]}}"#,
+            16,
+        );
+        ShardIndex::new(
+            64,
+            [("w".to_string(), shard(0)), ("b".to_string(), shard(1))],
+        )
+        .write(tmp.path())
+        .unwrap();
+        let counts = count_safetensors(tmp.path()).unwrap();
+        assert_eq!((counts.tensors, counts.float_elements()), (2, 16));
     }
 }

@@ -66,6 +66,9 @@ enum Command {
     EstimateMemory(commands::estimate_memory::EstimateMemoryArgs),
     /// Start the worker processes of a training job and supervise them.
     Launch(Box<commands::launch::LaunchArgs>),
+    /// Consolidate a sharded model (model.safetensors.index.json and its shards) into one
+    /// model.safetensors.
+    MergeWeights(commands::merge_weights::MergeWeightsArgs),
     /// Check that distributed training works on this machine.
     Test(commands::test::TestArgs),
 }
@@ -118,6 +121,7 @@ where
         Command::Env(args) => commands::env::run(args),
         Command::EstimateMemory(args) => commands::estimate_memory::run(args),
         Command::Launch(args) => commands::launch::run(*args),
+        Command::MergeWeights(args) => commands::merge_weights::run(args),
         Command::Test(args) => commands::test::run(args),
     };
     match result {

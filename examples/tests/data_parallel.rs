@@ -111,6 +111,7 @@ fn fused() -> anyhow::Result<()> {
         .gradient_communication(precision("TEST_WIRE"))
         .mixed_precision(precision("TEST_AUTOCAST"))
         .build()?;
+    println!("FORMED {}", acc.transport());
     println!("FUSION {}", accelerate_burn::backend::fusion::active());
     let model = MlpConfig::new(digits::PIXELS, vec![32], digits::CLASSES).init(&acc.device());
     let data: Vec<_> = digits::load()?.into_iter().take(SAMPLES).collect();
@@ -950,12 +951,23 @@ fn mpi_logs(dir: &std::path::Path, ranks: usize) -> Vec<String> {
 /// The worker's command line and variables for an `mpirun` job training digits.
 #[cfg(feature = "mpi")]
 fn mpi_worker(mpirun: &mut std::process::Command, dir: &std::path::Path, per_rank: usize) {
+    mpi_worker_of(mpirun, dir, per_rank, "train");
+}
+
+/// The worker's command line and variables for an `mpirun` job running `scenario`.
+#[cfg(feature = "mpi")]
+fn mpi_worker_of(
+    mpirun: &mut std::process::Command,
+    dir: &std::path::Path,
+    per_rank: usize,
+    scenario: &str,
+) {
     mpirun
         .arg("--output-filename")
         .arg(dir)
         .arg(std::env::current_exe().unwrap())
         .args(["child", "--exact", "--nocapture", "--test-threads=1"])
-        .env(SCENARIO, "train")
+        .env(SCENARIO, scenario)
         .env("TEST_BATCH", per_rank.to_string())
         .env("ACCELERATE_TIMEOUT", "60")
         .env("RAYON_NUM_THREADS", "1")
@@ -981,6 +993,45 @@ fn mpi_two_processes_learn_what_shared_memory_learns_bit_for_bit() {
     let shm = run("train", 2, &[("TEST_BATCH", PER_RANK_BATCH.to_string())]);
     let dir = tempfile::tempdir().unwrap();
     mpi_worker(&mut mpirun, dir.path(), PER_RANK_BATCH);
+    let out = mpirun.output().unwrap();
+    let logs = mpi_logs(dir.path(), 2);
+    assert!(
+        out.status.success(),
+        "{}\n{}\n{logs:#?}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let reference = params(&single[0]);
+    for (rank, log) in logs.iter().enumerate() {
+        assert!(log.contains("FORMED mpi"), "rank {rank}: {log}");
+        assert_eq!(param_bits_in(log), param_bits(&shm[rank]), "rank {rank}");
+        let ours: Vec<f32> = param_bits_in(log).into_iter().map(f32::from_bits).collect();
+        let worst = largest_difference(&ours, &reference);
+        assert!(worst <= 1e-6, "rank {rank}: largest difference {worst}");
+    }
+}
+
+/// ZeRO-2 under a real `mpirun -np 2` on the MPI engine: its reduce-scatter and all-gather
+/// give, bit for bit, what the same 2 processes give over our shared-memory engine (two ranks:
+/// every sum is a + b either way), and one unsharded process's parameters within 1e-6.
+#[cfg(feature = "mpi")]
+#[test]
+fn mpi_zero_2_on_two_processes_equals_shared_memory_bit_for_bit() {
+    let Some(mut mpirun) = tools::mpirun(2) else {
+        return;
+    };
+    let zero = |stage: &str, batch: usize| {
+        vec![
+            ("TEST_BATCH", batch.to_string()),
+            ("TEST_ZERO", stage.to_string()),
+            ("TEST_AUTOCAST", "no".to_string()),
+        ]
+    };
+    let single = run("fused", 1, &zero("0", 2 * PER_RANK_BATCH));
+    let shm = run("fused", 2, &zero("2", PER_RANK_BATCH));
+    let dir = tempfile::tempdir().unwrap();
+    mpi_worker_of(&mut mpirun, dir.path(), PER_RANK_BATCH, "fused");
+    mpirun.env("TEST_ZERO", "2").env("TEST_AUTOCAST", "no");
     let out = mpirun.output().unwrap();
     let logs = mpi_logs(dir.path(), 2);
     assert!(

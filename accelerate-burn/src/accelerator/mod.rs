@@ -1,17 +1,19 @@
 //! [`Accelerator`]: the facade a training loop talks to. Its methods are grouped by concern in
 //! the files beside this one: [`builder`] (settings), `step` (backward, clipping, the loop's
 //! counters), `collectives` (what a script calls across processes), `checkpoints` (save and
-//! resume), `prepare` (what `prepare` accepts); preparing and model saving are here.
+//! resume), `model_files` (the model's weights alone, whole or sharded), `prepare` (what
+//! `prepare` accepts); preparing is here.
 
 mod builder;
 mod checkpoints;
 mod collectives;
+mod model_files;
 mod prepare;
 mod step;
 
 use std::fmt::Display;
 use std::marker::PhantomData;
-use std::path::{Path, PathBuf};
+use std::path::PathBuf;
 use std::sync::atomic::AtomicBool;
 use std::sync::{Mutex, PoisonError};
 
@@ -19,7 +21,6 @@ use accelerate_core::{AcceleratorConfig, MetricsLogger, ProcessState, Tracker};
 use burn::lr_scheduler::module_lr_scheduler::ModuleLrScheduler;
 use burn::module::Module;
 use burn::optim::ModuleOptimizer;
-use burn::store::{ModuleSnapshot, SafetensorsStore};
 use burn::tensor::{DType, Device};
 
 pub use builder::AcceleratorBuilder;
@@ -423,38 +424,5 @@ impl<B: AcceleratorBackend> Accelerator<B> {
     /// by line, and so that a future wrapper cannot break callers.
     pub fn unwrap_model<M: Module>(&self, model: M) -> M {
         model
-    }
-
-    /// Writes `model`'s parameters to `dir/model.safetensors` on the main process (other
-    /// processes write nothing) and returns the file's path. The file is written to a
-    /// temporary name, synced and renamed, so a crash never leaves a truncated one; a plain Burn
-    /// program loads it with `burn::store::SafetensorsStore` and `load_from`.
-    pub fn save_model<M: Module>(
-        &self,
-        model: &M,
-        dir: impl AsRef<Path>,
-    ) -> Result<PathBuf, AccelerateError> {
-        let dir = dir.as_ref();
-        let path = dir.join(MODEL_FILE);
-        if !self.is_main_process() {
-            return Ok(path);
-        }
-        std::fs::create_dir_all(dir).map_err(|source| AccelerateError::Io {
-            rank: self.state.rank,
-            action: "creating the model directory",
-            path: dir.to_path_buf(),
-            source,
-        })?;
-        accelerate_core::checkpoint::replace_file(&path, |temporary| {
-            let mut store = SafetensorsStore::from_file(temporary).overwrite(true);
-            model.save_into(&mut store)
-        })
-        .map_err(|e| AccelerateError::Io {
-            rank: self.state.rank,
-            action: "saving the model",
-            path: path.clone(),
-            source: std::io::Error::other(e.to_string()),
-        })?;
-        Ok(path)
     }
 }

@@ -250,6 +250,15 @@ impl CheckpointInfo {
     }
 }
 
+/// The first line of Burn's store errors (a multi-line table), which says what went wrong.
+pub(crate) fn first_line(message: &str) -> &str {
+    message
+        .lines()
+        .next()
+        .unwrap_or_default()
+        .trim_end_matches([':', ' '])
+}
+
 /// `module` with the weights of the safetensors file at `path`; the error says what does not
 /// fit.
 pub(crate) fn load_weights<M: Module>(
@@ -260,20 +269,12 @@ pub(crate) fn load_weights<M: Module>(
         .file_name()
         .map_or_else(String::new, |n| n.to_string_lossy().into_owned());
     let mut store = SafetensorsStore::from_file(path);
-    let applied = module.load_from(&mut store).map_err(|e| {
-        // Burn's message is a multi-line table; its first line says what went wrong.
-        let e = e.to_string();
-        let first = e
-            .lines()
-            .next()
-            .unwrap_or_default()
-            .trim_end_matches([':', ' '])
-            .to_string();
-        StageError::DoesNotFit {
+    let applied = module
+        .load_from(&mut store)
+        .map_err(|e| StageError::DoesNotFit {
             file: name.clone(),
-            detail: first,
-        }
-    })?;
+            detail: first_line(&e.to_string()).to_string(),
+        })?;
     if !applied.errors.is_empty() || !applied.missing.is_empty() {
         let missing: Vec<&str> = applied.missing.iter().map(|(p, _)| p.as_str()).collect();
         return Err(StageError::DoesNotFit {

@@ -47,7 +47,8 @@ impl OptimizerKind {
 /// Arguments of `accelerate-rs estimate-memory`.
 #[derive(Debug, Args)]
 pub struct EstimateMemoryArgs {
-    /// The model's weights, a safetensors file (only its header is read); its floating-point
+    /// The model's weights: a safetensors file, or a directory holding a sharded model (its
+    /// index and shards) or a model.safetensors. Only headers are read; floating-point
     /// tensors are counted as trainable f32 parameters.
     #[arg(required_unless_present = "parameters", conflicts_with = "parameters")]
     model: Option<PathBuf>,

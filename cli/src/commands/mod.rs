@@ -4,4 +4,5 @@ pub mod config;
 pub mod env;
 pub mod estimate_memory;
 pub mod launch;
+pub mod merge_weights;
 pub mod test;

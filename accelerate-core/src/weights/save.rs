@@ -1,0 +1,294 @@
+//! Saving a model's weights into a directory, in either layout, without losing or mixing
+//! models: a sharded save stages its shards in a private directory and publishes them only
+//! once all are written; the files of the layout a save replaces are removed only when
+//! accelerate-rs wrote them (their `saved_by` mark); a model of the other layout that someone
+//! else wrote stops the save before anything is written.
+//!
+//! The one window a crash can hit is the publication of a sharded save: the previous index is
+//! removed first, then the shards renamed into place, then the new index written, so a crash
+//! there leaves a directory without an index (which reads as no model, an error) rather than an
+//! index naming a mix of old and new shards.
+
+use std::path::{Path, PathBuf};
+
+use super::header::read_header;
+use super::sharding::{INDEX_FILE, MODEL_FILE, ShardIndex, is_shard_file_name};
+use super::{WeightsError, io, malformed};
+
+/// Fails when `dir` holds a whole `model.safetensors` that accelerate-rs did not write; returns
+/// whether it holds one that it did.
+fn whole_model_of_ours(dir: &Path) -> Result<bool, WeightsError> {
+    let path = dir.join(MODEL_FILE);
+    if std::fs::symlink_metadata(&path).is_err() {
+        return Ok(false);
+    }
+    match read_header(&path) {
+        Ok(header) if header.is_ours() => Ok(true),
+        _ => Err(malformed(
+            &path,
+            "a whole model that accelerate-rs did not write; saving a sharded one beside it \
+             would leave two models: move it away, or save to another directory",
+        )),
+    }
+}
+
+/// The index in `dir` when accelerate-rs wrote it; fails for someone else's.
+fn index_of_ours(dir: &Path) -> Result<Option<ShardIndex>, WeightsError> {
+    let path = dir.join(INDEX_FILE);
+    if std::fs::symlink_metadata(&path).is_err() {
+        return Ok(None);
+    }
+    match ShardIndex::read(dir) {
+        Ok(index) if index.is_ours() => Ok(Some(index)),
+        _ => Err(malformed(
+            &path,
+            "a sharded model that accelerate-rs did not write; saving another model beside it \
+             would leave two: move it away, or save to another directory",
+        )),
+    }
+}
+
+/// Removes the shards `index` names that match our shard names and are not in `keep`, then
+/// nothing else: a name the index gives that we would not have written stays.
+fn remove_shards(dir: &Path, index: &ShardIndex, keep: &[String]) -> Result<(), WeightsError> {
+    for file in index.files() {
+        if is_shard_file_name(file) && !keep.iter().any(|k| k == file) {
+            let path = dir.join(file);
+            match std::fs::remove_file(&path) {
+                Err(e) if e.kind() != std::io::ErrorKind::NotFound => {
+                    return Err(io("removing the replaced shard", &path)(e));
+                }
+                _ => {}
+            }
+        }
+    }
+    Ok(())
+}
+
+/// A whole-model save into `dir`: [`begin`](Self::begin) before `model.safetensors` is written,
+/// [`finish`](Self::finish) after.
+pub struct WholeSave {
+    dir: PathBuf,
+    replaced: Option<ShardIndex>,
+}
+
+impl WholeSave {
+    /// Checks that `dir` holds no sharded model that is not ours (and creates it).
+    pub fn begin(dir: &Path) -> Result<Self, WeightsError> {
+        std::fs::create_dir_all(dir).map_err(io("creating", dir))?;
+        Ok(Self {
+            dir: dir.to_path_buf(),
+            replaced: index_of_ours(dir)?,
+        })
+    }
+
+    /// Once the whole model is written: removes the sharded model of ours it replaces.
+    pub fn finish(self) -> Result<(), WeightsError> {
+        if let Some(index) = &self.replaced {
+            let path = self.dir.join(INDEX_FILE);
+            std::fs::remove_file(&path).map_err(io("removing the replaced index", &path))?;
+            remove_shards(&self.dir, index, &[])?;
+        }
+        Ok(())
+    }
+}
+
+/// A sharded save into `dir`: shards go to [`shard_path`](Self::shard_path) (a private staging
+/// directory inside `dir`), then [`commit`](Self::commit) publishes them with their index.
+/// Dropped without a commit, the staging directory and what is in it are removed.
+pub struct ShardedSave {
+    dir: PathBuf,
+    staging: PathBuf,
+    replaced_index: Option<ShardIndex>,
+    replaced_whole: bool,
+    committed: bool,
+}
+
+impl ShardedSave {
+    /// Checks that `dir` holds no model that is not ours, and creates the staging directory
+    /// (`.shards.<pid>.staging`, exclusively: someone else's of that name is an error).
+    pub fn begin(dir: &Path) -> Result<Self, WeightsError> {
+        std::fs::create_dir_all(dir).map_err(io("creating", dir))?;
+        let replaced_whole = whole_model_of_ours(dir)?;
+        let replaced_index = index_of_ours(dir)?;
+        let staging = dir.join(format!(".shards.{}.staging", std::process::id()));
+        std::fs::create_dir(&staging).map_err(io("creating the staging directory", &staging))?;
+        Ok(Self {
+            dir: dir.to_path_buf(),
+            staging,
+            replaced_index,
+            replaced_whole,
+            committed: false,
+        })
+    }
+
+    /// Where the shard `name` is written before the commit (a file that does not exist yet).
+    pub fn shard_path(&self, name: &str) -> PathBuf {
+        self.staging.join(name)
+    }
+
+    /// Publishes the staged shards that `index` names (every one must have been written) and
+    /// `index`, then removes the model of ours they replace; returns the paths written.
+    pub fn commit(mut self, index: &ShardIndex) -> Result<Vec<PathBuf>, WeightsError> {
+        let files: Vec<String> = index.files().into_iter().map(str::to_string).collect();
+        for file in &files {
+            let staged = self.staging.join(file);
+            crate::checkpoint::sync_file(&staged).map_err(|e| WeightsError::Io {
+                action: "syncing",
+                path: staged.clone(),
+                source: std::io::Error::other(e.to_string()),
+            })?;
+        }
+        if self.replaced_index.is_some() {
+            let path = self.dir.join(INDEX_FILE);
+            std::fs::remove_file(&path).map_err(io("removing the replaced index", &path))?;
+        }
+        let mut written = Vec::with_capacity(files.len() + 1);
+        for file in &files {
+            let (staged, target) = (self.staging.join(file), self.dir.join(file));
+            std::fs::rename(&staged, &target).map_err(io("moving into place", &staged))?;
+            written.push(target);
+        }
+        index.write(&self.dir)?;
+        written.push(self.dir.join(INDEX_FILE));
+        self.committed = true;
+        if let Some(replaced) = &self.replaced_index {
+            remove_shards(&self.dir, replaced, &files)?;
+        }
+        if self.replaced_whole {
+            let path = self.dir.join(MODEL_FILE);
+            std::fs::remove_file(&path).map_err(io("removing the replaced model", &path))?;
+        }
+        let _ = std::fs::remove_dir(&self.staging);
+        crate::checkpoint::sync_dir(&self.dir).map_err(|e| WeightsError::Io {
+            action: "syncing",
+            path: self.dir.clone(),
+            source: std::io::Error::other(e.to_string()),
+        })?;
+        Ok(written)
+    }
+}
+
+impl Drop for ShardedSave {
+    fn drop(&mut self) {
+        if !self.committed {
+            // Ours: created exclusively in `begin`, holding only what this save wrote.
+            let _ = std::fs::remove_dir_all(&self.staging);
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::super::TensorEntry;
+    use super::super::header;
+    use super::super::sharding::{SAVED_BY, SAVED_BY_KEY, shard_file_name};
+    use super::*;
+    use std::collections::BTreeMap;
+
+    /// A one-tensor safetensors file, marked as ours or not.
+    fn model_file(path: &Path, ours: bool) {
+        let mut metadata = BTreeMap::new();
+        if ours {
+            metadata.insert(SAVED_BY_KEY.to_string(), SAVED_BY.to_string());
+        }
+        let tensors = BTreeMap::from([(
+            "w".to_string(),
+            TensorEntry {
+                dtype: "F32".into(),
+                shape: vec![1],
+                data_offsets: [0, 4],
+            },
+        )]);
+        let mut bytes = header::encode(&metadata, &tensors).unwrap();
+        bytes.extend_from_slice(&[0; 4]);
+        std::fs::write(path, bytes).unwrap();
+    }
+
+    /// A sharded save of `count` one-tensor shards into `dir`.
+    fn save_sharded(dir: &Path, count: usize) -> Result<Vec<PathBuf>, WeightsError> {
+        let save = ShardedSave::begin(dir)?;
+        let names: Vec<String> = (0..count).map(|i| shard_file_name(i, count)).collect();
+        for name in &names {
+            model_file(&save.shard_path(name), true);
+        }
+        let index = ShardIndex::new(
+            4 * count as u64,
+            names
+                .iter()
+                .enumerate()
+                .map(|(i, n)| (format!("w{i}"), n.clone())),
+        );
+        save.commit(&index)
+    }
+
+    fn names(dir: &Path) -> Vec<String> {
+        let mut names: Vec<String> = std::fs::read_dir(dir)
+            .unwrap()
+            .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+            .collect();
+        names.sort();
+        names
+    }
+
+    #[test]
+    fn a_save_replaces_our_other_layout_and_leaves_no_staging() {
+        let tmp = tempfile::tempdir().unwrap();
+        let dir = tmp.path();
+        std::fs::write(dir.join("notes.txt"), "mine").unwrap();
+        model_file(&dir.join(MODEL_FILE), true);
+        save_sharded(dir, 3).unwrap();
+        assert_eq!(
+            names(dir),
+            [
+                "model-00001-of-00003.safetensors",
+                "model-00002-of-00003.safetensors",
+                "model-00003-of-00003.safetensors",
+                INDEX_FILE,
+                "notes.txt"
+            ]
+        );
+        // Fewer shards: the three-shard files go.
+        save_sharded(dir, 2).unwrap();
+        assert_eq!(names(dir).len(), 4, "{:?}", names(dir));
+        // Back to one file: the index and its shards go.
+        let whole = WholeSave::begin(dir).unwrap();
+        model_file(&dir.join(MODEL_FILE), true);
+        whole.finish().unwrap();
+        assert_eq!(names(dir), [MODEL_FILE, "notes.txt"]);
+        assert_eq!(
+            std::fs::read_to_string(dir.join("notes.txt")).unwrap(),
+            "mine"
+        );
+    }
+
+    #[test]
+    fn someone_elses_model_stops_the_save_before_anything_is_written() {
+        let tmp = tempfile::tempdir().unwrap();
+        let dir = tmp.path();
+        model_file(&dir.join(MODEL_FILE), false);
+        let before = std::fs::read(dir.join(MODEL_FILE)).unwrap();
+        let err = save_sharded(dir, 2).unwrap_err().to_string();
+        assert!(err.contains("did not write"), "{err}");
+        assert_eq!(names(dir), [MODEL_FILE]);
+        assert_eq!(std::fs::read(dir.join(MODEL_FILE)).unwrap(), before);
+
+        // A hub-downloaded sharded model: a whole save refuses to sit beside it.
+        let other = tmp.path().join("hub");
+        std::fs::create_dir(&other).unwrap();
+        let mut index = ShardIndex::new(4, [("w".to_string(), shard_file_name(0, 1))]);
+        index.metadata.saved_by = None;
+        index.write(&other).unwrap();
+        assert!(WholeSave::begin(&other).is_err());
+        assert!(ShardedSave::begin(&other).is_err());
+    }
+
+    #[test]
+    fn an_abandoned_save_removes_its_staging_only() {
+        let tmp = tempfile::tempdir().unwrap();
+        let save = ShardedSave::begin(tmp.path()).unwrap();
+        model_file(&save.shard_path(&shard_file_name(0, 2)), true);
+        drop(save);
+        assert!(names(tmp.path()).is_empty(), "{:?}", names(tmp.path()));
+    }
+}
