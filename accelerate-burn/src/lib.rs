@@ -60,6 +60,8 @@
 //! - [`selftest`]: the checks `accelerate-rs test` runs on every process.
 //! - [`fused`]: fused AdamW / Adam / SGD over flat parameters, ZeRO-1 and ZeRO-2.
 //! - [`checkpoint`]: `save_state` / `load_state` with exact resume, atomic saves, rotation.
+//! - `save_model` / `save_model_sharded` / `load_model` on [`Accelerator`]: the weights alone,
+//!   one safetensors file or the Hugging Face hub's shards and index.
 //! - [`nn`]: burn-nn modules (layer norm) with fused CPU kernels for training on Flex.
 //!
 //! # Feature flags

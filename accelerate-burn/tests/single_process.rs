@@ -271,17 +271,37 @@ fn global_clipping_matches_a_hand_computed_norm() {
     assert!((again - 1.0).abs() < 1e-5);
 }
 
-#[test]
-fn saved_weights_load_into_a_fresh_plain_burn_model() {
-    let acc = accelerator(1);
-    let device = acc.device();
+/// A `Net` trained for one epoch of 40 items with AdamW.
+fn trained_net(acc: &Accelerator<DefaultBackend>) -> Net {
     let (mut model, mut optim, train) = acc
-        .prepare((Net::new(&device), AdamWConfig::new().init(), loader(40, 8)))
+        .prepare((
+            Net::new(&acc.device()),
+            AdamWConfig::new().init(),
+            loader(40, 8),
+        ))
         .unwrap();
     for batch in train.iter() {
         let grads = acc.backward(model.loss(batch.unwrap()), &model).unwrap();
         model = optim.step(1e-2, model, grads).unwrap();
     }
+    model
+}
+
+/// Five items' inputs on `device`, to compare models' outputs.
+fn probe_input(device: &Device) -> Tensor<2> {
+    Tensor::<2>::from_data(
+        TensorData::new(
+            items(5).iter().flat_map(|(x, _)| *x).collect::<Vec<_>>(),
+            [5, FEATURES],
+        ),
+        device,
+    )
+}
+
+#[test]
+fn saved_weights_load_into_a_fresh_plain_burn_model() {
+    let acc = accelerator(1);
+    let model = trained_net(&acc);
     let dir = tempfile::tempdir().unwrap();
     let path = acc.save_model(&model, dir.path()).unwrap();
     assert_eq!(path, dir.path().join(MODEL_FILE));
@@ -291,13 +311,7 @@ fn saved_weights_load_into_a_fresh_plain_burn_model() {
     let mut fresh = Net::new(&plain_device);
     let mut store = SafetensorsStore::from_file(&path);
     fresh.load_from(&mut store).unwrap();
-    let x = Tensor::<2>::from_data(
-        TensorData::new(
-            items(5).iter().flat_map(|(x, _)| *x).collect::<Vec<_>>(),
-            [5, FEATURES],
-        ),
-        &plain_device,
-    );
+    let x = probe_input(&plain_device);
     let ours = model.valid().forward(x.clone()).into_data();
     let theirs = fresh.forward(x).into_data();
     assert_eq!(
@@ -315,14 +329,7 @@ fn saved_weights_load_into_a_fresh_plain_burn_model() {
 fn a_sharded_save_loads_back_and_merges_into_one_file_plain_burn_reads() {
     use accelerate_core::weights::{INDEX_FILE, merge_sharded};
     let acc = accelerator(1);
-    let device = acc.device();
-    let (mut model, mut optim, train) = acc
-        .prepare((Net::new(&device), AdamWConfig::new().init(), loader(40, 8)))
-        .unwrap();
-    for batch in train.iter() {
-        let grads = acc.backward(model.loss(batch.unwrap()), &model).unwrap();
-        model = optim.step(1e-2, model, grads).unwrap();
-    }
+    let model = trained_net(&acc);
     let tmp = tempfile::tempdir().unwrap();
     let dir = tmp.path().join("sharded");
     // Tensors of 384, 64, 64 and 4 bytes in shards of at most 100: [384], [64], [64, 4].
@@ -347,13 +354,7 @@ fn a_sharded_save_loads_back_and_merges_into_one_file_plain_burn_reads() {
     );
 
     let plain_device = Device::default();
-    let x = Tensor::<2>::from_data(
-        TensorData::new(
-            items(5).iter().flat_map(|(x, _)| *x).collect::<Vec<_>>(),
-            [5, FEATURES],
-        ),
-        &plain_device,
-    );
+    let x = probe_input(&plain_device);
     let bits = |net: &Net| -> Vec<u32> {
         net.forward(x.clone())
             .into_data()

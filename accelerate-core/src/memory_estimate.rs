@@ -142,14 +142,7 @@ pub fn count_safetensors(path: &Path) -> Result<SafetensorsCounts, WeightsError>
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    /// A safetensors file of `header` and `data` zero bytes.
-    fn write_safetensors(path: &Path, header: &str, data: usize) {
-        let mut bytes = (header.len() as u64).to_le_bytes().to_vec();
-        bytes.extend_from_slice(header.as_bytes());
-        bytes.resize(bytes.len() + data, 0);
-        std::fs::write(path, bytes).unwrap();
-    }
+    use crate::weights::write_test_file as write_safetensors;
 
     #[test]
     fn stages_hold_what_the_table_says() {

@@ -993,22 +993,7 @@ fn mpi_two_processes_learn_what_shared_memory_learns_bit_for_bit() {
     let shm = run("train", 2, &[("TEST_BATCH", PER_RANK_BATCH.to_string())]);
     let dir = tempfile::tempdir().unwrap();
     mpi_worker(&mut mpirun, dir.path(), PER_RANK_BATCH);
-    let out = mpirun.output().unwrap();
-    let logs = mpi_logs(dir.path(), 2);
-    assert!(
-        out.status.success(),
-        "{}\n{}\n{logs:#?}",
-        String::from_utf8_lossy(&out.stdout),
-        String::from_utf8_lossy(&out.stderr)
-    );
-    let reference = params(&single[0]);
-    for (rank, log) in logs.iter().enumerate() {
-        assert!(log.contains("FORMED mpi"), "rank {rank}: {log}");
-        assert_eq!(param_bits_in(log), param_bits(&shm[rank]), "rank {rank}");
-        let ours: Vec<f32> = param_bits_in(log).into_iter().map(f32::from_bits).collect();
-        let worst = largest_difference(&ours, &reference);
-        assert!(worst <= 1e-6, "rank {rank}: largest difference {worst}");
-    }
+    assert_mpi_job_matches(&mut mpirun, dir.path(), &shm, &single[0]);
 }
 
 /// ZeRO-2 under a real `mpirun -np 2` on the MPI engine: its reduce-scatter and all-gather
@@ -1032,15 +1017,28 @@ fn mpi_zero_2_on_two_processes_equals_shared_memory_bit_for_bit() {
     let dir = tempfile::tempdir().unwrap();
     mpi_worker_of(&mut mpirun, dir.path(), PER_RANK_BATCH, "fused");
     mpirun.env("TEST_ZERO", "2").env("TEST_AUTOCAST", "no");
+    assert_mpi_job_matches(&mut mpirun, dir.path(), &shm, &single[0]);
+}
+
+/// Runs the `mpirun` job of 2 ranks writing under `dir` and asserts that each rank formed the
+/// MPI engine, ended with the parameters of the same rank of `shm` bit for bit, and within
+/// 1e-6 of `single`'s.
+#[cfg(feature = "mpi")]
+fn assert_mpi_job_matches(
+    mpirun: &mut std::process::Command,
+    dir: &std::path::Path,
+    shm: &[std::process::Output],
+    single: &std::process::Output,
+) {
     let out = mpirun.output().unwrap();
-    let logs = mpi_logs(dir.path(), 2);
+    let logs = mpi_logs(dir, 2);
     assert!(
         out.status.success(),
         "{}\n{}\n{logs:#?}",
         String::from_utf8_lossy(&out.stdout),
         String::from_utf8_lossy(&out.stderr)
     );
-    let reference = params(&single[0]);
+    let reference = params(single);
     for (rank, log) in logs.iter().enumerate() {
         assert!(log.contains("FORMED mpi"), "rank {rank}: {log}");
         assert_eq!(param_bits_in(log), param_bits(&shm[rank]), "rank {rank}");

@@ -169,16 +169,19 @@ pub(super) fn encode(
     Ok(bytes)
 }
 
+/// Writes a safetensors file of the JSON `header` (as given) and `data` zero bytes, for tests.
+#[cfg(test)]
+pub(crate) fn write_test_file(path: &Path, header: &str, data: usize) {
+    let mut bytes = (header.len() as u64).to_le_bytes().to_vec();
+    bytes.extend_from_slice(header.as_bytes());
+    bytes.resize(bytes.len() + data, 0);
+    std::fs::write(path, bytes).unwrap();
+}
+
 #[cfg(test)]
 mod tests {
+    use super::write_test_file as write;
     use super::*;
-
-    fn write(path: &Path, header: &str, data: usize) {
-        let mut bytes = (header.len() as u64).to_le_bytes().to_vec();
-        bytes.extend_from_slice(header.as_bytes());
-        bytes.resize(bytes.len() + data, 0);
-        std::fs::write(path, bytes).unwrap();
-    }
 
     #[test]
     fn a_header_is_read_and_its_ranges_checked() {

@@ -27,6 +27,8 @@ mod merge;
 mod save;
 mod sharding;
 
+#[cfg(test)]
+pub(crate) use header::write_test_file;
 pub use header::{Header, TensorEntry, dtype_size, read_header};
 pub use merge::{MergeReport, merge_sharded};
 pub use save::{ShardedSave, WholeSave};
