@@ -37,6 +37,15 @@ fn worker() {
         overwrite_store();
         return;
     }
+    // A test whose third party must already be writing into torchrun's store when the ranks
+    // read it (it can connect only once torchrun has started the store, as the ranks do) gives
+    // it this head start.
+    if let Some(ms) = std::env::var("TEST_FORM_DELAY_MS")
+        .ok()
+        .and_then(|v| v.parse::<u64>().ok())
+    {
+        std::thread::sleep(Duration::from_millis(ms));
+    }
     let result = (|| -> Result<(), accelerate_core::CommError> {
         let state = accelerate_core::ProcessState::from_env().unwrap();
         let mut group = ProcessGroup::new(&state, &GroupOptions::from_env().unwrap())?;
@@ -362,8 +371,13 @@ fn torchrun_refuses_an_address_in_its_store_that_rank_0_did_not_sign() {
     let extra = [path, tmp, ("ACCELERATE_RENDEZVOUS_TIMEOUT", "60")];
     // The third party runs on host 1, as any other host of the network could.
     let mut intruder = hosts.start(1, "", "overwrite_store", &token, &extra);
+    // The ranks wait 2 s before they read the store, so that the third party is overwriting it
+    // by then even on a loaded machine (its first connection can be refused while torchrun
+    // sets the store up; a CI run lost that race once).
+    let mut workers = extra.to_vec();
+    workers.push(("TEST_FORM_DELAY_MS", "2000"));
     let launchers: Vec<Child> = (0..2)
-        .map(|m| hosts.start(m, TORCHRUN, "train", &token, &extra))
+        .map(|m| hosts.start(m, TORCHRUN, "train", &token, &workers))
         .collect();
     let started = Instant::now();
     let results: Vec<_> = launchers
