@@ -55,16 +55,15 @@ pub fn merge_sharded(dir: &Path, out_dir: &Path) -> Result<MergeReport, WeightsE
     // The merged file is ours, whoever wrote the shards.
     metadata.insert(SAVED_BY_KEY.to_string(), SAVED_BY.to_string());
     let (layout, bytes) = lay_out(&sources);
-    let header = header::encode(&metadata, &layout)
+    let entries = layout
+        .iter()
+        .map(|placed| (placed.name.to_string(), placed.entry.clone()))
+        .collect();
+    let header = header::encode(&metadata, &entries)
         .map_err(|e| malformed(&output, format!("encoding the header: {e}")))?;
     std::fs::create_dir_all(out_dir).map_err(io("creating", out_dir))?;
     crate::checkpoint::replace_file(&output, |temporary| {
-        write_merged(dir, temporary, &header, &layout, &sources)
-    })
-    .map_err(|e| WeightsError::Io {
-        action: "writing",
-        path: output.clone(),
-        source: std::io::Error::other(e.to_string()),
+        write_merged(dir, temporary, &header, &layout)
     })?;
     Ok(MergeReport {
         output,
@@ -125,9 +124,16 @@ fn gather_sources(dir: &Path, index: &ShardIndex) -> Result<Sources, WeightsErro
     Ok((sources, metadata.unwrap_or_default()))
 }
 
-/// The merged file's entries: the widest dtypes first, then by name, so that every tensor
-/// starts at a multiple of its element size; and the bytes of data.
-fn lay_out(sources: &BTreeMap<String, Source>) -> (BTreeMap<String, TensorEntry>, u64) {
+/// One tensor in the merged file: its name, where its bytes come from, and its entry there.
+struct Placed<'a> {
+    name: &'a str,
+    source: &'a Source,
+    entry: TensorEntry,
+}
+
+/// The merged file's tensors in the order of their bytes: the widest dtypes first, then by
+/// name, so that every tensor starts at a multiple of its element size; and the bytes of data.
+fn lay_out(sources: &BTreeMap<String, Source>) -> (Vec<Placed<'_>>, u64) {
     let mut order: Vec<(&String, &Source)> = sources.iter().collect();
     order.sort_by_key(|(name, s)| {
         (
@@ -136,37 +142,40 @@ fn lay_out(sources: &BTreeMap<String, Source>) -> (BTreeMap<String, TensorEntry>
         )
     });
     let mut at = 0u64;
-    let mut layout = BTreeMap::new();
+    let mut layout = Vec::with_capacity(order.len());
     for (name, source) in order {
         let len = source.entry.byte_len();
         let mut entry = source.entry.clone();
         entry.data_offsets = [at, at.saturating_add(len)];
         at = at.saturating_add(len);
-        layout.insert(name.clone(), entry);
+        layout.push(Placed {
+            name,
+            source,
+            entry,
+        });
     }
     (layout, at)
 }
 
-/// Writes the header, then each tensor's bytes from its shard in the order of `layout`.
+/// Writes the header, then each tensor's bytes from its shard, in the order of `layout`.
 fn write_merged(
     dir: &Path,
     target: &Path,
     header: &[u8],
-    layout: &BTreeMap<String, TensorEntry>,
-    sources: &BTreeMap<String, Source>,
+    layout: &[Placed<'_>],
 ) -> Result<(), WeightsError> {
     let mut out = BufWriter::with_capacity(
         1 << 20,
         File::create(target).map_err(io("creating", target))?,
     );
     out.write_all(header).map_err(io("writing", target))?;
-    let mut order: Vec<(&String, &TensorEntry)> = layout.iter().collect();
-    order.sort_by_key(|(_, e)| e.data_offsets[0]);
     let mut open: HashMap<&str, File> = HashMap::new();
-    for (name, entry) in order {
-        let Some(source) = sources.get(name) else {
-            continue;
-        };
+    for Placed {
+        name,
+        source,
+        entry,
+    } in layout
+    {
         let path = dir.join(&source.file);
         let file = match open.entry(source.file.as_str()) {
             std::collections::hash_map::Entry::Occupied(e) => e.into_mut(),

@@ -61,6 +61,9 @@ pub enum WeightsError {
         /// What is wrong with it.
         what: String,
     },
+    /// Writing, syncing or renaming through the checkpoint module's durable writes.
+    #[error(transparent)]
+    Files(#[from] crate::checkpoint::CheckpointError),
     /// The output exists: it is not ours to replace.
     #[error("{path} exists; it is not replaced: choose another output, or move it away")]
     OutputExists {

@@ -132,12 +132,7 @@ impl ShardedSave {
     pub fn commit(mut self, index: &ShardIndex) -> Result<Vec<PathBuf>, WeightsError> {
         let files: Vec<String> = index.files().into_iter().map(str::to_string).collect();
         for file in &files {
-            let staged = self.staging.join(file);
-            crate::checkpoint::sync_file(&staged).map_err(|e| WeightsError::Io {
-                action: "syncing",
-                path: staged.clone(),
-                source: std::io::Error::other(e.to_string()),
-            })?;
+            crate::checkpoint::sync_file(&self.staging.join(file))?;
         }
         if self.replaced_index.is_some() {
             let path = self.dir.join(INDEX_FILE);
@@ -160,11 +155,7 @@ impl ShardedSave {
             std::fs::remove_file(&path).map_err(io("removing the replaced model", &path))?;
         }
         let _ = std::fs::remove_dir(&self.staging);
-        crate::checkpoint::sync_dir(&self.dir).map_err(|e| WeightsError::Io {
-            action: "syncing",
-            path: self.dir.clone(),
-            source: std::io::Error::other(e.to_string()),
-        })?;
+        crate::checkpoint::sync_dir(&self.dir)?;
         Ok(written)
     }
 }

@@ -109,13 +109,7 @@ impl ShardIndex {
     /// over the previous index.
     pub fn write(&self, dir: &Path) -> Result<(), WeightsError> {
         let path = dir.join(INDEX_FILE);
-        replace_file(&path, |temporary| write_json(temporary, self).map(|_| ())).map_err(|e| {
-            WeightsError::Io {
-                action: "writing",
-                path,
-                source: std::io::Error::other(e.to_string()),
-            }
-        })?;
+        replace_file(&path, |temporary| write_json(temporary, self).map(|_| ()))?;
         Ok(())
     }
 
