@@ -56,6 +56,11 @@ impl Comm {
         self.rank
     }
 
+    /// Processes in the group.
+    pub fn world_size(&self) -> usize {
+        self.world_size
+    }
+
     /// True with more than one process.
     pub fn is_distributed(&self) -> bool {
         self.world_size > 1

@@ -100,6 +100,7 @@ mod precision;
 mod reducer;
 mod replicate;
 pub mod selftest;
+mod sharded;
 mod training_loop;
 
 pub use accelerator::{Accelerator, AcceleratorBuilder, MODEL_FILE};
@@ -112,6 +113,7 @@ pub use fused::{FusedOptimizer, HeldBytes};
 pub use optim::{PreparedOptimizer, PreparedScheduler};
 pub use precision::{Autocast, Caster};
 pub use reducer::{Gradients, GradientsStatus};
+pub use sharded::Sharded;
 
 pub use accelerate_core::comm::Reduction;
 pub use accelerate_core::{

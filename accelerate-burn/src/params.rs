@@ -128,11 +128,6 @@ impl ParamLayout {
         self.entries.iter().map(|e| e.shape.clone()).collect()
     }
 
-    /// Elements over all parameters.
-    pub fn numel(&self) -> usize {
-        self.entries.iter().map(|e| e.numel).sum()
-    }
-
     /// The same layout with `ids` (visit order) in place of its own.
     pub fn with_ids(mut self, ids: &[u64]) -> Self {
         for (entry, id) in self.entries.iter_mut().zip(ids) {

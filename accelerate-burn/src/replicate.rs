@@ -1,16 +1,22 @@
 //! Every process starts from rank 0's model: each rank checks that it built the same model
 //! (float parameter shapes, in visit order), then takes rank 0's parameter values and ids, so
-//! that optimizer records and checkpoints line up too.
+//! that optimizer records and checkpoints line up too. Shards of sharded units (ZeRO-3) differ
+//! between ranks by design and keep their values.
 
-use burn::module::Module;
+use burn::module::{Module, ParamId};
 
 use crate::error::AccelerateError;
 use crate::group::Comm;
 use crate::params::{self, ParamLayout, Replacement};
 
-/// `model` with rank 0's parameter values and ids. A model that differs from rank 0's is an
-/// error on every rank (each names what differs, or which ranks did).
-pub(crate) fn from_rank0<M: Module>(model: M, comm: &Comm) -> Result<M, AccelerateError> {
+/// `model` with rank 0's parameter values and ids, except the parameters `is_shard` names. A
+/// model that differs from rank 0's is an error on every rank (each names what differs, or
+/// which ranks did).
+pub(crate) fn from_rank0<M: Module>(
+    model: M,
+    comm: &Comm,
+    is_shard: impl Fn(ParamId) -> bool,
+) -> Result<M, AccelerateError> {
     let rank = comm.rank();
     let layout = ParamLayout::of(&model);
     let shapes = layout.shapes();
@@ -36,13 +42,24 @@ pub(crate) fn from_rank0<M: Module>(model: M, comm: &Comm) -> Result<M, Accelera
     }
 
     let ids: Vec<u64> = group.broadcast_object(Some(&layout.ids()), 0)?;
+    // Shard parameters have rank 0's ids already (they were cut from rank 0's unit).
+    let whole: Vec<bool> = layout.entries.iter().map(|e| !is_shard(e.id)).collect();
+    let whole_numel = layout
+        .entries
+        .iter()
+        .zip(&whole)
+        .filter(|(_, whole)| **whole)
+        .map(|(e, _)| e.numel)
+        .sum();
     let mut flat = if rank == 0 {
         params::values(&model)
             .into_iter()
-            .flat_map(params::to_host_f32)
+            .zip(&whole)
+            .filter(|(_, whole)| **whole)
+            .flat_map(|(value, _)| params::to_host_f32(value))
             .collect()
     } else {
-        vec![0.0; layout.numel()]
+        vec![0.0; whole_numel]
     };
     group.broadcast(&mut flat, 0)?;
     drop(group);
@@ -52,7 +69,11 @@ pub(crate) fn from_rank0<M: Module>(model: M, comm: &Comm) -> Result<M, Accelera
     let values = layout
         .entries
         .iter()
-        .map(|entry| {
+        .zip(&whole)
+        .map(|(entry, whole)| {
+            if !whole {
+                return None;
+            }
             let part = flat[offset..offset + entry.numel].to_vec();
             offset += entry.numel;
             Some(params::upload(part, &device))

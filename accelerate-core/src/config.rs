@@ -50,7 +50,8 @@ pub struct AcceleratorConfig {
     pub gradient_communication: MixedPrecision,
     /// ZeRO stage of a fused optimizer: 0 keeps all optimizer state on every process
     /// (default), 1 shards it across the processes (ZeRO-1), 2 shards the gradients and the
-    /// master parameters too (ZeRO-2).
+    /// master parameters too (ZeRO-2), 3 shards the parameters at rest: the units a model
+    /// marks as sharded hold 1/N of their parameters and gather them for each use (ZeRO-3).
     pub zero_stage: u8,
     /// Activation (gradient) checkpointing: the backward pass recomputes memory-bound
     /// activations instead of keeping them from the forward pass (Burn's balanced strategy on

@@ -327,7 +327,12 @@ mod tests {
             env,
             vec![(env_vars::ZERO_STAGE.to_string(), "2".to_string())]
         );
-        let err = flags(3).resolve(&none[..], None).unwrap_err().to_string();
-        assert_eq!(err, "--zero-stage (flag) = 3: expected 0, 1 or 2");
+        let env = flags(3).resolve(&none[..], None).unwrap().worker_env();
+        assert_eq!(
+            env,
+            vec![(env_vars::ZERO_STAGE.to_string(), "3".to_string())]
+        );
+        let err = flags(4).resolve(&none[..], None).unwrap_err().to_string();
+        assert_eq!(err, "--zero-stage (flag) = 4: expected 0, 1, 2 or 3");
     }
 }

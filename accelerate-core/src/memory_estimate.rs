@@ -12,9 +12,14 @@
 //! | 0 | 4P | 4P | 4P | 4SP |
 //! | 1 | 4P | 4P + 4P/N | 4P + 4P/N | 4SP/N |
 //! | 2 | 4P | 4P/N | 4P/N | 4SP/N |
+//! | 3 | 4P/N | 4P/N | 4P/N | 4SP/N |
 //!
 //! Burn's backward pass also returns every gradient at once (4P for a moment, in
-//! [`MemoryEstimate::backward_gradients`]); activations come on top and depend on the batch.
+//! [`MemoryEstimate::backward_gradients`]; at stage 3 only the shards' gradients, 4P/N);
+//! activations come on top and depend on the batch. At stage 3 each sharded unit is whole
+//! while it runs, its parameters and, in backward, their gradient (8 bytes per parameter of
+//! the largest unit on top); each parameter is cut on its own, so its shard is padded to whole
+//! elements (at most one element per parameter more than P/N).
 //!
 //! ```
 //! use accelerate_core::memory_estimate::MemoryEstimate;
@@ -37,9 +42,9 @@ const F32: u64 = 4;
 /// What one process holds for training at one ZeRO stage, in bytes.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct MemoryEstimate {
-    /// The ZeRO stage (0 to 2).
+    /// The ZeRO stage (0 to 3).
     pub stage: u8,
-    /// The model's own f32 parameters (whole on every process).
+    /// The model's own f32 parameters (whole on every process; the shards at stage 3).
     pub model_parameters: u64,
     /// The fused optimizer's f32 master copy (and ZeRO-1's staging copy of the shard).
     pub master_parameters: u64,
@@ -54,11 +59,11 @@ pub struct MemoryEstimate {
 
 impl MemoryEstimate {
     /// The estimate for `parameters` trainable f32 values with `state_buffers` optimizer
-    /// buffers each, at ZeRO `stage` (stages above 2 are counted as 2) over `world`
+    /// buffers each, at ZeRO `stage` (stages above 3 are counted as 3) over `world`
     /// processes (at least 1). One process shards nothing, whatever the stage.
     pub fn new(parameters: u64, state_buffers: u64, world: u64, stage: u8) -> Self {
         let world = world.max(1);
-        let stage = if world == 1 { 0 } else { stage.min(2) };
+        let stage = if world == 1 { 0 } else { stage.min(3) };
         let whole = parameters.saturating_mul(F32);
         let shard = parameters.div_ceil(world).saturating_mul(F32);
         let padded = shard.saturating_mul(world);
@@ -67,13 +72,15 @@ impl MemoryEstimate {
             1 => (padded + shard, padded + shard, shard),
             _ => (shard, shard, shard),
         };
+        // ZeRO-3: the model holds its shards, and backward returns their gradients.
+        let model = if stage == 3 { shard } else { whole };
         Self {
             stage,
-            model_parameters: whole,
+            model_parameters: model,
             master_parameters: master,
             gradients,
             optimizer_state: state_elements.saturating_mul(state_buffers),
-            backward_gradients: whole,
+            backward_gradients: model,
         }
     }
 
@@ -174,6 +181,11 @@ mod tests {
         );
         assert!(zero2.held() < zero1.held() && zero1.held() < zero0.held() + 40);
         assert_eq!(zero2.peak(), zero2.held() + 40);
+        // ZeRO-3: the model itself is its shards, and so are backward's gradients.
+        let zero3 = MemoryEstimate::new(10, 2, 4, 3);
+        assert_eq!((zero3.model_parameters, zero3.backward_gradients), (12, 12));
+        assert_eq!(zero3.held(), 12 + 12 + 12 + 24);
+        assert_eq!(MemoryEstimate::new(10, 2, 4, 9), zero3);
         // One process shards nothing.
         assert_eq!(
             MemoryEstimate::new(10, 2, 1, 2),

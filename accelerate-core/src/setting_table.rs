@@ -366,9 +366,9 @@ pub const ZERO_STAGE: Setting<u8> = Setting {
     key: "zero_stage",
     flag: Some("--zero-stage"),
     env: env_vars::ZERO_STAGE,
-    expected: "0, 1 or 2",
+    expected: "0, 1, 2 or 3",
     parse: parse_from,
-    valid: |stage| *stage <= 2,
+    valid: |stage| *stage <= 3,
 };
 
 /// Activation (gradient) checkpointing.

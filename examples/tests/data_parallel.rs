@@ -26,6 +26,7 @@ use accelerate_examples::{Mlp, MlpConfig};
 use anyhow::Context;
 use burn::data::dataloader::batcher::Batcher;
 use burn::data::dataset::InMemDataset;
+use burn::module::Module;
 use burn::optim::{AdamWConfig, SgdConfig};
 use burn::tensor::{Device, Int, Tensor, TensorData};
 use common::{
@@ -100,34 +101,56 @@ fn train<B: AcceleratorBackend>() -> anyhow::Result<()> {
     Ok(())
 }
 
-/// Trains the digits MLP for 2 epochs with a fused AdamW (ZeRO stage `TEST_ZERO`), gradient
+/// Trains the digits MLP for 2 epochs with a fused AdamW (ZeRO stage `TEST_ZERO`; at stage 3
+/// the MLP is one sharded unit, and `TEST_OPTIM=burn` steps Burn's AdamW instead), gradient
 /// accumulation 2 and clipping at 1.0; batch `TEST_BATCH` per process, gradients sent in
 /// `TEST_WIRE` precision, the forward pass in `TEST_AUTOCAST` precision.
 fn fused() -> anyhow::Result<()> {
+    let stage = env_number::<usize>("TEST_ZERO") as u8;
     let acc = Accelerator::<DefaultBackend>::builder()
         .seed(7)
         .gradient_accumulation_steps(2)
-        .zero_stage(env_number::<usize>("TEST_ZERO") as u8)
+        .zero_stage(stage)
         .gradient_communication(precision("TEST_WIRE"))
         .mixed_precision(precision("TEST_AUTOCAST"))
         .build()?;
     println!("FORMED {}", acc.transport());
     println!("FUSION {}", accelerate_burn::backend::fusion::active());
     let model = MlpConfig::new(digits::PIXELS, vec![32], digits::CLASSES).init(&acc.device());
+    if stage == 3 {
+        let sharded = acc.shard(model)?;
+        train_fused(&acc, sharded, |m| m.gather())?;
+        println!("GATHERS {}", acc.sharded_gathers());
+        Ok(())
+    } else {
+        train_fused(&acc, model, Mlp::clone)
+    }
+}
+
+/// The loop of [`fused`] for a model `whole` turns into the MLP (a collective at stage 3).
+fn train_fused<M: Module>(
+    acc: &Accelerator<DefaultBackend>,
+    model: M,
+    whole: impl Fn(&M) -> Mlp,
+) -> anyhow::Result<()> {
     let data: Vec<_> = digits::load()?.into_iter().take(SAMPLES).collect();
     let train = DataLoader::builder(DigitBatcher)
         .batch_size(env_number::<usize>("TEST_BATCH"))
         .shuffle(3)
         .build(InMemDataset::new(data));
-    let adamw = FusedOptimizer::adamw(&AdamWConfig::new().with_weight_decay(0.01))?;
-    let (mut model, mut optim, train) = acc.prepare((model, adamw, train))?;
+    let config = AdamWConfig::new().with_weight_decay(0.01);
+    let (mut model, mut optim, train) = if std::env::var("TEST_OPTIM").as_deref() == Ok("burn") {
+        acc.prepare((model, config.init(), train))?
+    } else {
+        acc.prepare((model, FusedOptimizer::adamw(&config)?, train))?
+    };
     for epoch in 0..2 {
         train.set_epoch(epoch);
         for batch in train.iter() {
             let batch = batch?;
             let loss = acc
                 .autocast(&model, |m, c| {
-                    m.forward_loss(c.input(batch.images), batch.targets)
+                    whole(m).forward_loss(c.input(batch.images), batch.targets)
                 })
                 .loss;
             let mut grads = acc.backward(loss, &model)?;
@@ -143,7 +166,7 @@ fn fused() -> anyhow::Result<()> {
         "HELD {} {} {}",
         held.master_parameters, held.gradients, held.optimizer_state
     );
-    print_params(&model);
+    print_params(&whole(&model));
     Ok(())
 }
 
@@ -772,7 +795,7 @@ fn fusion_on_and_off_train_to_the_same_parameters() {
 #[test]
 fn zero_1_on_two_and_three_processes_equals_one_unsharded_process() {
     for world in [2usize, 3] {
-        assert_zero_equals_one_process(1, world, PER_RANK_BATCH, "no");
+        assert_zero_equals_one_process(1, world, PER_RANK_BATCH, "no", "fused");
     }
 }
 
@@ -785,7 +808,7 @@ fn zero_1_on_two_and_three_processes_equals_one_unsharded_process() {
 #[test]
 fn zero_2_on_two_and_four_processes_equals_one_unsharded_process() {
     for (world, per_rank) in [(2usize, PER_RANK_BATCH), (4, 6)] {
-        assert_zero_equals_one_process(2, world, per_rank, "no");
+        assert_zero_equals_one_process(2, world, per_rank, "no", "fused");
     }
 }
 
@@ -831,10 +854,76 @@ fn zero_2_under_bf16_autocast_equals_the_unsharded_optimizer_on_the_same_process
     }
 }
 
+/// ZeRO-3 (the MLP one sharded unit: each process holds 1/N of every parameter, gathers
+/// them for the forward pass and again in backward, and gets its shard of the averaged
+/// gradient from the gathers' reduce-scatters) on 2 and 4 processes against the unsharded
+/// fused AdamW on 1 process with the same global batches, with accumulation 2 and global
+/// clipping: within 1e-6, bit for bit across ranks, 1/N of master parameters, gradients and
+/// optimizer state per rank. Burn's own AdamW steps the shards as well (each shard is a whole
+/// parameter to it).
+#[test]
+fn zero_3_on_two_and_four_processes_equals_one_unsharded_process() {
+    for (world, per_rank) in [(2usize, PER_RANK_BATCH), (4, 6)] {
+        assert_zero_equals_one_process(3, world, per_rank, "no", "fused");
+    }
+    assert_zero_equals_one_process(3, 2, PER_RANK_BATCH, "no", "burn");
+}
+
+/// Under bf16 autocast the shards are gathered in bf16 (half the bytes) and the gradients
+/// averaged in f32: ZeRO-3 ends within 1e-6 of the unsharded fused optimizer on the same
+/// processes (see the ZeRO-2 test above for why not of one process).
+#[test]
+fn zero_3_under_bf16_autocast_equals_the_unsharded_optimizer_on_the_same_processes() {
+    let train = |stage: &str| {
+        let ranks = run(
+            "fused",
+            2,
+            &[
+                ("TEST_BATCH", PER_RANK_BATCH.to_string()),
+                ("TEST_ZERO", stage.into()),
+                ("TEST_AUTOCAST", "bf16".into()),
+            ],
+        );
+        for (rank, output) in ranks.iter().enumerate() {
+            assert!(
+                output.status.success(),
+                "ZeRO-{stage}, rank {rank}: {}",
+                String::from_utf8_lossy(&output.stderr)
+            );
+        }
+        ranks
+    };
+    let (unsharded, sharded) = (train("0"), train("3"));
+    let reference = params(&unsharded[0]);
+    for (rank, output) in sharded.iter().enumerate() {
+        let worst = largest_difference(&params(output), &reference);
+        eprintln!("bf16, ZeRO-3 against ZeRO-0, 2 processes, rank {rank}: {worst:e}");
+        assert!(worst <= 1e-6, "rank {rank}: {worst}");
+    }
+    assert_eq!(param_bits(&sharded[0]), param_bits(&sharded[1]));
+}
+
+/// Elements of each rank's shards of the digits MLP at ZeRO-3 over `world` processes: every
+/// parameter (64x32 and 32x10 weights, 32 and 10 biases) is cut on its own, padded to whole
+/// elements.
+fn mlp_shard_elements(world: usize) -> usize {
+    [64 * 32, 32, 32 * 10, 10]
+        .iter()
+        .map(|numel: &usize| numel.div_ceil(world))
+        .sum()
+}
+
 /// Trains the `fused` scenario at ZeRO stage `stage` on `world` processes of `per_rank`
 /// samples each, and unsharded on one process with their global batch, and asserts that they
-/// agree (see the tests above).
-fn assert_zero_equals_one_process(stage: u8, world: usize, per_rank: usize, autocast: &str) {
+/// agree (see the tests above); `optim` is `fused` or `burn` (Burn's AdamW: no buffers of
+/// ours to count).
+fn assert_zero_equals_one_process(
+    stage: u8,
+    world: usize,
+    per_rank: usize,
+    autocast: &str,
+    optim: &str,
+) {
     let global = (per_rank * world).to_string();
     let single = run(
         "fused",
@@ -843,6 +932,7 @@ fn assert_zero_equals_one_process(stage: u8, world: usize, per_rank: usize, auto
             ("TEST_BATCH", global),
             ("TEST_ZERO", "0".into()),
             ("TEST_AUTOCAST", autocast.into()),
+            ("TEST_OPTIM", optim.into()),
         ],
     );
     assert!(
@@ -852,8 +942,9 @@ fn assert_zero_equals_one_process(stage: u8, world: usize, per_rank: usize, auto
     );
     let reference = params(&single[0]);
     let unsharded: usize = line(&single[0], "STATE_BYTES ").parse().unwrap();
+    let counted = optim == "fused";
     // AdamW: two moments of 2,410 parameters.
-    assert_eq!(unsharded, 2 * reference.len() * 4);
+    assert_eq!(unsharded, if counted { 2 * reference.len() * 4 } else { 0 });
     // The estimate is the host path's; on a GPU backend one process's buffers live on the
     // device, where the model views the master parameters and gradients last one step.
     let whole = MemoryEstimate::new(reference.len() as u64, 2, 1, 0);
@@ -863,10 +954,12 @@ fn assert_zero_equals_one_process(stage: u8, world: usize, per_rank: usize, auto
     } else {
         (whole.master_parameters, whole.gradients)
     };
-    assert_eq!(
-        line(&single[0], "HELD "),
-        format!("{master} {gradients} {}", whole.optimizer_state)
-    );
+    if counted {
+        assert_eq!(
+            line(&single[0], "HELD "),
+            format!("{master} {gradients} {}", whole.optimizer_state)
+        );
+    }
     let ranks = run(
         "fused",
         world,
@@ -874,9 +967,10 @@ fn assert_zero_equals_one_process(stage: u8, world: usize, per_rank: usize, auto
             ("TEST_BATCH", per_rank.to_string()),
             ("TEST_ZERO", stage.to_string()),
             ("TEST_AUTOCAST", autocast.into()),
+            ("TEST_OPTIM", optim.into()),
         ],
     );
-    let case = format!("ZeRO-{stage}, {world} processes, autocast {autocast}");
+    let case = format!("ZeRO-{stage}, {world} processes, autocast {autocast}, {optim} optimizer");
     for (rank, output) in ranks.iter().enumerate() {
         assert!(
             output.status.success(),
@@ -890,10 +984,28 @@ fn assert_zero_equals_one_process(stage: u8, world: usize, per_rank: usize, auto
             worst <= 1e-6,
             "{case}, rank {rank}: largest difference {worst}"
         );
+        if stage == 3 {
+            // Forward gathers each of the 4 parameters once per micro-batch; backward gathers
+            // again the output weight (its input is tracked): 5 per micro-batch, and 4 for
+            // the parameters printed at the end.
+            let micro_batches = 2 * SAMPLES / (per_rank * world);
+            assert_eq!(
+                line(output, "GATHERS "),
+                (5 * micro_batches + 4).to_string()
+            );
+        }
+        if !counted {
+            continue;
+        }
         let bytes: usize = line(output, "STATE_BYTES ").parse().unwrap();
-        // Each rank holds its shard of the padded range: 1/N, rounded up to whole elements.
+        // Each rank holds its shard of the padded range: 1/N, rounded up to whole elements
+        // (at stage 3 each parameter's own).
         let padded = reference.len().div_ceil(world) * world;
-        let shard = 4 * padded / world;
+        let shard = if stage == 3 {
+            4 * mlp_shard_elements(world)
+        } else {
+            4 * padded / world
+        };
         assert_eq!(bytes, 2 * shard, "{case}, rank {rank}");
         assert!((bytes * world) as f64 <= unsharded as f64 * 1.001);
         // What the buffers keep between steps is what `estimate-memory` says: master
@@ -909,7 +1021,7 @@ fn assert_zero_equals_one_process(stage: u8, world: usize, per_rank: usize, auto
             expected,
             "{case}, rank {rank}: held bytes"
         );
-        if stage == 2 {
+        if stage >= 2 {
             assert_eq!(expected, format!("{shard} {shard} {}", 2 * shard));
         }
     }

@@ -3,8 +3,8 @@
 
 use std::marker::PhantomData;
 use std::path::PathBuf;
-use std::sync::Mutex;
 use std::sync::atomic::AtomicBool;
+use std::sync::{Arc, Mutex};
 
 use accelerate_core::comm::{GroupOptions, ProcessGroup};
 use accelerate_core::{
@@ -19,6 +19,7 @@ use crate::error::AccelerateError;
 use crate::group::Comm;
 use crate::loader_link::LoaderLinks;
 use crate::model_slot::ModelSlots;
+use crate::sharded::ShardGroup;
 use crate::training_loop::LoopClock;
 
 /// Builds an [`Accelerator`]; values set here win over `ACCELERATE_*` variables and the
@@ -284,12 +285,14 @@ impl<B: AcceleratorBackend> AcceleratorBuilder<B> {
         };
         tracing::debug!(backend = B::NAME, %state, ?config, "accelerator ready");
         let clock = LoopClock::new(config.seed, rank);
+        let comm = Comm::new(group).with_device_collectives(device_collectives);
         Ok(Accelerator {
             slots: ModelSlots::new(clock.clone(), config.gradient_accumulation_steps, scaler),
             clock,
             links: LoaderLinks::default(),
             compute_dtype,
-            comm: Comm::new(group).with_device_collectives(device_collectives),
+            shards: Arc::new(ShardGroup::new(comm.clone())),
+            comm,
             trigger: AtomicBool::new(false),
             checkpoints: self.checkpoints,
             sync_buffers: self.sync_buffers,

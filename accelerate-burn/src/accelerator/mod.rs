@@ -9,13 +9,14 @@ mod checkpoints;
 mod collectives;
 mod model_files;
 mod prepare;
+mod sharding;
 mod step;
 
 use std::fmt::Display;
 use std::marker::PhantomData;
 use std::path::PathBuf;
 use std::sync::atomic::AtomicBool;
-use std::sync::{Mutex, PoisonError};
+use std::sync::{Arc, Mutex, PoisonError};
 
 use accelerate_core::{AcceleratorConfig, MetricsLogger, ProcessState, Tracker};
 use burn::lr_scheduler::module_lr_scheduler::ModuleLrScheduler;
@@ -38,6 +39,7 @@ use crate::optim::Follows;
 use crate::optim::{PreparedOptimizer, PreparedScheduler};
 use crate::params::{self, ParamLayout};
 use crate::reducer::{self, GradientReducer, OptimizerChoice, ReducerSpec};
+use crate::sharded::ShardGroup;
 use crate::training_loop::LoopClock;
 
 /// File name of the weights written by [`Accelerator::save_model`].
@@ -67,6 +69,8 @@ pub struct Accelerator<B: AcceleratorBackend> {
     links: LoaderLinks,
     /// The process group, shared with the reducer and prepared optimizer.
     comm: Comm,
+    /// What the units sharded by [`shard`](Self::shard) share (ZeRO-3).
+    shards: Arc<ShardGroup>,
     trigger: AtomicBool,
     checkpoints: CheckpointSettings,
     metrics: Metrics,
@@ -196,7 +200,7 @@ impl<B: AcceleratorBackend> Accelerator<B> {
         if !self.state.is_distributed() {
             return Ok(model);
         }
-        crate::replicate::from_rank0(model, &self.comm)
+        crate::replicate::from_rank0(model, &self.comm, |id| self.shards.is_shard(id))
     }
 
     /// Wraps Burn's optimizer for the prepared `model`: gradients are averaged in buckets and
@@ -209,7 +213,7 @@ impl<B: AcceleratorBackend> Accelerator<B> {
         model: &M,
         optim: ModuleOptimizer,
     ) -> Result<PreparedOptimizer, AccelerateError> {
-        if self.config.zero_stage >= 2 {
+        if self.config.zero_stage == 2 {
             return Err(AccelerateError::Misuse {
                 rank: self.state.rank,
                 what: format!(
@@ -221,7 +225,7 @@ impl<B: AcceleratorBackend> Accelerator<B> {
                        config.init()), or set zero_stage 1 or 0",
             });
         }
-        if self.config.zero_stage > 0 && self.is_main_process() {
+        if matches!(self.config.zero_stage, 1 | 2) && self.is_main_process() {
             tracing::warn!(
                 zero_stage = self.config.zero_stage,
                 "zero_stage needs the fused update (prepare Burn's config, not config.init()); Burn's \
@@ -274,7 +278,10 @@ impl<B: AcceleratorBackend> Accelerator<B> {
                 hint: "reshape the parameter inside the module's forward",
             });
         }
+        let shards = self.shard_mask(&layout);
+        self.check_sharding(&shards)?;
         Ok(ReducerSpec {
+            shards,
             layout: std::sync::Arc::new(layout),
             values: params::values(model),
             config: self.config.clone(),

@@ -30,6 +30,7 @@ impl<B: AcceleratorBackend> Accelerator<B> {
         model: &M,
         dir: impl AsRef<Path>,
     ) -> Result<PathBuf, AccelerateError> {
+        self.refuse_sharded(model, "save_model")?;
         let dir = dir.as_ref();
         let path = dir.join(MODEL_FILE);
         if !self.is_main_process() {
@@ -69,6 +70,7 @@ impl<B: AcceleratorBackend> Accelerator<B> {
         dir: impl AsRef<Path>,
         max_shard_size: u64,
     ) -> Result<Vec<PathBuf>, AccelerateError> {
+        self.refuse_sharded(model, "save_model_sharded")?;
         let dir = dir.as_ref();
         let tensors = model.collect(None, None, false);
         let sizes: Vec<u64> = tensors.iter().map(|t| t.byte_len() as u64).collect();
@@ -117,6 +119,7 @@ impl<B: AcceleratorBackend> Accelerator<B> {
         model: M,
         path: impl AsRef<Path>,
     ) -> Result<M, AccelerateError> {
+        self.refuse_sharded(&model, "load_model")?;
         let path = path.as_ref();
         let whole = if path.is_dir() {
             path.join(MODEL_FILE)

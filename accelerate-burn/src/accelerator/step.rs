@@ -96,7 +96,10 @@ impl<B: AcceleratorBackend> Accelerator<B> {
         if let Some(scale) = windows.loss_scale() {
             loss = loss.mul_scalar(scale);
         }
-        let grads = GradientsParams::from_grads(loss.backward(), model);
+        let grads = loss.backward();
+        // A sharded unit's gather or reduce-scatter that failed inside the graph.
+        self.sharding_failure()?;
+        let grads = GradientsParams::from_grads(grads, model);
         let list = reducer.layout().take_grads(grads).map_err(|unknown| {
             AccelerateError::ModelChanged {
                 rank: self.state.rank,

@@ -11,6 +11,7 @@ pub struct Flex;
 
 impl AcceleratorBackend for Flex {
     const NAME: &'static str = "flex";
+    const SHARDED_UNITS: bool = true;
 
     fn device(_local_rank: usize) -> Result<Device, AccelerateError> {
         Ok(Device::flex())

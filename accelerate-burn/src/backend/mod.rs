@@ -44,6 +44,10 @@ pub trait AcceleratorBackend: 'static + Send + Sync {
     /// Burn operations or host passes. Only the `wgpu` and `cuda` markers set it.
     const DEVICE_KERNELS: bool = false;
 
+    /// True when [`Sharded`](crate::Sharded) units (ZeRO-3) can gather on this backend: its
+    /// Burn backend has our gather operation (flex and ndarray).
+    const SHARDED_UNITS: bool = false;
+
     /// The (non-autodiff) device of the process with local rank `local_rank`.
     fn device(local_rank: usize) -> Result<Device, AccelerateError>;
 

@@ -12,6 +12,7 @@ pub struct NdArray;
 
 impl AcceleratorBackend for NdArray {
     const NAME: &'static str = "ndarray";
+    const SHARDED_UNITS: bool = true;
 
     #[allow(deprecated)]
     fn device(_local_rank: usize) -> Result<Device, AccelerateError> {

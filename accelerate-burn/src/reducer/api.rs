@@ -25,6 +25,9 @@ pub(crate) enum Outcome {
     Ready {
         grads: ParamList,
         layout: Arc<ParamLayout>,
+        /// Their global L2 norm when it is not theirs alone (ZeRO-3: each rank holds its
+        /// shards' gradients, the norm is over every rank's); `None`: computed from `grads`.
+        norm: Option<f32>,
     },
     /// Held by the reducer; the global L2 norm (before clipping) and the clipping factor the
     /// step will apply.

@@ -233,6 +233,7 @@ impl GradientReducer for BucketedReducer {
             outcome: Outcome::Ready {
                 grads,
                 layout: Arc::clone(&self.layout),
+                norm: None,
             },
             overflow,
         })
@@ -245,7 +246,7 @@ impl GradientReducer for BucketedReducer {
         model: &mut dyn ModelUpdate,
         comm: &Comm,
     ) -> Result<(), AccelerateError> {
-        let (Outcome::Ready { grads, layout }, Some(optimizer)) =
+        let (Outcome::Ready { grads, layout, .. }, Some(optimizer)) =
             (outcome, self.optimizer.as_mut())
         else {
             return Err(AccelerateError::UnexpectedGradients { rank: comm.rank() });

@@ -14,6 +14,7 @@
 pub(crate) mod api;
 pub(crate) mod bucketed;
 pub(crate) mod flat;
+pub(crate) mod sharded;
 pub(crate) mod wire;
 
 use std::sync::Arc;
@@ -33,6 +34,7 @@ pub(crate) use api::{
 };
 use bucketed::BucketedReducer;
 use flat::{FlatOptions, FlatReducer};
+use sharded::ShardedReducer;
 
 /// What [`Accelerator::backward`](crate::Accelerator::backward) returns: the gradients of a
 /// completed accumulation window, averaged over the processes, or why there are none. Give it
@@ -90,7 +92,7 @@ impl Gradients {
     /// an optimizer of your own.
     pub fn to_params(&self) -> Option<GradientsParams> {
         match &self.outcome {
-            Outcome::Ready { grads, layout } => Some(layout.to_grads(grads.clone())),
+            Outcome::Ready { grads, layout, .. } => Some(layout.to_grads(grads.clone())),
             _ => None,
         }
     }
@@ -101,16 +103,21 @@ impl Gradients {
     pub(crate) fn clip(&mut self, max_norm: f32) -> Option<f32> {
         match &mut self.outcome {
             Outcome::NotDue | Outcome::Skipped => None,
-            Outcome::Ready { grads, .. } => {
-                let norm = global_norm(grads)?;
-                let factor = accelerate_kernels::clip_coefficient(norm, max_norm);
+            Outcome::Ready { grads, norm, .. } => {
+                let current = match *norm {
+                    Some(known) => known,
+                    None => global_norm(grads)?,
+                };
+                let factor = accelerate_kernels::clip_coefficient(current, max_norm);
                 // A NaN factor is applied too, so a poisoned step stays visible.
                 if factor < 1.0 || factor.is_nan() {
                     for grad in grads.iter_mut().flatten() {
                         *grad = grad.clone().mul_scalar(factor);
                     }
+                    // A second call sees the norm as clipped.
+                    *norm = norm.map(|known| known * factor);
                 }
-                Some(norm)
+                Some(current)
             }
             Outcome::Held { norm, clip_factor } => {
                 // The norm as clipped so far, so that a second call sees what tensors would.
@@ -173,14 +180,26 @@ pub(crate) struct ReducerSpec {
     pub world: usize,
     /// The backend runs our cubecl kernels on its tensors.
     pub device_kernels: bool,
+    /// Per parameter (layout order): true for a shard of a sharded unit (ZeRO-3).
+    pub shards: Vec<bool>,
 }
 
 /// The reducer for `optimizer` on the model of `spec`: the one place that chooses an engine.
 pub(crate) fn build(
-    spec: ReducerSpec,
+    mut spec: ReducerSpec,
     optimizer: OptimizerChoice,
     comm: &Comm,
 ) -> Result<Box<dyn GradientReducer>, AccelerateError> {
+    if spec.shards.iter().any(|&shard| shard) {
+        // ZeRO-3: the shards' gradients arrive averaged; the update is one process's.
+        let (shards, rank) = (std::mem::take(&mut spec.shards), spec.rank);
+        let local = ShardedReducer::local_comm();
+        spec.config.zero_stage = 0;
+        spec.rank = 0;
+        spec.world = 1;
+        let inner = build(spec, optimizer, &local)?;
+        return Ok(Box::new(ShardedReducer::new(inner, local, shards, rank)));
+    }
     let config = &spec.config;
     let burn_optimizer = match optimizer {
         OptimizerChoice::Fused(optimizer) => {

@@ -110,7 +110,7 @@ fn table(source: &str, parameters: u64, world: u64, optimizer: OptimizerKind) ->
         "{:<6} {:>11} {:>11} {:>11} {:>11} {:>11} {:>11}",
         "stage", "model", "master", "gradients", "optimizer", "held", "peak"
     );
-    for stage in 0..=2u8 {
+    for stage in 0..=3u8 {
         let e = MemoryEstimate::new(parameters, optimizer.state_buffers(), world, stage);
         let _ = writeln!(
             out,
@@ -127,7 +127,8 @@ fn table(source: &str, parameters: u64, world: u64, optimizer: OptimizerKind) ->
     let _ = writeln!(
         out,
         "\nheld: kept between steps; peak: held plus the gradients of one backward pass,\n\
-         which Burn returns all at once.{}",
+         which Burn returns all at once. ZeRO-3 also holds the largest sharded unit whole\n\
+         while it runs (8 bytes per parameter of it, with its gradient).{}",
         if world == 1 {
             " One process shards nothing: give --num-processes."
         } else {
@@ -180,6 +181,10 @@ mod tests {
         assert_eq!(
             row("ZeRO-2"),
             "ZeRO-2 1 GiB 256 MiB 256 MiB 512 MiB 2 GiB 3 GiB"
+        );
+        assert_eq!(
+            row("ZeRO-3"),
+            "ZeRO-3 256 MiB 256 MiB 256 MiB 512 MiB 1 GiB 1.25 GiB"
         );
         assert_eq!(human(1536), "1.5 KiB");
         assert_eq!(human(124_000_000 * 4), "473 MiB");

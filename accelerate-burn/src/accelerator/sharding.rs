@@ -1,0 +1,100 @@
+//! ZeRO-3's entry point: [`Accelerator::shard`] makes a model's units [`Sharded`], and the
+//! checks that keep a sharded model out of paths that expect whole parameters.
+
+use burn::module::Module;
+
+use super::Accelerator;
+use crate::backend::AcceleratorBackend;
+use crate::error::AccelerateError;
+use crate::params::ParamLayout;
+use crate::sharded::{self, Sharded};
+
+impl<B: AcceleratorBackend> Accelerator<B> {
+    /// Shards `unit` (a layer, a block) over the processes: ZeRO-3 (`zero_stage(3)`). This
+    /// process keeps `1/N` of each of its float parameters (rank 0's values, so every process
+    /// may build the unit with its own random initialization), and
+    /// [`Sharded::gather`] gives the unit back whole, as a differentiable collective, inside
+    /// the model's forward pass. Build the model from its units one at a time so that no more
+    /// than one unit is ever whole beyond the shards:
+    ///
+    /// ```text
+    /// let blocks = (0..layers).map(|_| acc.shard(block_config.init(&device))).collect::<Result<_, _>>()?;
+    /// let model = Model { blocks, head: acc.shard(head_config.init(&device))? };
+    /// let (model, optim, train) = acc.prepare((model, adamw, train))?;
+    /// ```
+    ///
+    /// Every process must shard the same units in the same order. Gradients of shards arrive
+    /// averaged from backward; parameters left whole are averaged as at any other stage.
+    pub fn shard<M: Module>(&self, unit: M) -> Result<Sharded<M>, AccelerateError> {
+        if self.config.zero_stage != 3 {
+            return Err(AccelerateError::Misuse {
+                rank: self.state.rank,
+                what: format!("shard at zero_stage {}", self.config.zero_stage),
+                hint: "sharded units are ZeRO-3: set zero_stage(3) (ACCELERATE_ZERO_STAGE=3, \
+                       accelerate-rs launch --zero-stage 3)",
+            });
+        }
+        if !B::SHARDED_UNITS {
+            return Err(AccelerateError::BackendUnavailable {
+                backend: B::NAME,
+                reason: "sharded units (ZeRO-3) gather through an operation built for the flex \
+                         and ndarray backends only"
+                    .into(),
+                hint: "train with the flex backend, or use zero_stage 2 on this one",
+            });
+        }
+        sharded::shard(unit, &self.shards, &self.device)
+    }
+
+    /// All-gathers run by the sharded units so far, forward and backward (a unit gathered
+    /// again in backward counts twice): to see what `reshard_after_forward` does.
+    pub fn sharded_gathers(&self) -> u64 {
+        self.shards.gathers()
+    }
+
+    /// For each parameter of `layout`, true when it is a shard of a [`Sharded`] unit.
+    pub(crate) fn shard_mask(&self, layout: &ParamLayout) -> Vec<bool> {
+        layout
+            .entries
+            .iter()
+            .map(|entry| self.shards.is_shard(entry.id))
+            .collect()
+    }
+
+    /// At stage 3 the prepared model must hold sharded units; below it, none.
+    pub(crate) fn check_sharding(&self, mask: &[bool]) -> Result<(), AccelerateError> {
+        let any = mask.iter().any(|&shard| shard);
+        if self.config.zero_stage == 3 && !any {
+            return Err(AccelerateError::Misuse {
+                rank: self.state.rank,
+                what: "zero_stage 3 with a model that has no sharded unit".into(),
+                hint: "build the model's layers with acc.shard(layer) (see Accelerator::shard), \
+                       or set zero_stage 2",
+            });
+        }
+        Ok(())
+    }
+
+    /// An error when `model` holds sharded units: `what` (a weights file) is not written or
+    /// read for them yet.
+    pub(crate) fn refuse_sharded<M: Module>(
+        &self,
+        model: &M,
+        what: &str,
+    ) -> Result<(), AccelerateError> {
+        if !self.shard_mask(&ParamLayout::of(model)).contains(&true) {
+            return Ok(());
+        }
+        Err(AccelerateError::Misuse {
+            rank: self.state.rank,
+            what: format!("{what} with a model that has sharded units (ZeRO-3)"),
+            hint: "weights files of sharded units are not written or read yet: train at                    zero_stage 2 to save the model",
+        })
+    }
+
+    /// The failure of a sharded unit's gather, if one failed (a collective cannot fail
+    /// inside a Burn operation; `backward` reports it).
+    pub(crate) fn sharding_failure(&self) -> Result<(), AccelerateError> {
+        self.shards.error().map_or(Ok(()), Err)
+    }
+}

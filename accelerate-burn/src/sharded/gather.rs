@@ -1,0 +1,250 @@
+//! The differentiable all-gather of one sharded parameter: a Burn backend extension whose
+//! forward concatenates every rank's shard into the parameter (in its own shape) and whose
+//! backward reduce-scatters the parameter's gradient back into this rank's shard, averaged
+//! over the ranks.
+//!
+//! Burn has no module hooks, so ZeRO-3's "gather before use, free after" lives in the autodiff
+//! graph: with `reshard` the gather is marked memory-bound with a retro-forward, so Burn keeps
+//! the shard (not the gathered parameter) for backward and gathers again when an operation's
+//! backward needs the parameter, whatever the model's checkpointing strategy. Without it the
+//! gathered parameter is kept until backward (FSDP's `reshard_after_forward=False`).
+//!
+//! The collectives run on the host (the shard read back, the result uploaded), which serves
+//! every inner backend with one implementation. Every rank issues them in the same order: the
+//! forward in the order the model runs, the backward in the graph's order, which is the same
+//! graph on every rank. A collective that fails cannot return an error from inside a Burn
+//! operation: it is recorded in the [`ShardGroup`] (which `backward` turns into an error),
+//! and the operation gives zeros without communicating again.
+
+use std::fmt;
+use std::marker::PhantomData;
+use std::sync::Arc;
+
+use accelerate_core::Reduction;
+use burn::backend::autodiff::Autodiff;
+use burn::backend::autodiff::NodeId;
+use burn::backend::autodiff::checkpoint::base::Checkpointer;
+use burn::backend::autodiff::checkpoint::retro_forward::RetroForward;
+use burn::backend::autodiff::checkpoint::state::BackwardStates;
+use burn::backend::autodiff::checkpoint::strategy::{BalancedCheckpointing, CheckpointStrategy};
+use burn::backend::autodiff::grads::Gradients;
+use burn::backend::autodiff::ops::{Backward, Ops};
+use burn::backend::tensor::FloatTensor;
+use burn::backend::{Backend, TensorMetadata, backend_extension};
+use burn::tensor::{DType, TensorData, bf16, f16, try_read_sync};
+
+use super::group::ShardGroup;
+
+/// One sharded parameter as the gather sees it: its shape, and how it is cut.
+pub(crate) struct ParamShard {
+    /// The parameter's dimensions.
+    pub shape: Vec<usize>,
+    /// Its elements.
+    pub numel: usize,
+    /// Elements of every rank's shard (the last one padded with zeros).
+    pub shard_len: usize,
+    /// Gather again in backward instead of keeping the gathered parameter.
+    pub reshard: bool,
+    /// The ranks it is sharded over.
+    pub group: Arc<ShardGroup>,
+}
+
+impl fmt::Debug for ParamShard {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("ParamShard")
+            .field("shape", &self.shape)
+            .field("shard_len", &self.shard_len)
+            .field("reshard", &self.reshard)
+            .finish()
+    }
+}
+
+/// What the gather operation is given besides the shard (shared, cheap to clone).
+#[derive(Clone, Debug)]
+pub(crate) struct GatherSpec(pub Arc<ParamShard>);
+
+/// The gather as a Burn operation.
+#[backend_extension(
+    Flex: cfg(feature = "flex"),
+    NdArray: cfg(feature = "ndarray"),
+    Autodiff
+)]
+pub(crate) trait ShardOps: Backend {
+    /// Every rank's `shard` (`[shard_len]`), concatenated in rank order and cut to the
+    /// parameter's shape; its gradient is reduce-scattered (mean) into the shard's.
+    fn shard_gather(shard: FloatTensor<Self>, spec: GatherSpec) -> FloatTensor<Self>;
+}
+
+#[cfg(feature = "flex")]
+impl ShardOps for burn::backend::Flex {
+    fn shard_gather(shard: FloatTensor<Self>, spec: GatherSpec) -> FloatTensor<Self> {
+        gather::<Self>(shard, &spec.0)
+    }
+}
+
+#[cfg(feature = "ndarray")]
+impl ShardOps for burn::backend::NdArray {
+    fn shard_gather(shard: FloatTensor<Self>, spec: GatherSpec) -> FloatTensor<Self> {
+        gather::<Self>(shard, &spec.0)
+    }
+}
+
+impl<B: Backend, C: CheckpointStrategy> ShardOps for Autodiff<B, C> {
+    fn shard_gather(shard: FloatTensor<Self>, spec: GatherSpec) -> FloatTensor<Self> {
+        let gathered = gather::<B>(shard.primitive().clone(), &spec.0);
+        let backward = GatherBackward { spec: spec.clone() };
+        if spec.0.reshard {
+            // Balanced checkpointing for this operation alone: Burn then recomputes (gathers
+            // again) instead of storing the gathered parameter, on any model strategy.
+            backward
+                .prepare::<BalancedCheckpointing>([shard.node()])
+                .memory_bound()
+                .retro_forward(RetroGather::<B> {
+                    input: shard.node().id(),
+                    spec,
+                    _backend: PhantomData,
+                })
+                .parents([&shard])
+                .stateless(gathered)
+        } else {
+            backward
+                .prepare::<C>([shard.node()])
+                .compute_bound()
+                .stateless(gathered)
+        }
+    }
+}
+
+/// The backward node: the gathered parameter's gradient, averaged over the ranks, as the
+/// shard's.
+#[derive(Debug)]
+struct GatherBackward {
+    spec: GatherSpec,
+}
+
+impl<B: Backend> Backward<B, 1> for GatherBackward {
+    type State = ();
+
+    fn backward(self, ops: Ops<Self::State, 1>, grads: &mut Gradients, _: &mut Checkpointer) {
+        let [parent] = ops.parents;
+        let grad = grads.consume::<B>(&ops.node);
+        if let Some(parent) = parent {
+            grads.register::<B>(parent.id, reduce_scatter::<B>(grad, &self.spec.0));
+        }
+    }
+}
+
+/// Gathers the parameter again when a backward pass needs it (reshard after forward).
+struct RetroGather<B> {
+    input: NodeId,
+    spec: GatherSpec,
+    _backend: PhantomData<fn() -> B>,
+}
+
+impl<B> fmt::Debug for RetroGather<B> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("RetroGather")
+            .field("input", &self.input)
+            .field("spec", &self.spec)
+            .finish()
+    }
+}
+
+impl<B: Backend> RetroForward for RetroGather<B> {
+    fn forward(&self, states: &mut BackwardStates, out_node: NodeId) {
+        let shard: FloatTensor<B> = states.get_state(&self.input);
+        states.save(out_node, gather::<B>(shard, &self.spec.0));
+    }
+}
+
+/// The parameter from every rank's shard (zeros once the group failed).
+fn gather<B: Backend>(shard: FloatTensor<B>, param: &ParamShard) -> FloatTensor<B> {
+    let device = shard.device();
+    let dtype = shard.dtype();
+    let gathered = read::<B>(shard, param).and_then(|data| {
+        let group = &param.group;
+        group.count_gather();
+        match dtype {
+            DType::BF16 => all_gather::<bf16>(&data, param),
+            DType::F16 => all_gather::<f16>(&data, param),
+            _ => all_gather::<f32>(&data, param),
+        }
+    });
+    let data = gathered.unwrap_or_else(|| zeros(&param.shape, dtype));
+    B::float_from_data(data, &device)
+}
+
+/// This rank's shard of the parameter's gradient `grad`, averaged over the ranks, in f32
+/// whatever `grad`'s type: the shard is an f32 master parameter (under autocast through a
+/// cast, whose backward takes the f32 gradient as it is), so a half-precision gradient is
+/// averaged in f32 and rounded never, as data parallelism averages it at the other stages.
+fn reduce_scatter<B: Backend>(grad: FloatTensor<B>, param: &ParamShard) -> FloatTensor<B> {
+    let device = grad.device();
+    let reduced =
+        read::<B>(grad, param).and_then(|data| reduce_scatter_mean(&data.convert::<f32>(), param));
+    let data = reduced.unwrap_or_else(|| zeros(&[param.shard_len], DType::F32));
+    B::float_from_data(data, &device)
+}
+
+/// The tensor's values on the host, as the type it has; `None` (recorded) when reading failed
+/// or the group already failed.
+fn read<B: Backend>(tensor: FloatTensor<B>, param: &ParamShard) -> Option<TensorData> {
+    if param.group.failed() {
+        return None;
+    }
+    let read = try_read_sync(B::float_into_data(tensor));
+    match read {
+        Some(Ok(data)) if matches!(data.dtype(), DType::F32 | DType::BF16 | DType::F16) => {
+            Some(data)
+        }
+        Some(Ok(data)) => {
+            let dtype = data.dtype();
+            param.group.record_other(format!(
+                "a sharded parameter is {dtype:?}; f32, bf16 or f16 expected"
+            ));
+            None
+        }
+        Some(Err(e)) => {
+            param
+                .group
+                .record_other(format!("reading a sharded parameter failed: {e:?}"));
+            None
+        }
+        None => {
+            param
+                .group
+                .record_other("this platform cannot read a tensor synchronously".into());
+            None
+        }
+    }
+}
+
+/// The gathered parameter, from this rank's shard `data`.
+fn all_gather<E>(data: &TensorData, param: &ParamShard) -> Option<TensorData>
+where
+    E: accelerate_kernels::Element + burn::tensor::Element,
+{
+    let group = &param.group;
+    let shard = group.check(data.as_slice::<E>().map_err(|e| format!("{e:?}")))?;
+    let mut all = vec![E::zeroed(); param.shard_len * group.world_size()];
+    group.run(|g| g.all_gather(shard, &mut all))?;
+    all.truncate(param.numel);
+    Some(TensorData::new(all, param.shape.clone()))
+}
+
+/// This rank's shard of the mean of every rank's gradient `data` (f32, the parameter's shape).
+fn reduce_scatter_mean(data: &TensorData, param: &ParamShard) -> Option<TensorData> {
+    let group = &param.group;
+    let grad = group.check(data.as_slice::<f32>().map_err(|e| format!("{e:?}")))?;
+    let mut padded = vec![0.0_f32; param.shard_len * group.world_size()];
+    padded[..grad.len()].copy_from_slice(grad);
+    let mut shard = vec![0.0_f32; param.shard_len];
+    group.run(|g| g.reduce_scatter(&padded, &mut shard, Reduction::Mean))?;
+    Some(TensorData::new(shard, [param.shard_len]))
+}
+
+/// Zeros of `shape` in `dtype` (every float type's zero is all bits clear).
+fn zeros(shape: &[usize], dtype: DType) -> TensorData {
+    let numel: usize = shape.iter().product();
+    TensorData::from_bytes_vec(vec![0; numel * dtype.size()], shape.to_vec(), dtype)
+}

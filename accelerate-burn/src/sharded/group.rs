@@ -1,0 +1,128 @@
+//! What every sharded unit of one accelerator shares: the process group its gathers use, the
+//! first failure of one of them, and which parameters are shards (their gradients arrive
+//! averaged, so the reducer does not average them again).
+
+use std::collections::HashSet;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Mutex, MutexGuard, PoisonError};
+
+use accelerate_core::{CommError, ProcessGroup};
+use burn::module::ParamId;
+
+use crate::error::AccelerateError;
+use crate::group::Comm;
+
+/// The sharded units' process group and bookkeeping (one per accelerator).
+pub(crate) struct ShardGroup {
+    comm: Comm,
+    /// The first collective or read that failed inside a gather: later gathers give zeros
+    /// without communicating, and `backward` reports it.
+    failure: Mutex<Option<Failure>>,
+    /// Ids of every shard parameter made by this accelerator.
+    shard_ids: Mutex<HashSet<ParamId>>,
+    /// Gathers run so far (forward and again in backward).
+    gathers: AtomicU64,
+}
+
+#[derive(Clone)]
+enum Failure {
+    Comm(CommError),
+    Other(String),
+}
+
+impl ShardGroup {
+    pub fn new(comm: Comm) -> Self {
+        Self {
+            comm,
+            failure: Mutex::new(None),
+            shard_ids: Mutex::new(HashSet::new()),
+            gathers: AtomicU64::new(0),
+        }
+    }
+
+    /// The process group (timed, locked).
+    pub fn comm(&self) -> &Comm {
+        &self.comm
+    }
+
+    /// Ranks of the group.
+    pub fn world_size(&self) -> usize {
+        self.comm.world_size()
+    }
+
+    /// True once a gather failed.
+    pub fn failed(&self) -> bool {
+        self.failure_slot().is_some()
+    }
+
+    /// Runs a collective on the group; `None` (recorded) when it failed.
+    pub fn run(
+        &self,
+        collective: impl FnOnce(&mut ProcessGroup) -> Result<(), CommError>,
+    ) -> Option<()> {
+        match self.comm.timed(collective) {
+            Ok(()) => Some(()),
+            Err(e) => {
+                self.record(Failure::Comm(e));
+                None
+            }
+        }
+    }
+
+    /// `result`'s value; `None` (recorded) for an error.
+    pub fn check<T>(&self, result: Result<T, String>) -> Option<T> {
+        result.map_err(|e| self.record(Failure::Other(e))).ok()
+    }
+
+    /// Records a failure that is not a collective's.
+    pub fn record_other(&self, what: String) {
+        self.record(Failure::Other(what));
+    }
+
+    fn record(&self, failure: Failure) {
+        self.failure_slot().get_or_insert(failure);
+    }
+
+    fn failure_slot(&self) -> MutexGuard<'_, Option<Failure>> {
+        self.failure.lock().unwrap_or_else(PoisonError::into_inner)
+    }
+
+    /// The recorded failure as this process's error, if a gather failed.
+    pub fn error(&self) -> Option<AccelerateError> {
+        let failure = self.failure_slot().clone()?;
+        Some(match failure {
+            Failure::Comm(e) => AccelerateError::Comm(e),
+            Failure::Other(detail) => AccelerateError::Tensor {
+                rank: self.comm.rank(),
+                op: "gathering a sharded parameter",
+                detail,
+            },
+        })
+    }
+
+    /// Counts one gather.
+    pub fn count_gather(&self) {
+        self.gathers.fetch_add(1, Ordering::Relaxed);
+    }
+
+    /// Gathers run so far.
+    pub fn gathers(&self) -> u64 {
+        self.gathers.load(Ordering::Relaxed)
+    }
+
+    /// Remembers `id` as a shard parameter's.
+    pub fn register(&self, id: ParamId) {
+        self.ids().insert(id);
+    }
+
+    /// True when `id` is a shard parameter's.
+    pub fn is_shard(&self, id: ParamId) -> bool {
+        self.ids().contains(&id)
+    }
+
+    fn ids(&self) -> MutexGuard<'_, HashSet<ParamId>> {
+        self.shard_ids
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+    }
+}

@@ -1,0 +1,333 @@
+//! ZeRO-3 (fully sharded data parallel): [`Sharded<M>`] holds this rank's 1/N of a unit's
+//! parameters, and [`Sharded::gather`] gives the unit back whole for its forward pass.
+//!
+//! Burn has no module hooks, so the model marks its units itself: a field `Sharded<Block>`
+//! where it had `Block`, made by [`Accelerator::shard`](crate::Accelerator::shard), and
+//! `self.block.gather().forward(x)` in its forward pass. Each parameter is gathered by its own
+//! differentiable operation ([`gather`]), so the gathered unit lives only while its forward
+//! runs: Burn keeps the shard for backward and gathers again there (or keeps the gathered
+//! parameter, with [`Sharded::reshard_after_forward`]`(false)`), and the backward pass
+//! reduce-scatters each gradient into the shard's, averaged over the processes. Optimizers,
+//! Burn's or fused, see only the shards: every shard is a whole parameter to them.
+//!
+//! Gathering is a collective: every process gathers the same units in the same order (train
+//! and evaluate on every process).
+
+mod gather;
+mod group;
+
+use std::fmt;
+use std::sync::Arc;
+
+use burn::backend::Dispatch;
+use burn::module::{
+    Content, Devices, Module, ModuleDisplay, ModuleDisplayDefault, ModuleMapper, ModuleVisitor,
+    Param, ParamId,
+};
+use burn::tensor::{Device, Tensor};
+
+use crate::error::AccelerateError;
+use crate::params;
+use gather::{GatherSpec, ParamShard, ShardOps};
+pub(crate) use group::ShardGroup;
+
+/// A unit of a model (a layer, a block) whose parameters are sharded over the processes:
+/// this process holds `1/N` of each (ZeRO-3). Build it with
+/// [`Accelerator::shard`](crate::Accelerator::shard); call [`gather`](Self::gather) in the
+/// model's forward pass.
+///
+/// ```text
+/// #[derive(Module, Debug)]
+/// struct Model { blocks: Vec<Sharded<Block>>, head: Sharded<Linear> }
+///
+/// fn forward(&self, mut x: Tensor<3>) -> Tensor<3> {
+///     for block in &self.blocks {
+///         x = block.gather().forward(x); // the gathered block is freed after its forward
+///     }
+///     self.head.gather().forward(x)
+/// }
+/// ```
+#[derive(Clone)]
+pub struct Sharded<M> {
+    /// This rank's shard of each float parameter (visit order of `M`), f32, `[shard_len]`.
+    shards: Vec<Param<Tensor<1>>>,
+    /// `M` with every float parameter left uninitialized (ids and shapes, no storage).
+    skeleton: M,
+    /// Each parameter's place in `M` and how it is cut.
+    params: Arc<[UnitParam]>,
+}
+
+/// One parameter of a sharded unit.
+struct UnitParam {
+    /// Its module path inside the unit (`["linear", "weight"]`).
+    path: Vec<String>,
+    spec: GatherSpec,
+}
+
+impl<M: Module> Sharded<M> {
+    /// The unit, whole: every parameter gathered from every process (a collective). Under
+    /// autodiff the gathered parameters are freed once the operations that use them ran, and
+    /// gathered again in backward (see [`reshard_after_forward`](Self::reshard_after_forward)).
+    pub fn gather(&self) -> M {
+        let mut gatherer = Gatherer {
+            shards: self.shards.iter(),
+            params: self.params.iter(),
+        };
+        self.skeleton.clone().map(&mut gatherer)
+    }
+
+    /// With `false`, the gathered parameters are kept from forward until backward instead of
+    /// being gathered again there: one all-gather less per parameter and step, for the
+    /// memory of the whole unit (FSDP's `reshard_after_forward`). `true` by default.
+    pub fn reshard_after_forward(mut self, reshard: bool) -> Self {
+        self.params = self
+            .params
+            .iter()
+            .map(|param| UnitParam {
+                path: param.path.clone(),
+                spec: GatherSpec(Arc::new(ParamShard {
+                    shape: param.spec.0.shape.clone(),
+                    numel: param.spec.0.numel,
+                    shard_len: param.spec.0.shard_len,
+                    reshard,
+                    group: param.spec.0.group.clone(),
+                })),
+            })
+            .collect();
+        self
+    }
+
+    /// Parameters of the whole unit (all ranks' shards together, without padding).
+    pub fn num_params_gathered(&self) -> usize {
+        self.params.iter().map(|p| p.spec.0.numel).sum()
+    }
+
+    fn map_shards(self, f: impl Fn(Param<Tensor<1>>) -> Param<Tensor<1>>) -> Self {
+        Self {
+            shards: self.shards.into_iter().map(f).collect(),
+            ..self
+        }
+    }
+}
+
+impl<M: Module> Module for Sharded<M> {
+    fn collect_devices(&self, devices: Devices) -> Devices {
+        self.shards
+            .iter()
+            .fold(devices, |devices, shard| shard.collect_devices(devices))
+    }
+
+    fn fork(self, device: &Device) -> Self {
+        self.map_shards(|shard| shard.fork(device))
+    }
+
+    fn to_device(self, device: &Device) -> Self {
+        self.map_shards(|shard| shard.to_device(device))
+    }
+
+    fn train(self) -> Self {
+        self.map_shards(Module::train)
+    }
+
+    fn valid(&self) -> Self {
+        self.clone().map_shards(|shard| shard.valid())
+    }
+
+    fn materialize(self) -> Self {
+        self
+    }
+
+    fn visit<V: ModuleVisitor>(&self, visitor: &mut V) {
+        for (shard, param) in self.shards.iter().zip(self.params.iter()) {
+            for name in &param.path {
+                visitor.enter_module(name, "Sharded");
+            }
+            shard.visit(visitor);
+            for name in param.path.iter().rev() {
+                visitor.exit_module(name, "Sharded");
+            }
+        }
+    }
+
+    fn map<Mapper: ModuleMapper>(self, mapper: &mut Mapper) -> Self {
+        let params = self.params.clone();
+        let shards = self
+            .shards
+            .into_iter()
+            .zip(params.iter())
+            .map(|(shard, param)| {
+                for name in &param.path {
+                    mapper.enter_module(name, "Sharded");
+                }
+                let shard = Module::map(shard, mapper);
+                for name in param.path.iter().rev() {
+                    mapper.exit_module(name, "Sharded");
+                }
+                shard
+            })
+            .collect();
+        Self { shards, ..self }
+    }
+}
+
+impl<M> ModuleDisplayDefault for Sharded<M> {
+    fn content(&self, content: Content) -> Option<Content> {
+        let whole: usize = self.params.iter().map(|p| p.spec.0.numel).sum();
+        content
+            .add_formatted(&format!(
+                "Sharded {{ parameters: {}, elements: {whole} }}",
+                self.params.len()
+            ))
+            .optional()
+    }
+}
+
+impl<M> ModuleDisplay for Sharded<M> {}
+
+impl<M> fmt::Debug for Sharded<M> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("Sharded")
+            .field("parameters", &self.params.len())
+            .field("shards", &self.shards)
+            .finish_non_exhaustive()
+    }
+}
+
+/// Replaces each uninitialized parameter of the skeleton with its gather.
+struct Gatherer<'a> {
+    shards: std::slice::Iter<'a, Param<Tensor<1>>>,
+    params: std::slice::Iter<'a, UnitParam>,
+}
+
+impl ModuleMapper for Gatherer<'_> {
+    fn map_float<const D: usize>(&mut self, param: Param<Tensor<D>>) -> Param<Tensor<D>> {
+        let (Some(shard), Some(unit_param)) = (self.shards.next(), self.params.next()) else {
+            return param;
+        };
+        let gathered = Tensor::<D>::from_dispatch(<Dispatch as ShardOps>::shard_gather(
+            shard.val().into_dispatch(),
+            unit_param.spec.clone(),
+        ));
+        Param::initialized(param.id, gathered)
+    }
+}
+
+/// `unit` sharded over `group`'s processes on `device`: each float parameter takes rank 0's
+/// value and id, and this rank keeps its `ceil(numel / N)` elements (the last rank's padded
+/// with zeros). One parameter is whole at a time beyond the unit itself.
+pub(crate) fn shard<M: Module>(
+    unit: M,
+    group: &Arc<ShardGroup>,
+    device: &Device,
+) -> Result<Sharded<M>, AccelerateError> {
+    let unit = params::adopt_device(unit, device);
+    let comm = group.comm();
+    let (rank, world) = (comm.rank(), group.world_size());
+    let ids: Vec<u64> = if comm.is_distributed() {
+        let layout = params::ParamLayout::of(&unit);
+        comm.lock().broadcast_object(Some(&layout.ids()), 0)?
+    } else {
+        params::ParamLayout::of(&unit).ids()
+    };
+    let mut cutter = Cutter {
+        group,
+        device,
+        rank,
+        world,
+        ids: ids.into_iter(),
+        path: Vec::new(),
+        shards: Vec::new(),
+        params: Vec::new(),
+        error: None,
+    };
+    let skeleton = unit.map(&mut cutter);
+    if let Some(error) = cutter.error {
+        return Err(error);
+    }
+    Ok(Sharded {
+        shards: cutter.shards,
+        skeleton,
+        params: cutter.params.into(),
+    })
+}
+
+/// Cuts each float parameter into this rank's shard, leaving an uninitialized one in its place.
+struct Cutter<'a> {
+    group: &'a Arc<ShardGroup>,
+    device: &'a Device,
+    rank: usize,
+    world: usize,
+    ids: std::vec::IntoIter<u64>,
+    path: Vec<String>,
+    shards: Vec<Param<Tensor<1>>>,
+    params: Vec<UnitParam>,
+    error: Option<AccelerateError>,
+}
+
+impl Cutter<'_> {
+    /// This rank's shard of `value` (rank 0's value, broadcast).
+    fn cut(&mut self, value: Tensor<1>, shard_len: usize) -> Result<Vec<f32>, AccelerateError> {
+        let mut whole = params::to_host_f32(value);
+        let comm = self.group.comm();
+        if comm.is_distributed() {
+            comm.lock().broadcast(&mut whole, 0)?;
+        }
+        let start = (self.rank * shard_len).min(whole.len());
+        let end = ((self.rank + 1) * shard_len).min(whole.len());
+        let mut shard = whole[start..end].to_vec();
+        shard.resize(shard_len, 0.0);
+        Ok(shard)
+    }
+}
+
+impl ModuleMapper for Cutter<'_> {
+    fn enter_module(&mut self, name: &str, _container_type: &str) {
+        self.path.push(name.to_string());
+    }
+
+    fn exit_module(&mut self, _name: &str, _container_type: &str) {
+        self.path.pop();
+    }
+
+    fn map_float<const D: usize>(&mut self, param: Param<Tensor<D>>) -> Param<Tensor<D>> {
+        let id = self.ids.next().map_or(param.id, ParamId::from);
+        let value = param.val();
+        let shape = value.shape();
+        let numel = shape.num_elements();
+        let trainable = value.is_require_grad();
+        let shard_len = numel.div_ceil(self.world).max(1);
+        if self.error.is_none() {
+            match self.cut(value.reshape([numel]), shard_len) {
+                Ok(shard) => {
+                    let mut tensor = params::upload(shard, self.device);
+                    if trainable {
+                        tensor = tensor.require_grad();
+                    }
+                    self.shards.push(Param::initialized(id, tensor));
+                    self.group.register(id);
+                }
+                Err(e) => self.error = Some(e),
+            }
+        }
+        self.params.push(UnitParam {
+            path: self.path.clone(),
+            spec: GatherSpec(Arc::new(ParamShard {
+                shape: shape.as_slice().to_vec(),
+                numel,
+                shard_len,
+                reshard: true,
+                group: self.group.clone(),
+            })),
+        });
+        let skeleton_shape = shape.clone();
+        Param::uninitialized(
+            id,
+            move |device, require_grad| {
+                Tensor::<D>::zeros(skeleton_shape, device).set_require_grad(require_grad)
+            },
+            self.device.clone(),
+            trainable,
+            shape,
+        )
+    }
+}

@@ -1,0 +1,218 @@
+//! Sharded units (ZeRO-3) in one process: the gather and its backward change no number, so a
+//! model of sharded units trains bit for bit as the same model unsharded; resharding after
+//! forward gathers again in backward; a sharded model is refused where whole parameters are
+//! needed. (Several processes: examples/tests/data_parallel.rs.)
+
+use accelerate_burn::{
+    AccelerateError, Accelerator, DefaultBackend, FusedOptimizer, ProcessState, Sharded,
+};
+use burn::module::Module;
+use burn::nn::{Linear, LinearConfig, Relu};
+use burn::optim::AdamWConfig;
+use burn::tensor::{Device, Tensor, TensorData};
+
+const FEATURES: usize = 6;
+const HIDDEN: usize = 16;
+
+#[derive(Module, Debug)]
+struct Net {
+    hidden: Linear,
+    out: Linear,
+    act: Relu,
+}
+
+#[derive(Module, Debug)]
+struct ShardedNet {
+    hidden: Sharded<Linear>,
+    out: Sharded<Linear>,
+    act: Relu,
+}
+
+impl Net {
+    fn new(device: &Device) -> Self {
+        Self {
+            hidden: LinearConfig::new(FEATURES, HIDDEN).init(device),
+            out: LinearConfig::new(HIDDEN, 1).init(device),
+            act: Relu::new(),
+        }
+    }
+
+    fn loss(&self, (x, y): (Tensor<2>, Tensor<2>)) -> Tensor<1> {
+        let h = self.act.forward(self.hidden.forward(x));
+        (self.out.forward(h) - y).square().mean()
+    }
+}
+
+impl ShardedNet {
+    fn new(acc: &Accelerator<DefaultBackend>, net: Net) -> Result<Self, AccelerateError> {
+        Ok(Self {
+            hidden: acc.shard(net.hidden)?,
+            out: acc.shard(net.out)?,
+            act: net.act,
+        })
+    }
+
+    fn loss(&self, (x, y): (Tensor<2>, Tensor<2>)) -> Tensor<1> {
+        let h = self.act.forward(self.hidden.gather().forward(x));
+        (self.out.gather().forward(h) - y).square().mean()
+    }
+
+    fn whole(&self) -> Net {
+        Net {
+            hidden: self.hidden.gather(),
+            out: self.out.gather(),
+            act: Relu::new(),
+        }
+    }
+}
+
+fn bits(net: &Net) -> Vec<u32> {
+    let mut out = Vec::new();
+    for linear in [&net.hidden, &net.out] {
+        let mut tensors = vec![linear.weight.val().into_data()];
+        tensors.extend(linear.bias.as_ref().map(|b| b.val().into_data()));
+        for data in tensors {
+            out.extend(data.iter::<f32>().map(f32::to_bits));
+        }
+    }
+    out
+}
+
+fn batch(step: usize, device: &Device) -> (Tensor<2>, Tensor<2>) {
+    let rows = 8;
+    let x: Vec<f32> = (0..rows * FEATURES)
+        .map(|i| (((i + step * 7) * 31 % 23) as f32) / 11.0 - 1.0)
+        .collect();
+    let y: Vec<f32> = (0..rows).map(|i| ((i + step) as f32 * 0.7).sin()).collect();
+    (
+        Tensor::from_data(TensorData::new(x, [rows, FEATURES]), device),
+        Tensor::from_data(TensorData::new(y, [rows, 1]), device),
+    )
+}
+
+fn accelerator(stage: u8, accumulation: usize) -> Accelerator<DefaultBackend> {
+    Accelerator::builder()
+        .process_state(ProcessState::single())
+        .zero_stage(stage)
+        .gradient_accumulation_steps(accumulation)
+        .seed(5)
+        .build()
+        .unwrap()
+}
+
+/// On one process a gather is a copy and its backward's mean over one rank multiplies by 1:
+/// a model of sharded units takes the same steps as the unsharded model, bit for bit, with
+/// Burn's AdamW and with the fused one, with accumulation and global clipping.
+#[test]
+fn sharded_units_on_one_process_train_bit_for_bit_as_the_unsharded_model() {
+    for fused in [false, true] {
+        let (plain_acc, sharded_acc) = (accelerator(0, 2), accelerator(3, 2));
+        let initial = Net::new(&plain_acc.device());
+        let optimizer = || -> FusedOptimizer {
+            FusedOptimizer::adamw(&AdamWConfig::new().with_weight_decay(0.01)).unwrap()
+        };
+
+        let (mut plain, mut plain_optim) = if fused {
+            plain_acc.prepare((initial.clone(), optimizer())).unwrap()
+        } else {
+            plain_acc
+                .prepare((
+                    initial.clone(),
+                    AdamWConfig::new().with_weight_decay(0.01).init(),
+                ))
+                .unwrap()
+        };
+        let sharded = ShardedNet::new(&sharded_acc, initial).unwrap();
+        let (mut sharded, mut sharded_optim) = if fused {
+            sharded_acc.prepare((sharded, optimizer())).unwrap()
+        } else {
+            sharded_acc
+                .prepare((sharded, AdamWConfig::new().with_weight_decay(0.01).init()))
+                .unwrap()
+        };
+        for step in 0..12 {
+            let mut grads = plain_acc
+                .backward(plain.loss(batch(step, &plain_acc.device())), &plain)
+                .unwrap();
+            let plain_norm = plain_acc.clip_grad_norm(&plain, &mut grads, 0.5).unwrap();
+            plain = plain_optim.step(1e-2, plain, grads).unwrap();
+
+            let mut grads = sharded_acc
+                .backward(sharded.loss(batch(step, &sharded_acc.device())), &sharded)
+                .unwrap();
+            let sharded_norm = sharded_acc
+                .clip_grad_norm(&sharded, &mut grads, 0.5)
+                .unwrap();
+            sharded = sharded_optim.step(1e-2, sharded, grads).unwrap();
+            assert_eq!(
+                plain_norm.map(f32::to_bits),
+                sharded_norm.map(f32::to_bits),
+                "fused {fused}, step {step}: gradient norms"
+            );
+        }
+        assert_eq!(sharded_optim.updates(), 6);
+        assert_eq!(
+            bits(&plain),
+            bits(&sharded.whole()),
+            "fused {fused}: parameters"
+        );
+    }
+}
+
+/// Resharding (the default) frees the gathered weights after forward and gathers again the
+/// one a backward pass needs: the output layer's weight, whose input is tracked (the hidden
+/// layer's weight is not needed by its backward, whose input is data, nor are the biases).
+/// Without it, only the forward's gathers run; both give the same gradients.
+#[test]
+fn resharding_after_forward_gathers_again_in_backward_only_what_backward_needs() {
+    let mut gradients = Vec::new();
+    for reshard in [true, false] {
+        let acc = accelerator(3, 1);
+        let device = acc.device();
+        let net = ShardedNet::new(&acc, Net::new(&device)).unwrap();
+        let net = ShardedNet {
+            hidden: net.hidden.reshard_after_forward(reshard),
+            out: net.out.reshard_after_forward(reshard),
+            act: net.act,
+        };
+        let net = acc.prepare_model(net).unwrap();
+        let loss = net.loss(batch(0, &device));
+        assert_eq!(acc.sharded_gathers(), 4, "reshard {reshard}: forward");
+        let grads = acc.backward(loss, &net).unwrap();
+        let expected = if reshard { 5 } else { 4 };
+        assert_eq!(
+            acc.sharded_gathers(),
+            expected,
+            "reshard {reshard}: backward"
+        );
+        gradients.push(
+            grads
+                .to_params()
+                .map(|g| g.len())
+                .expect("Burn's gradients"),
+        );
+    }
+    assert_eq!(gradients, [4, 4]);
+}
+
+/// Sharded units belong to ZeRO-3, and ZeRO-3 needs them; weights files of a sharded model
+/// are refused (not written with one rank's shards in them).
+#[test]
+fn sharding_is_zero_3_and_sharded_weights_are_refused_not_written_wrong() {
+    let acc = accelerator(2, 1);
+    let err = acc.shard(Net::new(&acc.device())).unwrap_err().to_string();
+    assert!(err.contains("zero_stage(3)"), "{err}");
+
+    let acc = accelerator(3, 1);
+    let Err(err) = acc.prepare((Net::new(&acc.device()), AdamWConfig::new().init())) else {
+        panic!("a model without sharded units was prepared at stage 3");
+    };
+    let err = err.to_string();
+    assert!(err.contains("no sharded unit"), "{err}");
+
+    let net = ShardedNet::new(&acc, Net::new(&acc.device())).unwrap();
+    let dir = tempfile::tempdir().unwrap();
+    let err = acc.save_model(&net, dir.path()).unwrap_err().to_string();
+    assert!(err.contains("sharded units"), "{err}");
+    assert_eq!(std::fs::read_dir(dir.path()).unwrap().count(), 0);
+}
