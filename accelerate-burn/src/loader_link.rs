@@ -159,11 +159,27 @@ impl LoaderLinks {
         self.lock().last_batch_padding.unwrap_or(0)
     }
 
-    /// The training loader's part of a checkpoint (`None` without one).
+    /// The training loader's part of a checkpoint (`None` without one). Saved right after a
+    /// resume, before the loader iterated, it is the resumed position (not yet applied).
     pub fn saved_state(&self) -> Option<LoaderState> {
         let links = self.lock();
         let cursor = links.train.as_ref()?;
         let sampler = &cursor.sampler;
+        if let Some(point) = &links.resume {
+            let (batches, start_sample, consumed) = match point.skip {
+                Skip::Batches(n) => (n, 0, n.saturating_mul(sampler.global_batch_size())),
+                Skip::Samples(start) => (0, start, start),
+            };
+            return Some(LoaderState {
+                cursor: SamplerCursor {
+                    epoch: point.epoch,
+                    batches_consumed: batches,
+                },
+                start_sample,
+                samples_consumed: consumed.min(point.sampler.len),
+                sampler: point.sampler.clone(),
+            });
+        }
         let epoch_len = sampler.len_from_sample(cursor.start_sample);
         // A finished epoch resumes at the start of the next one.
         let (epoch, batches, start_sample) = if cursor.batches >= epoch_len {

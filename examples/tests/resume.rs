@@ -15,10 +15,11 @@ use accelerate_burn::{
     ScalerConfig,
 };
 use accelerate_core::checkpoint::{CheckpointRotation, partial_dir, read_manifest};
-use accelerate_examples::MlpConfig;
 use accelerate_examples::digits::{self, DigitBatcher};
+use accelerate_examples::{Mlp, MlpConfig};
 use burn::data::dataset::InMemDataset;
 use burn::lr_scheduler::linear::LinearLrSchedulerConfig;
+use burn::module::Module;
 use burn::optim::AdamWConfig;
 use common::{env_number, line, param_bits, print_params, run, run_child};
 use serde::{Serialize, Serializer};
@@ -43,7 +44,10 @@ impl Serialize for Bomb {
 /// `TEST_RESUME=1`, first loads the project's latest checkpoint (`TEST_RESUME_FROM=dir`: that
 /// one); with `TEST_BOMB=k`, dies in the middle of the save after update k; `TEST_SAVES=a,b`
 /// also saves after those updates; `TEST_SAVE_INTO=dir` saves with `save_state(dir)` instead
-/// of an automatically named checkpoint; `TEST_LIMIT=n` keeps n checkpoints (default 2).
+/// of an automatically named checkpoint; `TEST_LIMIT=n` keeps n checkpoints (default 2);
+/// `TEST_RESAVE=dir` saves into `dir` right after the load and exits. `TEST_OPTIM` picks the
+/// optimizer: `burn`, `fused`, or the fused one at ZeRO stage 1 (`zero`), 2 (`zero2`) or 3
+/// (`zero3`: the MLP is one sharded unit).
 fn train() -> anyhow::Result<()> {
     let precision = match env("TEST_PRECISION").as_str() {
         "fp16" => MixedPrecision::Fp16,
@@ -68,19 +72,34 @@ fn train() -> anyhow::Result<()> {
         .zero_stage(match env("TEST_OPTIM").as_str() {
             "zero" => 1,
             "zero2" => 2,
+            "zero3" => 3,
             _ => 0,
         })
         .build()?;
     let model = MlpConfig::new(digits::PIXELS, vec![32], digits::CLASSES)
         .with_dropout(0.2)
         .init(&acc.device());
+    if env("TEST_OPTIM") == "zero3" {
+        let sharded = acc.shard(model)?;
+        train_with(&acc, sharded, |m| m.gather())
+    } else {
+        train_with(&acc, model, Mlp::clone)
+    }
+}
+
+/// The loop of [`train`] for a model `whole` turns into the MLP (a collective at ZeRO-3).
+fn train_with<M: Module>(
+    acc: &Accelerator<DefaultBackend>,
+    model: M,
+    whole: impl Fn(&M) -> Mlp,
+) -> anyhow::Result<()> {
     let data: Vec<_> = digits::load()?.into_iter().take(SAMPLES).collect();
     let train = DataLoader::builder(DigitBatcher)
         .batch_size(8)
         .shuffle(3)
         .build(InMemDataset::new(data));
     let (model, mut optim, train) = match env("TEST_OPTIM").as_str() {
-        "fused" | "zero" | "zero2" => {
+        "fused" | "zero" | "zero2" | "zero3" => {
             let fused = FusedOptimizer::adamw(&AdamWConfig::new())?;
             acc.prepare((model, fused, train))?
         }
@@ -101,6 +120,14 @@ fn train() -> anyhow::Result<()> {
         model = restored.model;
         batches_seen = restored.info.object("batches_seen")?.unwrap_or(0);
         println!("RESUMED {} {batches_seen}", restored.info.updates);
+        let resave = env("TEST_RESAVE");
+        if !resave.is_empty() {
+            let checkpoint = Checkpoint::new(&model, &optim)
+                .scheduler(&sched)
+                .object("batches_seen", &batches_seen);
+            acc.save_state(&resave, &checkpoint)?;
+            return Ok(());
+        }
     }
     let (stop, bomb) = (
         env_number::<u64>("TEST_STOP"),
@@ -117,7 +144,7 @@ fn train() -> anyhow::Result<()> {
             let batch = batch?;
             let loss = acc
                 .autocast(&model, |m, c| {
-                    m.forward_loss(c.input(batch.images), batch.targets)
+                    whole(m).forward_loss(c.input(batch.images), batch.targets)
                 })
                 .loss;
             let grads = acc.backward(loss, &model)?;
@@ -152,7 +179,7 @@ fn train() -> anyhow::Result<()> {
     println!("SEEN {batches_seen}");
     println!("SCALE {:?}", acc.loss_scale());
     println!("SKIPPED {skipped}");
-    print_params(&model);
+    print_params(&whole(&model));
     Ok(())
 }
 
@@ -239,6 +266,75 @@ fn a_resumed_two_process_run_ends_bit_identical() {
     resume_is_bit_identical(2, "11", "zero");
     // ZeRO-2: the same files; the window's sum held as shards starts afresh after the load.
     resume_is_bit_identical(2, "11", "zero2");
+    // ZeRO-3: each rank saves its shards of the model and of the optimizer state.
+    resume_is_bit_identical(2, "11", "zero3");
+}
+
+/// ZeRO-3 checkpoints are cut again for another number of processes, exactly: a 2-process
+/// run saves after update 5 and goes on to the end; 4 processes load that checkpoint (each
+/// parameter and its optimizer state put together from 2 ranks' shards and cut in 4) and
+/// save it again at once; 2 processes resume from the 4 ranks' checkpoint and end bit for
+/// bit where the uninterrupted 2-process run ended (the data order continues from the
+/// global position, dropout from the same seeds).
+#[test]
+fn a_zero_3_checkpoint_of_4_processes_resumes_on_2_bit_identically() {
+    let tmp = tempfile::tempdir().unwrap();
+    let (two, four) = (tmp.path().join("two"), tmp.path().join("four"));
+    let zero3 = ("TEST_OPTIM", "zero3");
+    let any = ("TEST_ANY_WORLD", "1");
+    let two_s = two.display().to_string();
+    let four_s = four.display().to_string();
+    let whole = run_in(
+        &tmp.path().join("run"),
+        2,
+        &[zero3, ("TEST_SAVES", "5"), ("TEST_SAVE_INTO", &two_s)],
+    );
+    assert_ok(&whole);
+    let resaved = run_in(
+        &tmp.path().join("run4"),
+        4,
+        &[
+            zero3,
+            any,
+            ("TEST_RESUME_FROM", &two_s),
+            ("TEST_RESAVE", &four_s),
+        ],
+    );
+    assert_ok(&resaved);
+    let manifest = read_manifest(&four).unwrap();
+    assert_eq!(manifest.world_size, 4);
+    let shards = |prefix: &str| {
+        manifest
+            .files
+            .iter()
+            .filter(|f| f.name.starts_with(prefix))
+            .count()
+    };
+    assert_eq!((shards("zero3_model_"), shards("zero3_optimizer_")), (4, 4));
+    assert!(
+        !four.join("model.safetensors").exists(),
+        "no rank holds the whole model"
+    );
+    let resumed = run_in(
+        &tmp.path().join("run2"),
+        2,
+        &[zero3, any, ("TEST_RESUME_FROM", &four_s)],
+    );
+    assert_ok(&resumed);
+    for rank in 0..2 {
+        assert!(line(&resumed[rank], "RESUMED ").starts_with("5 "));
+        for key in ["UPDATES ", "SEEN "] {
+            assert_eq!(
+                line(&resumed[rank], key),
+                line(&whole[rank], key),
+                "{key}rank {rank}"
+            );
+        }
+        assert!(
+            param_bits(&resumed[rank]) == param_bits(&whole[rank]),
+            "rank {rank}: parameters differ"
+        );
+    }
 }
 
 #[test]

@@ -22,6 +22,7 @@ impl<B: AcceleratorBackend> Accelerator<B> {
             device: &self.device,
             seed: self.config.seed,
             resume_any_world_size: self.checkpoints.resume_any_world_size,
+            shards: &self.shards,
         }
     }
 

@@ -52,18 +52,19 @@ impl<B: AcceleratorBackend> Accelerator<B> {
         self.shards.gathers()
     }
 
-    /// For each parameter of `layout`, true when it is a shard of a [`Sharded`] unit.
-    pub(crate) fn shard_mask(&self, layout: &ParamLayout) -> Vec<bool> {
+    /// For each parameter of `layout`, the elements of the whole parameter when it is a shard
+    /// of a [`Sharded`] unit; `None` for a parameter left whole.
+    pub(crate) fn shard_mask(&self, layout: &ParamLayout) -> Vec<Option<usize>> {
         layout
             .entries
             .iter()
-            .map(|entry| self.shards.is_shard(entry.id))
+            .map(|entry| self.shards.whole_numel(entry.id))
             .collect()
     }
 
     /// At stage 3 the prepared model must hold sharded units; below it, none.
-    pub(crate) fn check_sharding(&self, mask: &[bool]) -> Result<(), AccelerateError> {
-        let any = mask.iter().any(|&shard| shard);
+    pub(crate) fn check_sharding(&self, mask: &[Option<usize>]) -> Result<(), AccelerateError> {
+        let any = mask.iter().any(Option::is_some);
         if self.config.zero_stage == 3 && !any {
             return Err(AccelerateError::Misuse {
                 rank: self.state.rank,
@@ -82,7 +83,11 @@ impl<B: AcceleratorBackend> Accelerator<B> {
         model: &M,
         what: &str,
     ) -> Result<(), AccelerateError> {
-        if !self.shard_mask(&ParamLayout::of(model)).contains(&true) {
+        if self
+            .shard_mask(&ParamLayout::of(model))
+            .iter()
+            .all(Option::is_none)
+        {
             return Ok(());
         }
         Err(AccelerateError::Misuse {

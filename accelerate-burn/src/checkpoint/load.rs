@@ -7,17 +7,17 @@ use std::path::Path;
 use accelerate_core::CheckpointError;
 use accelerate_core::checkpoint::{self, Manifest, ManifestFile, ModelLoopState, RankState};
 use burn::lr_scheduler::LrSchedulerRecord;
-use burn::module::Module;
+use burn::module::{Module, ParamId};
 
 use super::{
     CheckpointInfo, Context, MODEL_FILE, Restored, SCHEDULER_FILE, TRAINING_STATE_FILE,
     TrainingState, rank_file,
 };
 use crate::error::AccelerateError;
-use crate::model_slot::ModelSlots;
 use crate::optim::{PreparedOptimizer, PreparedScheduler};
 use crate::params::{self, ParamLayout, Replacement};
 use crate::reducer::LoadSource;
+use crate::reducer::sharded_files;
 
 /// Restores the state saved in `dir` (see [`crate::Accelerator::load_state`]).
 pub(crate) fn load_state<M: Module>(
@@ -76,7 +76,7 @@ fn load_own_part<M: Module>(
     }
 
     let model = restore_model_and_optimizer(
-        ctx.slots,
+        ctx,
         dir,
         &manifest.files,
         model,
@@ -112,7 +112,7 @@ fn load_own_part<M: Module>(
 /// the saved `param_ids`, and `optimizer`'s reducer continuing from the state in `files`
 /// (names relative to `dir`); on failure, what does not fit and a hint.
 fn restore_model_and_optimizer<M: Module>(
-    slots: &ModelSlots,
+    ctx: &Context<'_>,
     dir: &Path,
     files: &[ManifestFile],
     model: M,
@@ -121,8 +121,30 @@ fn restore_model_and_optimizer<M: Module>(
     saved_kind: Option<&str>,
 ) -> Result<M, (String, &'static str)> {
     let hint = "build the model the checkpoint was saved from";
-    let model =
-        super::load_weights(model, &dir.join(MODEL_FILE)).map_err(|e| (e.to_string(), hint))?;
+    let shard_numels = optimizer
+        .slot()
+        .lock()
+        .reducer
+        .shard_numels()
+        .map(<[_]>::to_vec);
+    let model = match (sharded_files::is_sharded_checkpoint(files), shard_numels) {
+        (false, None) => {
+            super::load_weights(model, &dir.join(MODEL_FILE)).map_err(|e| (e.to_string(), hint))?
+        }
+        (true, Some(numels)) => sharded_model(ctx, dir, files, model, &numels, param_ids)?,
+        (true, None) => {
+            return Err((
+                "it was saved at ZeRO-3, with sharded units, and this run's model has none".into(),
+                "resume at zero_stage 3 with the model's units sharded as they were saved",
+            ));
+        }
+        (false, Some(_)) => {
+            return Err((
+                "it was saved without sharded units and this run's model has them".into(),
+                "resume at the zero_stage the checkpoint was saved at",
+            ));
+        }
+    };
     let layout = ParamLayout::of(&model);
     if layout.entries.len() != param_ids.len() {
         return Err((
@@ -166,7 +188,7 @@ fn restore_model_and_optimizer<M: Module>(
     drop(slot);
     // The reducer's layout now has the saved ids (also when its load stopped half-way):
     // `backward` finds the model under them.
-    slots.refile(optimizer.slot());
+    ctx.slots.refile(optimizer.slot());
     loaded.map_err(|e| {
         (
             e.to_string(),
@@ -174,6 +196,40 @@ fn restore_model_and_optimizer<M: Module>(
         )
     })?;
     Ok(model)
+}
+
+/// `model` with this rank's values from a ZeRO-3 checkpoint (of any world size): each shard
+/// cut for this job from the saved ranks' shards, the whole parameters as saved; its shards
+/// are known under the saved ids from now on.
+fn sharded_model<M: Module>(
+    ctx: &Context<'_>,
+    dir: &Path,
+    files: &[ManifestFile],
+    model: M,
+    numels: &[Option<usize>],
+    param_ids: &[u64],
+) -> Result<M, (String, &'static str)> {
+    let hint = "build the model the checkpoint was saved from, with the same units sharded";
+    let layout = ParamLayout::of(&model);
+    let job = (ctx.state.rank, ctx.state.world_size);
+    let values = sharded_files::read_model(dir, files, &layout, numels, job)
+        .map_err(|e| (e.to_string(), hint))?;
+    for (&id, numel) in param_ids.iter().zip(numels) {
+        if let Some(numel) = numel {
+            ctx.shards.register(ParamId::from(id), *numel);
+        }
+    }
+    let values = values
+        .into_iter()
+        .map(|v| Some(params::upload(v, ctx.device)))
+        .collect();
+    Ok(params::replace(
+        model,
+        Replacement {
+            values,
+            ids: Vec::new(),
+        },
+    ))
 }
 
 /// Restores the model and optimizer saved under `name` with [`super::Checkpoint::pair`] in
@@ -227,7 +283,7 @@ fn load_own_pair<M: Module>(
         })
         .collect();
     let model = restore_model_and_optimizer(
-        ctx.slots,
+        ctx,
         &dir.join(name),
         &files,
         model,

@@ -38,6 +38,7 @@ use crate::group::Comm;
 use crate::loader_link::LoaderLinks;
 use crate::model_slot::ModelSlots;
 use crate::optim::{PreparedOptimizer, PreparedScheduler};
+use crate::sharded::ShardGroup;
 
 pub use crate::reducer::bucketed::OPTIMIZER_FILE;
 pub(crate) use stage_error::StageError;
@@ -329,6 +330,8 @@ pub(crate) struct Context<'a> {
     pub seed: Option<u64>,
     /// Whether a checkpoint of another world size may be loaded.
     pub resume_any_world_size: bool,
+    /// The sharded units' bookkeeping (ZeRO-3): a loaded model's shards take saved ids.
+    pub shards: &'a ShardGroup,
 }
 
 impl Context<'_> {

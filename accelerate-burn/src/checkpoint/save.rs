@@ -15,8 +15,9 @@ use super::{
 };
 use crate::error::AccelerateError;
 use crate::optim::PreparedScheduler;
-use crate::params::ParamLayout;
+use crate::params::{self, ParamLayout};
 use crate::reducer::SaveRole;
+use crate::reducer::sharded_files;
 
 /// Saves the whole training state into `dir` (see [`crate::Accelerator::save_state`]).
 pub(crate) fn save_state<M: Module>(
@@ -133,13 +134,25 @@ fn write_own_files<M: Module>(
         main,
         distributed: ctx.comm.is_distributed(),
     };
-    let kind = {
+    let (kind, shard_numels) = {
         let mut slot = checkpoint.optimizer.slot().lock();
         for file in slot.reducer.save(partial, role)? {
             add(&file.name, file.contents, file.rank, file.bytes);
         }
-        slot.reducer.kind()
+        let numels = slot.reducer.shard_numels().map(<[_]>::to_vec);
+        (slot.reducer.kind(), numels)
     };
+    // ZeRO-3: every rank writes its own shards of the model; nobody holds it whole.
+    if let Some(numels) = &shard_numels {
+        let layout = ParamLayout::of(checkpoint.model);
+        let values = params::values(checkpoint.model)
+            .into_iter()
+            .map(params::to_host_f32)
+            .collect();
+        let job = (rank, ctx.state.world_size);
+        let file = sharded_files::write_model(partial, job, &layout, values, numels)?;
+        add(&file.name, file.contents, file.rank, file.bytes);
+    }
     let mut pairs = BTreeMap::new();
     for pair in &checkpoint.pairs {
         let dir = partial.join(&pair.name);
@@ -148,6 +161,14 @@ fn write_own_files<M: Module>(
             source,
         })?;
         let mut slot = pair.optimizer.slot().lock();
+        if slot.reducer.shard_numels().is_some() {
+            return Err(StageError::from(AccelerateError::Misuse {
+                rank,
+                what: format!("saving pair {:?}, a model with sharded units", pair.name),
+                hint: "save the model with sharded units as the checkpoint's main model \
+                       (Checkpoint::new); pairs are written whole by the main process",
+            }));
+        }
         for file in slot.reducer.save(&dir, role)? {
             let name = format!("{}/{}", pair.name, file.name);
             add(&name, file.contents, file.rank, file.bytes);
@@ -189,21 +210,23 @@ fn write_own_files<M: Module>(
         return Ok(files);
     }
 
-    let path = partial.join(MODEL_FILE);
-    let mut store = SafetensorsStore::from_file(&path).overwrite(true);
-    checkpoint
-        .model
-        .save_into(&mut store)
-        .map_err(|e| StageError::Burn {
-            what: "model weights".into(),
-            detail: e.to_string(),
-        })?;
-    add(
-        MODEL_FILE,
-        "model weights (safetensors)",
-        None,
-        synced(&path)?,
-    );
+    if shard_numels.is_none() {
+        let path = partial.join(MODEL_FILE);
+        let mut store = SafetensorsStore::from_file(&path).overwrite(true);
+        checkpoint
+            .model
+            .save_into(&mut store)
+            .map_err(|e| StageError::Burn {
+                what: "model weights".into(),
+                detail: e.to_string(),
+            })?;
+        add(
+            MODEL_FILE,
+            "model weights (safetensors)",
+            None,
+            synced(&path)?,
+        );
+    }
 
     for (name, write) in &checkpoint.modules {
         if !super::valid_module_name(name) {

@@ -15,6 +15,7 @@ use crate::error::AccelerateError;
 use crate::fused::HeldBytes;
 use crate::group::Comm;
 use crate::params::{ParamLayout, ParamList};
+use crate::reducer::flat::{FusedStateFile, Segment};
 
 /// The payload of [`Gradients`](super::Gradients).
 #[derive(Debug)]
@@ -234,6 +235,22 @@ pub(crate) trait GradientReducer: Send {
     /// Continues from a checkpoint: optimizer state, and the loaded model's parameters.
     fn load(&mut self, source: LoadSource<'_>) -> Result<(), StageError>;
 
+    /// As [`load`](Self::load), with the fused optimizer state that `state` makes for the
+    /// rebuilt buffers' segments (ZeRO-3 puts it together from shards of another world
+    /// size). Only the fused reducer keeps such state.
+    fn load_resharded(
+        &mut self,
+        _source: LoadSource<'_>,
+        _state: &mut dyn FnMut(&[Segment]) -> Result<FusedStateFile, StageError>,
+    ) -> Result<(), StageError> {
+        Err(StageError::from(AccelerateError::Misuse {
+            rank: 0,
+            what: "a resharded optimizer state for Burn's optimizer".into(),
+            hint: "checkpoints of sharded units (ZeRO-3) hold the fused optimizer's state: \
+                   prepare a fused optimizer",
+        }))
+    }
+
     /// Where the optimizer state lives: `Some(true)` on the GPU. `None` when the reducer does
     /// not hold the state itself.
     fn state_on_device(&self) -> Option<bool> {
@@ -243,6 +260,12 @@ pub(crate) trait GradientReducer: Send {
     /// What this process's buffers hold between steps (`None` when the reducer does not
     /// hold the optimizer's buffers itself).
     fn held_bytes(&self) -> Option<HeldBytes> {
+        None
+    }
+
+    /// For a model with sharded units (ZeRO-3), per parameter (layout order) the whole
+    /// parameter's elements of a shard, `None` for a parameter left whole.
+    fn shard_numels(&self) -> Option<&[Option<usize>]> {
         None
     }
 

@@ -15,6 +15,7 @@ pub(crate) mod api;
 pub(crate) mod bucketed;
 pub(crate) mod flat;
 pub(crate) mod sharded;
+pub(crate) mod sharded_files;
 pub(crate) mod wire;
 
 use std::sync::Arc;
@@ -180,8 +181,9 @@ pub(crate) struct ReducerSpec {
     pub world: usize,
     /// The backend runs our cubecl kernels on its tensors.
     pub device_kernels: bool,
-    /// Per parameter (layout order): true for a shard of a sharded unit (ZeRO-3).
-    pub shards: Vec<bool>,
+    /// Per parameter (layout order): for a shard of a sharded unit (ZeRO-3), the elements of
+    /// the whole parameter; `None` for a whole parameter.
+    pub shards: Vec<Option<usize>>,
 }
 
 /// The reducer for `optimizer` on the model of `spec`: the one place that chooses an engine.
@@ -190,15 +192,15 @@ pub(crate) fn build(
     optimizer: OptimizerChoice,
     comm: &Comm,
 ) -> Result<Box<dyn GradientReducer>, AccelerateError> {
-    if spec.shards.iter().any(|&shard| shard) {
+    if spec.shards.iter().any(Option::is_some) {
         // ZeRO-3: the shards' gradients arrive averaged; the update is one process's.
-        let (shards, rank) = (std::mem::take(&mut spec.shards), spec.rank);
+        let (shards, job) = (std::mem::take(&mut spec.shards), (spec.rank, spec.world));
         let local = ShardedReducer::local_comm();
         spec.config.zero_stage = 0;
         spec.rank = 0;
         spec.world = 1;
         let inner = build(spec, optimizer, &local)?;
-        return Ok(Box::new(ShardedReducer::new(inner, local, shards, rank)));
+        return Ok(Box::new(ShardedReducer::new(inner, local, shards, job)));
     }
     let config = &spec.config;
     let burn_optimizer = match optimizer {

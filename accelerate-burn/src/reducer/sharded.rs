@@ -6,6 +6,7 @@
 //! this rank's shards as if they were whole parameters (every optimizer of ours and Burn's is
 //! elementwise).
 
+use std::collections::HashMap;
 use std::path::Path;
 use std::sync::Arc;
 
@@ -18,6 +19,7 @@ use super::api::{
     GradientReducer, HeldNorm, LoadSource, ModelUpdate, Outcome, Reduced, ReducerKind, SaveRole,
     SavedFile, sum_of_squares_on_device, unscaled_norm,
 };
+use super::sharded_files;
 use crate::checkpoint::StageError;
 use crate::error::AccelerateError;
 use crate::fused::HeldBytes;
@@ -29,10 +31,13 @@ pub(crate) struct ShardedReducer {
     inner: Box<dyn GradientReducer>,
     /// A group of one: what the inner reducer communicates with (nothing).
     local: Comm,
-    /// Per parameter (layout order): true for a shard of a sharded unit.
-    shards: Vec<bool>,
+    /// Per parameter (layout order): the whole parameter's elements for a shard of a sharded
+    /// unit, `None` for a parameter left whole.
+    shards: Vec<Option<usize>>,
     /// This process's rank in the job.
     rank: usize,
+    /// Processes in the job.
+    world: usize,
 }
 
 impl ShardedReducer {
@@ -40,14 +45,15 @@ impl ShardedReducer {
     pub fn new(
         inner: Box<dyn GradientReducer>,
         local: Comm,
-        shards: Vec<bool>,
-        rank: usize,
+        shards: Vec<Option<usize>>,
+        (rank, world): (usize, usize),
     ) -> Self {
         Self {
             inner,
             local,
             shards,
             rank,
+            world,
         }
     }
 
@@ -59,7 +65,7 @@ impl ShardedReducer {
     /// Averages the gradients of the parameters left whole over the processes, on the host.
     fn average_whole(&self, grads: &mut ParamList, comm: &Comm) -> Result<(), AccelerateError> {
         let whole: Vec<usize> = (0..grads.len())
-            .filter(|&i| !self.shards[i] && grads[i].is_some())
+            .filter(|&i| self.shards[i].is_none() && grads[i].is_some())
             .collect();
         if whole.is_empty() {
             return Ok(());
@@ -96,7 +102,7 @@ impl ShardedReducer {
             grads
                 .iter()
                 .zip(&self.shards)
-                .filter(|(_, is_shard)| **is_shard == shard)
+                .filter(|(_, numel)| numel.is_some() == shard)
                 .filter_map(|(grad, _)| grad.clone())
                 .collect()
         };
@@ -164,12 +170,56 @@ impl GradientReducer for ShardedReducer {
         self.inner.step(lr, outcome, model, &self.local)
     }
 
-    fn save(&mut self, _dir: &Path, role: SaveRole) -> Result<Vec<SavedFile>, StageError> {
-        Err(unsupported_checkpoint(role.rank))
+    /// Every rank writes its shards' optimizer state (the model's shards are written beside
+    /// it by the checkpoint, which holds the model).
+    fn save(&mut self, dir: &Path, role: SaveRole) -> Result<Vec<SavedFile>, StageError> {
+        if self.inner.kind() != ReducerKind::Fused {
+            return Err(burn_optimizer_checkpoint(role.rank));
+        }
+        let own = SaveRole {
+            main: true,
+            distributed: false,
+            ..role
+        };
+        let mut files = self.inner.save(dir, own)?;
+        for file in &mut files {
+            let name = sharded_files::state_file_name(role.rank);
+            let (from, to) = (dir.join(&file.name), dir.join(&name));
+            std::fs::rename(&from, &to).map_err(|source| StageError::Io { path: to, source })?;
+            file.name = name;
+            file.contents = "one rank's fused optimizer state over its ZeRO-3 shards";
+        }
+        Ok(files)
     }
 
-    fn load(&mut self, _source: LoadSource<'_>) -> Result<(), StageError> {
-        Err(unsupported_checkpoint(self.rank))
+    /// The optimizer state over this job's shards, put together from the saved ranks' (of
+    /// any number).
+    fn load(&mut self, source: LoadSource<'_>) -> Result<(), StageError> {
+        if self.inner.kind() != ReducerKind::Fused {
+            return Err(burn_optimizer_checkpoint(self.rank));
+        }
+        let whole: HashMap<u64, usize> = source
+            .layout
+            .entries
+            .iter()
+            .zip(&self.shards)
+            .filter_map(|(entry, numel)| Some((entry.id.val(), (*numel)?)))
+            .collect();
+        let (dir, files) = (source.dir, source.files);
+        let job = (self.rank, self.world);
+        self.inner.load_resharded(source, &mut |segments| {
+            sharded_files::reshard_state(
+                dir,
+                files,
+                segments,
+                &|segment| whole.get(&segment.id).copied(),
+                job,
+            )
+        })
+    }
+
+    fn shard_numels(&self) -> Option<&[Option<usize>]> {
+        Some(&self.shards)
     }
 
     fn state_on_device(&self) -> Option<bool> {
@@ -189,11 +239,12 @@ impl GradientReducer for ShardedReducer {
     }
 }
 
-fn unsupported_checkpoint(rank: usize) -> StageError {
+fn burn_optimizer_checkpoint(rank: usize) -> StageError {
     StageError::from(AccelerateError::Misuse {
         rank,
-        what: "a checkpoint of a model with sharded units (ZeRO-3)".into(),
-        hint: "checkpoints of sharded units are not written yet: train at zero_stage 2 to save \
-               and resume",
+        what: "a checkpoint of sharded units (ZeRO-3) stepped by Burn's optimizer".into(),
+        hint: "its record is keyed to this run's shards and cannot be cut for another world \
+               size: prepare a fused optimizer (Burn's AdamW/Adam/SGD config) to checkpoint \
+               at zero_stage 3",
     })
 }

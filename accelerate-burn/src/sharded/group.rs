@@ -2,7 +2,7 @@
 //! first failure of one of them, and which parameters are shards (their gradients arrive
 //! averaged, so the reducer does not average them again).
 
-use std::collections::HashSet;
+use std::collections::HashMap;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Mutex, MutexGuard, PoisonError};
 
@@ -18,8 +18,9 @@ pub(crate) struct ShardGroup {
     /// The first collective or read that failed inside a gather: later gathers give zeros
     /// without communicating, and `backward` reports it.
     failure: Mutex<Option<Failure>>,
-    /// Ids of every shard parameter made by this accelerator.
-    shard_ids: Mutex<HashSet<ParamId>>,
+    /// Every shard parameter made by this accelerator: its id, and the elements of the
+    /// whole parameter it is cut from.
+    shard_ids: Mutex<HashMap<ParamId, usize>>,
     /// Gathers run so far (forward and again in backward).
     gathers: AtomicU64,
 }
@@ -35,7 +36,7 @@ impl ShardGroup {
         Self {
             comm,
             failure: Mutex::new(None),
-            shard_ids: Mutex::new(HashSet::new()),
+            shard_ids: Mutex::new(HashMap::new()),
             gathers: AtomicU64::new(0),
         }
     }
@@ -110,17 +111,22 @@ impl ShardGroup {
         self.gathers.load(Ordering::Relaxed)
     }
 
-    /// Remembers `id` as a shard parameter's.
-    pub fn register(&self, id: ParamId) {
-        self.ids().insert(id);
+    /// Remembers `id` as a shard of a parameter of `numel` elements.
+    pub fn register(&self, id: ParamId, numel: usize) {
+        self.ids().insert(id, numel);
     }
 
     /// True when `id` is a shard parameter's.
     pub fn is_shard(&self, id: ParamId) -> bool {
-        self.ids().contains(&id)
+        self.ids().contains_key(&id)
     }
 
-    fn ids(&self) -> MutexGuard<'_, HashSet<ParamId>> {
+    /// Elements of the whole parameter that `id` is a shard of; `None` for other ids.
+    pub fn whole_numel(&self, id: ParamId) -> Option<usize> {
+        self.ids().get(&id).copied()
+    }
+
+    fn ids(&self) -> MutexGuard<'_, HashMap<ParamId, usize>> {
         self.shard_ids
             .lock()
             .unwrap_or_else(PoisonError::into_inner)

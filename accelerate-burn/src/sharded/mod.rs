@@ -304,7 +304,7 @@ impl ModuleMapper for Cutter<'_> {
                         tensor = tensor.require_grad();
                     }
                     self.shards.push(Param::initialized(id, tensor));
-                    self.group.register(id);
+                    self.group.register(id, numel);
                 }
                 Err(e) => self.error = Some(e),
             }

@@ -24,7 +24,7 @@ use host::{GradBuffer, HostFlat};
 pub(crate) use plan::FlatPlan;
 use plan::Sharding;
 pub(crate) use state_file::FusedStateError;
-use state_file::FusedStateFile;
+pub(crate) use state_file::{FusedStateFile, Segment};
 
 use crate::checkpoint::StageError;
 use crate::error::AccelerateError;
@@ -431,7 +431,44 @@ impl GradientReducer for FlatReducer {
                 }
             })?);
         }
-        // The buffers start again from the loaded model, under its (saved) parameter ids.
+        self.rebuild(source)?;
+        if files.is_empty() {
+            return Ok(());
+        }
+        Ok(self.apply_state(files)?)
+    }
+
+    fn load_resharded(
+        &mut self,
+        source: LoadSource<'_>,
+        state: &mut dyn FnMut(&[Segment]) -> Result<FusedStateFile, StageError>,
+    ) -> Result<(), StageError> {
+        self.rebuild(source)?;
+        let file = state(&self.plan.segments)?;
+        Ok(self.apply_state(vec![file])?)
+    }
+
+    fn state_on_device(&self) -> Option<bool> {
+        match self.buffers {
+            Buffers::Host(_) => Some(false),
+            #[cfg(feature = "device-kernels")]
+            Buffers::Device(_) => Some(true),
+        }
+    }
+
+    fn held_bytes(&self) -> Option<HeldBytes> {
+        Some(match &self.buffers {
+            Buffers::Host(host) => host.held_bytes(),
+            #[cfg(feature = "device-kernels")]
+            Buffers::Device(device) => device.held_bytes(),
+        })
+    }
+}
+
+impl FlatReducer {
+    /// New buffers for the model `source` loaded (its layout, ids and values); the buffers
+    /// start again from it, under its (saved) parameter ids.
+    fn rebuild(&mut self, source: LoadSource<'_>) -> Result<(), StageError> {
         self.layout = Arc::new(source.layout);
         self.plan = FlatPlan::new(
             &self.layout,
@@ -459,25 +496,6 @@ impl GradientReducer for FlatReducer {
         )?;
         self.buffers = rebuilt;
         self.pending = None;
-        if files.is_empty() {
-            return Ok(());
-        }
-        Ok(self.apply_state(files)?)
-    }
-
-    fn state_on_device(&self) -> Option<bool> {
-        match self.buffers {
-            Buffers::Host(_) => Some(false),
-            #[cfg(feature = "device-kernels")]
-            Buffers::Device(_) => Some(true),
-        }
-    }
-
-    fn held_bytes(&self) -> Option<HeldBytes> {
-        Some(match &self.buffers {
-            Buffers::Host(host) => host.held_bytes(),
-            #[cfg(feature = "device-kernels")]
-            Buffers::Device(device) => device.held_bytes(),
-        })
+        Ok(())
     }
 }
