@@ -9,6 +9,7 @@ use accelerate_burn::{
 use burn::module::Module;
 use burn::nn::{Linear, LinearConfig, Relu};
 use burn::optim::AdamWConfig;
+use burn::store::{ModuleSnapshot, SafetensorsStore};
 use burn::tensor::{Device, Tensor, TensorData};
 
 const FEATURES: usize = 6;
@@ -195,10 +196,9 @@ fn resharding_after_forward_gathers_again_in_backward_only_what_backward_needs()
     assert_eq!(gradients, [4, 4]);
 }
 
-/// Sharded units belong to ZeRO-3, and ZeRO-3 needs them; weights files of a sharded model
-/// are refused (not written with one rank's shards in them).
+/// Sharded units belong to ZeRO-3, and ZeRO-3 needs them.
 #[test]
-fn sharding_is_zero_3_and_sharded_weights_are_refused_not_written_wrong() {
+fn sharding_is_zero_3_and_zero_3_needs_sharded_units() {
     let acc = accelerator(2, 1);
     let err = acc.shard(Net::new(&acc.device())).unwrap_err().to_string();
     assert!(err.contains("zero_stage(3)"), "{err}");
@@ -209,10 +209,34 @@ fn sharding_is_zero_3_and_sharded_weights_are_refused_not_written_wrong() {
     };
     let err = err.to_string();
     assert!(err.contains("no sharded unit"), "{err}");
+}
 
+/// A model of sharded units is saved whole, a parameter gathered at a time, under the paths
+/// of the unsharded model: plain Burn loads `save_model`'s file, and `merge-weights` of
+/// `save_model_sharded`'s shards, into the unsharded model, bit for bit.
+#[test]
+fn a_sharded_model_saves_whole_files_plain_burn_loads() {
+    let acc = accelerator(3, 1);
     let net = ShardedNet::new(&acc, Net::new(&acc.device())).unwrap();
+    let expected = bits(&net.whole());
     let dir = tempfile::tempdir().unwrap();
-    let err = acc.save_model(&net, dir.path()).unwrap_err().to_string();
+    let file = acc.save_model(&net, dir.path()).unwrap();
+    let load = |path: &std::path::Path| {
+        let mut store = SafetensorsStore::from_file(path);
+        let mut plain = Net::new(&Device::default());
+        plain.load_from(&mut store).unwrap();
+        bits(&plain)
+    };
+    assert_eq!(load(&file), expected);
+
+    // 16 x 6 + 16 + 16 + 1 floats in shards of at most 128 bytes.
+    let sharded = dir.path().join("sharded");
+    let files = acc.save_model_sharded(&net, &sharded, 128).unwrap();
+    assert!(files.len() > 2, "{files:?}");
+    let merged = dir.path().join("merged");
+    accelerate_core::weights::merge_sharded(&sharded, &merged).unwrap();
+    assert_eq!(load(&merged.join("model.safetensors")), expected);
+
+    let err = acc.load_model(net, &file).unwrap_err().to_string();
     assert!(err.contains("sharded units"), "{err}");
-    assert_eq!(std::fs::read_dir(dir.path()).unwrap().count(), 0);
 }

@@ -28,6 +28,7 @@ use burn::data::dataloader::batcher::Batcher;
 use burn::data::dataset::InMemDataset;
 use burn::module::Module;
 use burn::optim::{AdamWConfig, SgdConfig};
+use burn::store::{ModuleSnapshot, SafetensorsStore};
 use burn::tensor::{Device, Int, Tensor, TensorData};
 use common::{
     SCENARIO, env_number, largest_difference, line, param_bits, param_bits_in, parameters, params,
@@ -117,14 +118,39 @@ fn fused() -> anyhow::Result<()> {
     println!("FORMED {}", acc.transport());
     println!("FUSION {}", accelerate_burn::backend::fusion::active());
     let model = MlpConfig::new(digits::PIXELS, vec![32], digits::CLASSES).init(&acc.device());
-    if stage == 3 {
-        let sharded = acc.shard(model)?;
-        train_fused(&acc, sharded, |m| m.gather())?;
-        println!("GATHERS {}", acc.sharded_gathers());
-        Ok(())
-    } else {
-        train_fused(&acc, model, Mlp::clone)
+    if stage != 3 {
+        return train_fused(&acc, model, Mlp::clone).map(drop);
     }
+    let sharded = train_fused(&acc, acc.shard(model)?, |m| m.gather())?;
+    println!("GATHERS {}", acc.sharded_gathers());
+    // The trained model's weights, whole, as plain Burn and the hub read them, and its
+    // logits on a probe for the reader to compare.
+    if let Ok(dir) = std::env::var("TEST_WEIGHTS") {
+        let dir = std::path::Path::new(&dir);
+        acc.save_model(&sharded, dir)?;
+        acc.save_model_sharded(&sharded, dir.join("sharded"), 4096)?;
+        let logits = sharded.gather().forward(probe(&acc.device()));
+        print_tensor("LOGITS", logits);
+    }
+    Ok(())
+}
+
+/// A fixed batch of 8 inputs for the digits MLP.
+fn probe(device: &Device) -> Tensor<2> {
+    let values: Vec<f32> = (0..8 * digits::PIXELS)
+        .map(|i| (i * 7 % 17) as f32 / 17.0)
+        .collect();
+    Tensor::from_data(TensorData::new(values, [8, digits::PIXELS]), device)
+}
+
+/// Prints `tensor`'s values as hex bit patterns on a line starting with `label`.
+fn print_tensor(label: &str, tensor: Tensor<2>) {
+    let bits: Vec<String> = tensor
+        .into_data()
+        .iter::<f32>()
+        .map(|v| format!("{:08x}", v.to_bits()))
+        .collect();
+    println!("{label} {}", bits.join(","));
 }
 
 /// The loop of [`fused`] for a model `whole` turns into the MLP (a collective at stage 3).
@@ -132,7 +158,7 @@ fn train_fused<M: Module>(
     acc: &Accelerator<DefaultBackend>,
     model: M,
     whole: impl Fn(&M) -> Mlp,
-) -> anyhow::Result<()> {
+) -> anyhow::Result<M> {
     let data: Vec<_> = digits::load()?.into_iter().take(SAMPLES).collect();
     let train = DataLoader::builder(DigitBatcher)
         .batch_size(env_number::<usize>("TEST_BATCH"))
@@ -167,7 +193,7 @@ fn train_fused<M: Module>(
         held.master_parameters, held.gradients, held.optimizer_state
     );
     print_params(&whole(&model));
-    Ok(())
+    Ok(model)
 }
 
 /// fp16 training where rank 1's loss is infinite at step 3: every rank must skip exactly that
@@ -901,6 +927,54 @@ fn zero_3_under_bf16_autocast_equals_the_unsharded_optimizer_on_the_same_process
         assert!(worst <= 1e-6, "rank {rank}: {worst}");
     }
     assert_eq!(param_bits(&sharded[0]), param_bits(&sharded[1]));
+}
+
+/// A ZeRO-3 model trained on 2 processes is saved whole, each parameter gathered in turn:
+/// plain Burn loads `save_model`'s file into the unsharded MLP with the parameters the ranks
+/// gathered, bit for bit, and `merge-weights` of `save_model_sharded`'s shards gives the
+/// logits the sharded model gave.
+#[test]
+fn a_zero_3_model_saves_whole_weights_that_plain_burn_loads() {
+    let tmp = tempfile::tempdir().unwrap();
+    let ranks = run(
+        "fused",
+        2,
+        &[
+            ("TEST_BATCH", PER_RANK_BATCH.to_string()),
+            ("TEST_ZERO", "3".into()),
+            ("TEST_WEIGHTS", tmp.path().display().to_string()),
+        ],
+    );
+    for (rank, output) in ranks.iter().enumerate() {
+        assert!(
+            output.status.success(),
+            "rank {rank}: {}",
+            String::from_utf8_lossy(&output.stderr)
+        );
+    }
+    let device = Device::default();
+    let load = |path: &std::path::Path| {
+        let mut mlp = MlpConfig::new(digits::PIXELS, vec![32], digits::CLASSES).init(&device);
+        let mut store = SafetensorsStore::from_file(path);
+        mlp.load_from(&mut store).unwrap();
+        mlp
+    };
+    let whole = load(&tmp.path().join("model.safetensors"));
+    let bits: Vec<u32> = parameters(&whole).iter().map(|v| v.to_bits()).collect();
+    assert_eq!(bits, param_bits(&ranks[0]));
+
+    let sharded = tmp.path().join("sharded");
+    assert!(sharded.join("model.safetensors.index.json").exists());
+    let merged = tmp.path().join("merged");
+    accelerate_core::weights::merge_sharded(&sharded, &merged).unwrap();
+    let merged = load(&merged.join("model.safetensors"));
+    let logits: Vec<String> = merged
+        .forward(probe(&device))
+        .into_data()
+        .iter::<f32>()
+        .map(|v| format!("{:08x}", v.to_bits()))
+        .collect();
+    assert_eq!(logits.join(","), line(&ranks[0], "LOGITS "));
 }
 
 /// Elements of each rank's shards of the digits MLP at ZeRO-3 over `world` processes: every

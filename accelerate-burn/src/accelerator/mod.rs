@@ -9,6 +9,7 @@ mod checkpoints;
 mod collectives;
 mod model_files;
 mod prepare;
+mod sharded_weights;
 mod sharding;
 mod step;
 

@@ -19,7 +19,9 @@ use crate::error::AccelerateError;
 
 impl<B: AcceleratorBackend> Accelerator<B> {
     /// Writes `model`'s parameters to `dir/model.safetensors` on the main process (other
-    /// processes write nothing) and returns the file's path. The file is written to a
+    /// processes write nothing) and returns the file's path. A model with sharded units
+    /// (ZeRO-3) is written whole all the same, one parameter gathered at a time (every
+    /// process must call it then). The file is written to a
     /// temporary name, synced and renamed, so a crash never leaves a truncated one; a plain Burn
     /// program loads it with `burn::store::SafetensorsStore` and `load_from`. A sharded model
     /// that an earlier `save_model_sharded` wrote in `dir` is removed once the file is in
@@ -30,9 +32,12 @@ impl<B: AcceleratorBackend> Accelerator<B> {
         model: &M,
         dir: impl AsRef<Path>,
     ) -> Result<PathBuf, AccelerateError> {
-        self.refuse_sharded(model, "save_model")?;
         let dir = dir.as_ref();
         let path = dir.join(MODEL_FILE);
+        if self.has_sharded_units(model) {
+            self.save_sharded_units(model, dir, None)?;
+            return Ok(path);
+        }
         if !self.is_main_process() {
             return Ok(path);
         }
@@ -63,15 +68,18 @@ impl<B: AcceleratorBackend> Accelerator<B> {
     /// the model), into a staging directory; only when all are written are they moved into
     /// place with their index, and the model an earlier save of ours left in `dir` (a whole
     /// file, or shards no longer named) removed. [`load_model`](Self::load_model) reads the
-    /// result; `accelerate-rs merge-weights` makes one file of it.
+    /// result; `accelerate-rs merge-weights` makes one file of it. A model with sharded units
+    /// (ZeRO-3) is written as `save_model` writes it, a parameter at a time.
     pub fn save_model_sharded<M: Module>(
         &self,
         model: &M,
         dir: impl AsRef<Path>,
         max_shard_size: u64,
     ) -> Result<Vec<PathBuf>, AccelerateError> {
-        self.refuse_sharded(model, "save_model_sharded")?;
         let dir = dir.as_ref();
+        if self.has_sharded_units(model) {
+            return self.save_sharded_units(model, dir, Some(max_shard_size));
+        }
         let tensors = model.collect(None, None, false);
         let sizes: Vec<u64> = tensors.iter().map(|t| t.byte_len() as u64).collect();
         let names: Vec<String> = tensors.into_iter().map(|t| t.name).collect();
@@ -195,7 +203,7 @@ impl<B: AcceleratorBackend> Accelerator<B> {
         Ok(model)
     }
 
-    fn weights_error(&self, source: WeightsError) -> AccelerateError {
+    pub(super) fn weights_error(&self, source: WeightsError) -> AccelerateError {
         AccelerateError::Weights {
             rank: self.state.rank,
             source,

@@ -76,8 +76,8 @@ impl<B: AcceleratorBackend> Accelerator<B> {
         Ok(())
     }
 
-    /// An error when `model` holds sharded units: `what` (a weights file) is not written or
-    /// read for them yet.
+    /// An error when `model` holds sharded units: `what` reads whole parameters, which have
+    /// no place in their shards.
     pub(crate) fn refuse_sharded<M: Module>(
         &self,
         model: &M,
@@ -93,7 +93,8 @@ impl<B: AcceleratorBackend> Accelerator<B> {
         Err(AccelerateError::Misuse {
             rank: self.state.rank,
             what: format!("{what} with a model that has sharded units (ZeRO-3)"),
-            hint: "weights files of sharded units are not written or read yet: train at                    zero_stage 2 to save the model",
+            hint: "load the weights into the unsharded model, then shard its units \
+                   (acc.shard), or resume with load_state",
         })
     }
 

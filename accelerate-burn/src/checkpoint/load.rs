@@ -214,9 +214,10 @@ fn sharded_model<M: Module>(
     let job = (ctx.state.rank, ctx.state.world_size);
     let values = sharded_files::read_model(dir, files, &layout, numels, job)
         .map_err(|e| (e.to_string(), hint))?;
-    for (&id, numel) in param_ids.iter().zip(numels) {
-        if let Some(numel) = numel {
-            ctx.shards.register(ParamId::from(id), *numel);
+    // The shards go on under the saved ids.
+    for (entry, &id) in layout.entries.iter().zip(param_ids) {
+        if let Some(shape) = ctx.shards.whole_shape(entry.id) {
+            ctx.shards.register(ParamId::from(id), shape);
         }
     }
     let values = values

@@ -18,9 +18,9 @@ pub(crate) struct ShardGroup {
     /// The first collective or read that failed inside a gather: later gathers give zeros
     /// without communicating, and `backward` reports it.
     failure: Mutex<Option<Failure>>,
-    /// Every shard parameter made by this accelerator: its id, and the elements of the
-    /// whole parameter it is cut from.
-    shard_ids: Mutex<HashMap<ParamId, usize>>,
+    /// Every shard parameter made by this accelerator: its id, and the shape of the whole
+    /// parameter it is cut from.
+    shard_ids: Mutex<HashMap<ParamId, Vec<usize>>>,
     /// Gathers run so far (forward and again in backward).
     gathers: AtomicU64,
 }
@@ -111,9 +111,9 @@ impl ShardGroup {
         self.gathers.load(Ordering::Relaxed)
     }
 
-    /// Remembers `id` as a shard of a parameter of `numel` elements.
-    pub fn register(&self, id: ParamId, numel: usize) {
-        self.ids().insert(id, numel);
+    /// Remembers `id` as a shard of a parameter of shape `shape`.
+    pub fn register(&self, id: ParamId, shape: Vec<usize>) {
+        self.ids().insert(id, shape);
     }
 
     /// True when `id` is a shard parameter's.
@@ -123,10 +123,15 @@ impl ShardGroup {
 
     /// Elements of the whole parameter that `id` is a shard of; `None` for other ids.
     pub fn whole_numel(&self, id: ParamId) -> Option<usize> {
-        self.ids().get(&id).copied()
+        self.ids().get(&id).map(|shape| shape.iter().product())
     }
 
-    fn ids(&self) -> MutexGuard<'_, HashMap<ParamId, usize>> {
+    /// The shape of the whole parameter that `id` is a shard of; `None` for other ids.
+    pub fn whole_shape(&self, id: ParamId) -> Option<Vec<usize>> {
+        self.ids().get(&id).cloned()
+    }
+
+    fn ids(&self) -> MutexGuard<'_, HashMap<ParamId, Vec<usize>>> {
         self.shard_ids
             .lock()
             .unwrap_or_else(PoisonError::into_inner)

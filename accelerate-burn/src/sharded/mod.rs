@@ -304,7 +304,7 @@ impl ModuleMapper for Cutter<'_> {
                         tensor = tensor.require_grad();
                     }
                     self.shards.push(Param::initialized(id, tensor));
-                    self.group.register(id, numel);
+                    self.group.register(id, shape.as_slice().to_vec());
                 }
                 Err(e) => self.error = Some(e),
             }

@@ -26,6 +26,7 @@ mod header;
 mod merge;
 mod save;
 mod sharding;
+mod stream;
 
 #[cfg(test)]
 pub(crate) use header::write_test_file;
@@ -36,6 +37,7 @@ pub use sharding::{
     INDEX_FILE, IndexMetadata, MODEL_FILE, SAVED_BY, SAVED_BY_KEY, ShardIndex, is_shard_file_name,
     plan_shards, shard_file_name,
 };
+pub use stream::{StreamedTensor, write_streamed};
 
 use std::path::{Path, PathBuf};
 
