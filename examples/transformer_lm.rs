@@ -19,14 +19,16 @@
 use std::path::PathBuf;
 use std::time::{Duration, Instant};
 
+use accelerate_burn::Unit;
 use accelerate_burn::burn;
 use accelerate_burn::metrics::{MeanMetric, MetricValue};
+use accelerate_burn::nn::TransformerEncoderLayer;
 use accelerate_burn::{
     Accelerator, Checkpoint, DataLoader, DefaultBackend, MixedPrecision, PreparedDataLoader,
     Tracker,
 };
 use accelerate_core::sampler::SplitMix64;
-use accelerate_examples::text::{self, TextBatch, TextBatcher, TextWindows};
+use accelerate_examples::text::{self, SharedText, TextBatch, TextBatcher, TextWindows};
 use accelerate_examples::transformer::{TransformerLm, TransformerLmConfig};
 use burn::module::Module;
 use burn::optim::AdamWConfig;
@@ -197,6 +199,23 @@ pub fn train(args: &Args) -> anyhow::Result<Report> {
     )
     .with_fused(!args.burn_nn_modules);
     let model = config.init(&acc.device());
+    let texts = (train_text, validation_text);
+    if acc.config().zero_stage == 3 {
+        // ZeRO-3: each transformer layer is a sharded unit.
+        run(args, &acc, &config, model.shard_layers(&acc)?, texts)
+    } else {
+        run(args, &acc, &config, model, texts)
+    }
+}
+
+/// The training of [`train`] for a model whose layers are `L` (whole, or sharded).
+fn run<L: Unit<TransformerEncoderLayer>>(
+    args: &Args,
+    acc: &Accelerator<DefaultBackend>,
+    config: &TransformerLmConfig,
+    model: TransformerLm<L>,
+    (train_text, validation_text): (SharedText, SharedText),
+) -> anyhow::Result<Report> {
     let train = DataLoader::builder(TextBatcher)
         .batch_size(args.batch)
         .shuffle(args.seed)
@@ -220,10 +239,14 @@ pub fn train(args: &Args) -> anyhow::Result<Report> {
         acc.prepare((model, adamw, train, validation))?
     };
     let mut ema = model.clone().no_grad();
+    let sharded = acc.config().zero_stage == 3;
     if args.project_dir.is_some() {
         let restored = acc.load_latest_checkpoint(model, &mut optim, None)?;
         model = restored.model;
-        ema = restored.info.module("ema", ema)?;
+        ema = match sharded {
+            false => restored.info.module("ema", ema)?,
+            true => model.clone().no_grad(),
+        };
         if let Some(path) = restored.info.path {
             acc.print(format!("resumed from {}", path.display()));
         }
@@ -323,7 +346,14 @@ pub fn train(args: &Args) -> anyhow::Result<Report> {
                 )?;
                 validation_value = Some((value, averaged));
                 if args.project_dir.is_some() {
-                    acc.save_checkpoint(&Checkpoint::new(&model, &optim).module("ema", &ema))?;
+                    let checkpoint = Checkpoint::new(&model, &optim);
+                    // A checkpoint keeps the average only while it is whole: at ZeRO-3 it is
+                    // sharded like the model (accelerate-rs writes modules whole).
+                    let checkpoint = match sharded {
+                        false => checkpoint.module("ema", &ema),
+                        true => checkpoint,
+                    };
+                    acc.save_checkpoint(&checkpoint)?;
                 }
             }
         }
@@ -357,13 +387,17 @@ pub fn train(args: &Args) -> anyhow::Result<Report> {
             _ => "unknown".into(),
         },
     ));
-    if args.sample_bytes > 0 && acc.is_main_process() {
-        let sample = continue_text(&model.valid(), args, acc.device().inner());
-        println!(
-            "sample:\n{}{}",
-            args.prompt,
-            String::from_utf8_lossy(&sample)
-        );
+    if args.sample_bytes > 0 {
+        // Every process gathers the layers (a collective); the main one samples.
+        let whole = model.valid().whole();
+        if acc.is_main_process() {
+            let sample = continue_text(&whole, args, acc.device().inner());
+            println!(
+                "sample:\n{}{}",
+                args.prompt,
+                String::from_utf8_lossy(&sample)
+            );
+        }
     }
     Ok(Report {
         updates: optim.updates(),
@@ -372,14 +406,14 @@ pub fn train(args: &Args) -> anyhow::Result<Report> {
         train_loss,
         tokens_per_second,
         data_wait_share,
-        parameters: parameter_bits(&model),
+        parameters: parameter_bits(&model.whole()),
     })
 }
 
 /// Validation loss per byte over the evaluated sequences of every process.
-fn evaluate(
+fn evaluate<L: Unit<TransformerEncoderLayer>>(
     acc: &Accelerator<DefaultBackend>,
-    model: &TransformerLm,
+    model: &TransformerLm<L>,
     validation: &PreparedDataLoader<Vec<u8>, TextBatch>,
 ) -> anyhow::Result<MetricValue> {
     // Off the autodiff device: on it every forward records a graph that nothing consumes, and

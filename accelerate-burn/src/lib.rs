@@ -113,7 +113,7 @@ pub use fused::{FusedOptimizer, HeldBytes};
 pub use optim::{PreparedOptimizer, PreparedScheduler};
 pub use precision::{Autocast, Caster};
 pub use reducer::{Gradients, GradientsStatus};
-pub use sharded::Sharded;
+pub use sharded::{Sharded, Unit};
 
 pub use accelerate_core::comm::Reduction;
 pub use accelerate_core::{

@@ -6,11 +6,11 @@
 //! results, with our fused kernels on the CPU: linear layers, layer norm, attention, GELU,
 //! cross-entropy); `fused: false` computes all of them as burn-nn and Burn do, for comparisons.
 
-use accelerate_burn::burn;
 use accelerate_burn::nn::{
     LayerNorm, LayerNormConfig, TransformerEncoder, TransformerEncoderConfig,
-    TransformerEncoderInput, cross_entropy, linear,
+    TransformerEncoderInput, TransformerEncoderLayer, cross_entropy, linear,
 };
+use accelerate_burn::{AccelerateError, Accelerator, AcceleratorBackend, Sharded, Unit, burn};
 use burn::config::Config;
 use burn::module::Module;
 use burn::nn::attention::generate_autoregressive_mask;
@@ -38,12 +38,14 @@ pub struct TransformerLmConfig {
     pub fused: bool,
 }
 
-/// The model: see the module documentation.
+/// The model: see the module documentation. `L` is a layer unit: the layer itself, or a
+/// [`Sharded`] one ([`shard_layers`](TransformerLm::shard_layers), ZeRO-3); embeddings and
+/// the final norm stay whole.
 #[derive(Module, Debug)]
-pub struct TransformerLm {
+pub struct TransformerLm<L: Module = TransformerEncoderLayer> {
     tokens: Embedding,
     positions: Embedding,
-    layers: TransformerEncoder,
+    layers: TransformerEncoder<L>,
     norm: LayerNorm,
     /// Whether the loss is our fused cross-entropy (not part of the record).
     fused: bool,
@@ -85,6 +87,48 @@ impl TransformerLmConfig {
 }
 
 impl TransformerLm {
+    /// The model with each transformer layer sharded over the processes by `acc` (ZeRO-3,
+    /// `zero_stage(3)`): one layer whole at a time in the forward and backward passes.
+    pub fn shard_layers<B: AcceleratorBackend>(
+        self,
+        acc: &Accelerator<B>,
+    ) -> Result<TransformerLm<Sharded<TransformerEncoderLayer>>, AccelerateError> {
+        // Burn draws lazily initialised weights when they are first used; drawing the
+        // embeddings' before the layers' (visit order, as `prepare` draws an unsharded model's)
+        // makes the sharded model start from the same weights as the unsharded one.
+        let _drawn = (self.tokens.weight.val(), self.positions.weight.val());
+        self.map_layers(|layer| acc.shard(layer))
+    }
+}
+
+impl<L: Module> TransformerLm<L> {
+    /// The same model with each layer made another unit by `f`.
+    pub fn map_layers<L2: Module, E>(
+        self,
+        f: impl FnMut(L) -> Result<L2, E>,
+    ) -> Result<TransformerLm<L2>, E> {
+        Ok(TransformerLm {
+            tokens: self.tokens,
+            positions: self.positions,
+            layers: self.layers.map_layers(f)?,
+            norm: self.norm,
+            fused: self.fused,
+        })
+    }
+}
+
+impl<L: Unit<TransformerEncoderLayer>> TransformerLm<L> {
+    /// The model with every layer whole (each gathered, when sharded: a collective).
+    pub fn whole(&self) -> TransformerLm {
+        let whole = self
+            .clone()
+            .map_layers(|layer| Ok::<_, std::convert::Infallible>(layer.whole()));
+        match whole {
+            Ok(model) => model,
+            Err(never) => match never {},
+        }
+    }
+
     /// Logits `[batch, seq, vocab]` for the tokens `[batch, seq]` (seq at most the context).
     pub fn forward(&self, tokens: Tensor<2, Int>) -> Tensor<3> {
         let [batch, seq] = tokens.dims();

@@ -80,8 +80,9 @@ pub struct Checkpoint<'a, M> {
     scheduler: Option<&'a PreparedScheduler>,
     /// Serialised when the save writes them (so a value is taken as it is at that point).
     objects: Vec<(String, ObjectWriter<'a>)>,
-    /// Other modules, each written to its own safetensors file by the main process.
-    modules: Vec<(String, ModuleWriter<'a>)>,
+    /// Other modules, each written to its own safetensors file by the main process, with
+    /// their parameter ids (a module with sharded units cannot be written that way).
+    modules: Vec<(String, ModuleWriter<'a>, Vec<u64>)>,
     /// Other models trained with their own prepared optimizers, each in its own directory.
     pairs: Vec<PairPart<'a>>,
 }
@@ -135,7 +136,9 @@ impl<'a, M: Module> Checkpoint<'a, M> {
     /// an EMA copy, a frozen teacher, a second network. Read it back with
     /// [`CheckpointInfo::module`]. The main process's module is saved.
     pub fn module<N: Module>(mut self, name: &str, module: &'a N) -> Self {
-        self.modules.push((name.to_string(), module_writer(module)));
+        let ids = crate::params::ParamLayout::of(module).ids();
+        self.modules
+            .push((name.to_string(), module_writer(module), ids));
         self
     }
 

@@ -105,6 +105,19 @@ fn write_own_files<M: Module>(
     {
         return Err(StageError::PairName(name.to_string()));
     }
+    // Every rank refuses alike: a module written by the main process alone holds whole
+    // parameters, which a module of sharded units does not have.
+    if let Some((name, ..)) = checkpoint.modules.iter().find(|(.., ids)| {
+        ids.iter()
+            .any(|&id| ctx.shards.is_shard(burn::module::ParamId::from(id)))
+    }) {
+        return Err(StageError::from(AccelerateError::Misuse {
+            rank,
+            what: format!("saving module {name:?}, which has sharded units (ZeRO-3)"),
+            hint: "save a module with sharded units as the checkpoint's model, or save a \
+                   whole copy of it (unit.whole())",
+        }));
+    }
     let snapshot = checkpoint.optimizer.slot().lock().windows.snapshot();
     let models = checkpoint
         .pairs
@@ -228,7 +241,7 @@ fn write_own_files<M: Module>(
         );
     }
 
-    for (name, write) in &checkpoint.modules {
+    for (name, write, _) in &checkpoint.modules {
         if !super::valid_module_name(name) {
             return Err(StageError::ModuleName(name.clone()));
         }

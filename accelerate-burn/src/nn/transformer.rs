@@ -9,6 +9,8 @@ use burn::nn::activation::ActivationConfig;
 use burn::nn::{Dropout, DropoutConfig, Initializer};
 use burn::tensor::{Bool, Device, Tensor};
 
+use crate::sharded::Unit;
+
 use super::{
     LayerNorm, LayerNormConfig, MhaInput, MultiHeadAttention, MultiHeadAttentionConfig,
     PositionWiseFeedForward, PositionWiseFeedForwardConfig,
@@ -50,11 +52,13 @@ pub struct TransformerEncoderConfig {
     pub fused: bool,
 }
 
-/// A stack of transformer encoder layers, as burn-nn's `TransformerEncoder`.
+/// A stack of transformer encoder layers, as burn-nn's `TransformerEncoder`. `L` is a layer
+/// unit: the layer itself, or a [`Sharded`](crate::Sharded) layer (ZeRO-3, see
+/// [`map_layers`](Self::map_layers)).
 #[derive(Module, Debug)]
-pub struct TransformerEncoder {
+pub struct TransformerEncoder<L: Module = TransformerEncoderLayer> {
     /// The layers.
-    pub layers: Vec<TransformerEncoderLayer>,
+    pub layers: Vec<L>,
     /// The size of the model.
     pub d_model: usize,
     /// The size of the position-wise feed-forward network.
@@ -120,11 +124,35 @@ impl TransformerEncoderConfig {
     }
 }
 
-impl TransformerEncoder {
-    /// `[batch, seq, d_model]` through every layer.
+impl<L: Unit<TransformerEncoderLayer>> TransformerEncoder<L> {
+    /// `[batch, seq, d_model]` through every layer (each gathered in turn when the layers are
+    /// sharded).
     pub fn forward(&self, input: TransformerEncoderInput) -> Tensor<3> {
         self.layers.iter().fold(input.tensor, |x, layer| {
-            layer.forward(x, input.mask_pad.clone(), input.mask_attn.clone())
+            layer
+                .whole()
+                .forward(x, input.mask_pad.clone(), input.mask_attn.clone())
+        })
+    }
+}
+
+impl<L: Module> TransformerEncoder<L> {
+    /// The same encoder with each layer made another unit by `f` (for example sharded with
+    /// [`Accelerator::shard`](crate::Accelerator::shard), or gathered whole with
+    /// [`Unit::whole`]).
+    pub fn map_layers<L2: Module, E>(
+        self,
+        f: impl FnMut(L) -> Result<L2, E>,
+    ) -> Result<TransformerEncoder<L2>, E> {
+        Ok(TransformerEncoder {
+            layers: self.layers.into_iter().map(f).collect::<Result<_, E>>()?,
+            d_model: self.d_model,
+            d_ff: self.d_ff,
+            n_heads: self.n_heads,
+            n_layers: self.n_layers,
+            dropout: self.dropout,
+            norm_first: self.norm_first,
+            quiet_softmax: self.quiet_softmax,
         })
     }
 }

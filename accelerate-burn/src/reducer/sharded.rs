@@ -13,11 +13,10 @@ use std::sync::Arc;
 use accelerate_core::{ProcessGroup, Reduction};
 use burn::lr_scheduler::module_lr_scheduler::ModuleLearningRate;
 use burn::optim::ModuleOptimizer;
-use burn::tensor::Tensor;
 
 use super::api::{
     GradientReducer, HeldNorm, LoadSource, ModelUpdate, Outcome, Reduced, ReducerKind, SaveRole,
-    SavedFile, sum_of_squares_on_device, unscaled_norm,
+    SavedFile, unscaled_norm,
 };
 use super::sharded_files;
 use crate::checkpoint::StageError;
@@ -91,23 +90,25 @@ impl ShardedReducer {
         Ok(())
     }
 
-    /// The sum of squares of every rank's shard gradients plus the whole ones', in f64 (the
-    /// shards' sum crosses as two f32 words, its value and its rounding error).
+    /// The sum of squares of every rank's shard gradients plus the whole ones', in f64 on the
+    /// host (the shards' sum crosses as two f32 words, its value and its rounding error): as
+    /// precise as the unsharded reducers' sum, so that the norm rounds to the same f32 and
+    /// clipping scales as it does at the other stages.
     fn global_sum_of_squares(
         &self,
         grads: &ParamList,
         comm: &Comm,
     ) -> Result<f64, AccelerateError> {
-        let parts = |shard: bool| -> Vec<Tensor<1>> {
+        let sum = |shard: bool| -> f64 {
             grads
                 .iter()
                 .zip(&self.shards)
                 .filter(|(_, numel)| numel.is_some() == shard)
                 .filter_map(|(grad, _)| grad.clone())
-                .collect()
+                .map(|grad| accelerate_kernels::sum_of_squares(&params::to_host_f32(grad)))
+                .sum()
         };
-        let shards = sum_of_squares_on_device(&parts(true));
-        let whole = sum_of_squares_on_device(&parts(false));
+        let (shards, whole) = (sum(true), sum(false));
         let high = shards as f32;
         let mut words = [high, (shards - f64::from(high)) as f32];
         comm.timed(|group| group.all_reduce(&mut words, Reduction::Sum))?;

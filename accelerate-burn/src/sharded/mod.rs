@@ -193,6 +193,34 @@ impl<M> fmt::Debug for Sharded<M> {
     }
 }
 
+/// A unit of a model that gives its module `M` whole: `M` itself, or a [`Sharded<M>`]
+/// gathered. A model generic over it runs the same forward pass sharded or not:
+///
+/// ```text
+/// struct Stack<L = Block> { blocks: Vec<L> }
+/// impl<L: Unit<Block>> Stack<L> {
+///     fn forward(&self, x: Tensor<3>) -> Tensor<3> {
+///         self.blocks.iter().fold(x, |x, block| block.whole().forward(x))
+///     }
+/// }
+/// ```
+pub trait Unit<M>: Module + ModuleDisplay {
+    /// The module, whole (for a sharded unit, a collective: see [`Sharded::gather`]).
+    fn whole(&self) -> M;
+}
+
+impl<M: Module + ModuleDisplay> Unit<M> for M {
+    fn whole(&self) -> M {
+        self.clone()
+    }
+}
+
+impl<M: Module> Unit<M> for Sharded<M> {
+    fn whole(&self) -> M {
+        self.gather()
+    }
+}
+
 /// Replaces each uninitialized parameter of the skeleton with its gather.
 struct Gatherer<'a> {
     shards: std::slice::Iter<'a, Param<Tensor<1>>>,
