@@ -325,8 +325,8 @@ fn run<L: Unit<TransformerEncoderLayer>>(
                 )?;
             }
             if updates % args.eval_every == 0 || updates == last {
-                let value = evaluate(&acc, &model, &validation)?;
-                let averaged = evaluate(&acc, &ema, &validation)?;
+                let value = evaluate(acc, &model, &validation)?;
+                let averaged = evaluate(acc, &ema, &validation)?;
                 bar.suspend(|| {
                     acc.print(format!(
                         "update {updates}: validation loss {:.4} ({:.3} bits per byte), with \
@@ -362,8 +362,8 @@ fn run<L: Unit<TransformerEncoderLayer>>(
     let (validation, validation_ema) = match validation_value {
         Some(values) => values,
         None => (
-            evaluate(&acc, &model, &validation)?,
-            evaluate(&acc, &ema, &validation)?,
+            evaluate(acc, &model, &validation)?,
+            evaluate(acc, &ema, &validation)?,
         ),
     };
     let tokens_per_second = tokens_per_update * timed_updates as f64 / timed.as_secs_f64();
