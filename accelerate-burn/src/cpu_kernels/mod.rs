@@ -22,6 +22,7 @@ mod layer_norm;
 mod linear;
 mod self_attention;
 mod softmax;
+mod weight_cat;
 
 use accelerate_kernels::rows::Shape as RowShape;
 use burn::backend::TensorMetadata;
@@ -110,6 +111,14 @@ pub(crate) trait CpuKernels: Backend {
         x: FloatTensor<Self>,
         weight: FloatTensor<Self>,
     ) -> FloatTensor<Self>;
+
+    /// The columns of three 2-d weights of the same rows side by side, recomputed for the
+    /// backward pass instead of kept.
+    fn fused_weight_cat(
+        a: FloatTensor<Self>,
+        b: FloatTensor<Self>,
+        c: FloatTensor<Self>,
+    ) -> FloatTensor<Self>;
 }
 
 impl CpuKernels for Flex {
@@ -197,6 +206,14 @@ impl CpuKernels for Flex {
     ) -> FloatTensor<Self> {
         linear::forward(&x, &weight, None)
     }
+
+    fn fused_weight_cat(
+        a: FloatTensor<Self>,
+        b: FloatTensor<Self>,
+        c: FloatTensor<Self>,
+    ) -> FloatTensor<Self> {
+        weight_cat::forward([&a, &b, &c])
+    }
 }
 
 impl<C: CheckpointStrategy> CpuKernels for Autodiff<Flex, C> {
@@ -281,6 +298,14 @@ impl<C: CheckpointStrategy> CpuKernels for Autodiff<Flex, C> {
         weight: FloatTensor<Self>,
     ) -> FloatTensor<Self> {
         linear::tracked::<C>(x, weight, None)
+    }
+
+    fn fused_weight_cat(
+        a: FloatTensor<Self>,
+        b: FloatTensor<Self>,
+        c: FloatTensor<Self>,
+    ) -> FloatTensor<Self> {
+        weight_cat::tracked::<C>(a, b, c)
     }
 }
 
@@ -427,4 +452,14 @@ pub(crate) fn linear<const D: usize>(
         Some(bias) => <Dispatch as CpuKernels>::fused_linear(x, weight, bias.into_dispatch()),
         None => <Dispatch as CpuKernels>::fused_linear_without_bias(x, weight),
     })
+}
+
+/// The columns of three f32 2-d weights on Flex side by side (`[d_in, a + b + c]`), recomputed
+/// for the backward pass instead of kept.
+pub(crate) fn weight_cat(a: Tensor<2>, b: Tensor<2>, c: Tensor<2>) -> Tensor<2> {
+    Tensor::from_dispatch(<Dispatch as CpuKernels>::fused_weight_cat(
+        a.into_dispatch(),
+        b.into_dispatch(),
+        c.into_dispatch(),
+    ))
 }

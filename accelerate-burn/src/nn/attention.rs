@@ -272,7 +272,16 @@ impl MultiHeadAttention {
     fn project_qkv(&self, x: Tensor<3>) -> Tensor<3> {
         let [batch, seq, _] = x.dims();
         let linears = [&self.query, &self.key, &self.value];
-        let weight = Tensor::cat(linears.iter().map(|l| l.weight.val()).collect(), 1);
+        let [wq, wk, wv] = linears.map(|l| l.weight.val());
+        // Ours keeps no copy of the three weights until backward (Burn's cat does).
+        #[cfg(feature = "flex")]
+        let weight = if super::all_f32_on_flex(&x, &[&wq, &wk, &wv], None) {
+            crate::cpu_kernels::weight_cat(wq, wk, wv)
+        } else {
+            Tensor::cat(vec![wq, wk, wv], 1)
+        };
+        #[cfg(not(feature = "flex"))]
+        let weight = Tensor::cat(vec![wq, wk, wv], 1);
         let device = x.device();
         let biases = linears
             .iter()

@@ -236,10 +236,19 @@ where
 fn reduce_scatter_mean(data: &TensorData, param: &ParamShard) -> Option<TensorData> {
     let group = &param.group;
     let grad = group.check(data.as_slice::<f32>().map_err(|e| format!("{e:?}")))?;
-    let mut padded = vec![0.0_f32; param.shard_len * group.world_size()];
-    padded[..grad.len()].copy_from_slice(grad);
+    let padded_len = param.shard_len * group.world_size();
+    // A copy only when the parameter does not divide evenly (the padding must be zeros).
+    let padded;
+    let input = if grad.len() == padded_len {
+        grad
+    } else {
+        let mut zeros = vec![0.0_f32; padded_len];
+        zeros[..grad.len()].copy_from_slice(grad);
+        padded = zeros;
+        &padded[..]
+    };
     let mut shard = vec![0.0_f32; param.shard_len];
-    group.run(|g| g.reduce_scatter(&padded, &mut shard, Reduction::Mean))?;
+    group.run(|g| g.reduce_scatter(input, &mut shard, Reduction::Mean))?;
     Some(TensorData::new(shard, [param.shard_len]))
 }
 

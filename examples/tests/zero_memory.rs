@@ -1,0 +1,212 @@
+//! What each ZeRO stage holds per process, measured by a counting global allocator in real
+//! processes on 127.0.0.1: the transformer (12.7 M parameters, one 16-token sequence a step)
+//! trained a few steps at stages 0 to 3 on 2 and 4 processes, the peak of live heap bytes
+//! over the steps above what the process held before the model existed, against the issue's
+//! formula (P parameters, N processes, AdamW in f32): stage 0 16P, stage 1 8P + 8P/N, stage 2
+//! 4P + 12P/N, stage 3 16P/N plus the largest unit gathered with its gradient (8 bytes per
+//! parameter of it).
+//!
+//! Every child process runs one scenario alone, so the counter sees its allocations only.
+
+#![allow(unsafe_code)]
+
+mod common;
+
+use std::alloc::{GlobalAlloc, Layout, System};
+use std::sync::atomic::{AtomicU64, Ordering};
+
+use accelerate_burn::burn;
+use accelerate_burn::{Accelerator, DefaultBackend, FusedOptimizer};
+use accelerate_examples::transformer::TransformerLmConfig;
+use burn::module::Module;
+use burn::optim::AdamWConfig;
+use burn::tensor::{Int, Tensor, TensorData};
+use common::{env_number, line, run, run_child};
+
+/// The system allocator, counting the bytes live and their peak.
+struct Counting;
+
+static LIVE: AtomicU64 = AtomicU64::new(0);
+static PEAK: AtomicU64 = AtomicU64::new(0);
+
+fn grew(bytes: usize) {
+    let live = LIVE.fetch_add(bytes as u64, Ordering::Relaxed) + bytes as u64;
+    PEAK.fetch_max(live, Ordering::Relaxed);
+}
+
+fn shrank(bytes: usize) {
+    LIVE.fetch_sub(bytes as u64, Ordering::Relaxed);
+}
+
+// SAFETY: every call is forwarded unchanged to the system allocator, which upholds
+// `GlobalAlloc`'s contract; the counters are relaxed atomics that allocate nothing.
+unsafe impl GlobalAlloc for Counting {
+    unsafe fn alloc(&self, layout: Layout) -> *mut u8 {
+        // SAFETY: forwarded with the caller's layout.
+        let ptr = unsafe { System.alloc(layout) };
+        if !ptr.is_null() {
+            grew(layout.size());
+        }
+        ptr
+    }
+
+    unsafe fn alloc_zeroed(&self, layout: Layout) -> *mut u8 {
+        // SAFETY: forwarded with the caller's layout.
+        let ptr = unsafe { System.alloc_zeroed(layout) };
+        if !ptr.is_null() {
+            grew(layout.size());
+        }
+        ptr
+    }
+
+    unsafe fn realloc(&self, ptr: *mut u8, layout: Layout, new_size: usize) -> *mut u8 {
+        // SAFETY: `ptr` came from this allocator (that is, from `System`) with `layout`.
+        let moved = unsafe { System.realloc(ptr, layout, new_size) };
+        if !moved.is_null() {
+            grew(new_size);
+            shrank(layout.size());
+        }
+        moved
+    }
+
+    unsafe fn dealloc(&self, ptr: *mut u8, layout: Layout) {
+        // SAFETY: `ptr` came from this allocator (that is, from `System`) with `layout`.
+        unsafe { System.dealloc(ptr, layout) };
+        shrank(layout.size());
+    }
+}
+
+#[global_allocator]
+static GLOBAL: Counting = Counting;
+
+/// The measured transformer: 4 layers of 3.2 M parameters, embeddings of 0.14 M.
+fn config() -> TransformerLmConfig {
+    TransformerLmConfig::new(256, 16, 4, 512, 4, 2048)
+}
+
+/// Parameters of one layer of [`config`] (the largest unit at stage 3).
+fn layer_parameters() -> u64 {
+    let (d, m) = (512u64, 2048u64);
+    4 * (d * d + d) + (d * m + m) + (m * d + d) + 4 * d
+}
+
+/// Trains [`config`] for 4 updates of one 16-token sequence per process at stage
+/// `TEST_ZERO` with `TEST_OPTIM` (`fused` or `burn`), and prints the live heap bytes above
+/// the process's before the model was built: held after the steps, and the peak during them.
+fn measure() -> anyhow::Result<()> {
+    let stage = env_number::<u8>("TEST_ZERO");
+    let acc = Accelerator::<DefaultBackend>::builder()
+        .seed(3)
+        .zero_stage(stage)
+        .build()?;
+    let device = acc.device();
+    let tokens: Vec<i64> = (0..17).map(|i| (i * 37 % 256) as i64).collect();
+    let inputs =
+        Tensor::<2, Int>::from_data(TensorData::new(tokens[..16].to_vec(), [1, 16]), &device);
+    let targets =
+        Tensor::<2, Int>::from_data(TensorData::new(tokens[1..].to_vec(), [1, 16]), &device);
+    let baseline = LIVE.load(Ordering::Relaxed);
+    let model = config().init(&device);
+    let adamw = AdamWConfig::new();
+    let burn = std::env::var("TEST_OPTIM").as_deref() == Ok("burn");
+    macro_rules! train {
+        ($model:expr) => {{
+            let (mut model, mut optim) = if burn {
+                acc.prepare(($model, adamw.init()))?
+            } else {
+                acc.prepare(($model, FusedOptimizer::adamw(&adamw)?))?
+            };
+            PEAK.store(LIVE.load(Ordering::Relaxed), Ordering::Relaxed);
+            for _ in 0..4 {
+                let loss = model.sequence_losses(inputs.clone(), targets.clone()).sum();
+                let grads = acc.backward(loss, &model)?;
+                model = optim.step(1e-3, model, grads)?;
+            }
+            println!("UPDATES {}", optim.updates());
+            model.num_params()
+        }};
+    }
+    let _ = if stage == 3 {
+        train!(model.shard_layers(&acc)?)
+    } else {
+        train!(model)
+    };
+    let held = LIVE.load(Ordering::Relaxed).saturating_sub(baseline);
+    let peak = PEAK.load(Ordering::Relaxed).saturating_sub(baseline);
+    println!("HELD {held}");
+    println!("PEAK {peak}");
+    Ok(())
+}
+
+#[test]
+fn child() {
+    run_child(|scenario| match scenario {
+        "memory" => measure(),
+        other => anyhow::bail!("unknown scenario {other}"),
+    });
+}
+
+/// The formula's bytes per process at `stage` over `world` processes.
+fn formula(stage: u8, world: u64) -> u64 {
+    let p = config().parameters() as u64;
+    match stage {
+        0 => 16 * p,
+        1 => 8 * p + 8 * p / world,
+        2 => 4 * p + 12 * p / world,
+        _ => 16 * p / world + 8 * layer_parameters(),
+    }
+}
+
+/// Prints every stage's measured peak against the formula on 2 and 4 processes (RESULTS has
+/// the table), and holds ZeRO-3 with Burn's AdamW (which keeps no copy of its own beside the
+/// model's shards) to what it reaches: within 15 % of the formula on 2 processes (1.06
+/// measured), 30 % on 4 (1.26: the backward pass holds about 20 MB more there than the
+/// gathered layer, its gradient and the shards' gradients). The fused optimizer keeps a master
+/// copy and a flat gradient buffer beside the model (+8 bytes per parameter and process), and
+/// stages 1 and 2 hold whole gradients from Burn's backward pass: see RESULTS.
+#[test]
+fn per_process_memory_follows_the_zero_formula() {
+    for world in [2usize, 4] {
+        for (stage, optim) in [
+            (0u8, "fused"),
+            (1, "fused"),
+            (2, "fused"),
+            (3, "fused"),
+            (3, "burn"),
+        ] {
+            let ranks = run(
+                "memory",
+                world,
+                &[
+                    ("TEST_ZERO", stage.to_string()),
+                    ("TEST_OPTIM", optim.into()),
+                ],
+            );
+            let mut worst = 0u64;
+            for (rank, output) in ranks.iter().enumerate() {
+                assert!(
+                    output.status.success(),
+                    "stage {stage}, {world} processes, rank {rank}: {}",
+                    String::from_utf8_lossy(&output.stderr)
+                );
+                assert_eq!(line(output, "UPDATES "), "4");
+                worst = worst.max(line(output, "PEAK ").parse().unwrap());
+            }
+            let expected = formula(stage, world as u64);
+            let ratio = worst as f64 / expected as f64;
+            eprintln!(
+                "ZeRO-{stage} ({optim}), {world} processes: peak {:.1} MB, formula {:.1} MB, \
+                 ratio {ratio:.3}",
+                worst as f64 / 1e6,
+                expected as f64 / 1e6
+            );
+            if stage == 3 && optim == "burn" {
+                let bound = if world == 2 { 1.15 } else { 1.30 };
+                assert!(
+                    (0.85..=bound).contains(&ratio),
+                    "ZeRO-3, {world} processes: {worst} bytes against {expected}"
+                );
+            }
+        }
+    }
+}
