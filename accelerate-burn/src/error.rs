@@ -48,6 +48,17 @@ pub enum AccelerateError {
     #[error(transparent)]
     Nccl(#[from] accelerate_core::nccl::NcclError),
 
+    /// Training the model at this ZeRO stage needs more memory than the process may use.
+    #[error("rank {rank}: out of memory: {detail}. hint: {hint}")]
+    OutOfMemory {
+        /// This process's rank.
+        rank: usize,
+        /// What is needed, and the limit.
+        detail: String,
+        /// A configuration that fits.
+        hint: String,
+    },
+
     /// The processes did not build the same model.
     #[error("rank {rank}: {detail}. hint: every process must build the same model")]
     ModelMismatch {

@@ -234,33 +234,57 @@ pub(crate) fn replace<M: Module>(model: M, replacement: Replacement) -> M {
     }
     impl ModuleMapper for Replace {
         fn map_float<const D: usize>(&mut self, param: Param<Tensor<D>>) -> Param<Tensor<D>> {
-            let (id, tensor, mapper) = param.consume();
-            let id = self.ids.next().map_or(id, ParamId::from);
-            let Some(Some(value)) = self.values.next() else {
-                return Param::from_mapped_value(id, tensor, mapper);
-            };
-            let mut value: Tensor<D> = value.reshape(tensor.shape());
-            if tensor.is_autodiff() {
-                value = match tensor.gradient_checkpointing_strategy() {
-                    Some(strategy) => value
-                        .autodiff()
-                        .with_gradient_checkpointing_strategy(strategy),
-                    None => value.autodiff(),
-                };
+            let id = self.ids.next().map(ParamId::from);
+            match self.values.next() {
+                Some(Some(value)) => with_value(param, value, id),
+                _ => with_value_id(param, id),
             }
-            if value.dtype() != tensor.dtype() {
-                value = value.cast(tensor.dtype());
-            }
-            if tensor.is_require_grad() {
-                value = value.require_grad();
-            }
-            Param::from_mapped_value(id, value, mapper)
         }
     }
     model.map(&mut Replace {
         values: replacement.values.into_iter(),
         ids: replacement.ids.into_iter(),
     })
+}
+
+/// `param` holding `value` (flat, its element count) in its place: the same shape, dtype,
+/// autodiff association, checkpointing strategy and gradient setting; under `id` when given.
+pub(crate) fn with_value<const D: usize>(
+    param: Param<Tensor<D>>,
+    value: Tensor<1>,
+    id: Option<ParamId>,
+) -> Param<Tensor<D>> {
+    let (own_id, tensor, mapper) = param.consume();
+    let mut value: Tensor<D> = value.reshape(tensor.shape());
+    if tensor.is_autodiff() {
+        value = match tensor.gradient_checkpointing_strategy() {
+            Some(strategy) => value
+                .autodiff()
+                .with_gradient_checkpointing_strategy(strategy),
+            None => value.autodiff(),
+        };
+    }
+    if value.dtype() != tensor.dtype() {
+        value = value.cast(tensor.dtype());
+    }
+    if tensor.is_require_grad() {
+        value = value.require_grad();
+    }
+    Param::from_mapped_value(id.unwrap_or(own_id), value, mapper)
+}
+
+/// `param` under `id` when given, its value as it is.
+pub(crate) fn with_value_id<const D: usize>(
+    param: Param<Tensor<D>>,
+    id: Option<ParamId>,
+) -> Param<Tensor<D>> {
+    match id {
+        Some(id) => {
+            let (_, tensor, mapper) = param.consume();
+            Param::from_mapped_value(id, tensor, mapper)
+        }
+        None => param,
+    }
 }
 
 /// The id of `model`'s first float parameter (what tells prepared models apart).

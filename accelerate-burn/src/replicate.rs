@@ -3,11 +3,12 @@
 //! that optimizer records and checkpoints line up too. Shards of sharded units (ZeRO-3) differ
 //! between ranks by design and keep their values.
 
-use burn::module::{Module, ParamId};
+use burn::module::{Module, ModuleMapper, Param, ParamId};
+use burn::tensor::Tensor;
 
 use crate::error::AccelerateError;
 use crate::group::Comm;
-use crate::params::{self, ParamLayout, Replacement};
+use crate::params::{self, ParamLayout};
 
 /// `model` with rank 0's parameter values and ids, except the parameters `is_shard` names. A
 /// model that differs from rank 0's is an error on every rank (each names what differs, or
@@ -42,44 +43,50 @@ pub(crate) fn from_rank0<M: Module>(
     }
 
     let ids: Vec<u64> = group.broadcast_object(Some(&layout.ids()), 0)?;
-    // Shard parameters have rank 0's ids already (they were cut from rank 0's unit).
-    let whole: Vec<bool> = layout.entries.iter().map(|e| !is_shard(e.id)).collect();
-    let whole_numel = layout
-        .entries
-        .iter()
-        .zip(&whole)
-        .filter(|(_, whole)| **whole)
-        .map(|(e, _)| e.numel)
-        .sum();
-    let mut flat = if rank == 0 {
-        params::values(&model)
-            .into_iter()
-            .zip(&whole)
-            .filter(|(_, whole)| **whole)
-            .flat_map(|(value, _)| params::to_host_f32(value))
-            .collect()
-    } else {
-        vec![0.0; whole_numel]
-    };
-    group.broadcast(&mut flat, 0)?;
     drop(group);
+    // One parameter at a time, so that no rank holds a second copy of the model. Shard
+    // parameters have rank 0's ids already (they were cut from rank 0's unit) and keep their
+    // values.
+    let mut broadcast = Broadcast {
+        comm,
+        is_shard: &is_shard,
+        ids: ids.into_iter(),
+        failed: None,
+    };
+    let model = model.map(&mut broadcast);
+    match broadcast.failed {
+        Some(error) => Err(error),
+        None => Ok(model),
+    }
+}
 
-    let device = model.devices().into_iter().next().unwrap_or_default();
-    let mut offset = 0;
-    let values = layout
-        .entries
-        .iter()
-        .zip(&whole)
-        .map(|(entry, whole)| {
-            if !whole {
-                return None;
-            }
-            let part = flat[offset..offset + entry.numel].to_vec();
-            offset += entry.numel;
-            Some(params::upload(part, &device))
-        })
-        .collect();
-    Ok(params::replace(model, Replacement { values, ids }))
+/// Gives each float parameter rank 0's value and id.
+struct Broadcast<'a, F> {
+    comm: &'a Comm,
+    is_shard: &'a F,
+    ids: std::vec::IntoIter<u64>,
+    failed: Option<AccelerateError>,
+}
+
+impl<F: Fn(ParamId) -> bool> ModuleMapper for Broadcast<'_, F> {
+    fn map_float<const D: usize>(&mut self, param: Param<Tensor<D>>) -> Param<Tensor<D>> {
+        let id = self.ids.next().map(ParamId::from);
+        if (self.is_shard)(param.id) || self.failed.is_some() {
+            return params::with_value_id(param, id);
+        }
+        let numel = param.lazy_shape().num_elements();
+        let mut flat = if self.comm.rank() == 0 {
+            params::to_host_f32(param.val().reshape([numel]))
+        } else {
+            vec![0.0; numel]
+        };
+        if let Err(e) = self.comm.lock().broadcast(&mut flat, 0) {
+            self.failed = Some(e.into());
+            return params::with_value_id(param, id);
+        }
+        let device = param.lazy_device();
+        params::with_value(param, params::upload(flat, &device), id)
+    }
 }
 
 /// What differs between this rank's parameter shapes and rank 0's, if anything.

@@ -59,6 +59,7 @@ pub mod launch;
 pub mod launch_settings;
 pub mod malloc_tuning;
 pub mod memory_estimate;
+pub mod memory_limit;
 #[cfg(unix)]
 pub mod nccl;
 pub mod output_file;

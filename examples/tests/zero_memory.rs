@@ -21,7 +21,7 @@ use accelerate_examples::transformer::TransformerLmConfig;
 use burn::module::Module;
 use burn::optim::AdamWConfig;
 use burn::tensor::{Int, Tensor, TensorData};
-use common::{env_number, line, run, run_child};
+use common::{env_number, line, run, run_child, run_under};
 
 /// The system allocator, counting the bytes live and their peak.
 struct Counting;
@@ -138,9 +138,50 @@ fn measure() -> anyhow::Result<()> {
     Ok(())
 }
 
+/// A transformer of 25.4 M parameters (8 layers of 3.2 M): about 580 MiB per process at
+/// ZeRO-0 with the fused AdamW, 145 MiB (plus a layer) at ZeRO-3 on 4 processes.
+fn large() -> TransformerLmConfig {
+    TransformerLmConfig::new(256, 16, 8, 512, 4, 2048)
+}
+
+/// Trains [`large`] for 2 updates at stage `TEST_ZERO` (its layers sharded at stage 3).
+fn scale() -> anyhow::Result<()> {
+    let stage = env_number::<u8>("TEST_ZERO");
+    let acc = Accelerator::<DefaultBackend>::builder()
+        .seed(3)
+        .zero_stage(stage)
+        .build()?;
+    let device = acc.device();
+    let tokens: Vec<i64> = (0..17).map(|i| (i * 37 % 256) as i64).collect();
+    let inputs =
+        Tensor::<2, Int>::from_data(TensorData::new(tokens[..16].to_vec(), [1, 16]), &device);
+    let targets =
+        Tensor::<2, Int>::from_data(TensorData::new(tokens[1..].to_vec(), [1, 16]), &device);
+    let adamw = FusedOptimizer::adamw(&AdamWConfig::new())?;
+    macro_rules! train {
+        ($model:expr) => {{
+            let (mut model, mut optim) = acc.prepare(($model, adamw))?;
+            for _ in 0..2 {
+                let loss = model.sequence_losses(inputs.clone(), targets.clone()).sum();
+                let grads = acc.backward(loss, &model)?;
+                model = optim.step(1e-3, model, grads)?;
+            }
+            println!("UPDATES {}", optim.updates());
+        }};
+    }
+    let model = large().init(&device);
+    if stage == 3 {
+        train!(model.shard_layers(&acc)?);
+    } else {
+        train!(model);
+    }
+    Ok(())
+}
+
 #[test]
 fn child() {
     run_child(|scenario| match scenario {
+        "scale" => scale(),
         "memory" => measure(),
         other => anyhow::bail!("unknown scenario {other}"),
     });
@@ -208,5 +249,47 @@ fn per_process_memory_follows_the_zero_formula() {
                 );
             }
         }
+    }
+}
+
+/// Each process may use 280 MiB of data (RLIMIT_DATA, set by `prlimit` for the ranks alone):
+/// the 25.4 M-parameter transformer, which needs about 580 MiB per process at ZeRO-0 (290 at
+/// ZeRO-2), trains at ZeRO-3 on 4 processes, and at ZeRO-0 every rank stops at prepare with
+/// an out-of-memory error that says what it needs, the limit, and that ZeRO-3 fits.
+#[test]
+fn a_model_too_large_for_one_process_trains_at_zero_3_on_4_processes() {
+    if std::process::Command::new("prlimit")
+        .arg("--version")
+        .output()
+        .is_err()
+    {
+        assert!(
+            std::env::var("ACCELERATE_REQUIRE_TEST_TOOLS").is_err(),
+            "prlimit (util-linux) is not installed"
+        );
+        eprintln!("skipped: prlimit (util-linux) is not installed");
+        return;
+    }
+    let limit = format!("--data={}", 280u64 << 20);
+    let wrapper = ["prlimit", limit.as_str()];
+    let sharded = run_under(&wrapper, "scale", 4, &[("TEST_ZERO", "3".into())]);
+    for (rank, output) in sharded.iter().enumerate() {
+        assert!(
+            output.status.success(),
+            "ZeRO-3, rank {rank}: {}",
+            String::from_utf8_lossy(&output.stderr)
+        );
+        assert_eq!(line(output, "UPDATES "), "2");
+    }
+    let whole = run_under(&wrapper, "scale", 4, &[("TEST_ZERO", "0".into())]);
+    for (rank, output) in whole.iter().enumerate() {
+        assert!(!output.status.success(), "ZeRO-0, rank {rank} trained");
+        let err = String::from_utf8_lossy(&output.stderr);
+        assert!(
+            err.contains(&format!("rank {rank}: out of memory"))
+                && err.contains("280 MiB (RLIMIT_DATA)")
+                && err.contains("hint: at zero_stage 3 with the model's layers sharded"),
+            "ZeRO-0, rank {rank}: {err}"
+        );
     }
 }

@@ -7,6 +7,7 @@
 mod builder;
 mod checkpoints;
 mod collectives;
+mod memory_check;
 mod model_files;
 mod prepare;
 mod sharded_weights;
@@ -233,11 +234,9 @@ impl<B: AcceleratorBackend> Accelerator<B> {
                  optimizer keeps all of its state on every process"
             );
         }
-        let reducer = reducer::build(
-            self.reducer_spec(model)?,
-            OptimizerChoice::Burn(optim),
-            &self.comm,
-        )?;
+        let spec = self.reducer_spec(model)?;
+        self.check_memory(&spec, None)?;
+        let reducer = reducer::build(spec, OptimizerChoice::Burn(optim), &self.comm)?;
         self.install(reducer, self.buffer_sync(model))
     }
 
@@ -250,11 +249,9 @@ impl<B: AcceleratorBackend> Accelerator<B> {
         model: &M,
         optimizer: FusedOptimizer,
     ) -> Result<PreparedOptimizer, AccelerateError> {
-        let reducer = reducer::build(
-            self.reducer_spec(model)?,
-            OptimizerChoice::Fused(optimizer),
-            &self.comm,
-        )?;
+        let spec = self.reducer_spec(model)?;
+        self.check_memory(&spec, Some(optimizer.buffer_names().len() as u64))?;
+        let reducer = reducer::build(spec, OptimizerChoice::Fused(optimizer), &self.comm)?;
         self.install(reducer, self.buffer_sync(model))
     }
 

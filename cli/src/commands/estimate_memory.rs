@@ -184,7 +184,7 @@ mod tests {
         );
         assert_eq!(
             row("ZeRO-3"),
-            "ZeRO-3 256 MiB 256 MiB 256 MiB 512 MiB 1 GiB 1.25 GiB"
+            "ZeRO-3 256 MiB 256 MiB 256 MiB 512 MiB 1.25 GiB 1.5 GiB"
         );
         assert_eq!(human(1536), "1.5 KiB");
         assert_eq!(human(124_000_000 * 4), "473 MiB");

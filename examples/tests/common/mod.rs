@@ -75,6 +75,17 @@ pub fn params_labelled(output: &Output, label: &str) -> Vec<f32> {
 /// Runs `scenario` on `world` processes (or one process without launcher variables) and
 /// returns each rank's output.
 pub fn run(scenario: &str, world: usize, env: &[(&str, String)]) -> Vec<Output> {
+    run_under(&[], scenario, world, env)
+}
+
+/// As [`run`], each process started by `wrapper` (a program and its arguments, given the
+/// rank's command line after them: `prlimit --data=N`), or directly when it is empty.
+pub fn run_under(
+    wrapper: &[&str],
+    scenario: &str,
+    world: usize,
+    env: &[(&str, String)],
+) -> Vec<Output> {
     let port = TcpListener::bind("127.0.0.1:0")
         .unwrap()
         .local_addr()
@@ -82,7 +93,15 @@ pub fn run(scenario: &str, world: usize, env: &[(&str, String)]) -> Vec<Output> 
         .port();
     let children: Vec<_> = (0..world)
         .map(|rank| {
-            let mut cmd = Command::new(std::env::current_exe().unwrap());
+            let exe = std::env::current_exe().unwrap();
+            let mut cmd = match wrapper.split_first() {
+                Some((program, args)) => {
+                    let mut cmd = Command::new(program);
+                    cmd.args(args).arg(exe);
+                    cmd
+                }
+                None => Command::new(exe),
+            };
             cmd.args(["child", "--exact", "--nocapture", "--test-threads=1"])
                 .env(SCENARIO, scenario)
                 .env("ACCELERATE_TIMEOUT", "60")
