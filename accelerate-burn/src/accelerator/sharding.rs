@@ -37,10 +37,10 @@ impl<B: AcceleratorBackend> Accelerator<B> {
         if !B::SHARDED_UNITS {
             return Err(AccelerateError::BackendUnavailable {
                 backend: B::NAME,
-                reason: "sharded units (ZeRO-3) gather through an operation built for the flex \
-                         and ndarray backends only"
+                reason: "sharded units (ZeRO-3) gather through an operation built for the flex, \
+                         ndarray, wgpu and cuda backends only"
                     .into(),
-                hint: "train with the flex backend, or use zero_stage 2 on this one",
+                hint: "train with one of those, or use zero_stage 2 on this one",
             });
         }
         sharded::shard(unit, &self.shards, &self.device)

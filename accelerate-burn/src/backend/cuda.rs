@@ -12,6 +12,7 @@ pub struct Cuda;
 impl AcceleratorBackend for Cuda {
     const NAME: &'static str = "cuda";
     const DEVICE_KERNELS: bool = true;
+    const SHARDED_UNITS: bool = true;
 
     fn device(local_rank: usize) -> Result<Device, AccelerateError> {
         // Burn's CUDA device is lazy and panics on first use without a driver; look for one

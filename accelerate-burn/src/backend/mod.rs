@@ -45,7 +45,8 @@ pub trait AcceleratorBackend: 'static + Send + Sync {
     const DEVICE_KERNELS: bool = false;
 
     /// True when [`Sharded`](crate::Sharded) units (ZeRO-3) can gather on this backend: its
-    /// Burn backend has our gather operation (flex and ndarray).
+    /// Burn backend has our gather operation (flex, ndarray, and cubecl's wgpu and cuda, with
+    /// or without Burn's fusion).
     const SHARDED_UNITS: bool = false;
 
     /// The (non-autodiff) device of the process with local rank `local_rank`.

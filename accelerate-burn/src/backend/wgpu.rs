@@ -16,6 +16,7 @@ pub struct Wgpu;
 impl AcceleratorBackend for Wgpu {
     const NAME: &'static str = "wgpu";
     const DEVICE_KERNELS: bool = true;
+    const SHARDED_UNITS: bool = true;
 
     fn device(_local_rank: usize) -> Result<Device, AccelerateError> {
         // The lazy constructor panics on first use when no adapter exists; the options' `init`

@@ -63,15 +63,22 @@ impl fmt::Debug for ParamShard {
 #[derive(Clone, Debug)]
 pub(crate) struct GatherSpec(pub Arc<ParamShard>);
 
-/// The gather as a Burn operation.
+/// The gather as a Burn operation. Under Burn's fusion it is one lazy operation, run when the
+/// stream reaches it: every rank's stream holds the same operations in the same order.
 #[backend_extension(
     Flex: cfg(feature = "flex"),
     NdArray: cfg(feature = "ndarray"),
+    Cube: cfg(feature = "device-kernels"),
+    Fusion: cfg(feature = "fusion"),
     Autodiff
 )]
 pub(crate) trait ShardOps: Backend {
     /// Every rank's `shard` (`[shard_len]`), concatenated in rank order and cut to the
     /// parameter's shape; its gradient is reduce-scattered (mean) into the shard's.
+    #[fusion(meta = |shard, spec| burn::backend::fusion::custom::TensorSpec::new(
+        burn::tensor::Shape::from(spec.0.shape.clone()),
+        shard.dtype,
+    ))]
     fn shard_gather(shard: FloatTensor<Self>, spec: GatherSpec) -> FloatTensor<Self>;
 }
 
@@ -84,6 +91,13 @@ impl ShardOps for burn::backend::Flex {
 
 #[cfg(feature = "ndarray")]
 impl ShardOps for burn::backend::NdArray {
+    fn shard_gather(shard: FloatTensor<Self>, spec: GatherSpec) -> FloatTensor<Self> {
+        gather::<Self>(shard, &spec.0)
+    }
+}
+
+#[cfg(feature = "device-kernels")]
+impl ShardOps for burn_cubecl::CubeBackend {
     fn shard_gather(shard: FloatTensor<Self>, spec: GatherSpec) -> FloatTensor<Self> {
         gather::<Self>(shard, &spec.0)
     }

@@ -13,6 +13,9 @@
 //! Gathering is a collective: every process gathers the same units in the same order (train
 //! and evaluate on every process).
 
+// Burn 0.22 deprecates its ndarray backend, which the gather still serves (the `ndarray`
+// feature); the macro's code for it is generated inside this module.
+#[allow(deprecated)]
 mod gather;
 mod group;
 
