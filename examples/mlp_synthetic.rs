@@ -7,16 +7,17 @@
 //!
 //! Arguments: `--samples N` (default 60000); `--burn-optimizer` for Burn's AdamW
 //! (`AdamWConfig::new().init()`) instead of the fused update that `prepare` picks for
-//! `AdamWConfig::new()` (with `ACCELERATE_ZERO_STAGE=1` and several processes, ZeRO-1). Prints samples
-//! per second over all processes,
+//! `AdamWConfig::new()` (with `ACCELERATE_ZERO_STAGE=1` and several processes, ZeRO-1; at
+//! `ACCELERATE_ZERO_STAGE=3` the MLP is one sharded unit). Prints samples per second over all
+//! processes,
 //! excluding the first 10 steps (warm-up), the final loss, and with several processes
 //! (`accelerate-rs launch -n 2 --example mlp_synthetic`) the time per step spent averaging
 //! gradients.
 
 use accelerate_burn::burn;
-use accelerate_burn::{Accelerator, DataLoader, DefaultBackend};
-use accelerate_examples::MlpConfig;
+use accelerate_burn::{Accelerator, DataLoader, DefaultBackend, Unit};
 use accelerate_examples::synthetic::{self, SampleBatcher, TeacherDataset};
+use accelerate_examples::{Mlp, MlpConfig};
 use anyhow::Context;
 use burn::optim::AdamWConfig;
 
@@ -37,6 +38,20 @@ pub fn run(samples: usize, burn_optimizer: bool) -> anyhow::Result<()> {
     let acc = Accelerator::<DefaultBackend>::builder().seed(0).build()?;
     let model = MlpConfig::new(synthetic::FEATURES, vec![1024, 1024], synthetic::CLASSES)
         .init(&acc.device());
+    if acc.config().zero_stage == 3 {
+        train(&acc, acc.shard(model)?, samples, burn_optimizer)
+    } else {
+        train(&acc, model, samples, burn_optimizer)
+    }
+}
+
+/// The loop of [`run`] for the MLP as `model` holds it (whole, or one sharded unit).
+fn train<U: Unit<Mlp>>(
+    acc: &Accelerator<DefaultBackend>,
+    model: U,
+    samples: usize,
+    burn_optimizer: bool,
+) -> anyhow::Result<()> {
     let train = DataLoader::builder(SampleBatcher)
         .batch_size(BATCH)
         .shuffle(0)
@@ -58,7 +73,8 @@ pub fn run(samples: usize, burn_optimizer: bool) -> anyhow::Result<()> {
         let n = batch.targets.dims()[0];
         let loss = acc
             .autocast(&model, |m, c| {
-                m.forward_loss(c.input(batch.features), batch.targets)
+                m.whole()
+                    .forward_loss(c.input(batch.features), batch.targets)
             })
             .loss;
         let grads = acc.backward(loss.clone(), &model)?;

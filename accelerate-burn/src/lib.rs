@@ -59,6 +59,8 @@
 //!   over batches and processes, without the samples `even_batches` repeated.
 //! - [`selftest`]: the checks `accelerate-rs test` runs on every process.
 //! - [`fused`]: fused AdamW / Adam / SGD over flat parameters, ZeRO-1 and ZeRO-2.
+//! - [`Sharded`] / [`Unit`]: ZeRO-3, a model's units sharded over the processes
+//!   ([`Accelerator::shard`]) and gathered for their forward pass.
 //! - [`checkpoint`]: `save_state` / `load_state` with exact resume, atomic saves, rotation.
 //! - `save_model` / `save_model_sharded` / `load_model` on [`Accelerator`]: the weights alone,
 //!   one safetensors file or the Hugging Face hub's shards and index.

@@ -55,8 +55,8 @@ pub struct LaunchArgs {
     #[arg(long)]
     mixed_precision: Option<MixedPrecision>,
 
-    /// ZeRO stage of the workers' fused optimizers: 0, 1 (optimizer state sharded) or 2
-    /// (gradients too) (passed as ACCELERATE_ZERO_STAGE).
+    /// ZeRO stage of the workers: 0, 1 (optimizer state sharded), 2 (gradients too) or 3
+    /// (the parameters of the units a model shards too) (passed as ACCELERATE_ZERO_STAGE).
     #[arg(long)]
     zero_stage: Option<u8>,
 
