@@ -15,10 +15,11 @@ mod common;
 use std::alloc::{GlobalAlloc, Layout, System};
 use std::sync::atomic::{AtomicU64, Ordering};
 
+use accelerate_burn::Unit;
 use accelerate_burn::burn;
+use accelerate_burn::nn::TransformerEncoderLayer;
 use accelerate_burn::{Accelerator, DefaultBackend, FusedOptimizer};
-use accelerate_examples::transformer::TransformerLmConfig;
-use burn::module::Module;
+use accelerate_examples::transformer::{TransformerLm, TransformerLmConfig};
 use burn::optim::AdamWConfig;
 use burn::tensor::{Int, Tensor, TensorData};
 use common::{env_number, line, run, run_child, run_under};
@@ -90,62 +91,17 @@ fn layer_parameters() -> u64 {
     4 * (d * d + d) + (d * m + m) + (m * d + d) + 4 * d
 }
 
-/// Trains [`config`] for 4 updates of one 16-token sequence per process at stage
-/// `TEST_ZERO` with `TEST_OPTIM` (`fused` or `burn`), and prints the live heap bytes above
-/// the process's before the model was built: held after the steps, and the peak during them.
-fn measure() -> anyhow::Result<()> {
-    let stage = env_number::<u8>("TEST_ZERO");
-    let acc = Accelerator::<DefaultBackend>::builder()
-        .seed(3)
-        .zero_stage(stage)
-        .build()?;
-    let device = acc.device();
-    let tokens: Vec<i64> = (0..17).map(|i| (i * 37 % 256) as i64).collect();
-    let inputs =
-        Tensor::<2, Int>::from_data(TensorData::new(tokens[..16].to_vec(), [1, 16]), &device);
-    let targets =
-        Tensor::<2, Int>::from_data(TensorData::new(tokens[1..].to_vec(), [1, 16]), &device);
-    let baseline = LIVE.load(Ordering::Relaxed);
-    let model = config().init(&device);
-    let adamw = AdamWConfig::new();
-    let burn = std::env::var("TEST_OPTIM").as_deref() == Ok("burn");
-    macro_rules! train {
-        ($model:expr) => {{
-            let (mut model, mut optim) = if burn {
-                acc.prepare(($model, adamw.init()))?
-            } else {
-                acc.prepare(($model, FusedOptimizer::adamw(&adamw)?))?
-            };
-            PEAK.store(LIVE.load(Ordering::Relaxed), Ordering::Relaxed);
-            for _ in 0..4 {
-                let loss = model.sequence_losses(inputs.clone(), targets.clone()).sum();
-                let grads = acc.backward(loss, &model)?;
-                model = optim.step(1e-3, model, grads)?;
-            }
-            println!("UPDATES {}", optim.updates());
-            model.num_params()
-        }};
-    }
-    let _ = if stage == 3 {
-        train!(model.shard_layers(&acc)?)
-    } else {
-        train!(model)
-    };
-    let held = LIVE.load(Ordering::Relaxed).saturating_sub(baseline);
-    let peak = PEAK.load(Ordering::Relaxed).saturating_sub(baseline);
-    println!("HELD {held}");
-    println!("PEAK {peak}");
-    Ok(())
-}
-
 /// A transformer of 25.4 M parameters (8 layers of 3.2 M): about 580 MiB per process at
 /// ZeRO-0 with the fused AdamW, 145 MiB (plus a layer) at ZeRO-3 on 4 processes.
 fn large() -> TransformerLmConfig {
     TransformerLmConfig::new(256, 16, 8, 512, 4, 2048)
 }
 
-/// Trains [`large`] for 2 updates at stage `TEST_ZERO` (its layers sharded at stage 3).
-fn scale() -> anyhow::Result<()> {
+/// Trains `config` for `updates` updates of one 16-token sequence per process at stage
+/// `TEST_ZERO` (its layers sharded at stage 3) with `TEST_OPTIM` (`fused`, the default, or
+/// `burn`); with `report`, prints the live heap bytes above what the process held before the
+/// model was built: held after the steps, and the peak during them.
+fn train(config: TransformerLmConfig, updates: u64, report: bool) -> anyhow::Result<()> {
     let stage = env_number::<u8>("TEST_ZERO");
     let acc = Accelerator::<DefaultBackend>::builder()
         .seed(3)
@@ -153,36 +109,55 @@ fn scale() -> anyhow::Result<()> {
         .build()?;
     let device = acc.device();
     let tokens: Vec<i64> = (0..17).map(|i| (i * 37 % 256) as i64).collect();
-    let inputs =
-        Tensor::<2, Int>::from_data(TensorData::new(tokens[..16].to_vec(), [1, 16]), &device);
-    let targets =
-        Tensor::<2, Int>::from_data(TensorData::new(tokens[1..].to_vec(), [1, 16]), &device);
-    let adamw = FusedOptimizer::adamw(&AdamWConfig::new())?;
-    macro_rules! train {
-        ($model:expr) => {{
-            let (mut model, mut optim) = acc.prepare(($model, adamw))?;
-            for _ in 0..2 {
-                let loss = model.sequence_losses(inputs.clone(), targets.clone()).sum();
-                let grads = acc.backward(loss, &model)?;
-                model = optim.step(1e-3, model, grads)?;
-            }
-            println!("UPDATES {}", optim.updates());
-        }};
-    }
-    let model = large().init(&device);
+    let sequence = |range: std::ops::Range<usize>| {
+        Tensor::<2, Int>::from_data(TensorData::new(tokens[range].to_vec(), [1, 16]), &device)
+    };
+    let batch = (sequence(0..16), sequence(1..17));
+    let baseline = LIVE.load(Ordering::Relaxed);
+    let model = config.init(&device);
     if stage == 3 {
-        train!(model.shard_layers(&acc)?);
+        steps(&acc, model.shard_layers(&acc)?, &batch, updates)?;
     } else {
-        train!(model);
+        steps(&acc, model, &batch, updates)?;
     }
+    if report {
+        let held = LIVE.load(Ordering::Relaxed).saturating_sub(baseline);
+        let peak = PEAK.load(Ordering::Relaxed).saturating_sub(baseline);
+        println!("HELD {held}");
+        println!("PEAK {peak}");
+    }
+    Ok(())
+}
+
+/// Prepares `model` with AdamW and takes `updates` steps on `batch` (inputs, targets); the
+/// peak counts from the first step.
+fn steps<L: Unit<TransformerEncoderLayer>>(
+    acc: &Accelerator<DefaultBackend>,
+    model: TransformerLm<L>,
+    (inputs, targets): &(Tensor<2, Int>, Tensor<2, Int>),
+    updates: u64,
+) -> anyhow::Result<()> {
+    let adamw = AdamWConfig::new();
+    let (mut model, mut optim) = if std::env::var("TEST_OPTIM").as_deref() == Ok("burn") {
+        acc.prepare((model, adamw.init()))?
+    } else {
+        acc.prepare((model, FusedOptimizer::adamw(&adamw)?))?
+    };
+    PEAK.store(LIVE.load(Ordering::Relaxed), Ordering::Relaxed);
+    for _ in 0..updates {
+        let loss = model.sequence_losses(inputs.clone(), targets.clone()).sum();
+        let grads = acc.backward(loss, &model)?;
+        model = optim.step(1e-3, model, grads)?;
+    }
+    println!("UPDATES {}", optim.updates());
     Ok(())
 }
 
 #[test]
 fn child() {
     run_child(|scenario| match scenario {
-        "scale" => scale(),
-        "memory" => measure(),
+        "scale" => train(large(), 2, false),
+        "memory" => train(config(), 4, true),
         other => anyhow::bail!("unknown scenario {other}"),
     });
 }
