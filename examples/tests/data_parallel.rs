@@ -6,7 +6,6 @@
 //! unless `ACCELERATE_TEST_CHILD` names a scenario).
 
 mod common;
-#[cfg(feature = "mpi")]
 #[path = "../../tests-support/netns.rs"]
 mod netns;
 #[path = "../../tests-support/slurm.rs"]
@@ -977,6 +976,50 @@ fn a_zero_3_model_saves_whole_weights_that_plain_burn_loads() {
     assert_eq!(logits.join(","), line(&ranks[0], "LOGITS "));
 }
 
+/// ZeRO-3 across two hosts (network namespaces joined by a veth link, one process on each,
+/// our TCP engine between them): the sharded MLP's gathers and reduce-scatters give, bit for
+/// bit, what the same 2 processes give over shared memory on one host (two ranks: every sum
+/// is a + b either way).
+#[test]
+fn zero_3_on_two_hosts_over_tcp_equals_shared_memory_bit_for_bit() {
+    let Some(hosts) = netns::TwoHosts::new("zero3") else {
+        return;
+    };
+    let mut env = vec![
+        ("TEST_BATCH", PER_RANK_BATCH.to_string()),
+        ("TEST_ZERO", "3".to_string()),
+    ];
+    let shm = run("fused", 2, &env);
+    env.push(("MASTER_ADDR", hosts.addresses[0].clone()));
+    env.push(("LOCAL_WORLD_SIZE", "1".to_string()));
+    env.push(("LOCAL_RANK", "0".to_string()));
+    // Each rank in its host's namespace, under a host name of its own (ranks on one host
+    // name share memory).
+    let host = |rank: usize| {
+        let namespace = hosts.namespaces[rank].clone();
+        let script = format!("hostname accrs-zero3-{rank} && exec \"$0\" \"$@\"");
+        [
+            "ip", "netns", "exec", &namespace, "unshare", "--uts", "sh", "-c", &script,
+        ]
+        .map(String::from)
+        .to_vec()
+    };
+    let tcp = common::run_under(&host, "fused", 2, &env);
+    for (rank, output) in tcp.iter().enumerate() {
+        assert!(
+            output.status.success(),
+            "rank {rank}: {}",
+            String::from_utf8_lossy(&output.stderr)
+        );
+        assert_eq!(line(output, "FORMED "), "tcp", "rank {rank}");
+        assert_eq!(param_bits(output), param_bits(&shm[rank]), "rank {rank}");
+    }
+    assert_eq!(
+        (hosts.leftovers(0), hosts.leftovers(1)),
+        (String::new(), String::new())
+    );
+}
+
 /// Elements of each rank's shards of the digits MLP at ZeRO-3 over `world` processes: every
 /// parameter (64x32 and 32x10 weights, 32 and 10 biases) is cut on its own, padded to whole
 /// elements.
@@ -1188,15 +1231,13 @@ fn mpi_two_processes_learn_what_shared_memory_learns_bit_for_bit() {
     assert_mpi_job_matches(&mut mpirun, dir.path(), &shm, &single[0]);
 }
 
-/// ZeRO-2 under a real `mpirun -np 2` on the MPI engine: its reduce-scatter and all-gather
-/// give, bit for bit, what the same 2 processes give over our shared-memory engine (two ranks:
-/// every sum is a + b either way), and one unsharded process's parameters within 1e-6.
+/// ZeRO-2 and ZeRO-3 under a real `mpirun -np 2` on the MPI engine: its reduce-scatters and
+/// all-gathers (at stage 3 the sharded MLP's gathers in forward and backward) give, bit for
+/// bit, what the same 2 processes give over our shared-memory engine (two ranks: every sum is
+/// a + b either way), and one unsharded process's parameters within 1e-6.
 #[cfg(feature = "mpi")]
 #[test]
-fn mpi_zero_2_on_two_processes_equals_shared_memory_bit_for_bit() {
-    let Some(mut mpirun) = tools::mpirun(2) else {
-        return;
-    };
+fn mpi_zero_2_and_3_on_two_processes_equal_shared_memory_bit_for_bit() {
     let zero = |stage: &str, batch: usize| {
         vec![
             ("TEST_BATCH", batch.to_string()),
@@ -1205,11 +1246,16 @@ fn mpi_zero_2_on_two_processes_equals_shared_memory_bit_for_bit() {
         ]
     };
     let single = run("fused", 1, &zero("0", 2 * PER_RANK_BATCH));
-    let shm = run("fused", 2, &zero("2", PER_RANK_BATCH));
-    let dir = tempfile::tempdir().unwrap();
-    mpi_worker_of(&mut mpirun, dir.path(), PER_RANK_BATCH, "fused");
-    mpirun.env("TEST_ZERO", "2").env("TEST_AUTOCAST", "no");
-    assert_mpi_job_matches(&mut mpirun, dir.path(), &shm, &single[0]);
+    for stage in ["2", "3"] {
+        let Some(mut mpirun) = tools::mpirun(2) else {
+            return;
+        };
+        let shm = run("fused", 2, &zero(stage, PER_RANK_BATCH));
+        let dir = tempfile::tempdir().unwrap();
+        mpi_worker_of(&mut mpirun, dir.path(), PER_RANK_BATCH, "fused");
+        mpirun.env("TEST_ZERO", stage).env("TEST_AUTOCAST", "no");
+        assert_mpi_job_matches(&mut mpirun, dir.path(), &shm, &single[0]);
+    }
 }
 
 /// Runs the `mpirun` job of 2 ranks writing under `dir` and asserts that each rank formed the

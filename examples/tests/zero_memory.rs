@@ -245,8 +245,7 @@ fn a_model_too_large_for_one_process_trains_at_zero_3_on_4_processes() {
         eprintln!("skipped: prlimit (util-linux) is not installed");
         return;
     }
-    let limit = format!("--data={}", 280u64 << 20);
-    let wrapper = ["prlimit", limit.as_str()];
+    let wrapper = |_| vec!["prlimit".to_string(), format!("--data={}", 280u64 << 20)];
     let sharded = run_under(&wrapper, "scale", 4, &[("TEST_ZERO", "3".into())]);
     for (rank, output) in sharded.iter().enumerate() {
         assert!(

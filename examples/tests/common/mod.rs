@@ -75,13 +75,14 @@ pub fn params_labelled(output: &Output, label: &str) -> Vec<f32> {
 /// Runs `scenario` on `world` processes (or one process without launcher variables) and
 /// returns each rank's output.
 pub fn run(scenario: &str, world: usize, env: &[(&str, String)]) -> Vec<Output> {
-    run_under(&[], scenario, world, env)
+    run_under(&|_| Vec::new(), scenario, world, env)
 }
 
-/// As [`run`], each process started by `wrapper` (a program and its arguments, given the
-/// rank's command line after them: `prlimit --data=N`), or directly when it is empty.
+/// As [`run`], rank `r` started by `wrapper(r)` (a program and its arguments, given the
+/// rank's command line after them: `prlimit --data=N`, `ip netns exec NS`), or directly when
+/// it is empty.
 pub fn run_under(
-    wrapper: &[&str],
+    wrapper: &dyn Fn(usize) -> Vec<String>,
     scenario: &str,
     world: usize,
     env: &[(&str, String)],
@@ -94,6 +95,7 @@ pub fn run_under(
     let children: Vec<_> = (0..world)
         .map(|rank| {
             let exe = std::env::current_exe().unwrap();
+            let wrapper = wrapper(rank);
             let mut cmd = match wrapper.split_first() {
                 Some((program, args)) => {
                     let mut cmd = Command::new(program);
