@@ -55,6 +55,10 @@ pub struct MemoryEstimate {
     /// Every gradient at once, as Burn's backward pass returns them (for a moment, at the end
     /// of each backward pass; Burn has no per-parameter hooks to hand them over sooner).
     pub backward_gradients: u64,
+    /// At stage 3, the largest sharded unit while it runs: its gathered parameters and their
+    /// gradients, 8 bytes a parameter ([`with_largest_unit`](Self::with_largest_unit)); 0
+    /// at the other stages, or when the units are not known.
+    pub largest_unit: u64,
 }
 
 impl MemoryEstimate {
@@ -81,7 +85,17 @@ impl MemoryEstimate {
             gradients,
             optimizer_state: state_elements.saturating_mul(state_buffers),
             backward_gradients: model,
+            largest_unit: 0,
         }
+    }
+
+    /// This estimate with the largest sharded unit, of `parameters` f32 parameters, whole
+    /// while it runs (counted at stage 3 only: below it nothing is gathered).
+    pub fn with_largest_unit(mut self, parameters: u64) -> Self {
+        if self.stage == 3 {
+            self.largest_unit = parameters.saturating_mul(2 * F32);
+        }
+        self
     }
 
     /// Everything kept between steps: model, master copy, gradients and optimizer state.
@@ -93,9 +107,11 @@ impl MemoryEstimate {
     }
 
     /// The peak over a step, activations aside: what is held plus the gradients of one
-    /// backward pass.
+    /// backward pass (and at stage 3 the largest unit, gathered with its gradients).
     pub fn peak(&self) -> u64 {
-        self.held().saturating_add(self.backward_gradients)
+        self.held()
+            .saturating_add(self.backward_gradients)
+            .saturating_add(self.largest_unit)
     }
 }
 
@@ -106,6 +122,10 @@ pub struct SafetensorsCounts {
     pub elements: BTreeMap<String, u64>,
     /// Tensors in the file.
     pub tensors: usize,
+    /// The largest unit ZeRO-3 would shard, and its floating-point elements: every numbered
+    /// block of the names (`model.layers.12.*` is the unit `model.layers.12`) is one, every
+    /// other tensor a unit of its own.
+    pub largest_unit: Option<(String, u64)>,
 }
 
 impl SafetensorsCounts {
@@ -135,15 +155,35 @@ pub fn count_safetensors(path: &Path) -> Result<SafetensorsCounts, WeightsError>
         vec![path.to_path_buf()]
     };
     let mut counts = SafetensorsCounts::default();
+    let mut units: BTreeMap<String, u64> = BTreeMap::new();
     for file in files {
-        for entry in weights::read_header(&file)?.tensors.into_values() {
+        for (name, entry) in weights::read_header(&file)?.tensors {
             let elements = entry.elements().unwrap_or(u64::MAX);
+            if entry.dtype.starts_with('F') || entry.dtype.starts_with("BF") {
+                let unit = units.entry(unit_of(&name).to_string()).or_default();
+                *unit = unit.saturating_add(elements);
+            }
             let total = counts.elements.entry(entry.dtype).or_default();
             *total = total.saturating_add(elements);
             counts.tensors += 1;
         }
     }
+    counts.largest_unit = units.into_iter().max_by_key(|(_, elements)| *elements);
     Ok(counts)
+}
+
+/// The unit a tensor named `name` belongs to: its name up to its first numbered component
+/// (`model.layers.12.mlp.weight` -> `model.layers.12`), or the whole name without one.
+fn unit_of(name: &str) -> &str {
+    let mut end = 0;
+    for part in name.split('.') {
+        end += part.len();
+        if !part.is_empty() && part.bytes().all(|b| b.is_ascii_digit()) {
+            return &name[..end];
+        }
+        end += 1;
+    }
+    name
 }
 
 #[cfg(test)]
@@ -186,6 +226,10 @@ mod tests {
         assert_eq!((zero3.model_parameters, zero3.backward_gradients), (12, 12));
         assert_eq!(zero3.held(), 12 + 12 + 12 + 24);
         assert_eq!(MemoryEstimate::new(10, 2, 4, 9), zero3);
+        // A unit of 5 parameters is whole while it runs, with its gradients: 40 bytes, at
+        // stage 3 only.
+        assert_eq!(zero3.with_largest_unit(5).peak(), zero3.peak() + 40);
+        assert_eq!(zero2.with_largest_unit(5), zero2);
         // One process shards nothing.
         assert_eq!(
             MemoryEstimate::new(10, 2, 1, 2),
@@ -240,5 +284,29 @@ mod tests {
         .unwrap();
         let counts = count_safetensors(tmp.path()).unwrap();
         assert_eq!((counts.tensors, counts.float_elements()), (2, 16));
+    }
+
+    #[test]
+    fn units_are_the_numbered_blocks_of_the_names() {
+        assert_eq!(
+            unit_of("model.layers.12.mlp.up_proj.weight"),
+            "model.layers.12"
+        );
+        assert_eq!(unit_of("layers.0.weight"), "layers.0");
+        assert_eq!(unit_of("lm_head.weight"), "lm_head.weight");
+        assert_eq!(unit_of("h.1x.weight"), "h.1x.weight");
+
+        let tmp = tempfile::tempdir().unwrap();
+        let path = tmp.path().join("model.safetensors");
+        write_safetensors(
+            &path,
+            r#"{"layers.0.w":{"dtype":"F32","shape":[3,4],"data_offsets":[0,48]},
+                "layers.0.b":{"dtype":"F32","shape":[4],"data_offsets":[48,64]},
+                "layers.1.w":{"dtype":"F32","shape":[2,3],"data_offsets":[64,88]},
+                "head":{"dtype":"F32","shape":[5],"data_offsets":[88,108]}}"#,
+            108,
+        );
+        let counts = count_safetensors(&path).unwrap();
+        assert_eq!(counts.largest_unit, Some(("layers.0".to_string(), 16)));
     }
 }

@@ -122,6 +122,8 @@ fn fused() -> anyhow::Result<()> {
     }
     let sharded = train_fused(&acc, acc.shard(model)?, |m| m.gather())?;
     println!("GATHERS {}", acc.sharded_gathers());
+    let [.., zero3] = acc.memory_estimates(&sharded, 2);
+    println!("UNIT {}", zero3.largest_unit);
     // The trained model's weights, whole, as plain Burn and the hub read them, and its
     // logits on a probe for the reader to compare.
     if let Ok(dir) = std::env::var("TEST_WEIGHTS") {
@@ -1110,6 +1112,8 @@ fn assert_zero_equals_one_process(
                 line(output, "GATHERS "),
                 (5 * micro_batches + 4).to_string()
             );
+            // The whole MLP is one unit: whole while it runs, with its gradients.
+            assert_eq!(line(output, "UNIT "), (8 * reference.len()).to_string());
         }
         if !counted {
             continue;

@@ -1,6 +1,7 @@
 //! ZeRO-3's entry point: [`Accelerator::shard`] makes a model's units [`Sharded`], and the
 //! checks that keep a sharded model out of paths that expect whole parameters.
 
+use accelerate_core::memory_estimate::MemoryEstimate;
 use burn::module::Module;
 
 use super::Accelerator;
@@ -50,6 +51,36 @@ impl<B: AcceleratorBackend> Accelerator<B> {
     /// again in backward counts twice): to see what `reshard_after_forward` does.
     pub fn sharded_gathers(&self) -> u64 {
         self.shards.gathers()
+    }
+
+    /// What training `model` needs per process at each ZeRO stage (0 to 3) on this job's
+    /// processes, with `state_buffers` optimizer buffers per parameter (AdamW 2, SGD with
+    /// momentum 1): `accelerate-rs estimate-memory`'s figures for a model in hand, its sharded
+    /// units' largest one counted at stage 3 (whole, with its gradients, while it runs).
+    pub fn memory_estimates<M: Module>(
+        &self,
+        model: &M,
+        state_buffers: u64,
+    ) -> [MemoryEstimate; 4] {
+        let layout = ParamLayout::of(model);
+        let whole = self.shard_mask(&layout);
+        let mut parameters = 0u64;
+        let mut units: std::collections::HashMap<u64, u64> = std::collections::HashMap::new();
+        for (entry, whole) in layout.entries.iter().zip(whole) {
+            if !entry.trainable {
+                continue;
+            }
+            let numel = whole.unwrap_or(entry.numel) as u64;
+            parameters += numel;
+            if let Some(unit) = self.shards.unit_of(entry.id) {
+                *units.entry(unit).or_default() += numel;
+            }
+        }
+        let largest = units.into_values().max().unwrap_or(0);
+        let world = self.state.world_size as u64;
+        [0u8, 1, 2, 3].map(|stage| {
+            MemoryEstimate::new(parameters, state_buffers, world, stage).with_largest_unit(largest)
+        })
     }
 
     /// For each parameter of `layout`, the elements of the whole parameter when it is a shard

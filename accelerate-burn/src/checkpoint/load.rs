@@ -216,9 +216,7 @@ fn sharded_model<M: Module>(
         .map_err(|e| (e.to_string(), hint))?;
     // The shards go on under the saved ids.
     for (entry, &id) in layout.entries.iter().zip(param_ids) {
-        if let Some(shape) = ctx.shards.whole_shape(entry.id) {
-            ctx.shards.register(ParamId::from(id), shape);
-        }
+        ctx.shards.rename(entry.id, ParamId::from(id));
     }
     let values = values
         .into_iter()

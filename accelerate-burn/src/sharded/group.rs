@@ -18,11 +18,20 @@ pub(crate) struct ShardGroup {
     /// The first collective or read that failed inside a gather: later gathers give zeros
     /// without communicating, and `backward` reports it.
     failure: Mutex<Option<Failure>>,
-    /// Every shard parameter made by this accelerator: its id, and the shape of the whole
-    /// parameter it is cut from.
-    shard_ids: Mutex<HashMap<ParamId, Vec<usize>>>,
+    /// Every shard parameter made by this accelerator: its id, the shape of the whole
+    /// parameter it is cut from, and its unit.
+    shard_ids: Mutex<HashMap<ParamId, ShardOf>>,
+    /// Units sharded so far (each unit's number).
+    units: AtomicU64,
     /// Gathers run so far (forward and again in backward).
     gathers: AtomicU64,
+}
+
+/// What a shard parameter is cut from.
+#[derive(Clone, Debug)]
+struct ShardOf {
+    shape: Vec<usize>,
+    unit: u64,
 }
 
 #[derive(Clone)]
@@ -37,6 +46,7 @@ impl ShardGroup {
             comm,
             failure: Mutex::new(None),
             shard_ids: Mutex::new(HashMap::new()),
+            units: AtomicU64::new(0),
             gathers: AtomicU64::new(0),
         }
     }
@@ -111,9 +121,27 @@ impl ShardGroup {
         self.gathers.load(Ordering::Relaxed)
     }
 
-    /// Remembers `id` as a shard of a parameter of shape `shape`.
-    pub fn register(&self, id: ParamId, shape: Vec<usize>) {
-        self.ids().insert(id, shape);
+    /// A number for a new unit.
+    pub fn new_unit(&self) -> u64 {
+        self.units.fetch_add(1, Ordering::Relaxed)
+    }
+
+    /// Remembers `id` as a shard of a parameter of shape `shape` in unit `unit`.
+    pub fn register(&self, id: ParamId, shape: Vec<usize>, unit: u64) {
+        self.ids().insert(id, ShardOf { shape, unit });
+    }
+
+    /// Remembers `id` as the shard that `old` was (a checkpoint's saved id for it).
+    pub fn rename(&self, old: ParamId, id: ParamId) {
+        let mut ids = self.ids();
+        if let Some(shard) = ids.get(&old).cloned() {
+            ids.insert(id, shard);
+        }
+    }
+
+    /// The unit of shard `id`; `None` for other ids.
+    pub fn unit_of(&self, id: ParamId) -> Option<u64> {
+        self.ids().get(&id).map(|shard| shard.unit)
     }
 
     /// True when `id` is a shard parameter's.
@@ -123,15 +151,17 @@ impl ShardGroup {
 
     /// Elements of the whole parameter that `id` is a shard of; `None` for other ids.
     pub fn whole_numel(&self, id: ParamId) -> Option<usize> {
-        self.ids().get(&id).map(|shape| shape.iter().product())
+        self.ids()
+            .get(&id)
+            .map(|shard| shard.shape.iter().product())
     }
 
     /// The shape of the whole parameter that `id` is a shard of; `None` for other ids.
     pub fn whole_shape(&self, id: ParamId) -> Option<Vec<usize>> {
-        self.ids().get(&id).cloned()
+        self.ids().get(&id).map(|shard| shard.shape.clone())
     }
 
-    fn ids(&self) -> MutexGuard<'_, HashMap<ParamId, Vec<usize>>> {
+    fn ids(&self) -> MutexGuard<'_, HashMap<ParamId, ShardOf>> {
         self.shard_ids
             .lock()
             .unwrap_or_else(PoisonError::into_inner)

@@ -261,6 +261,7 @@ pub(crate) fn shard<M: Module>(
         params::ParamLayout::of(&unit).ids()
     };
     let mut cutter = Cutter {
+        unit: group.new_unit(),
         group,
         device,
         rank,
@@ -284,6 +285,8 @@ pub(crate) fn shard<M: Module>(
 
 /// Cuts each float parameter into this rank's shard, leaving an uninitialized one in its place.
 struct Cutter<'a> {
+    /// The unit's number.
+    unit: u64,
     group: &'a Arc<ShardGroup>,
     device: &'a Device,
     rank: usize,
@@ -335,7 +338,8 @@ impl ModuleMapper for Cutter<'_> {
                         tensor = tensor.require_grad();
                     }
                     self.shards.push(Param::initialized(id, tensor));
-                    self.group.register(id, shape.as_slice().to_vec());
+                    self.group
+                        .register(id, shape.as_slice().to_vec(), self.unit);
                 }
                 Err(e) => self.error = Some(e),
             }

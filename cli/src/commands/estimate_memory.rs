@@ -64,12 +64,17 @@ pub struct EstimateMemoryArgs {
     /// The fused optimizer.
     #[arg(long, value_enum, default_value_t = OptimizerKind::Adamw)]
     optimizer: OptimizerKind,
+
+    /// Parameters of the largest unit ZeRO-3 shards (one layer) [default: from the model's
+    /// names, each numbered block (`model.layers.12.*`) a unit; none with --parameters].
+    #[arg(long)]
+    largest_unit: Option<u64>,
 }
 
 /// Prints the table on stdout.
 pub fn run(args: EstimateMemoryArgs) -> anyhow::Result<ExitCode> {
-    let (parameters, source) = match (&args.model, args.parameters) {
-        (_, Some(count)) => (count, format!("{count} parameters")),
+    let (parameters, source, unit) = match (&args.model, args.parameters) {
+        (_, Some(count)) => (count, format!("{count} parameters"), None),
         (Some(path), None) => {
             let counts = count_safetensors(path).context("reading the model's header")?;
             let floats = counts.float_elements();
@@ -80,9 +85,14 @@ pub fn run(args: EstimateMemoryArgs) -> anyhow::Result<ExitCode> {
                     path.display(),
                     counts.tensors
                 ),
+                counts.largest_unit,
             )
         }
         (None, None) => anyhow::bail!("give a safetensors file or --parameters N"),
+    };
+    let unit = match args.largest_unit {
+        Some(count) => Some(("given".to_string(), count)),
+        None => unit,
     };
     print!(
         "{}",
@@ -90,14 +100,22 @@ pub fn run(args: EstimateMemoryArgs) -> anyhow::Result<ExitCode> {
             &source,
             parameters,
             args.num_processes.max(1),
-            args.optimizer
+            args.optimizer,
+            unit.as_ref().map(|(name, count)| (name.as_str(), *count)),
         )
     );
     Ok(ExitCode::SUCCESS)
 }
 
-/// The table for `parameters` over `world` processes.
-fn table(source: &str, parameters: u64, world: u64, optimizer: OptimizerKind) -> String {
+/// The table for `parameters` over `world` processes; `unit` names the largest unit ZeRO-3
+/// gathers and its parameters.
+fn table(
+    source: &str,
+    parameters: u64,
+    world: u64,
+    optimizer: OptimizerKind,
+    unit: Option<(&str, u64)>,
+) -> String {
     let mut out = String::new();
     let _ = writeln!(
         out,
@@ -111,7 +129,8 @@ fn table(source: &str, parameters: u64, world: u64, optimizer: OptimizerKind) ->
         "stage", "model", "master", "gradients", "optimizer", "held", "peak"
     );
     for stage in 0..=3u8 {
-        let e = MemoryEstimate::new(parameters, optimizer.state_buffers(), world, stage);
+        let e = MemoryEstimate::new(parameters, optimizer.state_buffers(), world, stage)
+            .with_largest_unit(unit.map_or(0, |(_, count)| count));
         let _ = writeln!(
             out,
             "{:<6} {:>11} {:>11} {:>11} {:>11} {:>11} {:>11}",
@@ -127,8 +146,12 @@ fn table(source: &str, parameters: u64, world: u64, optimizer: OptimizerKind) ->
     let _ = writeln!(
         out,
         "\nheld: kept between steps; peak: held plus the gradients of one backward pass,\n\
-         which Burn returns all at once. ZeRO-3 also holds the largest sharded unit whole\n\
-         while it runs (8 bytes per parameter of it, with its gradient).{}",
+         which Burn returns all at once, and at ZeRO-3 the largest sharded unit whole while\n\
+         it runs, with its gradient ({}).{}",
+        match unit {
+            Some((name, count)) => format!("{name}: {count} parameters, {}", human(8 * count)),
+            None => "not counted: give --largest-unit".to_string(),
+        },
         if world == 1 {
             " One process shards nothing: give --num-processes."
         } else {
@@ -168,7 +191,7 @@ mod tests {
     #[test]
     fn the_table_gives_each_stage_its_bytes_in_binary_units() {
         // 2^28 parameters (1 GiB in f32), AdamW, 4 processes.
-        let text = table("m", 1 << 28, 4, OptimizerKind::Adamw);
+        let text = table("m", 1 << 28, 4, OptimizerKind::Adamw, None);
         let row = |stage: &str| {
             text.lines()
                 .find(|l| l.starts_with(stage))
@@ -185,6 +208,21 @@ mod tests {
         assert_eq!(
             row("ZeRO-3"),
             "ZeRO-3 256 MiB 256 MiB 256 MiB 512 MiB 1.25 GiB 1.5 GiB"
+        );
+        assert!(text.contains("not counted: give --largest-unit"), "{text}");
+        // A unit of 2^24 parameters adds 128 MiB to ZeRO-3's peak.
+        let text = table(
+            "m",
+            1 << 28,
+            4,
+            OptimizerKind::Adamw,
+            Some(("layers.0", 1 << 24)),
+        );
+        assert!(text.contains("ZeRO-3     256 MiB"), "{text}");
+        assert!(text.contains("1.62 GiB"), "{text}");
+        assert!(
+            text.contains("layers.0: 16777216 parameters, 128 MiB"),
+            "{text}"
         );
         assert_eq!(human(1536), "1.5 KiB");
         assert_eq!(human(124_000_000 * 4), "473 MiB");
