@@ -213,7 +213,8 @@ fn sharding_is_zero_3_and_zero_3_needs_sharded_units() {
 
 /// A model of sharded units is saved whole, a parameter gathered at a time, under the paths
 /// of the unsharded model: plain Burn loads `save_model`'s file, and `merge-weights` of
-/// `save_model_sharded`'s shards, into the unsharded model, bit for bit.
+/// `save_model_sharded`'s shards, into the unsharded model, bit for bit; `load_model` reads
+/// either into another sharded model (each process only its shard of each parameter).
 #[test]
 fn a_sharded_model_saves_whole_files_plain_burn_loads() {
     let acc = accelerator(3, 1);
@@ -237,6 +238,16 @@ fn a_sharded_model_saves_whole_files_plain_burn_loads() {
     accelerate_core::weights::merge_sharded(&sharded, &merged).unwrap();
     assert_eq!(load(&merged.join("model.safetensors")), expected);
 
-    let err = acc.load_model(net, &file).unwrap_err().to_string();
-    assert!(err.contains("sharded units"), "{err}");
+    for source in [file, sharded] {
+        let fresh = ShardedNet::new(&acc, Net::new(&acc.device())).unwrap();
+        assert_ne!(bits(&fresh.whole()), expected);
+        let loaded = acc.load_model(fresh, &source).unwrap();
+        assert_eq!(bits(&loaded.whole()), expected, "{}", source.display());
+    }
+    let other = ShardedNet::new(&acc, Net::new(&acc.device())).unwrap();
+    let err = acc
+        .load_model(other, dir.path().join("nothing.safetensors"))
+        .unwrap_err()
+        .to_string();
+    assert!(err.contains("nothing.safetensors"), "{err}");
 }

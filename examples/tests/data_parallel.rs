@@ -132,6 +132,10 @@ fn fused() -> anyhow::Result<()> {
         acc.save_model_sharded(&sharded, dir.join("sharded"), 4096)?;
         let logits = sharded.gather().forward(probe(&acc.device()));
         print_tensor("LOGITS", logits);
+        // Read back into another sharded MLP: each rank reads its shards of the file.
+        let fresh = MlpConfig::new(digits::PIXELS, vec![32], digits::CLASSES).init(&acc.device());
+        let loaded = acc.load_model(acc.shard(fresh)?, dir)?;
+        print_params_as("LOADED", &loaded.gather());
     }
     Ok(())
 }
@@ -932,8 +936,8 @@ fn zero_3_under_bf16_autocast_equals_the_unsharded_optimizer_on_the_same_process
 
 /// A ZeRO-3 model trained on 2 processes is saved whole, each parameter gathered in turn:
 /// plain Burn loads `save_model`'s file into the unsharded MLP with the parameters the ranks
-/// gathered, bit for bit, and `merge-weights` of `save_model_sharded`'s shards gives the
-/// logits the sharded model gave.
+/// gathered, bit for bit, `merge-weights` of `save_model_sharded`'s shards gives the logits
+/// the sharded model gave, and `load_model` reads the file back into a sharded MLP.
 #[test]
 fn a_zero_3_model_saves_whole_weights_that_plain_burn_loads() {
     let tmp = tempfile::tempdir().unwrap();
@@ -963,6 +967,11 @@ fn a_zero_3_model_saves_whole_weights_that_plain_burn_loads() {
     let whole = load(&tmp.path().join("model.safetensors"));
     let bits: Vec<u32> = parameters(&whole).iter().map(|v| v.to_bits()).collect();
     assert_eq!(bits, param_bits(&ranks[0]));
+    for (rank, output) in ranks.iter().enumerate() {
+        let loaded = params_labelled(output, "LOADED");
+        let loaded: Vec<u32> = loaded.iter().map(|v| v.to_bits()).collect();
+        assert_eq!(loaded, bits, "rank {rank}: load_model into a sharded model");
+    }
 
     let sharded = tmp.path().join("sharded");
     assert!(sharded.join("model.safetensors.index.json").exists());

@@ -121,14 +121,18 @@ impl<B: AcceleratorBackend> Accelerator<B> {
     /// `model` with the weights at `path`: a safetensors file, or a directory holding a
     /// `model.safetensors` (preferred, as the hub's loaders do) or a sharded model
     /// (`model.safetensors.index.json` and its shards, each read in turn). Every float tensor
-    /// of `model` must be found, and every tensor found must have a place in `model`.
+    /// of `model` must be found, and every tensor found must have a place in `model`. Into a
+    /// model with sharded units (ZeRO-3) each process reads only its shard of each parameter
+    /// (fine-tuning a model from the hub that no process could hold whole).
     pub fn load_model<M: Module>(
         &self,
         model: M,
         path: impl AsRef<Path>,
     ) -> Result<M, AccelerateError> {
-        self.refuse_sharded(&model, "load_model")?;
         let path = path.as_ref();
+        if self.has_sharded_units(&model) {
+            return self.load_sharded_units(model, path);
+        }
         let whole = if path.is_dir() {
             path.join(MODEL_FILE)
         } else {

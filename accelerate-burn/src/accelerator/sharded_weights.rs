@@ -115,6 +115,136 @@ impl<B: AcceleratorBackend> Accelerator<B> {
     }
 }
 
+impl<B: AcceleratorBackend> Accelerator<B> {
+    /// `model` (with sharded units) with the weights at `path` (see `load_model`): each
+    /// parameter read from its file by byte range, only this process's shard of a sharded one.
+    pub(crate) fn load_sharded_units<M: Module>(
+        &self,
+        model: M,
+        path: &Path,
+    ) -> Result<M, AccelerateError> {
+        let files = weight_files(path).map_err(|e| self.weights_error(e))?;
+        let mismatch = |detail: String| AccelerateError::WeightsMismatch {
+            rank: self.state.rank,
+            path: path.to_path_buf(),
+            detail,
+        };
+        let layout = ParamLayout::of(&model);
+        let (rank, world) = (self.state.rank, self.state.world_size);
+        let mut used = std::collections::BTreeSet::new();
+        let mut values = Vec::with_capacity(layout.entries.len());
+        for entry in &layout.entries {
+            let Some((file, header)) = files
+                .iter()
+                .find(|(_, header)| header.tensors.contains_key(&entry.path))
+            else {
+                return Err(mismatch(format!("no file holds {}", entry.path)));
+            };
+            let tensor = &header.tensors[&entry.path];
+            let shape = self
+                .shards
+                .whole_shape(entry.id)
+                .unwrap_or_else(|| entry.shape.clone());
+            if tensor
+                .shape
+                .iter()
+                .map(|&d| d as usize)
+                .ne(shape.iter().copied())
+            {
+                return Err(mismatch(format!(
+                    "{} is {:?} there and {shape:?} in the model",
+                    entry.path, tensor.shape
+                )));
+            }
+            let numel: usize = shape.iter().product();
+            // A sharded parameter's elements of this rank; a whole one's all.
+            let range = match self.shards.whole_shape(entry.id) {
+                Some(_) => {
+                    let len = numel.div_ceil(world).max(1);
+                    (rank * len).min(numel)..((rank + 1) * len).min(numel)
+                }
+                None => 0..numel,
+            };
+            let mut part = read_f32(file, header.data_start, tensor, range)
+                .map_err(|e| mismatch(format!("{}: {e}", entry.path)))?;
+            part.resize(entry.numel, 0.0);
+            values.push(Some(params::upload(part, &self.device)));
+            used.insert(entry.path.clone());
+        }
+        if let Some(extra) = files
+            .iter()
+            .flat_map(|(_, header)| header.tensors.keys())
+            .find(|name| !used.contains(*name))
+        {
+            return Err(mismatch(format!("{extra} has no place in the model")));
+        }
+        Ok(params::replace(
+            model,
+            params::Replacement {
+                values,
+                ids: Vec::new(),
+            },
+        ))
+    }
+}
+
+/// Every safetensors file of the weights at `path` (a file, a directory with
+/// `model.safetensors`, or a sharded model's directory) with its header.
+fn weight_files(path: &Path) -> Result<Vec<(PathBuf, weights::Header)>, WeightsError> {
+    let files: Vec<PathBuf> = if !path.is_dir() {
+        vec![path.to_path_buf()]
+    } else if path.join(MODEL_FILE).is_file() {
+        vec![path.join(MODEL_FILE)]
+    } else {
+        let index = ShardIndex::read(path)?;
+        index.files().into_iter().map(|f| path.join(f)).collect()
+    };
+    files
+        .into_iter()
+        .map(|file| {
+            let header = weights::read_header(&file)?;
+            Ok((file, header))
+        })
+        .collect()
+}
+
+/// Elements `range` of the tensor `tensor` of `file` (its data from `data_start`), as f32
+/// (F32, F16 and BF16 files; the header reader checked the tensor's bytes lie in the file).
+fn read_f32(
+    file: &Path,
+    data_start: u64,
+    tensor: &weights::TensorEntry,
+    range: std::ops::Range<usize>,
+) -> Result<Vec<f32>, String> {
+    use std::io::{Read, Seek, SeekFrom};
+    let size = match tensor.dtype.as_str() {
+        "F32" => 4,
+        "F16" | "BF16" => 2,
+        other => return Err(format!("{other} values cannot be a float parameter here")),
+    };
+    let start = data_start + tensor.data_offsets[0] + (range.start * size) as u64;
+    let mut bytes = vec![0u8; range.len() * size];
+    let mut handle = std::fs::File::open(file).map_err(|e| e.to_string())?;
+    handle
+        .seek(SeekFrom::Start(start))
+        .and_then(|_| handle.read_exact(&mut bytes))
+        .map_err(|e| format!("reading {}: {e}", file.display()))?;
+    Ok(match tensor.dtype.as_str() {
+        "F32" => bytes
+            .chunks_exact(4)
+            .map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]]))
+            .collect(),
+        "F16" => bytes
+            .chunks_exact(2)
+            .map(|c| half::f16::from_le_bytes([c[0], c[1]]).to_f32())
+            .collect(),
+        _ => bytes
+            .chunks_exact(2)
+            .map(|c| half::bf16::from_le_bytes([c[0], c[1]]).to_f32())
+            .collect(),
+    })
+}
+
 /// The files a save of `count` shards writes into `dir`.
 fn paths(dir: &Path, count: usize) -> Vec<PathBuf> {
     if count <= 1 {

@@ -107,28 +107,6 @@ impl<B: AcceleratorBackend> Accelerator<B> {
         Ok(())
     }
 
-    /// An error when `model` holds sharded units: `what` reads whole parameters, which have
-    /// no place in their shards.
-    pub(crate) fn refuse_sharded<M: Module>(
-        &self,
-        model: &M,
-        what: &str,
-    ) -> Result<(), AccelerateError> {
-        if self
-            .shard_mask(&ParamLayout::of(model))
-            .iter()
-            .all(Option::is_none)
-        {
-            return Ok(());
-        }
-        Err(AccelerateError::Misuse {
-            rank: self.state.rank,
-            what: format!("{what} with a model that has sharded units (ZeRO-3)"),
-            hint: "load the weights into the unsharded model, then shard its units \
-                   (acc.shard), or resume with load_state",
-        })
-    }
-
     /// The failure of a sharded unit's gather, if one failed (a collective cannot fail
     /// inside a Burn operation; `backward` reports it).
     pub(crate) fn sharding_failure(&self) -> Result<(), AccelerateError> {
