@@ -47,7 +47,7 @@ impl Serialize for Bomb {
 /// of an automatically named checkpoint; `TEST_LIMIT=n` keeps n checkpoints (default 2);
 /// `TEST_RESAVE=dir` saves into `dir` right after the load and exits. `TEST_OPTIM` picks the
 /// optimizer: `burn`, `fused`, or the fused one at ZeRO stage 1 (`zero`), 2 (`zero2`) or 3
-/// (`zero3`: the MLP is one sharded unit).
+/// (`zero3`: the MLP is one sharded unit; `zero3burn` with Burn's AdamW).
 fn train() -> anyhow::Result<()> {
     let precision = match env("TEST_PRECISION").as_str() {
         "fp16" => MixedPrecision::Fp16,
@@ -72,14 +72,14 @@ fn train() -> anyhow::Result<()> {
         .zero_stage(match env("TEST_OPTIM").as_str() {
             "zero" => 1,
             "zero2" => 2,
-            "zero3" => 3,
+            "zero3" | "zero3burn" => 3,
             _ => 0,
         })
         .build()?;
     let model = MlpConfig::new(digits::PIXELS, vec![32], digits::CLASSES)
         .with_dropout(0.2)
         .init(&acc.device());
-    if env("TEST_OPTIM") == "zero3" {
+    if env("TEST_OPTIM").starts_with("zero3") {
         let sharded = acc.shard(model)?;
         train_with(&acc, sharded, |m| m.gather())
     } else {
@@ -266,8 +266,10 @@ fn a_resumed_two_process_run_ends_bit_identical() {
     resume_is_bit_identical(2, "11", "zero");
     // ZeRO-2: the same files; the window's sum held as shards starts afresh after the load.
     resume_is_bit_identical(2, "11", "zero2");
-    // ZeRO-3: each rank saves its shards of the model and of the optimizer state.
+    // ZeRO-3: each rank saves its shards of the model and of the optimizer state (the fused
+    // one's, or Burn's record of its shards).
     resume_is_bit_identical(2, "11", "zero3");
+    resume_is_bit_identical(2, "11", "zero3burn");
 }
 
 /// ZeRO-3 checkpoints are cut again for another number of processes, exactly: a 2-process
@@ -314,6 +316,16 @@ fn a_zero_3_checkpoint_of_4_processes_resumes_on_2_bit_identically() {
     assert!(
         !four.join("model.safetensors").exists(),
         "no rank holds the whole model"
+    );
+    // Burn's optimizer records its shards as they were cut: another world size is refused.
+    let burn = ("TEST_OPTIM", "zero3burn");
+    let saved = tmp.path().join("burn");
+    assert_ok(&run_in(&saved, 2, &[burn, ("TEST_STOP", "5")]));
+    let refused = run_in(&saved, 1, &[burn, any, ("TEST_RESUME", "1")]);
+    assert!(
+        stderr(&refused[0]).contains("saved by 2 processes, loaded by 1"),
+        "{}",
+        stderr(&refused[0])
     );
     let resumed = run_in(
         &tmp.path().join("run2"),

@@ -174,14 +174,28 @@ impl GradientReducer for ShardedReducer {
     /// Every rank writes its shards' optimizer state (the model's shards are written beside
     /// it by the checkpoint, which holds the model).
     fn save(&mut self, dir: &Path, role: SaveRole) -> Result<Vec<SavedFile>, StageError> {
-        if self.inner.kind() != ReducerKind::Fused {
-            return Err(burn_optimizer_checkpoint(role.rank));
-        }
         let own = SaveRole {
             main: true,
             distributed: false,
             ..role
         };
+        if self.inner.kind() != ReducerKind::Fused {
+            // Burn's record of this rank's shards, in a directory of the rank's own.
+            let sub = sharded_files::burn_record_dir(role.rank);
+            let path = dir.join(&sub);
+            std::fs::create_dir_all(&path).map_err(|source| StageError::Io {
+                path: path.clone(),
+                source,
+            })?;
+            let mut files = self.inner.save(&path, own)?;
+            accelerate_core::checkpoint::sync_dir(&path)?;
+            for file in &mut files {
+                file.name = format!("{sub}/{}", file.name);
+                file.rank = Some(role.rank);
+                file.contents = "one rank's Burn optimizer record over its ZeRO-3 shards";
+            }
+            return Ok(files);
+        }
         let mut files = self.inner.save(dir, own)?;
         for file in &mut files {
             let name = sharded_files::state_file_name(role.rank);
@@ -197,7 +211,16 @@ impl GradientReducer for ShardedReducer {
     /// any number).
     fn load(&mut self, source: LoadSource<'_>) -> Result<(), StageError> {
         if self.inner.kind() != ReducerKind::Fused {
-            return Err(burn_optimizer_checkpoint(self.rank));
+            // Burn's record is keyed to this rank's shards: the same ranks only.
+            let saved = sharded_files::burn_record_ranks(source.files);
+            if saved != self.world {
+                return Err(burn_optimizer_checkpoint(self.rank, saved, self.world));
+            }
+            let dir = source.dir.join(sharded_files::burn_record_dir(self.rank));
+            return self.inner.load(LoadSource {
+                dir: &dir,
+                ..source
+            });
         }
         let whole: HashMap<u64, usize> = source
             .layout
@@ -240,12 +263,15 @@ impl GradientReducer for ShardedReducer {
     }
 }
 
-fn burn_optimizer_checkpoint(rank: usize) -> StageError {
+fn burn_optimizer_checkpoint(rank: usize, saved: usize, world: usize) -> StageError {
     StageError::from(AccelerateError::Misuse {
         rank,
-        what: "a checkpoint of sharded units (ZeRO-3) stepped by Burn's optimizer".into(),
-        hint: "its record is keyed to this run's shards and cannot be cut for another world \
-               size: prepare a fused optimizer (Burn's AdamW/Adam/SGD config) to checkpoint \
-               at zero_stage 3",
+        what: format!(
+            "Burn's optimizer state of sharded units (ZeRO-3) saved by {saved} processes, \
+             loaded by {world}"
+        ),
+        hint: "Burn's records hold each rank's shards as they were cut and cannot be cut \
+               again: resume on as many processes, or train with a fused optimizer (Burn's \
+               AdamW/Adam/SGD config), whose state is resharded",
     })
 }

@@ -22,6 +22,8 @@ use crate::params::ParamLayout;
 pub(crate) const MODEL_PREFIX: &str = "zero3_model_";
 /// Prefix of the optimizer state shard files.
 pub(crate) const STATE_PREFIX: &str = "zero3_optimizer_";
+/// Prefix of the directories of each rank's Burn optimizer record.
+const BURN_RECORD_PREFIX: &str = "zero3_burn_optimizer_";
 
 #[derive(Debug, Clone, Serialize, Deserialize)]
 struct Header {
@@ -210,6 +212,19 @@ fn cut(whole: &[f32], numel: usize, rank: usize, world: usize) -> Vec<f32> {
     let mut shard = whole[start..end].to_vec();
     shard.resize(len, 0.0);
     shard
+}
+
+/// The directory of one rank's Burn optimizer record in a ZeRO-3 checkpoint.
+pub(crate) fn burn_record_dir(rank: usize) -> String {
+    format!("{BURN_RECORD_PREFIX}{rank}")
+}
+
+/// Ranks whose Burn optimizer record the checkpoint's `files` hold.
+pub(crate) fn burn_record_ranks(files: &[ManifestFile]) -> usize {
+    files
+        .iter()
+        .filter(|f| f.name.starts_with(BURN_RECORD_PREFIX))
+        .count()
 }
 
 /// Names this rank's fused state file as a ZeRO-3 checkpoint keeps it.
