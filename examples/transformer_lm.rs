@@ -239,14 +239,10 @@ fn run<L: Unit<TransformerEncoderLayer>>(
         acc.prepare((model, adamw, train, validation))?
     };
     let mut ema = model.clone().no_grad();
-    let sharded = acc.config().zero_stage == 3;
     if args.project_dir.is_some() {
         let restored = acc.load_latest_checkpoint(model, &mut optim, None)?;
         model = restored.model;
-        ema = match sharded {
-            false => restored.info.module("ema", ema)?,
-            true => model.clone().no_grad(),
-        };
+        ema = restored.info.module("ema", ema)?;
         if let Some(path) = restored.info.path {
             acc.print(format!("resumed from {}", path.display()));
         }
@@ -346,14 +342,7 @@ fn run<L: Unit<TransformerEncoderLayer>>(
                 )?;
                 validation_value = Some((value, averaged));
                 if args.project_dir.is_some() {
-                    let checkpoint = Checkpoint::new(&model, &optim);
-                    // A checkpoint keeps the average only while it is whole: at ZeRO-3 it is
-                    // sharded like the model (accelerate-rs writes modules whole).
-                    let checkpoint = match sharded {
-                        false => checkpoint.module("ema", &ema),
-                        true => checkpoint,
-                    };
-                    acc.save_checkpoint(&checkpoint)?;
+                    acc.save_checkpoint(&Checkpoint::new(&model, &optim).module("ema", &ema))?;
                 }
             }
         }

@@ -21,7 +21,9 @@ use burn::data::dataset::InMemDataset;
 use burn::lr_scheduler::linear::LinearLrSchedulerConfig;
 use burn::module::Module;
 use burn::optim::AdamWConfig;
-use common::{env_number, line, param_bits, print_params, run, run_child};
+use common::{
+    env_number, line, param_bits, params_labelled, print_params, print_params_as, run, run_child,
+};
 use serde::{Serialize, Serializer};
 
 const SAMPLES: usize = 240;
@@ -110,6 +112,10 @@ fn train_with<M: Module>(
         .map_err(anyhow::Error::msg)?;
     let mut sched = acc.prepare_scheduler(schedule);
     let mut model = model;
+    // At ZeRO-3 an average of the weights rides along in the checkpoints, sharded like the
+    // model (`Checkpoint::module`): it must resume exactly too.
+    let with_ema = env("TEST_OPTIM").starts_with("zero3");
+    let mut ema = model.clone().no_grad();
     let (mut batches_seen, mut skipped) = (0u64, 0u64);
     let resume_from = env("TEST_RESUME_FROM");
     if env("TEST_RESUME") == "1" || !resume_from.is_empty() {
@@ -118,6 +124,9 @@ fn train_with<M: Module>(
             dir => acc.load_state(dir, model, &mut optim, Some(&mut sched))?,
         };
         model = restored.model;
+        if with_ema {
+            ema = restored.info.module("ema", ema)?;
+        }
         batches_seen = restored.info.object("batches_seen")?.unwrap_or(0);
         println!("RESUMED {} {batches_seen}", restored.info.updates);
         let resave = env("TEST_RESAVE");
@@ -125,6 +134,10 @@ fn train_with<M: Module>(
             let checkpoint = Checkpoint::new(&model, &optim)
                 .scheduler(&sched)
                 .object("batches_seen", &batches_seen);
+            let checkpoint = match with_ema {
+                true => checkpoint.module("ema", &ema),
+                false => checkpoint,
+            };
             acc.save_state(&resave, &checkpoint)?;
             return Ok(());
         }
@@ -150,6 +163,9 @@ fn train_with<M: Module>(
             let grads = acc.backward(loss, &model)?;
             let lr = sched.step();
             model = optim.step(lr, model, grads)?;
+            if with_ema && acc.sync_gradients() {
+                ema = acc.ema_update(ema, &model, 0.9)?;
+            }
             skipped += u64::from(acc.sync_gradients() && acc.optimizer_step_was_skipped());
             batches_seen += 1;
             if !acc.sync_gradients() {
@@ -160,6 +176,10 @@ fn train_with<M: Module>(
                 let checkpoint = Checkpoint::new(&model, &optim)
                     .scheduler(&sched)
                     .object("batches_seen", &batches_seen);
+                let checkpoint = match with_ema {
+                    true => checkpoint.module("ema", &ema),
+                    false => checkpoint,
+                };
                 let checkpoint = match updates == bomb && acc.is_main_process() {
                     true => checkpoint.object("bomb", &Bomb),
                     false => checkpoint,
@@ -180,6 +200,9 @@ fn train_with<M: Module>(
     println!("SCALE {:?}", acc.loss_scale());
     println!("SKIPPED {skipped}");
     print_params(&whole(&model));
+    if with_ema {
+        print_params_as("EMA", &whole(&ema));
+    }
     Ok(())
 }
 
@@ -239,6 +262,10 @@ fn resume_is_bit_identical(world: usize, stop: &str, optimizer: &str) {
                 param_bits(&resumed[rank]) == param_bits(&whole[rank]),
                 "parameters differ: {context}"
             );
+            if optimizer.starts_with("zero3") {
+                let ema = |output| bits_of(&params_labelled(output, "EMA"));
+                assert_eq!(ema(&resumed[rank]), ema(&whole[rank]), "EMA: {context}");
+            }
         }
         if precision == "fp16" {
             // The scale grew and backed off, so the scaler's state was exercised.
@@ -346,7 +373,14 @@ fn a_zero_3_checkpoint_of_4_processes_resumes_on_2_bit_identically() {
             param_bits(&resumed[rank]) == param_bits(&whole[rank]),
             "rank {rank}: parameters differ"
         );
+        let ema = |output| bits_of(&params_labelled(output, "EMA"));
+        assert_eq!(ema(&resumed[rank]), ema(&whole[rank]), "rank {rank}: EMA");
     }
+}
+
+/// The bit patterns of `values`.
+fn bits_of(values: &[f32]) -> Vec<u32> {
+    values.iter().map(|v| v.to_bits()).collect()
 }
 
 #[test]

@@ -102,6 +102,7 @@ fn load_own_part<M: Module>(
     }
     tracing::info!(rank, path = %dir.display(), updates = saved.updates, "checkpoint loaded");
     let mut info = CheckpointInfo::fresh(rank);
+    info.sharding = Some((ctx.state.world_size, ctx.shards.clone()));
     info.path = Some(dir.to_path_buf());
     info.updates = saved.updates;
     info.objects = training.objects;
@@ -127,7 +128,8 @@ fn restore_model_and_optimizer<M: Module>(
         .reducer
         .shard_numels()
         .map(<[_]>::to_vec);
-    let model = match (sharded_files::is_sharded_checkpoint(files), shard_numels) {
+    let sharded = sharded_files::has_shards(files, sharded_files::MODEL_PREFIX);
+    let model = match (sharded, shard_numels) {
         (false, None) => {
             super::load_weights(model, &dir.join(MODEL_FILE)).map_err(|e| (e.to_string(), hint))?
         }
@@ -212,8 +214,15 @@ fn sharded_model<M: Module>(
     let hint = "build the model the checkpoint was saved from, with the same units sharded";
     let layout = ParamLayout::of(&model);
     let job = (ctx.state.rank, ctx.state.world_size);
-    let values = sharded_files::read_model(dir, files, &layout, numels, job)
-        .map_err(|e| (e.to_string(), hint))?;
+    let values = sharded_files::read_model(
+        dir,
+        sharded_files::MODEL_PREFIX,
+        files,
+        &layout,
+        numels,
+        job,
+    )
+    .map_err(|e| (e.to_string(), hint))?;
     // The shards go on under the saved ids.
     for (entry, &id) in layout.entries.iter().zip(param_ids) {
         ctx.shards.rename(entry.id, ParamId::from(id));

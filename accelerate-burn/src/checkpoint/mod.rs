@@ -80,11 +80,21 @@ pub struct Checkpoint<'a, M> {
     scheduler: Option<&'a PreparedScheduler>,
     /// Serialised when the save writes them (so a value is taken as it is at that point).
     objects: Vec<(String, ObjectWriter<'a>)>,
-    /// Other modules, each written to its own safetensors file by the main process, with
-    /// their parameter ids (a module with sharded units cannot be written that way).
-    modules: Vec<(String, ModuleWriter<'a>, Vec<u64>)>,
+    /// Other modules, each written to its own safetensors file by the main process (or, with
+    /// sharded units, to one file of shards per rank).
+    modules: Vec<ModulePart<'a>>,
     /// Other models trained with their own prepared optimizers, each in its own directory.
     pairs: Vec<PairPart<'a>>,
+}
+
+/// A module saved beside the model ([`Checkpoint::module`]).
+pub(crate) struct ModulePart<'a> {
+    pub name: String,
+    /// Writes it whole (the main process).
+    pub write: ModuleWriter<'a>,
+    /// Its parameters, and their values when the save runs (for sharded units).
+    pub layout: crate::params::ParamLayout,
+    pub values: Box<dyn Fn() -> Vec<burn::tensor::Tensor<1>> + 'a>,
 }
 
 /// A model and its prepared optimizer saved under a name ([`Checkpoint::pair`]).
@@ -136,9 +146,12 @@ impl<'a, M: Module> Checkpoint<'a, M> {
     /// an EMA copy, a frozen teacher, a second network. Read it back with
     /// [`CheckpointInfo::module`]. The main process's module is saved.
     pub fn module<N: Module>(mut self, name: &str, module: &'a N) -> Self {
-        let ids = crate::params::ParamLayout::of(module).ids();
-        self.modules
-            .push((name.to_string(), module_writer(module), ids));
+        self.modules.push(ModulePart {
+            name: name.to_string(),
+            write: module_writer(module),
+            layout: crate::params::ParamLayout::of(module),
+            values: Box::new(move || crate::params::values(module)),
+        });
         self
     }
 
@@ -206,6 +219,8 @@ pub struct CheckpointInfo {
     pub updates: u64,
     rank: usize,
     objects: BTreeMap<String, serde_json::Value>,
+    /// The job's world size and sharded units (ZeRO-3), for modules saved in shards.
+    pub(crate) sharding: Option<(usize, std::sync::Arc<ShardGroup>)>,
 }
 
 impl CheckpointInfo {
@@ -216,6 +231,7 @@ impl CheckpointInfo {
             updates: 0,
             rank,
             objects: BTreeMap::new(),
+            sharding: None,
         }
     }
 
@@ -232,6 +248,25 @@ impl CheckpointInfo {
             detail,
             hint: "load the modules the checkpoint was saved with, under the names it used",
         };
+        if valid_module_name(name)
+            && let Some((world, shards)) = &self.sharding
+        {
+            let files = accelerate_core::checkpoint::read_manifest(dir)
+                .map_err(|e| mismatch(e.to_string()))?
+                .files;
+            let prefix = crate::reducer::sharded_files::module_prefix(name);
+            if crate::reducer::sharded_files::has_shards(&files, &prefix) {
+                return load_module_shards(
+                    module,
+                    dir,
+                    &prefix,
+                    &files,
+                    (self.rank, *world),
+                    shards,
+                )
+                .map_err(mismatch);
+            }
+        }
         if !valid_module_name(name) || !dir.join(&file).is_file() {
             return Err(mismatch(format!("it holds no module named {name:?}")));
         }
@@ -252,6 +287,39 @@ impl CheckpointInfo {
                 hint: "read it as the type it was saved as",
             })
     }
+}
+
+/// `module` (with sharded units) with this rank's values from the shard files of `prefix`,
+/// saved by any number of processes.
+fn load_module_shards<N: Module>(
+    module: N,
+    dir: &std::path::Path,
+    prefix: &str,
+    files: &[accelerate_core::checkpoint::ManifestFile],
+    job: (usize, usize),
+    shards: &ShardGroup,
+) -> Result<N, String> {
+    let layout = crate::params::ParamLayout::of(&module);
+    let numels: Vec<Option<usize>> = layout
+        .entries
+        .iter()
+        .map(|e| shards.whole_numel(e.id))
+        .collect();
+    let values =
+        crate::reducer::sharded_files::read_model(dir, prefix, files, &layout, &numels, job)
+            .map_err(|e| e.to_string())?;
+    let device = module.devices().into_iter().next().unwrap_or_default();
+    let values = values
+        .into_iter()
+        .map(|v| Some(crate::params::upload(v, &device)))
+        .collect();
+    Ok(crate::params::replace(
+        module,
+        crate::params::Replacement {
+            values,
+            ids: Vec::new(),
+        },
+    ))
 }
 
 /// The first line of Burn's store errors (a multi-line table), which says what went wrong.
@@ -334,7 +402,7 @@ pub(crate) struct Context<'a> {
     /// Whether a checkpoint of another world size may be loaded.
     pub resume_any_world_size: bool,
     /// The sharded units' bookkeeping (ZeRO-3): a loaded model's shards take saved ids.
-    pub shards: &'a ShardGroup,
+    pub shards: &'a std::sync::Arc<ShardGroup>,
 }
 
 impl Context<'_> {

@@ -105,18 +105,37 @@ fn write_own_files<M: Module>(
     {
         return Err(StageError::PairName(name.to_string()));
     }
-    // Every rank refuses alike: a module written by the main process alone holds whole
-    // parameters, which a module of sharded units does not have.
-    if let Some((name, ..)) = checkpoint.modules.iter().find(|(.., ids)| {
-        ids.iter()
-            .any(|&id| ctx.shards.is_shard(burn::module::ParamId::from(id)))
-    }) {
-        return Err(StageError::from(AccelerateError::Misuse {
-            rank,
-            what: format!("saving module {name:?}, which has sharded units (ZeRO-3)"),
-            hint: "save a module with sharded units as the checkpoint's model, or save a \
-                   whole copy of it (unit.whole())",
-        }));
+    // A module with sharded units (ZeRO-3): every rank writes its shards of it, as of the
+    // model; the others are written whole by the main process below.
+    let mut sharded_modules = Vec::new();
+    for part in &checkpoint.modules {
+        let numels: Vec<Option<usize>> = part
+            .layout
+            .entries
+            .iter()
+            .map(|e| ctx.shards.whole_numel(e.id))
+            .collect();
+        if numels.iter().all(Option::is_none) {
+            continue;
+        }
+        if !super::valid_module_name(&part.name) {
+            return Err(StageError::ModuleName(part.name.clone()));
+        }
+        let values = (part.values)()
+            .into_iter()
+            .map(params::to_host_f32)
+            .collect();
+        let prefix = sharded_files::module_prefix(&part.name);
+        let job = (rank, ctx.state.world_size);
+        let file =
+            sharded_files::write_model(partial, &prefix, job, &part.layout, values, &numels)?;
+        add(
+            &file.name,
+            "one rank's shards of a module saved beside the model",
+            file.rank,
+            file.bytes,
+        );
+        sharded_modules.push(part.name.as_str());
     }
     let snapshot = checkpoint.optimizer.slot().lock().windows.snapshot();
     let models = checkpoint
@@ -163,7 +182,8 @@ fn write_own_files<M: Module>(
             .map(params::to_host_f32)
             .collect();
         let job = (rank, ctx.state.world_size);
-        let file = sharded_files::write_model(partial, job, &layout, values, numels)?;
+        let prefix = sharded_files::MODEL_PREFIX;
+        let file = sharded_files::write_model(partial, prefix, job, &layout, values, numels)?;
         add(&file.name, file.contents, file.rank, file.bytes);
     }
     let mut pairs = BTreeMap::new();
@@ -241,7 +261,11 @@ fn write_own_files<M: Module>(
         );
     }
 
-    for (name, write, _) in &checkpoint.modules {
+    for part in &checkpoint.modules {
+        let (name, write) = (&part.name, &part.write);
+        if sharded_modules.contains(&name.as_str()) {
+            continue;
+        }
         if !super::valid_module_name(name) {
             return Err(StageError::ModuleName(name.clone()));
         }

@@ -47,10 +47,12 @@ pub(crate) fn shard_len(numel: usize, world: usize) -> usize {
     numel.div_ceil(world.max(1)).max(1)
 }
 
-/// Writes this rank's model file: `values` (layout order, this rank's shards and the whole
-/// parameters), `numels` saying which are shards (of how many elements).
+/// Writes this rank's model file (`<prefix><rank>.bin`: [`MODEL_PREFIX`] for the model,
+/// [`module_prefix`] for a module saved beside it): `values` (layout order, this rank's
+/// shards and the whole parameters), `numels` saying which are shards (of how many elements).
 pub(crate) fn write_model(
     dir: &Path,
+    prefix: &str,
     (rank, world): (usize, usize),
     layout: &ParamLayout,
     values: Vec<Vec<f32>>,
@@ -83,7 +85,7 @@ pub(crate) fn write_model(
     })?;
     bytes.push(b'\n');
     bytes.extend(data);
-    let name = format!("{MODEL_PREFIX}{rank}.bin");
+    let name = format!("{prefix}{rank}.bin");
     let written = checkpoint::write_synced(&dir.join(&name), &bytes)?;
     Ok(SavedFile {
         name,
@@ -93,15 +95,25 @@ pub(crate) fn write_model(
     })
 }
 
-/// True when the checkpoint's `files` are a ZeRO-3 checkpoint's.
-pub(crate) fn is_sharded_checkpoint(files: &[ManifestFile]) -> bool {
-    files.iter().any(|f| f.name.starts_with(MODEL_PREFIX))
+/// The prefix of the shard files of the module saved as `name` beside the model.
+pub(crate) fn module_prefix(name: &str) -> String {
+    format!("module_{name}.zero3_")
 }
 
-/// Every saved rank's model file, in rank order.
-fn read_models(dir: &Path, files: &[ManifestFile]) -> Result<Vec<(Header, Vec<f32>)>, StageError> {
+/// True when the checkpoint's `files` hold shard files of `prefix` (a ZeRO-3 checkpoint's
+/// model: [`MODEL_PREFIX`]).
+pub(crate) fn has_shards(files: &[ManifestFile], prefix: &str) -> bool {
+    files.iter().any(|f| f.name.starts_with(prefix))
+}
+
+/// Every saved rank's file of `prefix`, in rank order.
+fn read_models(
+    dir: &Path,
+    prefix: &str,
+    files: &[ManifestFile],
+) -> Result<Vec<(Header, Vec<f32>)>, StageError> {
     let mut models = Vec::new();
-    for file in files.iter().filter(|f| f.name.starts_with(MODEL_PREFIX)) {
+    for file in files.iter().filter(|f| f.name.starts_with(prefix)) {
         let path = dir.join(&file.name);
         let bytes = std::fs::read(&path).map_err(|source| StageError::Io { path, source })?;
         let damaged = |detail: String| StageError::Burn {
@@ -135,7 +147,7 @@ fn read_models(dir: &Path, files: &[ManifestFile]) -> Result<Vec<(Header, Vec<f3
         .any(|(rank, (h, _))| h.rank != rank || h.world != world)
     {
         return Err(StageError::Burn {
-            what: "ZeRO-3 model files".into(),
+            what: format!("{prefix}*.bin"),
             detail: format!("{world} rank files that are not the ranks of one save of {world}"),
         });
     }
@@ -147,21 +159,22 @@ fn read_models(dir: &Path, files: &[ManifestFile]) -> Result<Vec<(Header, Vec<f3
 /// parameter `numels` marks as sharded, the whole value of the others.
 pub(crate) fn read_model(
     dir: &Path,
+    prefix: &str,
     files: &[ManifestFile],
     layout: &ParamLayout,
     numels: &[Option<usize>],
     (rank, world): (usize, usize),
 ) -> Result<Vec<Vec<f32>>, StageError> {
-    let models = read_models(dir, files)?;
+    let models = read_models(dir, prefix, files)?;
     let Some((first, _)) = models.first() else {
         return Err(StageError::Burn {
-            what: "ZeRO-3 model files".into(),
+            what: format!("{prefix}*.bin"),
             detail: "none in the checkpoint".into(),
         });
     };
     if first.entries.len() != layout.entries.len() {
         return Err(StageError::DoesNotFit {
-            file: format!("{MODEL_PREFIX}0.bin"),
+            file: format!("{prefix}0.bin"),
             detail: format!(
                 "{} parameters saved, this model has {}",
                 first.entries.len(),
@@ -176,7 +189,7 @@ pub(crate) fn read_model(
         let whole_numel = numel.unwrap_or(entry.numel);
         if saved.path != entry.path || saved.numel != whole_numel {
             return Err(StageError::DoesNotFit {
-                file: format!("{MODEL_PREFIX}0.bin"),
+                file: format!("{prefix}0.bin"),
                 detail: format!(
                     "parameter #{i} was saved as {} of {} elements, this model has {} of {}",
                     saved.path, saved.numel, entry.path, whole_numel
@@ -192,7 +205,7 @@ pub(crate) fn read_model(
         whole.truncate(saved.numel);
         if whole.len() != saved.numel {
             return Err(StageError::DoesNotFit {
-                file: format!("{MODEL_PREFIX}*.bin"),
+                file: format!("{prefix}*.bin"),
                 detail: format!("{}: the saved shards do not cover it", saved.path),
             });
         }

@@ -40,6 +40,15 @@ enum Failure {
     Other(String),
 }
 
+impl std::fmt::Debug for ShardGroup {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("ShardGroup")
+            .field("shards", &self.ids().len())
+            .field("gathers", &self.gathers())
+            .finish_non_exhaustive()
+    }
+}
+
 impl ShardGroup {
     pub fn new(comm: Comm) -> Self {
         Self {
