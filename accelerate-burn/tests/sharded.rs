@@ -266,3 +266,74 @@ fn a_sharded_model_saves_whole_files_plain_burn_loads() {
         .to_string();
     assert!(err.contains("nothing.safetensors"), "{err}");
 }
+
+impl Net {
+    /// Every weight and bias `value` (deterministic whatever other tests draw meanwhile).
+    fn constant(device: &Device, value: f64) -> Self {
+        let constant = |d_in, d_out| {
+            LinearConfig::new(d_in, d_out)
+                .with_initializer(Initializer::Constant { value })
+                .init(device)
+        };
+        Self {
+            hidden: constant(FEATURES, HIDDEN),
+            out: constant(HIDDEN, 1),
+            act: Relu::new(),
+        }
+    }
+}
+
+/// Two models with sharded units, each with its own fused AdamW, saved together (the second
+/// as a pair, `Checkpoint::pair`) after 4 steps and resumed: both end bit for bit where an
+/// uninterrupted run of 8 steps ends.
+#[test]
+fn a_pair_of_sharded_models_resumes_bit_for_bit() {
+    let dir = tempfile::tempdir().unwrap();
+    let checkpoint = dir.path().join("checkpoint");
+    let train = |steps: std::ops::Range<usize>, save: bool, resume: bool| {
+        let acc = accelerator(3, 1);
+        let device = acc.device();
+        let adamw = || FusedOptimizer::adamw(&AdamWConfig::new()).unwrap();
+        let a = ShardedNet::new(&acc, Net::constant(&device, 0.05)).unwrap();
+        let b = ShardedNet::new(&acc, Net::constant(&device, -0.03)).unwrap();
+        let (mut a, mut optim_a) = acc.prepare((a, adamw())).unwrap();
+        let (mut b, mut optim_b) = acc.prepare((b, adamw())).unwrap();
+        if resume {
+            let restored = acc.load_state(&checkpoint, a, &mut optim_a, None).unwrap();
+            a = restored.model;
+            b = acc
+                .load_pair(&restored.info, "second", b, &mut optim_b, None)
+                .unwrap();
+        }
+        for step in steps {
+            let grads = acc.backward(a.loss(batch(step, &device)), &a).unwrap();
+            a = optim_a.step(1e-2, a, grads).unwrap();
+            let grads = acc
+                .backward(b.loss(batch(step + 100, &device)), &b)
+                .unwrap();
+            b = optim_b.step(1e-2, b, grads).unwrap();
+        }
+        if save {
+            let both = accelerate_burn::Checkpoint::new(&a, &optim_a).pair("second", &b, &optim_b);
+            acc.save_state(&checkpoint, &both).unwrap();
+        }
+        (bits(&a.whole()), bits(&b.whole()))
+    };
+    let whole = train(0..8, false, false);
+    train(0..4, true, false);
+    let resumed = train(4..8, false, true);
+    assert_eq!(resumed.0, whole.0, "the checkpoint's model");
+    assert_eq!(resumed.1, whole.1, "the pair");
+    let files: Vec<String> = std::fs::read_dir(checkpoint.join("second"))
+        .unwrap()
+        .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+        .collect();
+    assert!(
+        files.iter().any(|f| f.starts_with("zero3_model_")),
+        "{files:?}"
+    );
+    assert!(
+        !files.contains(&"model.safetensors".to_string()),
+        "{files:?}"
+    );
+}

@@ -102,6 +102,9 @@ pub(crate) struct PairPart<'a> {
     pub name: String,
     pub write_model: ModuleWriter<'a>,
     pub param_ids: Vec<u64>,
+    /// The model's parameters and their values when the save runs (for sharded units).
+    pub layout: crate::params::ParamLayout,
+    pub values: Box<dyn Fn() -> Vec<burn::tensor::Tensor<1>> + 'a>,
     pub optimizer: &'a PreparedOptimizer,
     pub scheduler: Option<&'a PreparedScheduler>,
 }
@@ -165,10 +168,13 @@ impl<'a, M: Module> Checkpoint<'a, M> {
         model: &'a N,
         optimizer: &'a PreparedOptimizer,
     ) -> Self {
+        let layout = crate::params::ParamLayout::of(model);
         self.pairs.push(PairPart {
             name: name.to_string(),
             write_model: module_writer(model),
-            param_ids: crate::params::ParamLayout::of(model).ids(),
+            param_ids: layout.ids(),
+            layout,
+            values: Box::new(move || crate::params::values(model)),
             optimizer,
             scheduler: None,
         });

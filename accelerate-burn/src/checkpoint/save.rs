@@ -194,19 +194,24 @@ fn write_own_files<M: Module>(
             source,
         })?;
         let mut slot = pair.optimizer.slot().lock();
-        if slot.reducer.shard_numels().is_some() {
-            return Err(StageError::from(AccelerateError::Misuse {
-                rank,
-                what: format!("saving pair {:?}, a model with sharded units", pair.name),
-                hint: "save the model with sharded units as the checkpoint's main model \
-                       (Checkpoint::new); pairs are written whole by the main process",
-            }));
-        }
         for file in slot.reducer.save(&dir, role)? {
             let name = format!("{}/{}", pair.name, file.name);
             add(&name, file.contents, file.rank, file.bytes);
         }
-        if main {
+        // With sharded units every rank writes its shards of the pair's model.
+        let shard_numels = slot.reducer.shard_numels().map(<[_]>::to_vec);
+        if let Some(numels) = &shard_numels {
+            let values = (pair.values)()
+                .into_iter()
+                .map(params::to_host_f32)
+                .collect();
+            let prefix = sharded_files::MODEL_PREFIX;
+            let job = (rank, ctx.state.world_size);
+            let file = sharded_files::write_model(&dir, prefix, job, &pair.layout, values, numels)?;
+            let name = format!("{}/{}", pair.name, file.name);
+            add(&name, file.contents, file.rank, file.bytes);
+        }
+        if main && shard_numels.is_none() {
             let path = dir.join(MODEL_FILE);
             (pair.write_model)(&path).map_err(|e| StageError::Burn {
                 what: format!("{} weights", pair.name),
@@ -219,6 +224,8 @@ fn write_own_files<M: Module>(
                 None,
                 synced(&path)?,
             );
+        }
+        if main {
             if let Some(scheduler) = pair.scheduler {
                 let updates = state.models.get(&pair.name).map_or(0, |m| m.updates);
                 let path = save_scheduler(scheduler, updates, &dir)?;
