@@ -247,25 +247,13 @@ fn resume_is_bit_identical(world: usize, stop: &str, optimizer: &str) {
 
         for rank in 0..world {
             let context = format!("{world} processes, {precision}, {optimizer}, rank {rank}");
-            assert!(
-                line(&resumed[rank], "RESUMED ").starts_with(&format!("{stop} ")),
-                "{context}"
+            assert_resumed_like(
+                (&resumed[rank], &whole[rank]),
+                stop,
+                &["UPDATES ", "SEEN ", "SCALE "],
+                optimizer.starts_with("zero3"),
+                &context,
             );
-            for key in ["UPDATES ", "SEEN ", "SCALE "] {
-                assert_eq!(
-                    line(&resumed[rank], key),
-                    line(&whole[rank], key),
-                    "{key}{context}"
-                );
-            }
-            assert!(
-                param_bits(&resumed[rank]) == param_bits(&whole[rank]),
-                "parameters differ: {context}"
-            );
-            if optimizer.starts_with("zero3") {
-                let ema = |output| bits_of(&params_labelled(output, "EMA"));
-                assert_eq!(ema(&resumed[rank]), ema(&whole[rank]), "EMA: {context}");
-            }
         }
         if precision == "fp16" {
             // The scale grew and backed off, so the scaler's state was exercised.
@@ -361,26 +349,40 @@ fn a_zero_3_checkpoint_of_4_processes_resumes_on_2_bit_identically() {
     );
     assert_ok(&resumed);
     for rank in 0..2 {
-        assert!(line(&resumed[rank], "RESUMED ").starts_with("5 "));
-        for key in ["UPDATES ", "SEEN "] {
-            assert_eq!(
-                line(&resumed[rank], key),
-                line(&whole[rank], key),
-                "{key}rank {rank}"
-            );
-        }
-        assert!(
-            param_bits(&resumed[rank]) == param_bits(&whole[rank]),
-            "rank {rank}: parameters differ"
-        );
-        let ema = |output| bits_of(&params_labelled(output, "EMA"));
-        assert_eq!(ema(&resumed[rank]), ema(&whole[rank]), "rank {rank}: EMA");
+        let context = format!("rank {rank}");
+        let pair = (&resumed[rank], &whole[rank]);
+        assert_resumed_like(pair, "5", &["UPDATES ", "SEEN "], true, &context);
     }
 }
 
-/// The bit patterns of `values`.
-fn bits_of(values: &[f32]) -> Vec<u32> {
-    values.iter().map(|v| v.to_bits()).collect()
+/// Asserts that the `resumed` run of a pair (resumed, uninterrupted) resumed after update
+/// `stop` and ended as the uninterrupted one: the lines of `keys`, the parameters bit for bit,
+/// and with `ema` the average printed beside them.
+fn assert_resumed_like(
+    (resumed, whole): (&std::process::Output, &std::process::Output),
+    stop: &str,
+    keys: &[&str],
+    ema: bool,
+    context: &str,
+) {
+    assert!(
+        line(resumed, "RESUMED ").starts_with(&format!("{stop} ")),
+        "{context}"
+    );
+    for key in keys {
+        assert_eq!(line(resumed, key), line(whole, key), "{key}{context}");
+    }
+    assert!(
+        param_bits(resumed) == param_bits(whole),
+        "parameters differ: {context}"
+    );
+    if ema {
+        let bits = |output| -> Vec<u32> {
+            let values = params_labelled(output, "EMA");
+            values.iter().map(|v| v.to_bits()).collect()
+        };
+        assert_eq!(bits(resumed), bits(whole), "EMA: {context}");
+    }
 }
 
 #[test]

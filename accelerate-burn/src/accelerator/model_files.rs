@@ -88,11 +88,7 @@ impl<B: AcceleratorBackend> Accelerator<B> {
             return Ok(vec![self.save_model(model, dir)?]);
         }
         if !self.is_main_process() {
-            let mut files: Vec<PathBuf> = (0..plan.len())
-                .map(|i| dir.join(weights::shard_file_name(i, plan.len())))
-                .collect();
-            files.push(dir.join(INDEX_FILE));
-            return Ok(files);
+            return Ok(super::sharded_weights::paths(dir, plan.len()));
         }
         let save = ShardedSave::begin(dir).map_err(|e| self.weights_error(e))?;
         let mut weight_map = Vec::with_capacity(names.len());

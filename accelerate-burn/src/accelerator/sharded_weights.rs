@@ -246,7 +246,7 @@ fn read_f32(
 }
 
 /// The files a save of `count` shards writes into `dir`.
-fn paths(dir: &Path, count: usize) -> Vec<PathBuf> {
+pub(super) fn paths(dir: &Path, count: usize) -> Vec<PathBuf> {
     if count <= 1 {
         return vec![dir.join(MODEL_FILE)];
     }

@@ -86,11 +86,7 @@ impl<B: AcceleratorBackend> Accelerator<B> {
     /// For each parameter of `layout`, the elements of the whole parameter when it is a shard
     /// of a [`Sharded`] unit; `None` for a parameter left whole.
     pub(crate) fn shard_mask(&self, layout: &ParamLayout) -> Vec<Option<usize>> {
-        layout
-            .entries
-            .iter()
-            .map(|entry| self.shards.whole_numel(entry.id))
-            .collect()
+        self.shards.numels(layout)
     }
 
     /// At stage 3 the prepared model must hold sharded units; below it, none.

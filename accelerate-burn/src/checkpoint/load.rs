@@ -10,8 +10,8 @@ use burn::lr_scheduler::LrSchedulerRecord;
 use burn::module::{Module, ParamId};
 
 use super::{
-    CheckpointInfo, Context, MODEL_FILE, Restored, SCHEDULER_FILE, TRAINING_STATE_FILE,
-    TrainingState, rank_file,
+    CheckpointInfo, Context, MODEL_FILE, Restored, SCHEDULER_FILE, SavedShards,
+    TRAINING_STATE_FILE, TrainingState, rank_file,
 };
 use crate::error::AccelerateError;
 use crate::optim::{PreparedOptimizer, PreparedScheduler};
@@ -213,31 +213,20 @@ fn sharded_model<M: Module>(
 ) -> Result<M, (String, &'static str)> {
     let hint = "build the model the checkpoint was saved from, with the same units sharded";
     let layout = ParamLayout::of(&model);
-    let job = (ctx.state.rank, ctx.state.world_size);
-    let values = sharded_files::read_model(
+    let saved = SavedShards {
         dir,
-        sharded_files::MODEL_PREFIX,
+        prefix: sharded_files::MODEL_PREFIX,
         files,
-        &layout,
-        numels,
-        job,
-    )
-    .map_err(|e| (e.to_string(), hint))?;
+        job: (ctx.state.rank, ctx.state.world_size),
+    };
+    let model = saved
+        .load_into(model, &layout, numels, ctx.device)
+        .map_err(|e| (e.to_string(), hint))?;
     // The shards go on under the saved ids.
     for (entry, &id) in layout.entries.iter().zip(param_ids) {
         ctx.shards.rename(entry.id, ParamId::from(id));
     }
-    let values = values
-        .into_iter()
-        .map(|v| Some(params::upload(v, ctx.device)))
-        .collect();
-    Ok(params::replace(
-        model,
-        Replacement {
-            values,
-            ids: Vec::new(),
-        },
-    ))
+    Ok(model)
 }
 
 /// Restores the model and optimizer saved under `name` with [`super::Checkpoint::pair`] in

@@ -262,15 +262,17 @@ impl CheckpointInfo {
                 .files;
             let prefix = crate::reducer::sharded_files::module_prefix(name);
             if crate::reducer::sharded_files::has_shards(&files, &prefix) {
-                return load_module_shards(
-                    module,
+                let layout = crate::params::ParamLayout::of(&module);
+                let device = module.devices().into_iter().next().unwrap_or_default();
+                let saved = SavedShards {
                     dir,
-                    &prefix,
-                    &files,
-                    (self.rank, *world),
-                    shards,
-                )
-                .map_err(mismatch);
+                    prefix: &prefix,
+                    files: &files,
+                    job: (self.rank, *world),
+                };
+                return saved
+                    .load_into(module, &layout, &shards.numels(&layout), &device)
+                    .map_err(|e| mismatch(e.to_string()));
             }
         }
         if !valid_module_name(name) || !dir.join(&file).is_file() {
@@ -295,37 +297,46 @@ impl CheckpointInfo {
     }
 }
 
-/// `module` (with sharded units) with this rank's values from the shard files of `prefix`,
-/// saved by any number of processes.
-fn load_module_shards<N: Module>(
-    module: N,
-    dir: &std::path::Path,
-    prefix: &str,
-    files: &[accelerate_core::checkpoint::ManifestFile],
-    job: (usize, usize),
-    shards: &ShardGroup,
-) -> Result<N, String> {
-    let layout = crate::params::ParamLayout::of(&module);
-    let numels: Vec<Option<usize>> = layout
-        .entries
-        .iter()
-        .map(|e| shards.whole_numel(e.id))
-        .collect();
-    let values =
-        crate::reducer::sharded_files::read_model(dir, prefix, files, &layout, &numels, job)
-            .map_err(|e| e.to_string())?;
-    let device = module.devices().into_iter().next().unwrap_or_default();
-    let values = values
-        .into_iter()
-        .map(|v| Some(crate::params::upload(v, &device)))
-        .collect();
-    Ok(crate::params::replace(
-        module,
-        crate::params::Replacement {
-            values,
-            ids: Vec::new(),
-        },
-    ))
+/// What a module with sharded units is loaded from: the shard files of `prefix` in `dir`
+/// (among the checkpoint's `files`), saved by any number of processes, and the job (rank,
+/// world size) that loads them.
+pub(crate) struct SavedShards<'a> {
+    pub dir: &'a std::path::Path,
+    pub prefix: &'a str,
+    pub files: &'a [accelerate_core::checkpoint::ManifestFile],
+    pub job: (usize, usize),
+}
+
+impl SavedShards<'_> {
+    /// `module` (of `layout`) with this rank's values: its shard of each parameter `numels`
+    /// marks as sharded, the whole value of the others, on `device`.
+    pub(crate) fn load_into<N: Module>(
+        &self,
+        module: N,
+        layout: &crate::params::ParamLayout,
+        numels: &[Option<usize>],
+        device: &Device,
+    ) -> Result<N, StageError> {
+        let values = crate::reducer::sharded_files::read_model(
+            self.dir,
+            self.prefix,
+            self.files,
+            layout,
+            numels,
+            self.job,
+        )?;
+        let values = values
+            .into_iter()
+            .map(|v| Some(crate::params::upload(v, device)))
+            .collect();
+        Ok(crate::params::replace(
+            module,
+            crate::params::Replacement {
+                values,
+                ids: Vec::new(),
+            },
+        ))
+    }
 }
 
 /// The first line of Burn's store errors (a multi-line table), which says what went wrong.

@@ -109,22 +109,14 @@ fn write_own_files<M: Module>(
     // model; the others are written whole by the main process below.
     let mut sharded_modules = Vec::new();
     for part in &checkpoint.modules {
-        let numels: Vec<Option<usize>> = part
-            .layout
-            .entries
-            .iter()
-            .map(|e| ctx.shards.whole_numel(e.id))
-            .collect();
+        let numels = ctx.shards.numels(&part.layout);
         if numels.iter().all(Option::is_none) {
             continue;
         }
         if !super::valid_module_name(&part.name) {
             return Err(StageError::ModuleName(part.name.clone()));
         }
-        let values = (part.values)()
-            .into_iter()
-            .map(params::to_host_f32)
-            .collect();
+        let values = (part.values)();
         let prefix = sharded_files::module_prefix(&part.name);
         let job = (rank, ctx.state.world_size);
         let file =
@@ -177,10 +169,7 @@ fn write_own_files<M: Module>(
     // ZeRO-3: every rank writes its own shards of the model; nobody holds it whole.
     if let Some(numels) = &shard_numels {
         let layout = ParamLayout::of(checkpoint.model);
-        let values = params::values(checkpoint.model)
-            .into_iter()
-            .map(params::to_host_f32)
-            .collect();
+        let values = params::values(checkpoint.model);
         let job = (rank, ctx.state.world_size);
         let prefix = sharded_files::MODEL_PREFIX;
         let file = sharded_files::write_model(partial, prefix, job, &layout, values, numels)?;
@@ -201,10 +190,7 @@ fn write_own_files<M: Module>(
         // With sharded units every rank writes its shards of the pair's model.
         let shard_numels = slot.reducer.shard_numels().map(<[_]>::to_vec);
         if let Some(numels) = &shard_numels {
-            let values = (pair.values)()
-                .into_iter()
-                .map(params::to_host_f32)
-                .collect();
+            let values = (pair.values)();
             let prefix = sharded_files::MODEL_PREFIX;
             let job = (rank, ctx.state.world_size);
             let file = sharded_files::write_model(&dir, prefix, job, &pair.layout, values, numels)?;

@@ -11,12 +11,13 @@
 use std::path::Path;
 
 use accelerate_core::checkpoint::{self, ManifestFile};
+use burn::tensor::Tensor;
 use serde::{Deserialize, Serialize};
 
 use super::api::SavedFile;
 use super::flat::{FusedStateError, FusedStateFile, Segment};
 use crate::checkpoint::StageError;
-use crate::params::ParamLayout;
+use crate::params::{self, ParamLayout};
 
 /// Prefix of the model shard files.
 pub(crate) const MODEL_PREFIX: &str = "zero3_model_";
@@ -48,32 +49,35 @@ pub(crate) fn shard_len(numel: usize, world: usize) -> usize {
 }
 
 /// Writes this rank's model file (`<prefix><rank>.bin`: [`MODEL_PREFIX`] for the model,
-/// [`module_prefix`] for a module saved beside it): `values` (layout order, this rank's
+/// [`module_prefix`] for a module saved beside it): `values` (layout order, flat: this rank's
 /// shards and the whole parameters), `numels` saying which are shards (of how many elements).
+/// Each stored value is read from the device in turn into the file's bytes; parameters left
+/// whole are stored (and read) by rank 0 only.
 pub(crate) fn write_model(
     dir: &Path,
     prefix: &str,
     (rank, world): (usize, usize),
     layout: &ParamLayout,
-    values: Vec<Vec<f32>>,
+    values: Vec<Tensor<1>>,
     numels: &[Option<usize>],
 ) -> Result<SavedFile, StageError> {
-    let mut entries = Vec::with_capacity(values.len());
-    let mut data = Vec::new();
-    for ((entry, values), numel) in layout.entries.iter().zip(values).zip(numels) {
-        let stored = match numel {
-            Some(_) => values,
-            None if rank == 0 => values,
-            None => Vec::new(),
-        };
-        entries.push(Entry {
+    let stored: Vec<Option<Tensor<1>>> = values
+        .into_iter()
+        .zip(numels)
+        .map(|(value, numel)| (numel.is_some() || rank == 0).then_some(value))
+        .collect();
+    let entries = layout
+        .entries
+        .iter()
+        .zip(numels)
+        .zip(&stored)
+        .map(|((entry, numel), value)| Entry {
             path: entry.path.clone(),
             numel: numel.unwrap_or(entry.numel),
             sharded: numel.is_some(),
-            len: stored.len(),
-        });
-        data.extend(stored.iter().flat_map(|v| v.to_le_bytes()));
-    }
+            len: value.as_ref().map_or(0, |v| v.shape().num_elements()),
+        })
+        .collect();
     let header = Header {
         world,
         rank,
@@ -84,7 +88,13 @@ pub(crate) fn write_model(
         detail: e.to_string(),
     })?;
     bytes.push(b'\n');
-    bytes.extend(data);
+    for value in stored.into_iter().flatten() {
+        bytes.extend(
+            params::to_host_f32(value)
+                .iter()
+                .flat_map(|v| v.to_le_bytes()),
+        );
+    }
     let name = format!("{prefix}{rank}.bin");
     let written = checkpoint::write_synced(&dir.join(&name), &bytes)?;
     Ok(SavedFile {

@@ -11,6 +11,7 @@ use burn::module::ParamId;
 
 use crate::error::AccelerateError;
 use crate::group::Comm;
+use crate::params::ParamLayout;
 
 /// The sharded units' process group and bookkeeping (one per accelerator).
 pub(crate) struct ShardGroup {
@@ -163,6 +164,16 @@ impl ShardGroup {
         self.ids()
             .get(&id)
             .map(|shard| shard.shape.iter().product())
+    }
+
+    /// For each parameter of `layout`, the elements of the whole parameter when it is a
+    /// shard; `None` for a parameter left whole.
+    pub fn numels(&self, layout: &ParamLayout) -> Vec<Option<usize>> {
+        layout
+            .entries
+            .iter()
+            .map(|entry| self.whole_numel(entry.id))
+            .collect()
     }
 
     /// The shape of the whole parameter that `id` is a shard of; `None` for other ids.

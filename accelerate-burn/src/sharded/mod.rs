@@ -173,9 +173,9 @@ impl<M: Module> Module for Sharded<M> {
     }
 }
 
-impl<M> ModuleDisplayDefault for Sharded<M> {
+impl<M: Module> ModuleDisplayDefault for Sharded<M> {
     fn content(&self, content: Content) -> Option<Content> {
-        let whole: usize = self.params.iter().map(|p| p.spec.0.numel).sum();
+        let whole = self.num_params_gathered();
         content
             .add_formatted(&format!(
                 "Sharded {{ parameters: {}, elements: {whole} }}",
@@ -185,7 +185,7 @@ impl<M> ModuleDisplayDefault for Sharded<M> {
     }
 }
 
-impl<M> ModuleDisplay for Sharded<M> {}
+impl<M: Module> ModuleDisplay for Sharded<M> {}
 
 impl<M> fmt::Debug for Sharded<M> {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
