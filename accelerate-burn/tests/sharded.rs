@@ -337,3 +337,33 @@ fn a_pair_of_sharded_models_resumes_bit_for_bit() {
         "{files:?}"
     );
 }
+
+/// Saving a model with sharded units never writes over a model someone else put in the
+/// directory (a hub download): with their whole file, a sharded save stops; with their
+/// index, a whole save stops; their files stay as they were.
+#[test]
+fn a_sharded_model_is_never_saved_over_someone_elses_model() {
+    let acc = accelerator(3, 1);
+    let net = ShardedNet::new(&acc, Net::constant(&acc.device(), 0.1)).unwrap();
+
+    let theirs = tempfile::tempdir().unwrap();
+    let whole = theirs.path().join("model.safetensors");
+    std::fs::write(&whole, b"their weights").unwrap();
+    let err = acc
+        .save_model_sharded(&net, theirs.path(), 128)
+        .unwrap_err()
+        .to_string();
+    assert!(err.contains("did not write"), "{err}");
+    assert_eq!(std::fs::read(&whole).unwrap(), b"their weights");
+    assert_eq!(std::fs::read_dir(theirs.path()).unwrap().count(), 1);
+
+    let theirs = tempfile::tempdir().unwrap();
+    let index = theirs.path().join("model.safetensors.index.json");
+    let text =
+        br#"{"metadata":{"total_size":4},"weight_map":{"w":"model-00001-of-00002.safetensors"}}"#;
+    std::fs::write(&index, text).unwrap();
+    let err = acc.save_model(&net, theirs.path()).unwrap_err().to_string();
+    assert!(err.contains("did not write"), "{err}");
+    assert_eq!(std::fs::read(&index).unwrap(), text);
+    assert_eq!(std::fs::read_dir(theirs.path()).unwrap().count(), 1);
+}
