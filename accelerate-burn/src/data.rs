@@ -71,6 +71,12 @@ impl<I, O> DataLoader<I, O> {
         self.dataset.len()
     }
 
+    /// True when every process gets as many batches per epoch (see
+    /// [`DataLoaderBuilder::even_batches`]).
+    pub fn even_batches(&self) -> bool {
+        self.sampling.even_batches
+    }
+
     /// Items per batch (per process; the global batch with `split_batches`).
     pub fn batch_size(&self) -> usize {
         self.sampling.batch_size
@@ -235,6 +241,12 @@ impl<I: 'static, O: Send + 'static> PreparedDataLoader<I, O> {
     /// Iterates over the batches of the current epoch, built on the accelerator's device
     /// (ahead of time on a background thread, unless the loader's `prefetch` is 0).
     pub fn iter(&self) -> BatchIter<'_, I, O> {
+        self.iter_on(self.device.clone())
+    }
+
+    /// [`iter`](Self::iter) with batches built on `device` (the Learner's loaders follow the
+    /// device the Learner moves them to).
+    pub(crate) fn iter_on(&self, device: Device) -> BatchIter<'_, I, O> {
         let epoch = self.epoch();
         let mut sampler = self.sampler.clone();
         sampler.set_epoch(epoch);
@@ -262,7 +274,7 @@ impl<I: 'static, O: Send + 'static> PreparedDataLoader<I, O> {
         let prefetch = (self.loader.prefetch > 0).then(|| {
             Prefetcher::start(
                 &self.loader,
-                self.device.clone(),
+                device.clone(),
                 batches.iter().map(|b| b.indices.clone()).collect(),
             )
         });
@@ -274,6 +286,7 @@ impl<I: 'static, O: Send + 'static> PreparedDataLoader<I, O> {
             epoch_len,
             last_round_padding: padding,
             prefetch,
+            device,
         }
     }
 
@@ -400,6 +413,8 @@ pub struct BatchIter<'a, I, O> {
     /// Padding of the epoch's last round, over all processes.
     last_round_padding: usize,
     prefetch: Option<Prefetcher<O>>,
+    /// Where batches are built.
+    device: Device,
 }
 
 impl<I: 'static, O: Send + 'static> Iterator for BatchIter<'_, I, O> {
@@ -433,7 +448,7 @@ impl<I: 'static, O: Send + 'static> Iterator for BatchIter<'_, I, O> {
                 loader.dataset.as_ref(),
                 loader.batcher.as_ref(),
                 &batch.indices,
-                &self.prepared.device,
+                &self.device,
             ),
         };
         Some(built.map_err(|source| AccelerateError::Data {

@@ -91,6 +91,8 @@ mod device_kernels;
 mod error;
 pub mod fused;
 mod group;
+#[cfg(feature = "train")]
+pub mod learner;
 mod loader_link;
 pub mod metrics;
 mod model_slot;

@@ -26,6 +26,11 @@ struct Links {
     /// Set while the latest batch handed out is its loader's last of the epoch: how many
     /// samples of that round, over all processes, are padding.
     last_batch_padding: Option<usize>,
+    /// Evaluation loaders prepared for burn-train's Learner.
+    learner_eval: usize,
+    /// Whether the latest training loader prepared for burn-train's Learner casts its
+    /// batches to the compute dtype (`None`: none was prepared).
+    learner_train_casts: Option<bool>,
 }
 
 /// Where the training loader stands.
@@ -140,6 +145,40 @@ impl LoaderLinks {
             };
         }
         skip
+    }
+
+    /// Sets the epoch the training loader iterates next (burn-train's Learner counts epochs
+    /// itself). False when no training loader was prepared.
+    pub fn set_train_epoch(&self, epoch: u64) -> bool {
+        match self.lock().train.as_ref() {
+            Some(cursor) => {
+                cursor.epoch.store(epoch, Ordering::Relaxed);
+                true
+            }
+            None => false,
+        }
+    }
+
+    /// An evaluation loader was prepared for burn-train's Learner.
+    pub fn note_eval_loader(&self) {
+        self.lock().learner_eval += 1;
+    }
+
+    /// A training loader was prepared for burn-train's Learner; `casts`: it casts batches to
+    /// the compute dtype.
+    pub fn note_learner_train(&self, casts: bool) {
+        self.lock().learner_train_casts = Some(casts);
+    }
+
+    /// Whether the latest training loader prepared for burn-train's Learner casts its batches
+    /// (`None`: none was prepared).
+    pub fn learner_train_casts(&self) -> Option<bool> {
+        self.lock().learner_train_casts
+    }
+
+    /// Evaluation loaders prepared for burn-train's Learner so far.
+    pub fn learner_eval_loaders(&self) -> usize {
+        self.lock().learner_eval
     }
 
     /// The training loader handed out one more batch.

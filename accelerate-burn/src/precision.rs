@@ -100,6 +100,26 @@ impl Caster {
 }
 
 /// The view of `model` whose float parameters are cast to `dtype`.
+/// `model` with its float parameters in `dtype` as leaves of their own (same ids, gradients
+/// required as in `model`): a step that takes its gradients from the copy itself (a Learner's
+/// `TrainStep`) gets them under the master's ids, in `dtype`.
+#[cfg(feature = "train")]
+pub(crate) fn leaf_view<M: Module>(model: &M, dtype: DType) -> M {
+    struct Leaf(DType);
+    impl ModuleMapper for Leaf {
+        fn map_float<const D: usize>(&mut self, param: Param<Tensor<D>>) -> Param<Tensor<D>> {
+            let dtype = self.0;
+            param.map(|t| {
+                let grad = t.is_require_grad();
+                // Detached after the cast: a cast is a node of the graph, not a leaf.
+                let copy = t.cast(dtype).detach();
+                if grad { copy.require_grad() } else { copy }
+            })
+        }
+    }
+    model.clone().map(&mut Leaf(dtype))
+}
+
 pub(crate) fn low_precision_view<M: Module>(model: &M, dtype: DType) -> M {
     struct Cast(DType);
     impl ModuleMapper for Cast {

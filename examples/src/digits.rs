@@ -5,10 +5,10 @@
 
 use std::io::Read;
 
-use accelerate_burn::burn;
+use accelerate_burn::{Autocast, burn};
 use anyhow::{Context, bail};
 use burn::data::dataloader::batcher::Batcher;
-use burn::tensor::{Device, Int, Tensor, TensorData};
+use burn::tensor::{DType, Device, Int, Tensor, TensorData};
 
 /// Pixels per image.
 pub const PIXELS: usize = 64;
@@ -33,6 +33,16 @@ pub struct DigitBatch {
     pub images: Tensor<2>,
     /// `[batch]` labels.
     pub targets: Tensor<1, Int>,
+}
+
+/// Under mixed precision the images follow the compute dtype (the labels are integers).
+impl Autocast for DigitBatch {
+    fn autocast(self, dtype: DType) -> Self {
+        Self {
+            images: self.images.autocast(dtype),
+            targets: self.targets,
+        }
+    }
 }
 
 /// All 1,797 digits, in the file's order.

@@ -68,7 +68,7 @@ pub struct Accelerator<B: AcceleratorBackend> {
     /// Each prepared model's windows and reducer, found by `backward` from the model.
     slots: ModelSlots,
     /// The prepared loaders' positions, for checkpoints and `gather_for_metrics`.
-    links: LoaderLinks,
+    pub(crate) links: LoaderLinks,
     /// The process group, shared with the reducer and prepared optimizer.
     comm: Comm,
     /// What the units sharded by [`shard`](Self::shard) share (ZeRO-3).

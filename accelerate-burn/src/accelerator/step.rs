@@ -139,6 +139,34 @@ impl<B: AcceleratorBackend> Accelerator<B> {
         Ok(Gradients::new(reduced.outcome, window, id))
     }
 
+    /// Averages a window's gradients, already summed on this process by a loop of its own
+    /// (burn-train's Learner), over the processes through `model`'s reducer: what
+    /// [`backward`](Self::backward) does once a window completes, without its windows, loss
+    /// weighting or loss scaling.
+    #[cfg(feature = "train")]
+    pub(crate) fn reduce_window<M: Module>(
+        &self,
+        model: &M,
+        grads: GradientsParams,
+    ) -> Result<Gradients, AccelerateError> {
+        let slot = self.slot_for(model)?;
+        let mut state = slot.lock();
+        let SlotState {
+            reducer,
+            reducer_id,
+            ..
+        } = &mut *state;
+        let id = *reducer_id;
+        let list = reducer.layout().take_grads(grads).map_err(|unknown| {
+            AccelerateError::ModelChanged {
+                rank: self.state.rank,
+                detail: unknown.to_string(),
+            }
+        })?;
+        let reduced = reducer.reduce(list, &self.comm, None)?;
+        Ok(Gradients::new(reduced.outcome, 0, id))
+    }
+
     /// The factor that turns this rank's summed window gradient into its share of the mean
     /// over every item of the window on every rank: the reducer then averages over the ranks,
     /// so the factor is `world / items in the window across ranks`.

@@ -4,7 +4,7 @@
 #![allow(dead_code)]
 
 use std::net::TcpListener;
-use std::process::{Command, Output, Stdio};
+use std::process::{Child, Command, Output, Stdio};
 
 use accelerate_burn::burn;
 use burn::module::{Module, ModuleVisitor, Param};
@@ -87,12 +87,25 @@ pub fn run_under(
     world: usize,
     env: &[(&str, String)],
 ) -> Vec<Output> {
+    spawn_under(wrapper, scenario, world, env)
+        .into_iter()
+        .map(|c| c.wait_with_output().unwrap())
+        .collect()
+}
+
+/// As [`run_under`], without waiting: the ranks' processes, their output piped.
+pub fn spawn_under(
+    wrapper: &dyn Fn(usize) -> Vec<String>,
+    scenario: &str,
+    world: usize,
+    env: &[(&str, String)],
+) -> Vec<Child> {
     let port = TcpListener::bind("127.0.0.1:0")
         .unwrap()
         .local_addr()
         .unwrap()
         .port();
-    let children: Vec<_> = (0..world)
+    (0..world)
         .map(|rank| {
             let exe = std::env::current_exe().unwrap();
             let wrapper = wrapper(rank);
@@ -125,10 +138,6 @@ pub fn run_under(
             }
             cmd.spawn().unwrap()
         })
-        .collect();
-    children
-        .into_iter()
-        .map(|c| c.wait_with_output().unwrap())
         .collect()
 }
 

@@ -1,0 +1,530 @@
+//! The Learner's training loop over the accelerator's processes: each process trains on its
+//! share of every round, gradients are summed over an accumulation window on each process and
+//! averaged across the processes once per window (our reducer, in buckets), then Burn's
+//! optimizer inside the Learner steps identically on every process. Outputs are put together
+//! for the main process, which alone reports metrics, checkpoints and decides early stopping.
+
+use std::sync::Arc;
+
+use accelerate_core::MixedPrecision;
+use burn::data::dataloader::Progress;
+use burn::module::{Module, ModuleVisitor, Param, ParamId};
+use burn::optim::{GradientsAccumulator, GradientsParams};
+use burn::tensor::{DType, Tensor};
+use burn::train::train::WorkerFailure;
+use burn::train::{
+    EventProcessorTraining, InferenceStep, Interrupter, Learner, LearnerEvent, LearnerModel,
+    LearningResult, SupervisedLearningStrategy, SupervisedTrainingEventProcessor, TrainLoader,
+    TrainOutput, TrainStep, TrainingComponents, TrainingError, TrainingItem, TrainingStrategy,
+    ValidLoader,
+};
+
+use super::outputs::GatherOutput;
+use crate::accelerator::Accelerator;
+use crate::backend::AcceleratorBackend;
+use crate::error::AccelerateError;
+use crate::precision::leaf_view;
+
+/// burn-train's Learner on an [`Accelerator`]: pass it to
+/// `SupervisedTraining::with_training_strategy` and the same training runs on one process or
+/// many (`accelerate-rs launch`, torchrun, mpirun, srun; one host or several), with the
+/// accelerator's settings:
+///
+/// - every process trains on its share of each round (the loaders of
+///   [`Accelerator::learner_loader`] / [`Accelerator::learner_eval_loader`]);
+/// - with `grads_accumulation(k)`, gradients are summed over `k` batches on each process (as
+///   burn-train does on one device) and averaged across the processes once per window;
+///   [`clip_grad_norm`](Self::clip_grad_norm) clips the averaged gradients by their global
+///   norm before the Learner's optimizer steps;
+/// - `mixed_precision: bf16` runs each step's forward and backward on a bf16 copy of the
+///   weights and updates the f32 weights;
+/// - the main process alone runs the renderer, metrics (over every process's outputs, see
+///   [`GatherOutput`]), the checkpointer and early stopping, whose decision every process
+///   follows; a stop asked on any process (the TUI's `q`) stops every process.
+///
+/// ```text
+/// let acc = Arc::new(Accelerator::<DefaultBackend>::from_env()?);
+/// let train = acc.learner_loader(DataLoader::builder(batcher).batch_size(64).shuffle(42).build(train_set))?;
+/// let valid = acc.learner_eval_loader(DataLoader::builder(batcher).batch_size(64).build(test_set))?;
+/// let result = SupervisedTraining::new(dir, train, valid)
+///     .metrics((AccuracyMetric::new(), LossMetric::new()))
+///     .num_epochs(3)
+///     .with_training_strategy(AcceleratorStrategy::new(acc.clone()).into())
+///     .launch(Learner::new(model, AdamConfig::new().init(), 1e-3));
+/// ```
+pub struct AcceleratorStrategy<B: AcceleratorBackend> {
+    acc: Arc<Accelerator<B>>,
+    max_grad_norm: Option<f32>,
+}
+
+impl<B: AcceleratorBackend> AcceleratorStrategy<B> {
+    /// A strategy training on `acc`'s processes.
+    pub fn new(acc: Arc<Accelerator<B>>) -> Self {
+        Self {
+            acc,
+            max_grad_norm: None,
+        }
+    }
+
+    /// Clips the averaged gradients of every window so that their global L2 norm (over every
+    /// parameter together) is at most `max_norm` (burn-train's optimizers clip each tensor on
+    /// its own).
+    pub fn clip_grad_norm(mut self, max_norm: f32) -> Self {
+        self.max_grad_norm = Some(max_norm);
+        self
+    }
+
+    /// The accelerator the strategy trains on.
+    pub fn accelerator(&self) -> &Arc<Accelerator<B>> {
+        &self.acc
+    }
+}
+
+impl<B, M> From<AcceleratorStrategy<B>> for TrainingStrategy<M>
+where
+    B: AcceleratorBackend,
+    M: LearnerModel,
+    <M as TrainStep>::Output: GatherOutput,
+    <M as InferenceStep>::Output: GatherOutput,
+{
+    fn from(strategy: AcceleratorStrategy<B>) -> Self {
+        TrainingStrategy::Custom(Arc::new(strategy))
+    }
+}
+
+/// An accelerator error as the Learner reports a failed worker (the error names the rank).
+fn failure(rank: usize, error: AccelerateError) -> TrainingError {
+    TrainingError::Workers(vec![WorkerFailure {
+        device_id: rank,
+        message: error.to_string(),
+    }])
+}
+
+/// What one epoch's loops share.
+struct EpochRun<'a, B: AcceleratorBackend, M: LearnerModel> {
+    acc: &'a Accelerator<B>,
+    interrupter: &'a Interrupter,
+    processor: &'a mut SupervisedTrainingEventProcessor<M>,
+    main: bool,
+}
+
+impl<B: AcceleratorBackend, M: LearnerModel> EpochRun<'_, B, M> {
+    fn fail(&self, error: AccelerateError) {
+        self.interrupter
+            .fail(failure(self.acc.process_index(), error));
+    }
+
+    /// Whether every process stops now: a stop asked on any process (or an error) stops all.
+    fn stop_agreed(&self) -> bool {
+        let mine = self.interrupter.should_stop();
+        match self.acc.sum_across_processes([f64::from(u8::from(mine))]) {
+            Ok([stops]) => {
+                if stops > 0.0 && !mine {
+                    self.interrupter
+                        .stop(Some("another process of the job stopped training"));
+                }
+                stops > 0.0
+            }
+            Err(error) => {
+                self.fail(error);
+                true
+            }
+        }
+    }
+}
+
+impl<B, M> SupervisedLearningStrategy<M> for AcceleratorStrategy<B>
+where
+    B: AcceleratorBackend,
+    M: LearnerModel,
+    <M as TrainStep>::Output: GatherOutput,
+    <M as InferenceStep>::Output: GatherOutput,
+{
+    /// burn-train's `train`, with the renderer's events on the main process only.
+    fn train(
+        &self,
+        learner: Learner<M>,
+        dataloader_train: TrainLoader<M>,
+        dataloader_valid: ValidLoader<M>,
+        mut components: TrainingComponents<M>,
+    ) -> LearningResult<M> {
+        let starting_epoch = components.checkpoint.unwrap_or(0) + 1;
+        let summary_config = components.summary.clone();
+        let interrupter = components.interrupter.clone();
+        let main = self.acc.is_main_process();
+        if main {
+            interrupter.fail_on_error(components.event_processor.process_train(
+                LearnerEvent::Start {
+                    total_epochs: components.num_epochs,
+                    starting_epoch,
+                    label: components.label.clone(),
+                },
+            ));
+        }
+        let (model, mut processor) = self.fit(
+            components,
+            learner,
+            dataloader_train,
+            dataloader_valid,
+            starting_epoch,
+        );
+        if main {
+            // burn-train's own strategies also name the model in the summary, through a
+            // setter private to burn-train.
+            let summary = summary_config.and_then(|summary| summary.init().ok());
+            interrupter.fail_on_error(processor.process_train(LearnerEvent::End(summary)));
+        }
+        let model = model.valid();
+        interrupter.fail_on_error(processor.flush());
+        LearningResult {
+            model,
+            renderer: processor.renderer(),
+            interrupted: interrupter.interruption(),
+            error: interrupter.error(),
+        }
+    }
+
+    fn fit(
+        &self,
+        components: TrainingComponents<M>,
+        mut learner: Learner<M>,
+        dataloader_train: TrainLoader<M>,
+        dataloader_valid: ValidLoader<M>,
+        starting_epoch: usize,
+    ) -> (M, SupervisedTrainingEventProcessor<M>) {
+        let acc = &*self.acc;
+        let TrainingComponents {
+            num_epochs,
+            mut checkpointer,
+            grad_accumulation,
+            interrupter,
+            mut early_stopping,
+            mut event_processor,
+            event_store,
+            ..
+        } = components;
+        if let Err(error) = self.setup(&mut learner) {
+            interrupter.fail(failure(acc.process_index(), error));
+            return (learner.model(), event_processor);
+        }
+        let device = acc.device();
+        let train = dataloader_train.to_device(&device);
+        let valid = dataloader_valid.to_device(&device.clone().inner());
+        let mut run = EpochRun {
+            acc,
+            interrupter: &interrupter,
+            processor: &mut event_processor,
+            main: acc.is_main_process(),
+        };
+        for epoch in starting_epoch..=num_epochs {
+            let progress = Progress::new(epoch, num_epochs, Some("epochs".to_string()));
+            // Epochs count from 1 in burn-train, from 0 in our loaders; the random stream
+            // restarts from (seed, epoch) so that a run resumed at an epoch draws what the
+            // uninterrupted run drew.
+            let index = (epoch as u64).saturating_sub(1);
+            acc.links.set_train_epoch(index);
+            acc.set_seed(self.epoch_seed(index));
+            if run.main {
+                interrupter.fail_on_error(run.processor.process_train(LearnerEvent::StartSplit {
+                    epoch_number: epoch,
+                    total_items: train.num_items(),
+                }));
+            }
+            self.train_epoch(&mut run, &mut learner, &train, grad_accumulation, &progress);
+            if run.main {
+                interrupter
+                    .fail_on_error(run.processor.process_train(LearnerEvent::EndSplit(epoch)));
+            }
+            if run.stop_agreed() {
+                break;
+            }
+            if run.main {
+                interrupter.fail_on_error(run.processor.process_valid(LearnerEvent::StartSplit {
+                    epoch_number: epoch,
+                    total_items: valid.num_items(),
+                }));
+            }
+            self.valid_epoch(&mut run, &learner, &valid, &progress);
+            if run.main {
+                interrupter
+                    .fail_on_error(run.processor.process_valid(LearnerEvent::EndSplit(epoch)));
+                interrupter
+                    .fail_on_error(run.processor.process_train(LearnerEvent::EndEpoch(epoch)));
+                if checkpointer.is_some() || early_stopping.is_some() {
+                    interrupter.fail_on_error(run.processor.flush());
+                }
+            }
+            if run.stop_agreed() {
+                break;
+            }
+            // Every process holds the same learner: the main process writes it.
+            if run.main
+                && let Some(checkpointer) = &mut checkpointer
+            {
+                checkpointer.checkpoint(&learner, epoch, &event_store);
+            }
+            // Metrics live on the main process: it decides, every process follows.
+            let stop_early = run.main
+                && early_stopping
+                    .as_mut()
+                    .is_some_and(|early| early.should_stop(epoch, &event_store));
+            match acc.sum_across_processes([f64::from(u8::from(stop_early))]) {
+                Ok([stops]) if stops > 0.0 => break,
+                Ok(_) => {}
+                Err(error) => {
+                    run.fail(error);
+                    break;
+                }
+            }
+        }
+        (learner.model(), event_processor)
+    }
+}
+
+impl<B: AcceleratorBackend> AcceleratorStrategy<B> {
+    /// Checks the configuration and gives every process rank 0's model.
+    fn setup<M: LearnerModel>(&self, learner: &mut Learner<M>) -> Result<(), AccelerateError> {
+        let acc = &*self.acc;
+        let rank = acc.process_index();
+        let config = acc.config();
+        if config.mixed_precision == MixedPrecision::Fp16 {
+            return Err(AccelerateError::Misuse {
+                rank,
+                what: "mixed_precision fp16 with burn-train's Learner: fp16 needs the loss \
+                       scaled before backward, and the Learner's loss is computed and \
+                       backpropagated inside the model's TrainStep::step"
+                    .to_string(),
+                hint: "use bf16 (f32's range, no loss scaling), or a loop of your own with \
+                       Accelerator::backward",
+            });
+        }
+        if config.zero_stage >= 2 {
+            return Err(AccelerateError::Misuse {
+                rank,
+                what: format!(
+                    "zero_stage {} with burn-train's Learner, whose optimizer updates whole \
+                     parameters from whole gradients",
+                    config.zero_stage
+                ),
+                hint: "set zero_stage 0 (or train a loop of your own with a fused optimizer)",
+            });
+        }
+        if acc.compute_dtype() != DType::F32 && acc.links.learner_train_casts() != Some(true) {
+            return Err(AccelerateError::Misuse {
+                rank,
+                what: format!(
+                    "mixed_precision {:?} with burn-train's Learner and a training loader whose \
+                     batches stay f32: the step runs on a {:?} copy of the weights, and Burn's \
+                     operations do not mix dtypes",
+                    config.mixed_precision,
+                    acc.compute_dtype()
+                ),
+                hint: "implement accelerate_burn::Autocast for the batch type (cast its float \
+                       tensors) and build the training loader with acc.learner_loader_autocast",
+            });
+        }
+        if acc.num_processes() > 1 {
+            if !acc.links.set_train_epoch(0) {
+                return Err(AccelerateError::Misuse {
+                    rank,
+                    what: "the Learner's training loader was not prepared by the accelerator"
+                        .to_string(),
+                    hint: "build it with acc.learner_loader(DataLoader::builder(batcher)...): \
+                           each process then trains on its own share of every round",
+                });
+            }
+            if acc.links.learner_eval_loaders() == 0 {
+                return Err(AccelerateError::Misuse {
+                    rank,
+                    what: "the Learner's validation loader was not prepared by the accelerator"
+                        .to_string(),
+                    hint: "build it with acc.learner_eval_loader(DataLoader::builder(batcher)...)",
+                });
+            }
+        }
+        learner.fork(&acc.device());
+        let model = acc.prepare_model(learner.model())?;
+        learner.load_model(model.into_record());
+        Ok(())
+    }
+
+    /// The random stream's seed for epoch `epoch` (from 0) on this process.
+    fn epoch_seed(&self, epoch: u64) -> u64 {
+        let seed = self.acc.config().seed.unwrap_or(0);
+        seed.wrapping_mul(0x9E37_79B9_7F4A_7C15)
+            .wrapping_add(epoch.wrapping_mul(0x0001_0000_01B3))
+            .wrapping_add(self.acc.process_index() as u64)
+    }
+
+    /// One step of the model on `item`: in f32, or on a bf16 copy of the weights whose
+    /// gradients come back in f32.
+    fn train_step<M: LearnerModel>(
+        &self,
+        learner: &Learner<M>,
+        item: <M as TrainStep>::Input,
+    ) -> TrainOutput<<M as TrainStep>::Output> {
+        let dtype = self.acc.compute_dtype();
+        if dtype == DType::F32 {
+            return learner.train_step(item);
+        }
+        let master = learner.model();
+        let view = leaf_view(&master, dtype);
+        let TrainOutput { grads, item } = TrainStep::step(&view, item);
+        TrainOutput {
+            grads: grads_in_f32(&master, grads),
+            item,
+        }
+    }
+
+    /// The window's summed gradients averaged over the processes (and clipped), for the
+    /// Learner's optimizer.
+    fn reduce<M: LearnerModel>(
+        &self,
+        learner: &Learner<M>,
+        grads: GradientsParams,
+    ) -> Result<Option<GradientsParams>, AccelerateError> {
+        let model = learner.model();
+        let mut reduced = self.acc.reduce_window(&model, grads)?;
+        if let Some(max_norm) = self.max_grad_norm {
+            self.acc.clip_grad_norm(&model, &mut reduced, max_norm)?;
+        }
+        Ok(reduced.to_params())
+    }
+
+    fn train_epoch<M>(
+        &self,
+        run: &mut EpochRun<'_, B, M>,
+        learner: &mut Learner<M>,
+        loader: &TrainLoader<M>,
+        accumulation: Option<usize>,
+        epoch: &Progress,
+    ) where
+        M: LearnerModel,
+        <M as TrainStep>::Output: GatherOutput,
+    {
+        tracing::debug!(epoch = epoch.items_processed, "Learner: training epoch");
+        let mut batches = loader.iter();
+        let mut iteration = 0;
+        let mut accumulator = GradientsAccumulator::<M>::new();
+        let mut in_window = 0;
+        while let Some(item) = batches.next() {
+            let item = match item {
+                Ok(item) => item,
+                Err(error) => {
+                    run.interrupter.fail(error);
+                    break;
+                }
+            };
+            iteration += 1;
+            let progress = batches.progress();
+            let TrainOutput { grads, item } = self.train_step(learner, item);
+            let due = match accumulation {
+                Some(window) => {
+                    accumulator.accumulate(&learner.model(), grads);
+                    in_window += 1;
+                    (in_window >= window || progress.is_completed()).then(|| {
+                        in_window = 0;
+                        accumulator.grads()
+                    })
+                }
+                None => Some(grads),
+            };
+            if let Some(summed) = due {
+                match self.reduce(learner, summed) {
+                    Ok(Some(averaged)) => {
+                        learner.lr_step();
+                        learner.optimizer_step(averaged);
+                    }
+                    Ok(None) => {}
+                    Err(error) => {
+                        run.fail(error);
+                        break;
+                    }
+                }
+            }
+            let item = match item.gather(run.acc) {
+                Ok(item) => item,
+                Err(error) => {
+                    run.fail(error);
+                    break;
+                }
+            };
+            if run.main {
+                let item =
+                    TrainingItem::new(item, progress, Some(iteration), Some(learner.lr_current()));
+                run.interrupter.fail_on_error(
+                    run.processor
+                        .process_train(LearnerEvent::ProcessedItem(item)),
+                );
+            }
+            if run.stop_agreed() {
+                break;
+            }
+        }
+    }
+
+    fn valid_epoch<M>(
+        &self,
+        run: &mut EpochRun<'_, B, M>,
+        learner: &Learner<M>,
+        loader: &ValidLoader<M>,
+        epoch: &Progress,
+    ) where
+        M: LearnerModel,
+        <M as InferenceStep>::Output: GatherOutput,
+    {
+        tracing::debug!(epoch = epoch.items_processed, "Learner: validation epoch");
+        let model = learner.model().valid();
+        let mut batches = loader.iter();
+        let mut iteration = 0;
+        while let Some(item) = batches.next() {
+            let item = match item {
+                Ok(item) => item,
+                Err(error) => {
+                    run.interrupter.fail(error);
+                    break;
+                }
+            };
+            iteration += 1;
+            let progress = batches.progress();
+            let item = match InferenceStep::step(&model, item).gather(run.acc) {
+                Ok(item) => item,
+                Err(error) => {
+                    run.fail(error);
+                    break;
+                }
+            };
+            if run.main {
+                let item = TrainingItem::new(item, progress, Some(iteration), None);
+                run.interrupter.fail_on_error(
+                    run.processor
+                        .process_valid(LearnerEvent::ProcessedItem(item)),
+                );
+            }
+            if run.stop_agreed() {
+                break;
+            }
+        }
+    }
+}
+
+/// `grads` (of a low-precision copy of `master`, under the same ids) in f32.
+fn grads_in_f32<M: Module>(master: &M, grads: GradientsParams) -> GradientsParams {
+    struct ToF32(GradientsParams);
+    impl ModuleVisitor for ToF32 {
+        fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<D>>) {
+            let id: ParamId = param.id;
+            if let Some(grad) = self.0.remove::<D>(id) {
+                let grad = if grad.dtype() == DType::F32 {
+                    grad
+                } else {
+                    grad.cast(DType::F32)
+                };
+                self.0.register(id, grad);
+            }
+        }
+    }
+    let mut visitor = ToF32(grads);
+    master.visit(&mut visitor);
+    visitor.0
+}
