@@ -9,7 +9,8 @@
 //!
 //! Arguments: `--epochs N` (default 10), `--dir DIR` (where the Learner writes its metrics and
 //! checkpoints; default a temporary directory), `--resume` (continue from the last complete
-//! checkpoint in DIR), `--accumulation K`, `--clip NORM`.
+//! checkpoint in DIR), `--accumulation K`, `--clip NORM`, `--batch-size N` (per process; default 32),
+//! `--width N` (of the hidden layer; default 128).
 
 use std::path::PathBuf;
 use std::sync::Arc;
@@ -42,12 +43,12 @@ pub struct Model {
 }
 
 impl Model {
-    /// A 64-128-10 perceptron on `device`.
-    pub fn new(device: &Device) -> Self {
+    /// A 64-`width`-10 perceptron on `device`.
+    pub fn new(device: &Device, width: usize) -> Self {
         Self {
-            hidden: LinearConfig::new(digits::PIXELS, 128).init(device),
+            hidden: LinearConfig::new(digits::PIXELS, width).init(device),
             activation: Relu::new(),
-            output: LinearConfig::new(128, digits::CLASSES).init(device),
+            output: LinearConfig::new(width, digits::CLASSES).init(device),
         }
     }
 
@@ -101,6 +102,8 @@ pub struct Settings {
     pub clip: Option<f32>,
     /// Items per batch and process.
     pub batch_size: usize,
+    /// Width of the hidden layer.
+    pub width: usize,
     /// Validation items per batch and process.
     pub valid_batch_size: usize,
     /// Training images used (from the start of the training split; all when `None`).
@@ -131,7 +134,7 @@ pub fn train(
     )?;
 
     acc.set_seed(7);
-    let model = Model::new(&acc.device());
+    let model = Model::new(&acc.device(), settings.width);
     let mut strategy = AcceleratorStrategy::new(Arc::clone(&acc));
     if let Some(max_norm) = settings.clip {
         strategy = strategy.clip_grad_norm(max_norm);
@@ -186,8 +189,9 @@ fn main() -> anyhow::Result<()> {
         clip: arg("--clip")
             .map(|v| v.parse().context("--clip expects a number"))
             .transpose()?,
-        batch_size: 32,
+        batch_size: number("--batch-size")?.unwrap_or(32),
         valid_batch_size: 60,
+        width: number("--width")?.unwrap_or(128),
         train_items: None,
     };
     let (_result, acc) = train(&settings)?;

@@ -27,7 +27,8 @@ pub struct DataLoader<I, O> {
     dataset: Arc<dyn Dataset<I>>,
     batcher: Arc<dyn Batcher<I, O>>,
     sampling: SamplerConfig,
-    prefetch: usize,
+    /// Batches built ahead; `None`: the default of whoever prepares it.
+    prefetch: Option<usize>,
     workers: usize,
 }
 
@@ -35,7 +36,7 @@ pub struct DataLoader<I, O> {
 pub struct DataLoaderBuilder<I, O> {
     batcher: Arc<dyn Batcher<I, O>>,
     sampling: SamplerConfig,
-    prefetch: usize,
+    prefetch: Option<usize>,
     workers: usize,
 }
 
@@ -51,7 +52,7 @@ impl<I, O> DataLoader<I, O> {
                 shuffle: false,
                 ..SamplerConfig::new(0, 1, 0)
             },
-            prefetch: DEFAULT_PREFETCH,
+            prefetch: None,
             workers: 1,
         }
     }
@@ -80,6 +81,20 @@ impl<I, O> DataLoader<I, O> {
     /// Items per batch (per process; the global batch with `split_batches`).
     pub fn batch_size(&self) -> usize {
         self.sampling.batch_size
+    }
+
+    /// Batches built ahead of the loop: as set with [`DataLoaderBuilder::prefetch`], else
+    /// `default`.
+    pub(crate) fn prefetch_or(&self, default: usize) -> usize {
+        self.prefetch.unwrap_or(default)
+    }
+
+    /// With no `prefetch` set, builds batches on the loop's thread (burn-train's Learner
+    /// loaders, as Burn's own loader does).
+    #[cfg(feature = "train")]
+    pub(crate) fn prefetch_by_default(mut self, batches: usize) -> Self {
+        self.prefetch.get_or_insert(batches);
+        self
     }
 
     /// The data-set indices a single process visits in epoch `epoch`, in order.
@@ -134,7 +149,7 @@ impl<I, O> DataLoaderBuilder<I, O> {
     /// [`DEFAULT_PREFETCH`]; at least one per worker); 0 builds each batch on the loop's own
     /// thread when the loop asks for it.
     pub fn prefetch(mut self, batches: usize) -> Self {
-        self.prefetch = batches;
+        self.prefetch = Some(batches);
         self
     }
 
@@ -271,7 +286,7 @@ impl<I: 'static, O: Send + 'static> PreparedDataLoader<I, O> {
                 )
             }
         };
-        let prefetch = (self.loader.prefetch > 0).then(|| {
+        let prefetch = (self.loader.prefetch_or(DEFAULT_PREFETCH) > 0).then(|| {
             Prefetcher::start(
                 &self.loader,
                 device.clone(),
@@ -330,7 +345,10 @@ impl<O: Send + 'static> Prefetcher<O> {
         batches: Vec<Vec<usize>>,
     ) -> Self {
         let workers = loader.workers.clamp(1, batches.len().max(1));
-        let ahead = loader.prefetch.div_ceil(workers).max(1);
+        let ahead = loader
+            .prefetch_or(DEFAULT_PREFETCH)
+            .div_ceil(workers)
+            .max(1);
         let batches = Arc::new(batches);
         let (mut built, mut threads) = (Vec::new(), Vec::new());
         for worker in 0..workers {

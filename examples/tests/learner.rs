@@ -50,6 +50,7 @@ fn child() {
             clip: Some(1.0),
             batch_size: GLOBAL_BATCH / world,
             valid_batch_size: VALID_BATCH / world,
+            width: 128,
             train_items: Some(TRAIN_ITEMS),
         };
         match scenario {

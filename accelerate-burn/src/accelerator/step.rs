@@ -139,24 +139,27 @@ impl<B: AcceleratorBackend> Accelerator<B> {
         Ok(Gradients::new(reduced.outcome, window, id))
     }
 
-    /// Averages a window's gradients, already summed on this process by a loop of its own
-    /// (burn-train's Learner), over the processes through `model`'s reducer: what
+    /// A reducer of its own for `model`, outside the accelerator's prepared models, for a
+    /// loop that sums its windows itself and steps an optimizer of its own (burn-train's
+    /// Learner, which may train several models in turn on one accelerator).
+    #[cfg(feature = "train")]
+    pub(crate) fn window_reducer<M: Module>(
+        &self,
+        model: &M,
+    ) -> Result<Box<dyn reducer::GradientReducer>, AccelerateError> {
+        reducer::build(self.reducer_spec(model)?, OptimizerChoice::None, &self.comm)
+    }
+
+    /// Averages a window's gradients, already summed on this process, over the processes
+    /// through `reducer` (from [`window_reducer`](Self::window_reducer)): what
     /// [`backward`](Self::backward) does once a window completes, without its windows, loss
     /// weighting or loss scaling.
     #[cfg(feature = "train")]
-    pub(crate) fn reduce_window<M: Module>(
+    pub(crate) fn reduce_window(
         &self,
-        model: &M,
+        reducer: &mut dyn reducer::GradientReducer,
         grads: GradientsParams,
     ) -> Result<Gradients, AccelerateError> {
-        let slot = self.slot_for(model)?;
-        let mut state = slot.lock();
-        let SlotState {
-            reducer,
-            reducer_id,
-            ..
-        } = &mut *state;
-        let id = *reducer_id;
         let list = reducer.layout().take_grads(grads).map_err(|unknown| {
             AccelerateError::ModelChanged {
                 rank: self.state.rank,
@@ -164,7 +167,7 @@ impl<B: AcceleratorBackend> Accelerator<B> {
             }
         })?;
         let reduced = reducer.reduce(list, &self.comm, None)?;
-        Ok(Gradients::new(reduced.outcome, 0, id))
+        Ok(Gradients::new(reduced.outcome, 0, 0))
     }
 
     /// The factor that turns this rank's summed window gradient into its share of the mean

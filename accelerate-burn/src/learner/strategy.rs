@@ -24,6 +24,7 @@ use crate::accelerator::Accelerator;
 use crate::backend::AcceleratorBackend;
 use crate::error::AccelerateError;
 use crate::precision::leaf_view;
+use crate::reducer::GradientReducer;
 
 /// burn-train's Learner on an [`Accelerator`]: pass it to
 /// `SupervisedTraining::with_training_strategy` and the same training runs on one process or
@@ -92,6 +93,10 @@ where
     }
 }
 
+/// Batches between two checks that no process asked to stop (one small collective each; the
+/// end of every split is checked too): a stop takes effect within this many batches.
+const STOP_CHECK_BATCHES: usize = 8;
+
 /// An accelerator error as the Learner reports a failed worker (the error names the rank).
 fn failure(rank: usize, error: AccelerateError) -> TrainingError {
     TrainingError::Workers(vec![WorkerFailure {
@@ -105,6 +110,8 @@ struct EpochRun<'a, B: AcceleratorBackend, M: LearnerModel> {
     acc: &'a Accelerator<B>,
     interrupter: &'a Interrupter,
     processor: &'a mut SupervisedTrainingEventProcessor<M>,
+    /// Averages the Learner's gradients over the processes.
+    reducer: Box<dyn GradientReducer>,
     main: bool,
 }
 
@@ -203,10 +210,13 @@ where
             event_store,
             ..
         } = components;
-        if let Err(error) = self.setup(&mut learner) {
-            interrupter.fail(failure(acc.process_index(), error));
-            return (learner.model(), event_processor);
-        }
+        let reducer = match self.setup(&mut learner) {
+            Ok(reducer) => reducer,
+            Err(error) => {
+                interrupter.fail(failure(acc.process_index(), error));
+                return (learner.model(), event_processor);
+            }
+        };
         let device = acc.device();
         let train = dataloader_train.to_device(&device);
         let valid = dataloader_valid.to_device(&device.clone().inner());
@@ -214,6 +224,7 @@ where
             acc,
             interrupter: &interrupter,
             processor: &mut event_processor,
+            reducer,
             main: acc.is_main_process(),
         };
         for epoch in starting_epoch..=num_epochs {
@@ -282,8 +293,12 @@ where
 }
 
 impl<B: AcceleratorBackend> AcceleratorStrategy<B> {
-    /// Checks the configuration and gives every process rank 0's model.
-    fn setup<M: LearnerModel>(&self, learner: &mut Learner<M>) -> Result<(), AccelerateError> {
+    /// Checks the configuration, gives every process rank 0's model and returns the reducer
+    /// of its gradients.
+    fn setup<M: LearnerModel>(
+        &self,
+        learner: &mut Learner<M>,
+    ) -> Result<Box<dyn GradientReducer>, AccelerateError> {
         let acc = &*self.acc;
         let rank = acc.process_index();
         let config = acc.config();
@@ -343,9 +358,12 @@ impl<B: AcceleratorBackend> AcceleratorStrategy<B> {
             }
         }
         learner.fork(&acc.device());
-        let model = acc.prepare_model(learner.model())?;
-        learner.load_model(model.into_record());
-        Ok(())
+        if acc.num_processes() > 1 {
+            let model = acc.prepare_model(learner.model())?;
+            learner.load_model(model.into_record());
+        }
+        // The layout of the model as the Learner now holds it (the ids its steps report).
+        acc.window_reducer(&learner.model())
     }
 
     /// The random stream's seed for epoch `epoch` (from 0) on this process.
@@ -380,13 +398,18 @@ impl<B: AcceleratorBackend> AcceleratorStrategy<B> {
     /// Learner's optimizer.
     fn reduce<M: LearnerModel>(
         &self,
+        reducer: &mut dyn GradientReducer,
         learner: &Learner<M>,
         grads: GradientsParams,
     ) -> Result<Option<GradientsParams>, AccelerateError> {
-        let model = learner.model();
-        let mut reduced = self.acc.reduce_window(&model, grads)?;
+        if self.acc.num_processes() == 1 && self.max_grad_norm.is_none() {
+            // Nothing to average or clip: the Learner's own gradients, as burn-train has them.
+            return Ok(Some(grads));
+        }
+        let mut reduced = self.acc.reduce_window(reducer, grads)?;
         if let Some(max_norm) = self.max_grad_norm {
-            self.acc.clip_grad_norm(&model, &mut reduced, max_norm)?;
+            self.acc
+                .clip_grad_norm(&learner.model(), &mut reduced, max_norm)?;
         }
         Ok(reduced.to_params())
     }
@@ -430,7 +453,7 @@ impl<B: AcceleratorBackend> AcceleratorStrategy<B> {
                 None => Some(grads),
             };
             if let Some(summed) = due {
-                match self.reduce(learner, summed) {
+                match self.reduce(run.reducer.as_mut(), learner, summed) {
                     Ok(Some(averaged)) => {
                         learner.lr_step();
                         learner.optimizer_step(averaged);
@@ -457,7 +480,7 @@ impl<B: AcceleratorBackend> AcceleratorStrategy<B> {
                         .process_train(LearnerEvent::ProcessedItem(item)),
                 );
             }
-            if run.stop_agreed() {
+            if iteration % STOP_CHECK_BATCHES == 0 && run.stop_agreed() {
                 break;
             }
         }
@@ -501,7 +524,7 @@ impl<B: AcceleratorBackend> AcceleratorStrategy<B> {
                         .process_valid(LearnerEvent::ProcessedItem(item)),
                 );
             }
-            if run.stop_agreed() {
+            if iteration % STOP_CHECK_BATCHES == 0 && run.stop_agreed() {
                 break;
             }
         }
