@@ -10,7 +10,8 @@
 //! Arguments: `--epochs N` (default 10), `--dir DIR` (where the Learner writes its metrics and
 //! checkpoints; default a temporary directory), `--resume` (continue from the last complete
 //! checkpoint in DIR), `--accumulation K`, `--clip NORM`, `--batch-size N` (per process; default 32),
-//! `--width N` (of the hidden layer; default 128).
+//! `--width N` (of the hidden layer; default 128), `--early-stop N` (when the validation loss has
+//! not improved for N epochs).
 
 use std::path::PathBuf;
 use std::sync::Arc;
@@ -28,10 +29,11 @@ use burn::nn::loss::CrossEntropyLossConfig;
 use burn::nn::{Linear, LinearConfig, Relu};
 use burn::optim::AdamWConfig;
 use burn::tensor::{Device, Int, Tensor};
+use burn::train::metric::store::{Aggregate, Direction, Split};
 use burn::train::metric::{AccuracyMetric, LossMetric};
 use burn::train::{
-    ClassificationOutput, InferenceStep, Learner, LearningResult, SupervisedTraining, TrainOutput,
-    TrainStep,
+    ClassificationOutput, InferenceStep, Learner, LearningResult, MetricEarlyStoppingStrategy,
+    StoppingCondition, SupervisedTraining, TrainOutput, TrainStep,
 };
 
 /// The model, as Burn's guide writes one.
@@ -88,7 +90,7 @@ impl InferenceStep for Model {
 }
 
 /// How to train.
-#[derive(Debug, Clone)]
+#[derive(Clone)]
 pub struct Settings {
     /// Epochs in all (a resumed run continues to this one).
     pub epochs: usize,
@@ -104,6 +106,9 @@ pub struct Settings {
     pub batch_size: usize,
     /// Width of the hidden layer.
     pub width: usize,
+    /// Stop when the validation loss has not improved (in this direction) for this many
+    /// epochs.
+    pub early_stop: Option<(Direction, usize)>,
     /// Validation items per batch and process.
     pub valid_batch_size: usize,
     /// Training images used (from the start of the training split; all when `None`).
@@ -156,6 +161,15 @@ pub fn train(
     training = training
         .renderer(renderer)
         .with_training_strategy(strategy.into());
+    if let Some((direction, n_epochs)) = settings.early_stop {
+        training = training.early_stopping(MetricEarlyStoppingStrategy::new(
+            &LossMetric::new(),
+            Aggregate::Mean,
+            direction,
+            Split::Valid,
+            StoppingCondition::NoImprovementSince { n_epochs },
+        ));
+    }
     if let Some(accumulation) = settings.accumulation {
         training = training.grads_accumulation(accumulation);
     }
@@ -192,6 +206,7 @@ fn main() -> anyhow::Result<()> {
         batch_size: number("--batch-size")?.unwrap_or(32),
         valid_batch_size: 60,
         width: number("--width")?.unwrap_or(128),
+        early_stop: number("--early-stop")?.map(|epochs| (Direction::Lowest, epochs)),
         train_items: None,
     };
     let (_result, acc) = train(&settings)?;

@@ -65,6 +65,8 @@
 //! - `save_model` / `save_model_sharded` / `load_model` on [`Accelerator`]: the weights alone,
 //!   one safetensors file or the Hugging Face hub's shards and index.
 //! - [`nn`]: burn-nn modules (layer norm) with fused CPU kernels for training on Flex.
+//! - `learner` (feature `train`): burn-train's `Learner` on the accelerator, through
+//!   `AcceleratorStrategy`, a custom training strategy for `SupervisedTraining`.
 //!
 //! # Feature flags
 //!
@@ -74,6 +76,7 @@
 //! | `ndarray` | Burn's ndarray backend | f32 |
 //! | `wgpu` | Burn's wgpu backend | Vulkan / Metal / DX12; f16 where the adapter has it |
 //! | `cuda` | Burn's CUDA backend | local rank `r` uses `cuda(r)` |
+//! | `train` | (any) | burn-train's Learner on the accelerator (`learner`) |
 
 // Deny rather than forbid: the `nccl` feature's device module (raw CUDA contexts, streams and
 // device addresses handed to NCCL) is the one place allowed unsafe code.

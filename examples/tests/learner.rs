@@ -19,6 +19,7 @@ use std::path::{Path, PathBuf};
 use std::process::{Command, Output, Stdio};
 use std::time::{Duration, Instant};
 
+use accelerate_burn::burn::train::metric::store::Direction;
 use accelerate_burn::learner::latest_learner_checkpoint;
 use common::{
     SCENARIO, env_number, largest_difference, param_bits, params, print_params, run, run_child,
@@ -51,6 +52,11 @@ fn child() {
             batch_size: GLOBAL_BATCH / world,
             valid_batch_size: VALID_BATCH / world,
             width: 128,
+            // Forced: "improving" is the validation loss rising, which it does not.
+            early_stop: std::env::var("LEARNER_EARLY_STOP")
+                .ok()
+                .and_then(|v| v.parse().ok())
+                .map(|epochs| (Direction::Highest, epochs)),
             train_items: Some(TRAIN_ITEMS),
         };
         match scenario {
@@ -396,5 +402,36 @@ fn the_learner_on_two_hosts_over_tcp_ends_where_one_host_ends() {
     assert_eq!(
         (hosts.leftovers(0), hosts.leftovers(1)),
         (String::new(), String::new())
+    );
+}
+
+/// Early stopping is decided on the main process, whose metrics see every process's outputs,
+/// and every process follows: with the validation loss "not improving" for 2 epochs (forced:
+/// improvement is asked to be a rise), 2 processes stop after epoch 3 of 10, as 1 process does,
+/// and end where it ends.
+#[test]
+fn early_stopping_decided_on_the_main_process_stops_every_process() {
+    let one_dir = tempfile::tempdir().unwrap();
+    let two_dir = tempfile::tempdir().unwrap();
+    let stop = [("LEARNER_EARLY_STOP", "2")];
+    let one = launch(1, one_dir.path(), 10, &stop);
+    let two = launch(2, two_dir.path(), 10, &stop);
+    for dir in [one_dir.path(), two_dir.path()] {
+        assert!(
+            dir.join("valid").join("epoch-3").exists(),
+            "{}",
+            dir.display()
+        );
+        assert!(
+            !dir.join("train").join("epoch-4").exists(),
+            "{}: trained on",
+            dir.display()
+        );
+    }
+    assert_eq!(param_bits(&two[0]), param_bits(&two[1]), "ranks differ");
+    let worst = largest_difference(&params(&two[0]), &params(&one[0]));
+    assert!(
+        f64::from(worst) <= TOLERANCE,
+        "largest parameter difference {worst:e}"
     );
 }

@@ -8,22 +8,18 @@ use std::sync::Arc;
 
 use accelerate_core::MixedPrecision;
 use burn::data::dataloader::Progress;
-use burn::module::{Module, ModuleVisitor, Param, ParamId};
-use burn::optim::{GradientsAccumulator, GradientsParams};
-use burn::tensor::{DType, Tensor};
-use burn::train::train::WorkerFailure;
+use burn::tensor::DType;
 use burn::train::{
-    EventProcessorTraining, InferenceStep, Interrupter, Learner, LearnerEvent, LearnerModel,
-    LearningResult, SupervisedLearningStrategy, SupervisedTrainingEventProcessor, TrainLoader,
-    TrainOutput, TrainStep, TrainingComponents, TrainingError, TrainingItem, TrainingStrategy,
-    ValidLoader,
+    EventProcessorTraining, InferenceStep, Learner, LearnerEvent, LearnerModel, LearningResult,
+    SupervisedLearningStrategy, SupervisedTrainingEventProcessor, TrainLoader, TrainStep,
+    TrainingComponents, TrainingStrategy, ValidLoader,
 };
 
+use super::epoch::{EpochRun, failure};
 use super::outputs::GatherOutput;
 use crate::accelerator::Accelerator;
 use crate::backend::AcceleratorBackend;
 use crate::error::AccelerateError;
-use crate::precision::leaf_view;
 use crate::reducer::GradientReducer;
 
 /// burn-train's Learner on an [`Accelerator`]: pass it to
@@ -90,53 +86,6 @@ where
 {
     fn from(strategy: AcceleratorStrategy<B>) -> Self {
         TrainingStrategy::Custom(Arc::new(strategy))
-    }
-}
-
-/// Batches between two checks that no process asked to stop (one small collective each; the
-/// end of every split is checked too): a stop takes effect within this many batches.
-const STOP_CHECK_BATCHES: usize = 8;
-
-/// An accelerator error as the Learner reports a failed worker (the error names the rank).
-fn failure(rank: usize, error: AccelerateError) -> TrainingError {
-    TrainingError::Workers(vec![WorkerFailure {
-        device_id: rank,
-        message: error.to_string(),
-    }])
-}
-
-/// What one epoch's loops share.
-struct EpochRun<'a, B: AcceleratorBackend, M: LearnerModel> {
-    acc: &'a Accelerator<B>,
-    interrupter: &'a Interrupter,
-    processor: &'a mut SupervisedTrainingEventProcessor<M>,
-    /// Averages the Learner's gradients over the processes.
-    reducer: Box<dyn GradientReducer>,
-    main: bool,
-}
-
-impl<B: AcceleratorBackend, M: LearnerModel> EpochRun<'_, B, M> {
-    fn fail(&self, error: AccelerateError) {
-        self.interrupter
-            .fail(failure(self.acc.process_index(), error));
-    }
-
-    /// Whether every process stops now: a stop asked on any process (or an error) stops all.
-    fn stop_agreed(&self) -> bool {
-        let mine = self.interrupter.should_stop();
-        match self.acc.sum_across_processes([f64::from(u8::from(mine))]) {
-            Ok([stops]) => {
-                if stops > 0.0 && !mine {
-                    self.interrupter
-                        .stop(Some("another process of the job stopped training"));
-                }
-                stops > 0.0
-            }
-            Err(error) => {
-                self.fail(error);
-                true
-            }
-        }
     }
 }
 
@@ -226,6 +175,7 @@ where
             processor: &mut event_processor,
             reducer,
             main: acc.is_main_process(),
+            max_grad_norm: self.max_grad_norm,
         };
         for epoch in starting_epoch..=num_epochs {
             let progress = Progress::new(epoch, num_epochs, Some("epochs".to_string()));
@@ -241,7 +191,7 @@ where
                     total_items: train.num_items(),
                 }));
             }
-            self.train_epoch(&mut run, &mut learner, &train, grad_accumulation, &progress);
+            run.train_epoch(&mut learner, &train, grad_accumulation, &progress);
             if run.main {
                 interrupter
                     .fail_on_error(run.processor.process_train(LearnerEvent::EndSplit(epoch)));
@@ -255,7 +205,7 @@ where
                     total_items: valid.num_items(),
                 }));
             }
-            self.valid_epoch(&mut run, &learner, &valid, &progress);
+            run.valid_epoch(&learner, &valid, &progress);
             if run.main {
                 interrupter
                     .fail_on_error(run.processor.process_valid(LearnerEvent::EndSplit(epoch)));
@@ -373,181 +323,4 @@ impl<B: AcceleratorBackend> AcceleratorStrategy<B> {
             .wrapping_add(epoch.wrapping_mul(0x0001_0000_01B3))
             .wrapping_add(self.acc.process_index() as u64)
     }
-
-    /// One step of the model on `item`: in f32, or on a bf16 copy of the weights whose
-    /// gradients come back in f32.
-    fn train_step<M: LearnerModel>(
-        &self,
-        learner: &Learner<M>,
-        item: <M as TrainStep>::Input,
-    ) -> TrainOutput<<M as TrainStep>::Output> {
-        let dtype = self.acc.compute_dtype();
-        if dtype == DType::F32 {
-            return learner.train_step(item);
-        }
-        let master = learner.model();
-        let view = leaf_view(&master, dtype);
-        let TrainOutput { grads, item } = TrainStep::step(&view, item);
-        TrainOutput {
-            grads: grads_in_f32(&master, grads),
-            item,
-        }
-    }
-
-    /// The window's summed gradients averaged over the processes (and clipped), for the
-    /// Learner's optimizer.
-    fn reduce<M: LearnerModel>(
-        &self,
-        reducer: &mut dyn GradientReducer,
-        learner: &Learner<M>,
-        grads: GradientsParams,
-    ) -> Result<Option<GradientsParams>, AccelerateError> {
-        if self.acc.num_processes() == 1 && self.max_grad_norm.is_none() {
-            // Nothing to average or clip: the Learner's own gradients, as burn-train has them.
-            return Ok(Some(grads));
-        }
-        let mut reduced = self.acc.reduce_window(reducer, grads)?;
-        if let Some(max_norm) = self.max_grad_norm {
-            self.acc
-                .clip_grad_norm(&learner.model(), &mut reduced, max_norm)?;
-        }
-        Ok(reduced.to_params())
-    }
-
-    fn train_epoch<M>(
-        &self,
-        run: &mut EpochRun<'_, B, M>,
-        learner: &mut Learner<M>,
-        loader: &TrainLoader<M>,
-        accumulation: Option<usize>,
-        epoch: &Progress,
-    ) where
-        M: LearnerModel,
-        <M as TrainStep>::Output: GatherOutput,
-    {
-        tracing::debug!(epoch = epoch.items_processed, "Learner: training epoch");
-        let mut batches = loader.iter();
-        let mut iteration = 0;
-        let mut accumulator = GradientsAccumulator::<M>::new();
-        let mut in_window = 0;
-        while let Some(item) = batches.next() {
-            let item = match item {
-                Ok(item) => item,
-                Err(error) => {
-                    run.interrupter.fail(error);
-                    break;
-                }
-            };
-            iteration += 1;
-            let progress = batches.progress();
-            let TrainOutput { grads, item } = self.train_step(learner, item);
-            let due = match accumulation {
-                Some(window) => {
-                    accumulator.accumulate(&learner.model(), grads);
-                    in_window += 1;
-                    (in_window >= window || progress.is_completed()).then(|| {
-                        in_window = 0;
-                        accumulator.grads()
-                    })
-                }
-                None => Some(grads),
-            };
-            if let Some(summed) = due {
-                match self.reduce(run.reducer.as_mut(), learner, summed) {
-                    Ok(Some(averaged)) => {
-                        learner.lr_step();
-                        learner.optimizer_step(averaged);
-                    }
-                    Ok(None) => {}
-                    Err(error) => {
-                        run.fail(error);
-                        break;
-                    }
-                }
-            }
-            let item = match item.gather(run.acc) {
-                Ok(item) => item,
-                Err(error) => {
-                    run.fail(error);
-                    break;
-                }
-            };
-            if run.main {
-                let item =
-                    TrainingItem::new(item, progress, Some(iteration), Some(learner.lr_current()));
-                run.interrupter.fail_on_error(
-                    run.processor
-                        .process_train(LearnerEvent::ProcessedItem(item)),
-                );
-            }
-            if iteration % STOP_CHECK_BATCHES == 0 && run.stop_agreed() {
-                break;
-            }
-        }
-    }
-
-    fn valid_epoch<M>(
-        &self,
-        run: &mut EpochRun<'_, B, M>,
-        learner: &Learner<M>,
-        loader: &ValidLoader<M>,
-        epoch: &Progress,
-    ) where
-        M: LearnerModel,
-        <M as InferenceStep>::Output: GatherOutput,
-    {
-        tracing::debug!(epoch = epoch.items_processed, "Learner: validation epoch");
-        let model = learner.model().valid();
-        let mut batches = loader.iter();
-        let mut iteration = 0;
-        while let Some(item) = batches.next() {
-            let item = match item {
-                Ok(item) => item,
-                Err(error) => {
-                    run.interrupter.fail(error);
-                    break;
-                }
-            };
-            iteration += 1;
-            let progress = batches.progress();
-            let item = match InferenceStep::step(&model, item).gather(run.acc) {
-                Ok(item) => item,
-                Err(error) => {
-                    run.fail(error);
-                    break;
-                }
-            };
-            if run.main {
-                let item = TrainingItem::new(item, progress, Some(iteration), None);
-                run.interrupter.fail_on_error(
-                    run.processor
-                        .process_valid(LearnerEvent::ProcessedItem(item)),
-                );
-            }
-            if iteration % STOP_CHECK_BATCHES == 0 && run.stop_agreed() {
-                break;
-            }
-        }
-    }
-}
-
-/// `grads` (of a low-precision copy of `master`, under the same ids) in f32.
-fn grads_in_f32<M: Module>(master: &M, grads: GradientsParams) -> GradientsParams {
-    struct ToF32(GradientsParams);
-    impl ModuleVisitor for ToF32 {
-        fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<D>>) {
-            let id: ParamId = param.id;
-            if let Some(grad) = self.0.remove::<D>(id) {
-                let grad = if grad.dtype() == DType::F32 {
-                    grad
-                } else {
-                    grad.cast(DType::F32)
-                };
-                self.0.register(id, grad);
-            }
-        }
-    }
-    let mut visitor = ToF32(grads);
-    master.visit(&mut visitor);
-    visitor.0
 }
