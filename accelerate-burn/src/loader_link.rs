@@ -27,9 +27,11 @@ struct Links {
     /// samples of that round, over all processes, are padding.
     last_batch_padding: Option<usize>,
     /// Evaluation loaders prepared for burn-train's Learner.
+    #[cfg(feature = "train")]
     learner_eval: usize,
     /// Whether the latest training loader prepared for burn-train's Learner casts its
     /// batches to the compute dtype (`None`: none was prepared).
+    #[cfg(feature = "train")]
     learner_train_casts: Option<bool>,
 }
 
@@ -149,6 +151,7 @@ impl LoaderLinks {
 
     /// Sets the epoch the training loader iterates next (burn-train's Learner counts epochs
     /// itself). False when no training loader was prepared.
+    #[cfg(feature = "train")]
     pub fn set_train_epoch(&self, epoch: u64) -> bool {
         match self.lock().train.as_ref() {
             Some(cursor) => {
@@ -160,23 +163,27 @@ impl LoaderLinks {
     }
 
     /// An evaluation loader was prepared for burn-train's Learner.
+    #[cfg(feature = "train")]
     pub fn note_eval_loader(&self) {
         self.lock().learner_eval += 1;
     }
 
     /// A training loader was prepared for burn-train's Learner; `casts`: it casts batches to
     /// the compute dtype.
+    #[cfg(feature = "train")]
     pub fn note_learner_train(&self, casts: bool) {
         self.lock().learner_train_casts = Some(casts);
     }
 
     /// Whether the latest training loader prepared for burn-train's Learner casts its batches
     /// (`None`: none was prepared).
+    #[cfg(feature = "train")]
     pub fn learner_train_casts(&self) -> Option<bool> {
         self.lock().learner_train_casts
     }
 
     /// Evaluation loaders prepared for burn-train's Learner so far.
+    #[cfg(feature = "train")]
     pub fn learner_eval_loaders(&self) -> usize {
         self.lock().learner_eval
     }

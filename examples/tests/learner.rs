@@ -12,6 +12,8 @@ mod common;
 mod digits_learner;
 #[path = "../../tests-support/netns.rs"]
 mod netns;
+#[path = "../../tests-support/slurm.rs"]
+mod slurm_cluster;
 #[path = "../../tests-support/tools.rs"]
 mod tools;
 
@@ -39,9 +41,10 @@ const TOLERANCE: f64 = 1e-6;
 #[test]
 fn child() {
     run_child(|scenario| {
-        // torchrun and our harness say WORLD_SIZE, Open MPI its own.
+        // torchrun and our harness say WORLD_SIZE, Open MPI and Slurm their own.
         let world = env_number::<usize>("WORLD_SIZE")
             .max(env_number("OMPI_COMM_WORLD_SIZE"))
+            .max(env_number("SLURM_NTASKS"))
             .max(1);
         let settings = Settings {
             epochs: env_number("LEARNER_EPOCHS"),
@@ -434,4 +437,65 @@ fn early_stopping_decided_on_the_main_process_stops_every_process() {
         f64::from(worst) <= TOLERANCE,
         "largest parameter difference {worst:e}"
     );
+}
+
+/// The Learner under a real `srun` on a Slurm cluster of two hosts (network namespaces), one
+/// rank on each: both end bit for bit where 2 processes on one host end.
+#[test]
+fn the_learner_under_srun_on_two_hosts_ends_where_two_processes_end() {
+    if !tools::slurm_ready() {
+        return;
+    }
+    let dir = tempfile::tempdir().unwrap();
+    let reference = common::line(&launch(2, dir.path(), 3, &[])[0], "DIGEST ");
+    let id = std::process::id();
+    let subnet = format!("10.{}.{}", 100 + id % 50, id / 50 % 250);
+    let nodes: Vec<String> = (0..2)
+        .map(|m| format!("accrs-ln-{m}=accrs-ln-{id}-{m}={subnet}.{}", m + 1))
+        .collect();
+    // The script creates the two namespaces and removes them when the cluster stops.
+    let cluster = slurm_cluster::SlurmCluster::start(2, &nodes);
+    let learner_dir = tempfile::tempdir().unwrap();
+    let out = cluster
+        .run(&[
+            "srun",
+            "-N",
+            "2",
+            "-n",
+            "2",
+            "--ntasks-per-node",
+            "1",
+            "--time",
+            "5",
+        ])
+        .arg("--output")
+        .arg(cluster.path("rank-%t.out"))
+        .arg(std::env::current_exe().unwrap())
+        .args(["child", "--exact", "--nocapture", "--test-threads=1"])
+        .env(SCENARIO, "learner")
+        .envs(settings(learner_dir.path(), 3, &[]))
+        .env("ACCELERATE_JOB_TOKEN", format!("learner-slurm-{id}"))
+        .env("ACCELERATE_TIMEOUT", "60")
+        .env("ACCELERATE_RENDEZVOUS_TIMEOUT", "60")
+        .env("RAYON_NUM_THREADS", "1")
+        .env_remove("MASTER_ADDR")
+        .env_remove("MASTER_PORT")
+        .env_remove("WORLD_SIZE")
+        .output()
+        .unwrap();
+    let logs: Vec<String> = (0..2)
+        .map(|rank| {
+            std::fs::read_to_string(cluster.path(&format!("rank-{rank}.out"))).unwrap_or_default()
+        })
+        .collect();
+    assert!(
+        out.status.success(),
+        "{}\n{}\n{logs:#?}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+    for (rank, log) in logs.iter().enumerate() {
+        assert!(log.contains("FORMED tcp"), "rank {rank}: {log}");
+        assert_eq!(digests_printed(log), std::slice::from_ref(&reference), "rank {rank}");
+    }
 }
