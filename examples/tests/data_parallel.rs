@@ -996,35 +996,19 @@ fn zero_3_on_two_hosts_over_tcp_equals_shared_memory_bit_for_bit() {
     let Some(hosts) = netns::TwoHosts::new("zero3") else {
         return;
     };
-    let mut env = vec![
+    let env = vec![
         ("TEST_BATCH", PER_RANK_BATCH.to_string()),
         ("TEST_ZERO", "3".to_string()),
     ];
     let shm = run("fused", 2, &env);
-    env.push(("MASTER_ADDR", hosts.addresses[0].clone()));
-    env.push(("LOCAL_WORLD_SIZE", "1".to_string()));
-    env.push(("LOCAL_RANK", "0".to_string()));
-    // Each rank in its host's namespace, under a host name of its own (ranks on one host
-    // name share memory).
-    let host = |rank: usize| {
-        let namespace = hosts.namespaces[rank].clone();
-        let script = format!("hostname accrs-zero3-{rank} && exec \"$0\" \"$@\"");
-        [
-            "ip", "netns", "exec", &namespace, "unshare", "--uts", "sh", "-c", &script,
-        ]
-        .map(String::from)
-        .to_vec()
-    };
-    let tcp = common::run_under(&host, "fused", 2, &env);
-    for (rank, output) in tcp.iter().enumerate() {
-        assert!(
-            output.status.success(),
-            "rank {rank}: {}",
-            String::from_utf8_lossy(&output.stderr)
-        );
-        assert_eq!(line(output, "FORMED "), "tcp", "rank {rank}");
-        assert_eq!(param_bits(output), param_bits(&shm[rank]), "rank {rank}");
-    }
+    let tcp = common::run_on_hosts(
+        &hosts.namespaces,
+        &hosts.addresses[0],
+        "zero3",
+        "fused",
+        &env,
+    );
+    common::assert_tcp_ranks_equal(&tcp, &shm);
     assert_eq!(
         (hosts.leftovers(0), hosts.leftovers(1)),
         (String::new(), String::new())

@@ -377,31 +377,15 @@ fn the_learner_on_two_hosts_over_tcp_ends_where_one_host_ends() {
     let shm_dir = tempfile::tempdir().unwrap();
     let shm = launch(2, shm_dir.path(), 3, &[]);
     let dir = tempfile::tempdir().unwrap();
-    let mut env = settings(dir.path(), 3, &[]);
-    env.push(("MASTER_ADDR", hosts.addresses[0].clone()));
-    env.push(("LOCAL_WORLD_SIZE", "1".to_string()));
-    env.push(("LOCAL_RANK", "0".to_string()));
-    // Each rank in its host's namespace, under a host name of its own (ranks on one host
-    // name share memory).
-    let host = |rank: usize| {
-        let namespace = hosts.namespaces[rank].clone();
-        let script = format!("hostname accrs-learner-{rank} && exec \"$0\" \"$@\"");
-        [
-            "ip", "netns", "exec", &namespace, "unshare", "--uts", "sh", "-c", &script,
-        ]
-        .map(String::from)
-        .to_vec()
-    };
-    let tcp = common::run_under(&host, "learner", 2, &env);
-    for (rank, output) in tcp.iter().enumerate() {
-        assert!(
-            output.status.success(),
-            "rank {rank}: {}",
-            String::from_utf8_lossy(&output.stderr)
-        );
-        assert_eq!(common::line(output, "FORMED "), "tcp", "rank {rank}");
-        assert_eq!(param_bits(output), param_bits(&shm[rank]), "rank {rank}");
-    }
+    let env = settings(dir.path(), 3, &[]);
+    let tcp = common::run_on_hosts(
+        &hosts.namespaces,
+        &hosts.addresses[0],
+        "learner",
+        "learner",
+        &env,
+    );
+    common::assert_tcp_ranks_equal(&tcp, &shm);
     assert_eq!(
         (hosts.leftovers(0), hosts.leftovers(1)),
         (String::new(), String::new())
@@ -496,6 +480,10 @@ fn the_learner_under_srun_on_two_hosts_ends_where_two_processes_end() {
     );
     for (rank, log) in logs.iter().enumerate() {
         assert!(log.contains("FORMED tcp"), "rank {rank}: {log}");
-        assert_eq!(digests_printed(log), std::slice::from_ref(&reference), "rank {rank}");
+        assert_eq!(
+            digests_printed(log),
+            std::slice::from_ref(&reference),
+            "rank {rank}"
+        );
     }
 }

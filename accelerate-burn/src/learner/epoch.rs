@@ -4,6 +4,7 @@
 //! every process on stopping.
 
 use burn::data::dataloader::Progress;
+use burn::data::dataset::DatasetError;
 use burn::module::{Module, ModuleVisitor, Param, ParamId};
 use burn::optim::{GradientsAccumulator, GradientsParams};
 use burn::tensor::{DType, Tensor};
@@ -53,6 +54,17 @@ impl<B: AcceleratorBackend, M: LearnerModel> EpochRun<'_, B, M> {
     }
 
     /// Whether every process stops now: a stop asked on any process (or an error) stops all.
+    /// A batch from the loader, or `None` after recording the loader's error (the loop
+    /// stops).
+    fn loaded<T>(&self, batch: Result<T, DatasetError>) -> Option<T> {
+        batch.map_err(|error| self.interrupter.fail(error)).ok()
+    }
+
+    /// `result`'s value, or `None` after recording its error (the loop stops).
+    fn ok<T>(&self, result: Result<T, AccelerateError>) -> Option<T> {
+        result.map_err(|error| self.fail(error)).ok()
+    }
+
     pub fn stop_agreed(&self) -> bool {
         let mine = self.interrupter.should_stop();
         match self.acc.sum_across_processes([f64::from(u8::from(mine))]) {
@@ -126,13 +138,7 @@ impl<B: AcceleratorBackend, M: LearnerModel> EpochRun<'_, B, M> {
         let mut accumulator = GradientsAccumulator::<M>::new();
         let mut in_window = 0;
         while let Some(item) = batches.next() {
-            let item = match item {
-                Ok(item) => item,
-                Err(error) => {
-                    self.interrupter.fail(error);
-                    break;
-                }
-            };
+            let Some(item) = self.loaded(item) else { break };
             iteration += 1;
             let progress = batches.progress();
             let TrainOutput { grads, item } = self.train_step(learner, item);
@@ -148,24 +154,17 @@ impl<B: AcceleratorBackend, M: LearnerModel> EpochRun<'_, B, M> {
                 None => Some(grads),
             };
             if let Some(summed) = due {
-                match self.reduce(learner, summed) {
-                    Ok(Some(averaged)) => {
-                        learner.lr_step();
-                        learner.optimizer_step(averaged);
-                    }
-                    Ok(None) => {}
-                    Err(error) => {
-                        self.fail(error);
-                        break;
-                    }
+                let reduced = self.reduce(learner, summed);
+                let Some(averaged) = self.ok(reduced) else {
+                    break;
+                };
+                if let Some(averaged) = averaged {
+                    learner.lr_step();
+                    learner.optimizer_step(averaged);
                 }
             }
-            let item = match item.gather(self.acc) {
-                Ok(item) => item,
-                Err(error) => {
-                    self.fail(error);
-                    break;
-                }
+            let Some(item) = self.ok(item.gather(self.acc)) else {
+                break;
             };
             if self.main {
                 let item =
@@ -190,22 +189,11 @@ impl<B: AcceleratorBackend, M: LearnerModel> EpochRun<'_, B, M> {
         let mut batches = loader.iter();
         let mut iteration = 0;
         while let Some(item) = batches.next() {
-            let item = match item {
-                Ok(item) => item,
-                Err(error) => {
-                    self.interrupter.fail(error);
-                    break;
-                }
-            };
+            let Some(item) = self.loaded(item) else { break };
             iteration += 1;
             let progress = batches.progress();
-            let item = match InferenceStep::step(&model, item).gather(self.acc) {
-                Ok(item) => item,
-                Err(error) => {
-                    self.fail(error);
-                    break;
-                }
-            };
+            let output = InferenceStep::step(&model, item).gather(self.acc);
+            let Some(item) = self.ok(output) else { break };
             if self.main {
                 let item = TrainingItem::new(item, progress, Some(iteration), None);
                 self.interrupter.fail_on_error(

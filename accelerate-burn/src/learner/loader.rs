@@ -46,10 +46,7 @@ impl<B: AcceleratorBackend> Accelerator<B> {
         I: Send + Sync + 'static,
         O: Send + 'static,
     {
-        self.check_even(&loader, "training")?;
-        let prepared = self.prepare_data_loader(loader.prefetch_by_default(0))?;
-        self.links.note_learner_train(false);
-        Ok(self.as_learner_loader(prepared, None))
+        self.learner_train_loader(loader, false, None)
     }
 
     /// [`learner_loader`](Self::learner_loader) for batches that implement [`Autocast`]: under
@@ -64,11 +61,26 @@ impl<B: AcceleratorBackend> Accelerator<B> {
         I: Send + Sync + 'static,
         O: Autocast + Send + 'static,
     {
-        self.check_even(&loader, "training")?;
-        let prepared = self.prepare_data_loader(loader.prefetch_by_default(0))?;
-        self.links.note_learner_train(true);
         let dtype = self.compute_dtype();
         let cast = (dtype != DType::F32).then_some((O::autocast as fn(O, DType) -> O, dtype));
+        self.learner_train_loader(loader, true, cast)
+    }
+
+    /// The training loader of both: `casts` says whether its batches follow the compute
+    /// dtype (the strategy refuses mixed precision otherwise); `cast` does it, when needed.
+    fn learner_train_loader<I, O>(
+        &self,
+        loader: DataLoader<I, O>,
+        casts: bool,
+        cast: Option<BatchCast<O>>,
+    ) -> Result<Arc<dyn BurnDataLoader<O>>, AccelerateError>
+    where
+        I: Send + Sync + 'static,
+        O: Send + 'static,
+    {
+        self.check_even(&loader, "training")?;
+        let prepared = self.prepare_data_loader(loader.prefetch_by_default(0))?;
+        self.links.note_learner_train(casts);
         Ok(self.as_learner_loader(prepared, cast))
     }
 

@@ -73,38 +73,30 @@ pub fn gather_loss<B: AcceleratorBackend>(
     Ok(Tensor::<1>::from_data(TensorData::new(vec![mean as f32], [1]), &device).cast(dtype))
 }
 
-impl GatherOutput for ClassificationOutput {
-    fn gather<B: AcceleratorBackend>(self, acc: &Accelerator<B>) -> Result<Self, AccelerateError> {
-        let rows = self.targets.dims()[0];
-        Ok(Self {
-            loss: gather_loss(acc, self.loss, rows)?,
-            output: acc.gather_for_metrics(self.output)?,
-            targets: acc.gather_for_metrics(self.targets)?,
-        })
-    }
+/// burn-train's outputs of a loss, an `output` and `targets` (of any kind and rank).
+macro_rules! gather_output_targets {
+    ($($output:ty),*) => {$(
+        impl GatherOutput for $output {
+            fn gather<B: AcceleratorBackend>(
+                self,
+                acc: &Accelerator<B>,
+            ) -> Result<Self, AccelerateError> {
+                let rows = self.targets.dims()[0];
+                Ok(Self {
+                    loss: gather_loss(acc, self.loss, rows)?,
+                    output: acc.gather_for_metrics(self.output)?,
+                    targets: acc.gather_for_metrics(self.targets)?,
+                })
+            }
+        }
+    )*};
 }
 
-impl GatherOutput for MultiLabelClassificationOutput {
-    fn gather<B: AcceleratorBackend>(self, acc: &Accelerator<B>) -> Result<Self, AccelerateError> {
-        let rows = self.targets.dims()[0];
-        Ok(Self {
-            loss: gather_loss(acc, self.loss, rows)?,
-            output: acc.gather_for_metrics(self.output)?,
-            targets: acc.gather_for_metrics(self.targets)?,
-        })
-    }
-}
-
-impl GatherOutput for RegressionOutput {
-    fn gather<B: AcceleratorBackend>(self, acc: &Accelerator<B>) -> Result<Self, AccelerateError> {
-        let rows = self.targets.dims()[0];
-        Ok(Self {
-            loss: gather_loss(acc, self.loss, rows)?,
-            output: acc.gather_for_metrics(self.output)?,
-            targets: acc.gather_for_metrics(self.targets)?,
-        })
-    }
-}
+gather_output_targets!(
+    ClassificationOutput,
+    MultiLabelClassificationOutput,
+    RegressionOutput
+);
 
 impl GatherOutput for SequenceOutput {
     fn gather<B: AcceleratorBackend>(self, acc: &Accelerator<B>) -> Result<Self, AccelerateError> {

@@ -141,6 +141,46 @@ pub fn spawn_under(
         .collect()
 }
 
+/// Runs `scenario` with one rank on each of two hosts made of network namespaces: rank `r` in
+/// `namespaces[r]` under a host name of its own (`accrs-TAG-r`: ranks on one host name share
+/// memory), rank 0's host reached at `master`; `env` as for [`run`].
+pub fn run_on_hosts(
+    namespaces: &[String],
+    master: &str,
+    tag: &str,
+    scenario: &str,
+    env: &[(&str, String)],
+) -> Vec<Output> {
+    let mut env = env.to_vec();
+    env.push(("MASTER_ADDR", master.to_string()));
+    env.push(("LOCAL_WORLD_SIZE", "1".to_string()));
+    env.push(("LOCAL_RANK", "0".to_string()));
+    let host = |rank: usize| {
+        let script = format!("hostname accrs-{tag}-{rank} && exec \"$0\" \"$@\"");
+        let namespace = &namespaces[rank];
+        [
+            "ip", "netns", "exec", namespace, "unshare", "--uts", "sh", "-c", &script,
+        ]
+        .map(String::from)
+        .to_vec()
+    };
+    run_under(&host, scenario, namespaces.len(), &env)
+}
+
+/// Every rank of `tcp` (a job across hosts) succeeded, formed our TCP engine and ended with
+/// the parameters of the same rank of `shm` (the job on one host), bit for bit.
+pub fn assert_tcp_ranks_equal(tcp: &[Output], shm: &[Output]) {
+    for (rank, output) in tcp.iter().enumerate() {
+        assert!(
+            output.status.success(),
+            "rank {rank}: {}",
+            String::from_utf8_lossy(&output.stderr)
+        );
+        assert_eq!(line(output, "FORMED "), "tcp", "rank {rank}");
+        assert_eq!(param_bits(output), param_bits(&shm[rank]), "rank {rank}");
+    }
+}
+
 /// The rest of the first line a worker printed starting with `prefix`.
 pub fn line(output: &Output, prefix: &str) -> String {
     lines(output, prefix).into_iter().next().unwrap_or_else(|| {
