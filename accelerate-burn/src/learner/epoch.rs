@@ -37,23 +37,27 @@ const STOP_CHECK_BATCHES: usize = 8;
 
 /// What one epoch's loops share.
 pub(super) struct EpochRun<'a, B: AcceleratorBackend, M: LearnerModel> {
+    /// The accelerator whose processes train.
     pub acc: &'a Accelerator<B>,
+    /// The Learner's: errors and stops are recorded here.
     pub interrupter: &'a Interrupter,
+    /// The Learner's events (metrics, renderer); fed on the main process only.
     pub processor: &'a mut SupervisedTrainingEventProcessor<M>,
     /// Averages the Learner's gradients over the processes.
     pub reducer: Box<dyn GradientReducer>,
+    /// Whether this is the main process.
     pub main: bool,
     /// Clips each window's averaged gradients to this global norm.
     pub max_grad_norm: Option<f32>,
 }
 
 impl<B: AcceleratorBackend, M: LearnerModel> EpochRun<'_, B, M> {
+    /// Records `error`, naming this rank; the loops stop.
     pub fn fail(&self, error: AccelerateError) {
         self.interrupter
             .fail(failure(self.acc.process_index(), error));
     }
 
-    /// Whether every process stops now: a stop asked on any process (or an error) stops all.
     /// A batch from the loader, or `None` after recording the loader's error (the loop
     /// stops).
     fn loaded<T>(&self, batch: Result<T, DatasetError>) -> Option<T> {
@@ -65,7 +69,13 @@ impl<B: AcceleratorBackend, M: LearnerModel> EpochRun<'_, B, M> {
         result.map_err(|error| self.fail(error)).ok()
     }
 
+    /// Whether every process stops now: a stop asked on any process stops all. A process
+    /// that failed stops at once without asking (the others may be waiting in another
+    /// collective; they fail when it ends, naming it).
     pub fn stop_agreed(&self) -> bool {
+        if self.interrupter.error().is_some() {
+            return true;
+        }
         let mine = self.interrupter.should_stop();
         match self.acc.sum_across_processes([f64::from(u8::from(mine))]) {
             Ok([stops]) => {
@@ -123,6 +133,8 @@ impl<B: AcceleratorBackend, M: LearnerModel> EpochRun<'_, B, M> {
         Ok(reduced.to_params())
     }
 
+    /// One training epoch: a step per batch, an update per window, each batch's outputs to
+    /// the main process's metrics.
     pub fn train_epoch(
         &mut self,
         learner: &mut Learner<M>,
@@ -180,6 +192,8 @@ impl<B: AcceleratorBackend, M: LearnerModel> EpochRun<'_, B, M> {
         }
     }
 
+    /// One validation epoch on the model without autodiff, its outputs to the main process's
+    /// metrics.
     pub fn valid_epoch(&mut self, learner: &Learner<M>, loader: &ValidLoader<M>, epoch: &Progress)
     where
         <M as InferenceStep>::Output: GatherOutput,
