@@ -194,10 +194,14 @@ fn main() -> anyhow::Result<()> {
             })
             .transpose()
     };
-    let scratch = tempfile_dir()?;
+    // A directory of our own only when none is given.
+    let dir = match arg("--dir") {
+        Some(dir) => PathBuf::from(dir),
+        None => tempfile_dir()?,
+    };
     let settings = Settings {
         epochs: number("--epochs")?.unwrap_or(10),
-        dir: arg("--dir").map(PathBuf::from).unwrap_or(scratch),
+        dir,
         resume: std::env::args().any(|a| a == "--resume"),
         accumulation: number("--accumulation")?,
         clip: arg("--clip")
