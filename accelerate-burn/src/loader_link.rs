@@ -26,9 +26,9 @@ struct Links {
     /// Set while the latest batch handed out is its loader's last of the epoch: how many
     /// samples of that round, over all processes, are padding.
     last_batch_padding: Option<usize>,
-    /// Evaluation loaders prepared for burn-train's Learner.
+    /// Whether an evaluation loader was prepared for burn-train's Learner.
     #[cfg(feature = "train")]
-    learner_eval: usize,
+    learner_eval: bool,
     /// Whether the latest training loader prepared for burn-train's Learner casts its
     /// batches to the compute dtype (`None`: none was prepared).
     #[cfg(feature = "train")]
@@ -150,22 +150,18 @@ impl LoaderLinks {
     }
 
     /// Sets the epoch the training loader iterates next (burn-train's Learner counts epochs
-    /// itself). False when no training loader was prepared.
+    /// itself).
     #[cfg(feature = "train")]
-    pub fn set_train_epoch(&self, epoch: u64) -> bool {
-        match self.lock().train.as_ref() {
-            Some(cursor) => {
-                cursor.epoch.store(epoch, Ordering::Relaxed);
-                true
-            }
-            None => false,
+    pub fn set_train_epoch(&self, epoch: u64) {
+        if let Some(cursor) = self.lock().train.as_ref() {
+            cursor.epoch.store(epoch, Ordering::Relaxed);
         }
     }
 
     /// An evaluation loader was prepared for burn-train's Learner.
     #[cfg(feature = "train")]
     pub fn note_eval_loader(&self) {
-        self.lock().learner_eval += 1;
+        self.lock().learner_eval = true;
     }
 
     /// A training loader was prepared for burn-train's Learner; `casts`: it casts batches to
@@ -182,9 +178,9 @@ impl LoaderLinks {
         self.lock().learner_train_casts
     }
 
-    /// Evaluation loaders prepared for burn-train's Learner so far.
+    /// Whether an evaluation loader was prepared for burn-train's Learner.
     #[cfg(feature = "train")]
-    pub fn learner_eval_loaders(&self) -> usize {
+    pub fn has_learner_eval_loader(&self) -> bool {
         self.lock().learner_eval
     }
 

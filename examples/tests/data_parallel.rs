@@ -30,7 +30,7 @@ use burn::optim::{AdamWConfig, SgdConfig};
 use burn::store::{ModuleSnapshot, SafetensorsStore};
 use burn::tensor::{Device, Int, Tensor, TensorData};
 use common::{
-    SCENARIO, env_number, largest_difference, line, param_bits, param_bits_in, parameters, params,
+    env_number, largest_difference, line, param_bits, param_bits_in, parameters, params,
     params_labelled, print_params, print_params_as, run, run_child,
 };
 use slurm_cluster::SlurmCluster;
@@ -461,30 +461,22 @@ fn four_processes_on_two_hosts_under_srun_learn_what_one_learns() {
         .collect();
     // The script creates the two namespaces and removes them when the cluster stops.
     let cluster = SlurmCluster::start(2, &nodes);
-    let out = cluster
-        .run(&[
-            "srun",
-            "-N",
-            "2",
-            "-n",
-            "4",
-            "--ntasks-per-node",
-            "2",
-            "--time",
-            "5",
-        ])
-        .arg("--output")
-        .arg(cluster.path("rank-%t.out"))
-        .arg(std::env::current_exe().unwrap())
-        .args(["child", "--exact", "--nocapture", "--test-threads=1"])
-        .env(SCENARIO, "train")
+    let mut srun = cluster.run(&[
+        "srun",
+        "-N",
+        "2",
+        "-n",
+        "4",
+        "--ntasks-per-node",
+        "2",
+        "--time",
+        "5",
+    ]);
+    srun.arg("--output").arg(cluster.path("rank-%t.out"));
+    let out = common::as_ranks(&mut srun, "train")
         .env("TEST_BATCH", per_rank.to_string())
         .env("ACCELERATE_JOB_TOKEN", format!("dp-slurm-{id}"))
-        .env("ACCELERATE_TIMEOUT", "60")
         .env("ACCELERATE_RENDEZVOUS_TIMEOUT", "60")
-        .env("RAYON_NUM_THREADS", "1")
-        .env_remove("MASTER_ADDR")
-        .env_remove("MASTER_PORT")
         .output()
         .unwrap();
     let logs: Vec<String> = (0..4)
@@ -1194,18 +1186,10 @@ fn mpi_worker_of(
     per_rank: usize,
     scenario: &str,
 ) {
-    mpirun
-        .arg("--output-filename")
-        .arg(dir)
-        .arg(std::env::current_exe().unwrap())
-        .args(["child", "--exact", "--nocapture", "--test-threads=1"])
-        .env(SCENARIO, scenario)
+    mpirun.arg("--output-filename").arg(dir);
+    common::as_ranks(mpirun, scenario)
         .env("TEST_BATCH", per_rank.to_string())
-        .env("ACCELERATE_TIMEOUT", "60")
-        .env("RAYON_NUM_THREADS", "1")
-        .env_remove("ACCELERATE_TRANSPORT")
-        .env_remove("MASTER_ADDR")
-        .env_remove("MASTER_PORT");
+        .env_remove("ACCELERATE_TRANSPORT");
 }
 
 /// The digits MLP under a real `mpirun -np 2` on the MPI engine (picked by `auto`) learns,

@@ -24,8 +24,7 @@ use std::time::{Duration, Instant};
 use accelerate_burn::burn::train::metric::store::Direction;
 use accelerate_burn::learner::latest_learner_checkpoint;
 use common::{
-    SCENARIO, env_number, largest_difference, param_bits, params, print_params, run, run_child,
-    spawn_under,
+    env_number, largest_difference, param_bits, params, print_params, run, run_child, spawn_under,
 };
 use digits_learner::Settings;
 
@@ -138,7 +137,6 @@ fn assert_close(what: &str, ours: &[f64], reference: &[f64]) {
 
 #[test]
 fn two_processes_equal_one_on_the_same_global_batch() {
-    let _ = SCENARIO;
     let one_dir = tempfile::tempdir().unwrap();
     let two_dir = tempfile::tempdir().unwrap();
     let one = launch(1, one_dir.path(), 3, &[]);
@@ -311,18 +309,10 @@ fn digests_printed(stdout: &str) -> Vec<String> {
 /// our variables set; its output once it succeeded.
 fn under_launcher(launcher: &mut Command, dir: &Path) -> String {
     let tmp = tempfile::tempdir().unwrap();
-    let out = launcher
-        .env("TMPDIR", tmp.path())
-        .arg(std::env::current_exe().unwrap())
-        .args(["child", "--exact", "--nocapture", "--test-threads=1"])
-        .env(SCENARIO, "learner")
+    let out = common::as_ranks(launcher.env("TMPDIR", tmp.path()), "learner")
         .envs(settings(dir, 3, &[]))
         .env("ACCELERATE_RENDEZVOUS_TIMEOUT", "30")
-        .env("ACCELERATE_TIMEOUT", "60")
-        .env("RAYON_NUM_THREADS", "1")
         .env_remove("ACCELERATE_JOB_TOKEN")
-        .env_remove("MASTER_ADDR")
-        .env_remove("MASTER_PORT")
         .stdout(Stdio::piped())
         .stderr(Stdio::piped())
         .output()
@@ -440,30 +430,22 @@ fn the_learner_under_srun_on_two_hosts_ends_where_two_processes_end() {
     // The script creates the two namespaces and removes them when the cluster stops.
     let cluster = slurm_cluster::SlurmCluster::start(2, &nodes);
     let learner_dir = tempfile::tempdir().unwrap();
-    let out = cluster
-        .run(&[
-            "srun",
-            "-N",
-            "2",
-            "-n",
-            "2",
-            "--ntasks-per-node",
-            "1",
-            "--time",
-            "5",
-        ])
-        .arg("--output")
-        .arg(cluster.path("rank-%t.out"))
-        .arg(std::env::current_exe().unwrap())
-        .args(["child", "--exact", "--nocapture", "--test-threads=1"])
-        .env(SCENARIO, "learner")
+    let mut srun = cluster.run(&[
+        "srun",
+        "-N",
+        "2",
+        "-n",
+        "2",
+        "--ntasks-per-node",
+        "1",
+        "--time",
+        "5",
+    ]);
+    srun.arg("--output").arg(cluster.path("rank-%t.out"));
+    let out = common::as_ranks(&mut srun, "learner")
         .envs(settings(learner_dir.path(), 3, &[]))
         .env("ACCELERATE_JOB_TOKEN", format!("learner-slurm-{id}"))
-        .env("ACCELERATE_TIMEOUT", "60")
         .env("ACCELERATE_RENDEZVOUS_TIMEOUT", "60")
-        .env("RAYON_NUM_THREADS", "1")
-        .env_remove("MASTER_ADDR")
-        .env_remove("MASTER_PORT")
         .env_remove("WORLD_SIZE")
         .output()
         .unwrap();

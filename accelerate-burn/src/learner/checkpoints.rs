@@ -130,6 +130,27 @@ mod tests {
         assert_eq!(latest_learner_checkpoint(tmp.path()), Some(2));
     }
 
+    /// A record's name that is a link to a file of the user's: the save replaces the link and
+    /// the rotation removes it; the user's file is never written nor removed.
+    #[cfg(unix)]
+    #[test]
+    fn a_link_at_a_records_name_never_leads_a_save_or_a_deletion_to_the_users_file() {
+        let tmp = tempfile::tempdir().unwrap();
+        let theirs = tmp.path().join("notes.txt");
+        std::fs::write(&theirs, b"mine").unwrap();
+        let folder = tmp.path().join("checkpoint");
+        std::fs::create_dir_all(&folder).unwrap();
+        std::os::unix::fs::symlink(&theirs, folder.join("scheduler-1.bpk")).unwrap();
+        let (_, _, scheduler) = durable_checkpointers(tmp.path());
+        let record = burn::lr_scheduler::LrSchedulerRecord::default();
+        Checkpointer::<burn::lr_scheduler::LrSchedulerRecord>::save(&scheduler, 1, record).unwrap();
+        assert_eq!(std::fs::read(&theirs).unwrap(), b"mine");
+        assert!(!folder.join("scheduler-1.bpk").is_symlink());
+        std::os::unix::fs::symlink(&theirs, folder.join("scheduler-2.bpk")).unwrap();
+        Checkpointer::<burn::lr_scheduler::LrSchedulerRecord>::delete(&scheduler, 2).unwrap();
+        assert_eq!(std::fs::read(&theirs).unwrap(), b"mine");
+    }
+
     #[test]
     fn a_save_is_whole_and_leaves_no_temporary_file() {
         let tmp = tempfile::tempdir().unwrap();

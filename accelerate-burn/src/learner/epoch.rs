@@ -8,10 +8,11 @@ use burn::data::dataset::DatasetError;
 use burn::module::{Module, ModuleVisitor, Param, ParamId};
 use burn::optim::{GradientsAccumulator, GradientsParams};
 use burn::tensor::{DType, Tensor};
+use burn::train::train::WorkerFailure;
 use burn::train::{
     EventProcessorTraining, InferenceStep, Interrupter, Learner, LearnerEvent, LearnerModel,
-    SupervisedTrainingEventProcessor, TrainLoader, TrainOutput, TrainStep, TrainingItem,
-    ValidLoader,
+    SupervisedTrainingEventProcessor, TrainLoader, TrainOutput, TrainStep, TrainingError,
+    TrainingItem, ValidLoader,
 };
 
 use super::outputs::GatherOutput;
@@ -20,8 +21,6 @@ use crate::backend::AcceleratorBackend;
 use crate::error::AccelerateError;
 use crate::precision::leaf_view;
 use crate::reducer::GradientReducer;
-use burn::train::TrainingError;
-use burn::train::train::WorkerFailure;
 
 /// An accelerator error as the Learner reports a failed worker (the error names the rank).
 pub(super) fn failure(rank: usize, error: AccelerateError) -> TrainingError {
@@ -91,9 +90,7 @@ impl<B: AcceleratorBackend, M: LearnerModel> EpochRun<'_, B, M> {
             }
         }
     }
-}
 
-impl<B: AcceleratorBackend, M: LearnerModel> EpochRun<'_, B, M> {
     /// One step of the model on `item`: in f32, or on a bf16 copy of the weights whose
     /// gradients come back in f32.
     fn train_step(
@@ -118,7 +115,6 @@ impl<B: AcceleratorBackend, M: LearnerModel> EpochRun<'_, B, M> {
     /// Learner's optimizer.
     fn reduce(
         &mut self,
-        learner: &Learner<M>,
         grads: GradientsParams,
     ) -> Result<Option<GradientsParams>, AccelerateError> {
         if self.acc.num_processes() == 1 && self.max_grad_norm.is_none() {
@@ -127,8 +123,7 @@ impl<B: AcceleratorBackend, M: LearnerModel> EpochRun<'_, B, M> {
         }
         let mut reduced = self.acc.reduce_window(self.reducer.as_mut(), grads)?;
         if let Some(max_norm) = self.max_grad_norm {
-            self.acc
-                .clip_grad_norm(&learner.model(), &mut reduced, max_norm)?;
+            reduced.clip(max_norm);
         }
         Ok(reduced.to_params())
     }
@@ -166,7 +161,7 @@ impl<B: AcceleratorBackend, M: LearnerModel> EpochRun<'_, B, M> {
                 None => Some(grads),
             };
             if let Some(summed) = due {
-                let reduced = self.reduce(learner, summed);
+                let reduced = self.reduce(summed);
                 let Some(averaged) = self.ok(reduced) else {
                     break;
                 };

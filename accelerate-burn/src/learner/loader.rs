@@ -46,7 +46,7 @@ impl<B: AcceleratorBackend> Accelerator<B> {
         I: Send + Sync + 'static,
         O: Send + 'static,
     {
-        self.learner_train_loader(loader, false, None)
+        self.learner_train_loader(loader, None)
     }
 
     /// [`learner_loader`](Self::learner_loader) for batches that implement [`Autocast`]: under
@@ -63,15 +63,14 @@ impl<B: AcceleratorBackend> Accelerator<B> {
     {
         let dtype = self.compute_dtype();
         let cast = (dtype != DType::F32).then_some((O::autocast as fn(O, DType) -> O, dtype));
-        self.learner_train_loader(loader, true, cast)
+        self.learner_train_loader(loader, cast)
     }
 
-    /// The training loader of both: `casts` says whether its batches follow the compute
-    /// dtype (the strategy refuses mixed precision otherwise); `cast` does it, when needed.
+    /// The training loader of both: `cast` (under mixed precision) turns each batch to the
+    /// compute dtype; without it the strategy refuses mixed precision.
     fn learner_train_loader<I, O>(
         &self,
         loader: DataLoader<I, O>,
-        casts: bool,
         cast: Option<BatchCast<O>>,
     ) -> Result<Arc<dyn BurnDataLoader<O>>, AccelerateError>
     where
@@ -80,7 +79,7 @@ impl<B: AcceleratorBackend> Accelerator<B> {
     {
         self.check_even(&loader, "training")?;
         let prepared = self.prepare_data_loader(loader.prefetch_by_default(0))?;
-        self.links.note_learner_train(casts);
+        self.links.note_learner_train(cast.is_some());
         Ok(self.as_learner_loader(prepared, cast))
     }
 
@@ -152,7 +151,6 @@ where
         Box::new(LearnerBatches {
             batches,
             done: 0,
-            left: self.prepared.len(),
             per_batch,
             total,
             cast: self.cast,
@@ -186,8 +184,6 @@ struct LearnerBatches<'a, I, O> {
     batches: BatchIter<'a, I, O>,
     /// Batches handed out.
     done: usize,
-    /// Batches left in this process's share.
-    left: usize,
     /// Items of one round over every process.
     per_batch: usize,
     total: usize,
@@ -200,7 +196,6 @@ impl<I: 'static, O: Send + 'static> Iterator for LearnerBatches<'_, I, O> {
     fn next(&mut self) -> Option<Self::Item> {
         let batch = self.batches.next()?;
         self.done += 1;
-        self.left = self.left.saturating_sub(1);
         let batch = match (batch, self.cast) {
             (Ok(batch), Some((cast, dtype))) => Ok(cast(batch, dtype)),
             (batch, _) => batch,
@@ -213,7 +208,7 @@ impl<I: 'static, O: Send + 'static> DataLoaderIterator<O> for LearnerBatches<'_,
     /// Items of the epoch processed by every process together; complete at the last batch
     /// (the rounds `even_batches` filled count once).
     fn progress(&self) -> Progress {
-        let items = if self.left == 0 {
+        let items = if self.batches.len() == 0 {
             self.total
         } else {
             (self.done * self.per_batch).min(self.total)

@@ -274,6 +274,25 @@ impl<B: AcceleratorBackend> AcceleratorStrategy<B> {
                 hint: "set zero_stage 0 (or train a loop of your own with a fused optimizer)",
             });
         }
+        if acc.num_processes() > 1 {
+            if acc.links.learner_train_casts().is_none() {
+                return Err(AccelerateError::Misuse {
+                    rank,
+                    what: "the Learner's training loader was not prepared by the accelerator"
+                        .to_string(),
+                    hint: "build it with acc.learner_loader(DataLoader::builder(batcher)...): \
+                           each process then trains on its own share of every round",
+                });
+            }
+            if !acc.links.has_learner_eval_loader() {
+                return Err(AccelerateError::Misuse {
+                    rank,
+                    what: "the Learner's validation loader was not prepared by the accelerator"
+                        .to_string(),
+                    hint: "build it with acc.learner_eval_loader(DataLoader::builder(batcher)...)",
+                });
+            }
+        }
         if acc.compute_dtype() != DType::F32 && acc.links.learner_train_casts() != Some(true) {
             return Err(AccelerateError::Misuse {
                 rank,
@@ -287,25 +306,6 @@ impl<B: AcceleratorBackend> AcceleratorStrategy<B> {
                 hint: "implement accelerate_burn::Autocast for the batch type (cast its float \
                        tensors) and build the training loader with acc.learner_loader_autocast",
             });
-        }
-        if acc.num_processes() > 1 {
-            if !acc.links.set_train_epoch(0) {
-                return Err(AccelerateError::Misuse {
-                    rank,
-                    what: "the Learner's training loader was not prepared by the accelerator"
-                        .to_string(),
-                    hint: "build it with acc.learner_loader(DataLoader::builder(batcher)...): \
-                           each process then trains on its own share of every round",
-                });
-            }
-            if acc.links.learner_eval_loaders() == 0 {
-                return Err(AccelerateError::Misuse {
-                    rank,
-                    what: "the Learner's validation loader was not prepared by the accelerator"
-                        .to_string(),
-                    hint: "build it with acc.learner_eval_loader(DataLoader::builder(batcher)...)",
-                });
-            }
         }
         learner.fork(&acc.device());
         if acc.num_processes() > 1 {

@@ -141,6 +141,20 @@ pub fn spawn_under(
         .collect()
 }
 
+/// `launcher` (torchrun, mpirun, srun) starting this test binary's `scenario` as its ranks:
+/// one thread each, collectives bounded in time, and no rendezvous address of ours (the
+/// launcher's own environment says where rank 0 is).
+pub fn as_ranks<'a>(launcher: &'a mut Command, scenario: &str) -> &'a mut Command {
+    launcher
+        .arg(std::env::current_exe().unwrap())
+        .args(["child", "--exact", "--nocapture", "--test-threads=1"])
+        .env(SCENARIO, scenario)
+        .env("ACCELERATE_TIMEOUT", "60")
+        .env("RAYON_NUM_THREADS", "1")
+        .env_remove("MASTER_ADDR")
+        .env_remove("MASTER_PORT")
+}
+
 /// Runs `scenario` with one rank on each of two hosts made of network namespaces: rank `r` in
 /// `namespaces[r]` under a host name of its own (`accrs-TAG-r`: ranks on one host name share
 /// memory), rank 0's host reached at `master`; `env` as for [`run`].
