@@ -9,14 +9,18 @@
 //!
 //! | stage | model | master copy | gradients kept | optimizer state |
 //! |---|---|---|---|---|
-//! | 0 | 4P | 4P | 4P | 4SP |
-//! | 1 | 4P | 4P + 4P/N | 4P + 4P/N | 4SP/N |
+//! | 0 | 4P | 4P | 4P (none on one process) | 4SP |
+//! | 1 | 4P | 4P/N | 4P/N | 4SP/N |
 //! | 2 | 4P | 4P/N | 4P/N | 4SP/N |
-//! | 3 | 4P/N | 4P/N | 4P/N | 4SP/N |
+//! | 3 | 4P/N | 4P/N | none | 4SP/N |
 //!
 //! Burn's backward pass also returns every gradient at once (4P for a moment, in
-//! [`MemoryEstimate::backward_gradients`]; at stage 3 only the shards' gradients, 4P/N);
-//! activations come on top and depend on the batch. At stage 3 each sharded unit is whole
+//! [`MemoryEstimate::backward_gradients`]; at stage 3 only the shards' gradients, 4P/N): at
+//! stages 1 and 2 they are reduce-scattered from there into the shard, on one process and at
+//! stage 3 updated from there, with no flat copy. Stages 1 and 2 differ in what they send
+//! within an accumulation window (stage 1 keeps the window's whole sum, as Burn tensors, and
+//! sends it once; stage 2 sends each micro-batch and keeps the shard of the sum).
+//! Activations come on top and depend on the batch. At stage 3 each sharded unit is whole
 //! while it runs, its parameters and, in backward, their gradient (8 bytes per parameter of
 //! the largest unit on top); each parameter is cut on its own, so its shard is padded to whole
 //! elements (at most one element per parameter more than P/N).
@@ -46,7 +50,7 @@ pub struct MemoryEstimate {
     pub stage: u8,
     /// The model's own f32 parameters (whole on every process; the shards at stage 3).
     pub model_parameters: u64,
-    /// The fused optimizer's f32 master copy (and ZeRO-1's staging copy of the shard).
+    /// The fused optimizer's f32 master copy (this process's shard of it under ZeRO).
     pub master_parameters: u64,
     /// Gradient buffers kept from step to step.
     pub gradients: u64,
@@ -70,11 +74,13 @@ impl MemoryEstimate {
         let stage = if world == 1 { 0 } else { stage.min(3) };
         let whole = parameters.saturating_mul(F32);
         let shard = parameters.div_ceil(world).saturating_mul(F32);
-        let padded = shard.saturating_mul(world);
+        // Without ZeRO, several processes all-reduce a flat gradient buffer; one process
+        // updates from backward's own gradients.
         let (master, gradients, state_elements) = match stage {
-            0 => (whole, whole, whole),
-            1 => (padded + shard, padded + shard, shard),
-            _ => (shard, shard, shard),
+            0 if world > 1 => (whole, whole, whole),
+            0 => (whole, 0, whole),
+            1 | 2 => (shard, shard, shard),
+            _ => (shard, 0, shard),
         };
         // ZeRO-3: the model holds its shards, and backward returns their gradients.
         let model = if stage == 3 { shard } else { whole };
@@ -209,7 +215,7 @@ mod tests {
                 zero1.gradients,
                 zero1.optimizer_state
             ),
-            (48 + 12, 48 + 12, 24)
+            (12, 12, 24)
         );
         assert_eq!(
             (
@@ -219,12 +225,13 @@ mod tests {
             ),
             (12, 12, 24)
         );
-        assert!(zero2.held() < zero1.held() && zero1.held() < zero0.held() + 40);
+        assert_eq!(zero2.held(), zero1.held());
+        assert!(zero1.held() < zero0.held());
         assert_eq!(zero2.peak(), zero2.held() + 40);
         // ZeRO-3: the model itself is its shards, and so are backward's gradients.
         let zero3 = MemoryEstimate::new(10, 2, 4, 3);
         assert_eq!((zero3.model_parameters, zero3.backward_gradients), (12, 12));
-        assert_eq!(zero3.held(), 12 + 12 + 12 + 24);
+        assert_eq!(zero3.held(), 12 + 12 + 24);
         assert_eq!(MemoryEstimate::new(10, 2, 4, 9), zero3);
         // A unit of 5 parameters is whole while it runs, with its gradients: 40 bytes, at
         // stage 3 only.

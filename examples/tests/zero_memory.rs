@@ -173,23 +173,42 @@ fn formula(stage: u8, world: u64) -> u64 {
     }
 }
 
-/// Prints every stage's measured peak against the formula on 2 and 4 processes (RESULTS has
-/// the table), and holds ZeRO-3 with Burn's AdamW (which keeps no copy of its own beside the
-/// model's shards) to what it reaches: within 15 % of the formula on 2 processes (1.06
-/// measured), 30 % on 4 (1.26: the backward pass holds about 20 MB more there than the
-/// gathered layer, its gradient and the shards' gradients). The fused optimizer keeps a master
-/// copy and a flat gradient buffer beside the model (+8 bytes per parameter and process), and
-/// stages 1 and 2 hold whole gradients from Burn's backward pass: see RESULTS.
+/// The bytes a fused optimizer's step holds at its peak at ZeRO-1 and ZeRO-2 on the host
+/// path: the model (4P) and Burn's gradients (4P) whole, this rank's shards of the master
+/// parameters, averaged gradients and AdamW's two moments (16P/N). The gradients go from
+/// Burn's tensors to the shard, and the new parameters from the shards to the model's
+/// tensors, without a flat copy.
+fn host_path_zero_1_2(world: u64) -> u64 {
+    let p = config().parameters() as u64;
+    8 * p + 16 * p / world
+}
+
+/// Every stage's measured peak against the formula on 2 and 4 processes (RESULTS has the
+/// table), with what the test holds each to:
+/// - a higher stage never needs more than a lower one (ZeRO-1 and ZeRO-2 hold the same
+///   without accumulation);
+/// - ZeRO-1 and ZeRO-2 within 10 % of what the host path holds (`host_path_zero_1_2`, 8P +
+///   16P/N; the formula's 8P + 8P/N and 4P + 12P/N need Burn's backward to hand gradients
+///   over one parameter at a time, and the fused update to write the model's parameters in
+///   place: see RESULTS);
+/// - ZeRO-3 with Burn's AdamW (which keeps no copy of its own beside the model's shards)
+///   within 15 % of the formula on 2 processes (1.06 measured), 30 % on 4 (1.26: the backward
+///   pass holds about 20 MB more there than the gathered layer, its gradient and the shards'
+///   gradients); the fused AdamW's master copy of the shards adds 4P/N to that;
+/// - each ratio to the formula at most what RESULTS reports, rounded up by 0.05.
 #[test]
 fn per_process_memory_follows_the_zero_formula() {
-    for world in [2usize, 4] {
-        for (stage, optim) in [
-            (0u8, "fused"),
-            (1, "fused"),
-            (2, "fused"),
-            (3, "fused"),
-            (3, "burn"),
-        ] {
+    // (stage, optimizer, the largest ratio to the formula on 2 and on 4 processes).
+    let cases = [
+        (0u8, "fused", [1.33, 1.33]),
+        (1, "fused", [1.43, 1.30]),
+        (2, "fused", [1.70, 1.84]),
+        (3, "fused", [1.31, 1.49]),
+        (3, "burn", [1.15, 1.30]),
+    ];
+    for (column, world) in [2usize, 4].into_iter().enumerate() {
+        let mut previous = u64::MAX;
+        for (stage, optim, bounds) in cases {
             let ranks = run(
                 "memory",
                 world,
@@ -210,17 +229,27 @@ fn per_process_memory_follows_the_zero_formula() {
             }
             let expected = formula(stage, world as u64);
             let ratio = worst as f64 / expected as f64;
+            let case = format!("ZeRO-{stage} ({optim}), {world} processes");
             eprintln!(
-                "ZeRO-{stage} ({optim}), {world} processes: peak {:.1} MB, formula {:.1} MB, \
-                 ratio {ratio:.3}",
+                "{case}: peak {:.1} MB, formula {:.1} MB, ratio {ratio:.3}",
                 worst as f64 / 1e6,
                 expected as f64 / 1e6
             );
-            if stage == 3 && optim == "burn" {
-                let bound = if world == 2 { 1.15 } else { 1.30 };
+            assert!(
+                worst <= previous,
+                "{case}: {worst} bytes, more than the stage below"
+            );
+            previous = worst;
+            assert!(
+                (0.85..=bounds[column]).contains(&ratio),
+                "{case}: {worst} bytes against {expected} (ratio {ratio:.3})"
+            );
+            if stage == 1 || stage == 2 {
+                let held = host_path_zero_1_2(world as u64);
+                let ratio = worst as f64 / held as f64;
                 assert!(
-                    (0.85..=bound).contains(&ratio),
-                    "ZeRO-3, {world} processes: {worst} bytes against {expected}"
+                    (0.95..=1.10).contains(&ratio),
+                    "{case}: {worst} bytes against the host path's {held}"
                 );
             }
         }

@@ -1,15 +1,16 @@
 //! [`HeldBytes`]: what a fused optimizer's buffers keep in memory from one step to the next.
 
 /// Bytes a fused optimizer keeps on this process between steps, besides the model's own
-/// parameters (buffers that live only inside one call, such as ZeRO-2's gathered gradient,
-/// are not counted; nor are the half-precision wire's staging buffers).
+/// parameters (buffers that live only inside one call, such as a column of ZeRO's
+/// collectives, are not counted; nor are the half-precision wire's staging buffers).
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 pub struct HeldBytes {
     /// The f32 master copy of the parameters kept apart from the model's: all of them, this
-    /// rank's shard under ZeRO-2, none where the model views the buffers (on the GPU).
+    /// rank's shard under ZeRO, none where the model views the buffers (on the GPU).
     pub master_parameters: usize,
-    /// Gradient buffers kept from step to step: the whole flat gradient (plus this rank's
-    /// averaged shard under ZeRO-1), only the shard under ZeRO-2.
+    /// Gradient buffers kept from step to step: the flat gradient several processes
+    /// all-reduce without ZeRO, this rank's averaged shard under ZeRO-1 and ZeRO-2, none on
+    /// one process and at ZeRO-3 (the update reads backward's gradients).
     pub gradients: usize,
     /// Optimizer state (moments): all of it, or this rank's shard under ZeRO.
     pub optimizer_state: usize,

@@ -121,7 +121,7 @@ impl FlatReducer {
             || {
                 Ok(match old {
                     Buffers::Host(host) if host.grads_len() == padded => host.take_grads(),
-                    _ => Self::local_grads(self.sharding, padded),
+                    _ => Self::local_grads(self.sharding, padded, self.options.world),
                 })
             },
         )?;

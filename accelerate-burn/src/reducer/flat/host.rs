@@ -1,15 +1,16 @@
-//! The flat buffers in host memory: the f32 master parameters, the gathered gradients, this
-//! rank's averaged shard of them, and the optimizer state over the shard. The update is one
+//! The flat buffers in host memory: the f32 master parameters (this rank's shard under ZeRO),
+//! the step's gradients (a flat buffer all-reduced whole, else each parameter's own tensor
+//! until the update), this rank's averaged shard of them under ZeRO, and the optimizer state
+//! over the shard. The update is one
 //! pass of `accelerate_kernels::optim` per segment (moments and parameters in place, no
 //! allocation); the model receives its new values in one upload per parameter tensor.
-
-use std::ops::{Deref, DerefMut};
 
 use accelerate_core::comm::{Reduction, SharedBuffer};
 use accelerate_kernels::optim::{adam_step, sgd_step};
 use burn::lr_scheduler::module_lr_scheduler::ModuleLearningRate;
 use burn::tensor::{Device, Tensor};
 
+use super::columns::{self, SegmentGrads};
 use super::plan::{FlatPlan, Sharding};
 use crate::error::AccelerateError;
 use crate::fused::{FusedOptimizer, HeldBytes};
@@ -17,43 +18,45 @@ use crate::group::Comm;
 use crate::params::{self, copy_f32};
 use crate::reducer::wire::Wire;
 
-/// Where the gathered gradients live: the process group's shared buffer when they are
-/// all-reduced whole (on shared memory the peers then read them where they are, with no
-/// staging copy), else an ordinary vector.
+/// Where the gradients of a step wait for the update.
 pub(crate) enum GradBuffer {
-    /// One process, or ZeRO (reduce-scattered into the shard).
-    Local(Vec<f32>),
-    /// All-reduced in place.
+    /// Each parameter's gradient as backward returned it, with no flat copy: one process
+    /// (its gradients are the average), and ZeRO, which reduce-scatters them column by column
+    /// into the shard and keeps none of them here.
+    Segments(SegmentGrads),
+    /// A flat vector all-reduced whole: several processes without ZeRO, after a load
+    /// changed the model's size (the group's shared buffer has the old one's).
+    Flat(Vec<f32>),
+    /// The group's shared buffer, all-reduced in place (on shared memory the peers read the
+    /// values where they are, with no staging copy).
     Group(SharedBuffer<f32>),
 }
 
-impl Deref for GradBuffer {
-    type Target = [f32];
-
-    fn deref(&self) -> &[f32] {
+impl GradBuffer {
+    /// The flat buffer, where the gradients are kept in one.
+    fn flat_mut(&mut self) -> Option<&mut [f32]> {
         match self {
-            Self::Local(v) => v,
-            Self::Group(b) => b,
+            Self::Segments(_) => None,
+            Self::Flat(values) => Some(values),
+            Self::Group(buffer) => Some(buffer),
         }
     }
-}
 
-impl DerefMut for GradBuffer {
-    fn deref_mut(&mut self) -> &mut [f32] {
+    /// Elements of the flat buffer (0 without one).
+    fn flat_len(&self) -> usize {
         match self {
-            Self::Local(v) => v,
-            Self::Group(b) => b,
+            Self::Segments(_) => 0,
+            Self::Flat(values) => values.len(),
+            Self::Group(buffer) => buffer.len(),
         }
     }
 }
 
 /// Flat buffers on the host.
 pub(crate) struct HostFlat {
-    /// Master parameters: all of them (padded), or this rank's shard under ZeRO-2.
+    /// Master parameters: all of them (padded), or this rank's shard under ZeRO.
     params: Vec<f32>,
-    /// Gradients, all of them (padded), as copied from the device; without ZeRO, averaged
-    /// there in place. Empty under ZeRO-2, which gathers each micro-batch into a buffer of
-    /// its own and lets it go once scattered.
+    /// The step's gradients until the update (none kept under ZeRO).
     grads: GradBuffer,
     /// This rank's averaged gradients under ZeRO (empty otherwise); under ZeRO-2 the sum of
     /// the open window's micro-batches.
@@ -61,15 +64,13 @@ pub(crate) struct HostFlat {
     sharding: Sharding,
     /// Optimizer state over the shard: `state_buffers` vectors.
     pub state: Vec<Vec<f32>>,
-    /// This rank's updated shard, sent to the others (ZeRO-1; ZeRO-2 sends `params`).
-    shard_params: Vec<f32>,
     /// Where the model's parameters are uploaded.
     device: Device,
 }
 
 impl HostFlat {
     /// Buffers for `plan`, starting from `trainable` (one tensor per segment), with `grads`
-    /// (`plan.padded` zeros; empty under ZeRO-2) for the gradients.
+    /// for the gradients.
     pub fn new(
         plan: &FlatPlan,
         trainable: Vec<Tensor<1>>,
@@ -79,7 +80,7 @@ impl HostFlat {
     ) -> Self {
         let device = trainable.first().map(Tensor::device).unwrap_or_default();
         let shard = plan.shard.len();
-        let held = if sharding == Sharding::Gradients {
+        let held = if sharding.splits() {
             plan.shard.clone()
         } else {
             0..plan.padded
@@ -110,55 +111,56 @@ impl HostFlat {
             },
             sharding,
             state: vec![vec![0.0; shard]; state_buffers],
-            shard_params: if sharding == Sharding::State {
-                vec![0.0; shard]
-            } else {
-                Vec::new()
-            },
             device,
         }
     }
 
-    /// Elements of the gradient buffer.
+    /// Elements of the flat gradient buffer (0 without one).
     pub fn grads_len(&self) -> usize {
-        self.grads.len()
+        self.grads.flat_len()
     }
 
     /// The gradient buffer, for new buffers of the same length to reuse (this one is left
-    /// with an empty one).
+    /// with none).
     pub fn take_grads(&mut self) -> GradBuffer {
-        std::mem::replace(&mut self.grads, GradBuffer::Local(Vec::new()))
+        std::mem::replace(&mut self.grads, GradBuffer::Segments(SegmentGrads::none()))
     }
 
-    /// Copies each segment's gradient into the flat gradient buffer (zeros where a parameter
-    /// got none).
-    pub fn gather(&mut self, plan: &FlatPlan, grads: impl Iterator<Item = Option<Tensor<1>>>) {
-        flatten(plan, grads, &mut self.grads);
-    }
-
-    /// Averages the gathered gradients over the processes into the shard (all-reduce, or
-    /// reduce-scatter with ZeRO-1) and returns the sum of their squares over every rank.
-    pub fn average(&mut self, wire: &mut Wire, comm: &Comm) -> Result<f64, AccelerateError> {
-        if comm.is_distributed() {
-            comm.timed(|group| match &mut self.grads {
-                GradBuffer::Local(grads) if self.sharding.splits() => {
-                    wire.reduce_scatter_mean(grads, &mut self.shard_grads, group)
-                }
-                GradBuffer::Local(grads) => wire.all_reduce_mean(grads, group),
-                GradBuffer::Group(grads) => wire.all_reduce_mean_shared(grads, group),
-            })?;
-        } else if self.sharding.splits() {
-            // One process's shard is everything (ZeRO kept for one GPU under required NCCL,
-            // on a model too large for the device buffers).
-            let n = self.shard_grads.len();
-            self.shard_grads.copy_from_slice(&self.grads[..n]);
+    /// Averages one window's gradients (`plan` order) over the processes: all-reduced in the
+    /// flat buffer, or reduce-scattered into this rank's shard under ZeRO-1 (without a flat
+    /// copy); one process keeps them as they are. Returns the sum of their squares over
+    /// every rank.
+    pub fn average(
+        &mut self,
+        plan: &FlatPlan,
+        grads: impl Iterator<Item = Option<Tensor<1>>>,
+        wire: &mut Wire,
+        comm: &Comm,
+    ) -> Result<f64, AccelerateError> {
+        if self.sharding.splits() {
+            let grads = SegmentGrads::take(grads);
+            columns::reduce_scatter(plan, grads, &mut self.shard_grads, false, wire, comm)?;
+        } else if let Some(flat) = self.grads.flat_mut() {
+            flatten(plan, grads, flat);
+            if comm.is_distributed() {
+                comm.timed(|group| match &mut self.grads {
+                    GradBuffer::Group(grads) => wire.all_reduce_mean_shared(grads, group),
+                    GradBuffer::Flat(grads) => wire.all_reduce_mean(grads, group),
+                    GradBuffer::Segments(_) => Ok(()),
+                })?;
+            }
+        } else if comm.is_distributed() {
+            // Built with a flat buffer whenever there are processes to average over.
+            return Err(AccelerateError::UnexpectedGradients { rank: comm.rank() });
+        } else {
+            self.grads = GradBuffer::Segments(SegmentGrads::take(grads));
         }
         self.measure(comm)
     }
 
     /// ZeRO-2: averages one micro-batch's gradients over the processes straight into this
     /// rank's shard of the window's sum (`first`: the window's first micro-batch, which
-    /// replaces the sum). The whole flat gradient exists only for this call.
+    /// replaces the sum), column by column from the gradients themselves.
     ///
     /// Each micro-batch communicates: holding the window's sum as shards means each rank's
     /// share of it must be sent away before the next backward pass, as DeepSpeed's ZeRO-2
@@ -171,26 +173,8 @@ impl HostFlat {
         wire: &mut Wire,
         comm: &Comm,
     ) -> Result<(), AccelerateError> {
-        let mut flat = vec![0.0; plan.padded];
-        flatten(plan, grads, &mut flat);
-        let mut part = if first {
-            std::mem::take(&mut self.shard_grads)
-        } else {
-            vec![0.0; plan.shard.len()]
-        };
-        if comm.is_distributed() {
-            comm.timed(|group| wire.reduce_scatter_mean(&mut flat, &mut part, group))?;
-        } else {
-            part.copy_from_slice(&flat[plan.shard.clone()]);
-        }
-        if first {
-            self.shard_grads = part;
-        } else {
-            for (sum, value) in self.shard_grads.iter_mut().zip(&part) {
-                *sum += value;
-            }
-        }
-        Ok(())
+        let grads = SegmentGrads::take(grads);
+        columns::reduce_scatter(plan, grads, &mut self.shard_grads, !first, wire, comm)
     }
 
     /// ZeRO-2: multiplies the window's held sum by `factor` (a window of summed losses,
@@ -202,7 +186,15 @@ impl HostFlat {
     /// The sum of the squares of the averaged gradients over every rank (this rank's shard,
     /// summed across the ranks, under ZeRO).
     pub fn measure(&self, comm: &Comm) -> Result<f64, AccelerateError> {
-        let mut sum_sq = accelerate_kernels::sum_of_squares(self.averaged());
+        let mut sum_sq = if self.sharding.splits() {
+            accelerate_kernels::sum_of_squares(&self.shard_grads)
+        } else {
+            match &self.grads {
+                GradBuffer::Segments(grads) => grads.sum_of_squares(),
+                GradBuffer::Flat(grads) => accelerate_kernels::sum_of_squares(grads),
+                GradBuffer::Group(grads) => accelerate_kernels::sum_of_squares(grads),
+            }
+        };
         if comm.is_distributed() && self.sharding.splits() {
             // Each rank measured its shard; infinities and NaN survive the sum.
             let mut total = [sum_sq as f32];
@@ -212,12 +204,11 @@ impl HostFlat {
         Ok(sum_sq)
     }
 
-    /// This rank's averaged gradients: its shard under ZeRO, else all of them.
-    fn averaged(&self) -> &[f32] {
-        if self.sharding.splits() {
-            &self.shard_grads
-        } else {
-            &self.grads
+    /// Lets go of gradients kept as backward returned them (after the update, or a skipped
+    /// step).
+    pub fn release_grads(&mut self) {
+        if let GradBuffer::Segments(grads) = &mut self.grads {
+            *grads = SegmentGrads::none();
         }
     }
 
@@ -230,6 +221,12 @@ impl HostFlat {
         grad_scale: f32,
     ) {
         let shard = plan.shard.clone();
+        // Under ZeRO the master parameters are the shard only.
+        let base = if self.sharding.splits() {
+            shard.start
+        } else {
+            0
+        };
         for index in 0..plan.segments.len() {
             if !plan.has_grad[index] {
                 continue;
@@ -245,18 +242,20 @@ impl HostFlat {
             }
             let rate = plan.rate(index, lr);
             let time = plan.times[index];
-            // ZeRO-2 holds only the shard of the master parameters.
-            let base = if self.sharding == Sharding::Gradients {
-                shard.start
-            } else {
-                0
-            };
             let params = &mut self.params[start - base..end - base];
             let local = start - shard.start..end - shard.start;
             let grads = if self.sharding.splits() {
                 &self.shard_grads[local.clone()]
             } else {
-                &self.grads[local.clone()]
+                match &self.grads {
+                    GradBuffer::Flat(grads) => &grads[local.clone()],
+                    GradBuffer::Group(grads) => &grads[local.clone()],
+                    // Whole: the segment is all local.
+                    GradBuffer::Segments(grads) => match grads.segment(index) {
+                        Some(grads) if grads.len() == params.len() => grads,
+                        _ => continue,
+                    },
+                }
             };
             match optimizer {
                 FusedOptimizer::Adam { hyper, amsgrad } => {
@@ -288,46 +287,45 @@ impl HostFlat {
                 }
             }
         }
+        self.release_grads();
     }
 
     /// The updated master parameters, one tensor per segment; under ZeRO every rank's shard
-    /// is gathered first (under ZeRO-2 into a buffer that lives only for this call).
+    /// is gathered into each parameter's own buffer, column by column.
     pub fn publish(
         &mut self,
         plan: &FlatPlan,
         comm: &Comm,
     ) -> Result<Vec<Tensor<1>>, AccelerateError> {
-        let gathered = comm.is_distributed() && plan.shard.len() < plan.padded;
-        match self.sharding {
-            Sharding::State if gathered => {
-                self.shard_params
-                    .copy_from_slice(&self.params[plan.shard.clone()]);
-                comm.timed(|group| group.all_gather(&self.shard_params, &mut self.params))?;
-            }
-            Sharding::Gradients if gathered => {
-                let mut all = vec![0.0; plan.padded];
-                comm.timed(|group| group.all_gather(&self.params, &mut all))?;
-                return Ok(self.upload(plan, &all));
-            }
-            _ => {}
+        if self.sharding.splits() {
+            let values = columns::all_gather(plan, &self.params, comm)?;
+            return Ok(values
+                .into_iter()
+                .map(|values| params::upload(values, &self.device))
+                .collect());
         }
-        Ok(self.upload(plan, &self.params))
-    }
-
-    /// `all` (every master parameter, padded), one tensor per segment on the model's device.
-    fn upload(&self, plan: &FlatPlan, all: &[f32]) -> Vec<Tensor<1>> {
-        plan.segments
+        Ok(plan
+            .segments
             .iter()
-            .map(|s| params::upload(all[s.offset..s.offset + s.len].to_vec(), &self.device))
-            .collect()
+            .map(|s| {
+                params::upload(
+                    self.params[s.offset..s.offset + s.len].to_vec(),
+                    &self.device,
+                )
+            })
+            .collect())
     }
 
     /// What these buffers hold between steps.
     pub fn held_bytes(&self) -> HeldBytes {
         let bytes = |v: &Vec<f32>| v.capacity() * 4;
+        let kept = match &self.grads {
+            GradBuffer::Segments(grads) => grads.bytes(),
+            flat => flat.flat_len() * 4,
+        };
         HeldBytes {
-            master_parameters: bytes(&self.params) + bytes(&self.shard_params),
-            gradients: self.grads.len() * 4 + bytes(&self.shard_grads),
+            master_parameters: bytes(&self.params),
+            gradients: kept + bytes(&self.shard_grads),
             optimizer_state: self.state.iter().map(bytes).sum(),
         }
     }

@@ -13,12 +13,14 @@ use burn::lr_scheduler::module_lr_scheduler::ModuleLearningRate;
 use burn::tensor::Tensor;
 
 mod checkpointing;
+mod columns;
 #[cfg(feature = "device-kernels")]
 mod device;
 mod host;
 mod plan;
 mod state_file;
 
+use columns::SegmentGrads;
 #[cfg(feature = "device-kernels")]
 use device::DeviceFlat;
 use host::{GradBuffer, HostFlat};
@@ -122,7 +124,7 @@ impl FlatReducer {
             Ok(if comm.is_distributed() && sharding == Sharding::Whole {
                 GradBuffer::Group(comm.lock().shared_buffer(padded)?)
             } else {
-                Self::local_grads(sharding, padded)
+                Self::local_grads(sharding, padded, options.world)
             })
         };
         let buffers = Self::buffers(&plan, values, &optimizer, sharding, &options, grads)?;
@@ -138,14 +140,15 @@ impl FlatReducer {
         })
     }
 
-    /// A gradient buffer of this process's own: `padded` zeros, or none under ZeRO-2 (which
-    /// gathers each micro-batch into a buffer that lives for one call).
-    fn local_grads(sharding: Sharding, padded: usize) -> GradBuffer {
-        GradBuffer::Local(if sharding == Sharding::Gradients {
-            Vec::new()
+    /// A gradient buffer of this process's own: a flat vector where the gradients are
+    /// all-reduced whole over several processes, else none (one process keeps its gradients
+    /// as backward returned them, ZeRO reduce-scatters them from there).
+    fn local_grads(sharding: Sharding, padded: usize, world: usize) -> GradBuffer {
+        if world > 1 && sharding == Sharding::Whole {
+            GradBuffer::Flat(vec![0.0; padded])
         } else {
-            vec![0.0; padded]
-        })
+            GradBuffer::Segments(SegmentGrads::none())
+        }
     }
 
     fn buffers(
@@ -223,8 +226,7 @@ impl GradientReducer for FlatReducer {
             Buffers::Host(host) => {
                 self.plan.note_grads(&grads, true);
                 let taken = self.plan.entries.iter().map(|&e| grads[e].take());
-                host.gather(&self.plan, taken);
-                SumOfSquares::Measured(host.average(&mut self.wire, comm)?)
+                SumOfSquares::Measured(host.average(&self.plan, taken, &mut self.wire, comm)?)
             }
             #[cfg(feature = "device-kernels")]
             Buffers::Device(device) => {
@@ -283,6 +285,9 @@ impl GradientReducer for FlatReducer {
 
     fn discard(&mut self) {
         self.pending = None;
+        if let Some(host) = self.buffers.host_mut() {
+            host.release_grads();
+        }
     }
 
     fn step(

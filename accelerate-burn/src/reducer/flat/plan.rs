@@ -16,12 +16,11 @@ use crate::params::{ParamLayout, ParamList};
 pub(crate) enum Sharding {
     /// Every process holds everything (no ZeRO, or one process).
     Whole,
-    /// ZeRO-1: the optimizer state and its update are split; every process holds all the
-    /// master parameters and all the gradients.
+    /// ZeRO-1: the master parameters, the averaged gradients, the optimizer state and the
+    /// update are split; a window's gradients are reduce-scattered once.
     State,
-    /// ZeRO-2: the gradients are split too (each micro-batch is averaged into this rank's
-    /// shard of the window's sum), and so are the master parameters; the model's own
-    /// parameters stay whole.
+    /// ZeRO-2: as ZeRO-1, but each micro-batch is averaged into this rank's shard of the
+    /// window's sum; the model's own parameters stay whole.
     Gradients,
 }
 

@@ -1,0 +1,325 @@
+//! ZeRO's two collectives on the host without a copy of the whole flat range: the gradients
+//! reduce-scattered straight from each parameter's own tensor, and the updated shards
+//! all-gathered straight into each parameter's own buffer, a column at a time.
+//!
+//! Rank `r`'s shard is the padded flat range `[r*S, (r+1)*S)`. Column `k` is the same slice
+//! `[k*C, (k+1)*C)` of every shard, so one reduce-scatter (or all-gather) of a column gives
+//! each rank column `k` of its own shard, and the shards end as one call over the whole
+//! range leaves them, bit for bit (every engine reduces an element in an order set by the
+//! ranks alone). A flat copy would hold 4 bytes per parameter beside Burn's gradients (or
+//! beside the new parameters) for the length of the call.
+
+use std::ops::Range;
+
+use burn::tensor::{DType, Tensor, TensorData};
+
+use super::plan::FlatPlan;
+use crate::error::AccelerateError;
+use crate::group::Comm;
+use crate::reducer::wire::Wire;
+
+/// f32 elements one column moves per call, over all the ranks together (4 MiB).
+const COLUMN_ELEMENTS: usize = 1 << 20;
+
+/// Each segment's gradient on the host as f32, as backward returned it (`None` where a
+/// parameter got none): no flat copy.
+pub(crate) struct SegmentGrads(Vec<Option<TensorData>>);
+
+impl SegmentGrads {
+    /// The gradients of `plan`'s segments, in order. A tensor is moved, not cloned, so a
+    /// uniquely owned one hands its data over uncopied.
+    pub fn take(grads: impl Iterator<Item = Option<Tensor<1>>>) -> Self {
+        Self(
+            grads
+                .map(|grad| {
+                    grad.map(|grad| {
+                        let data = grad.into_data();
+                        if data.dtype() == DType::F32 {
+                            data
+                        } else {
+                            data.convert::<f32>()
+                        }
+                    })
+                })
+                .collect(),
+        )
+    }
+
+    /// None at all (before the first step).
+    pub fn none() -> Self {
+        Self(Vec::new())
+    }
+
+    /// Segment `index`'s gradient, if it got one.
+    pub fn segment(&self, index: usize) -> Option<&[f32]> {
+        self.0.get(index)?.as_ref()?.as_slice::<f32>().ok()
+    }
+
+    /// Bytes held.
+    pub fn bytes(&self) -> usize {
+        self.0.iter().flatten().map(|data| data.bytes().len()).sum()
+    }
+
+    /// The sum of the squares of every gradient, segment by segment.
+    pub fn sum_of_squares(&self) -> f64 {
+        (0..self.0.len())
+            .filter_map(|index| self.segment(index))
+            .map(accelerate_kernels::sum_of_squares)
+            .sum()
+    }
+
+    /// Copies the flat range `range` into `out` (zeros where no gradient or padding is).
+    fn fill(&self, plan: &FlatPlan, range: Range<usize>, out: &mut [f32]) {
+        out.fill(0.0);
+        let first = plan
+            .segments
+            .partition_point(|s| s.offset + s.len <= range.start);
+        for (index, segment) in plan.segments.iter().enumerate().skip(first) {
+            if segment.offset >= range.end {
+                break;
+            }
+            let Some(values) = self.segment(index) else {
+                continue;
+            };
+            let start = segment.offset.max(range.start);
+            let end = (segment.offset + segment.len).min(range.end);
+            out[start - range.start..end - range.start]
+                .copy_from_slice(&values[start - segment.offset..end - segment.offset]);
+        }
+    }
+}
+
+/// How the padded flat range is cut into columns over `world` ranks.
+struct Columns {
+    world: usize,
+    /// Elements of one shard (`S`).
+    shard: usize,
+    /// Elements of one column of a shard (`C`; the last one may be shorter).
+    width: usize,
+}
+
+impl Columns {
+    fn new(padded: usize, world: usize) -> Self {
+        let world = world.max(1);
+        let shard = padded / world;
+        let width = (COLUMN_ELEMENTS / world).clamp(1, shard.max(1));
+        Self {
+            world,
+            shard,
+            width,
+        }
+    }
+
+    /// Column `k` within a shard.
+    fn range(&self, k: usize) -> Range<usize> {
+        let start = k * self.width;
+        start..(start + self.width).min(self.shard)
+    }
+
+    fn count(&self) -> usize {
+        self.shard.div_ceil(self.width)
+    }
+
+    /// Column `k` of rank `r`'s shard, in the flat range.
+    fn of_rank(&self, r: usize, k: usize) -> Range<usize> {
+        let column = self.range(k);
+        r * self.shard + column.start..r * self.shard + column.end
+    }
+
+    /// For each column, the segments whose last elements it carries (their data is let go
+    /// once it is sent).
+    fn last_uses(&self, plan: &FlatPlan) -> Vec<Vec<usize>> {
+        let mut last = vec![Vec::new(); self.count()];
+        for (index, segment) in plan.segments.iter().enumerate() {
+            let column = (0..self.world)
+                .filter_map(|r| {
+                    let start = segment.offset.max(r * self.shard);
+                    let end = (segment.offset + segment.len).min((r + 1) * self.shard);
+                    (start < end).then(|| (end - 1 - r * self.shard) / self.width)
+                })
+                .max();
+            if let Some(column) = column.filter(|&c| c < last.len()) {
+                last[column].push(index);
+            }
+        }
+        last
+    }
+}
+
+/// Averages `grads` over the processes into `shard`, this rank's part (`plan.shard`) of the
+/// flat range: replacing what it holds, or added to it with `add` (a window's sum). Each
+/// segment's data is let go after the last column that carries it.
+pub(super) fn reduce_scatter(
+    plan: &FlatPlan,
+    mut grads: SegmentGrads,
+    shard: &mut [f32],
+    add: bool,
+    wire: &mut Wire,
+    comm: &Comm,
+) -> Result<(), AccelerateError> {
+    if !comm.is_distributed() {
+        // One process's shard is all of it (ZeRO kept for one GPU where NCCL was required).
+        let mut mine = vec![0.0; shard.len()];
+        grads.fill(plan, plan.shard.clone(), &mut mine);
+        combine(shard, &mine, add);
+        return Ok(());
+    }
+    let columns = Columns::new(plan.padded, comm.world_size());
+    let last_uses = columns.last_uses(plan);
+    for (k, done) in last_uses.iter().enumerate() {
+        let width = columns.range(k).len();
+        let mut input = vec![0.0; width * columns.world];
+        for (r, piece) in input.chunks_exact_mut(width).enumerate() {
+            grads.fill(plan, columns.of_rank(r, k), piece);
+        }
+        let target = &mut shard[columns.range(k)];
+        if add {
+            let mut mine = vec![0.0; width];
+            comm.timed(|group| wire.reduce_scatter_mean(&mut input, &mut mine, group))?;
+            combine(target, &mine, true);
+        } else {
+            comm.timed(|group| wire.reduce_scatter_mean(&mut input, target, group))?;
+        }
+        for &index in done {
+            grads.0[index] = None;
+        }
+    }
+    Ok(())
+}
+
+/// `target` set to `values`, or with `add`, `values` added to it.
+fn combine(target: &mut [f32], values: &[f32], add: bool) {
+    if add {
+        for (sum, value) in target.iter_mut().zip(values) {
+            *sum += value;
+        }
+    } else {
+        target.copy_from_slice(values);
+    }
+}
+
+/// Every rank's `shard` (its part of the flat range) put together, one vector per segment of
+/// `plan`.
+pub(super) fn all_gather(
+    plan: &FlatPlan,
+    shard: &[f32],
+    comm: &Comm,
+) -> Result<Vec<Vec<f32>>, AccelerateError> {
+    let mut out: Vec<Vec<f32>> = plan.segments.iter().map(|s| vec![0.0; s.len]).collect();
+    let world = if comm.is_distributed() {
+        comm.world_size()
+    } else {
+        1
+    };
+    let columns = Columns::new(plan.padded, world);
+    let mut gathered = Vec::new();
+    for k in 0..columns.count() {
+        let column = columns.range(k);
+        let width = column.len();
+        let mine = &shard[column];
+        if world > 1 {
+            gathered.resize(width * world, 0.0);
+            comm.timed(|group| group.all_gather(mine, &mut gathered))?;
+        } else {
+            gathered.clear();
+            gathered.extend_from_slice(mine);
+        }
+        for (r, piece) in gathered.chunks_exact(width).enumerate() {
+            scatter(plan, columns.of_rank(r, k), piece, &mut out);
+        }
+    }
+    Ok(out)
+}
+
+/// Copies `values`, the flat range `range`, into the segments' vectors (padding dropped).
+fn scatter(plan: &FlatPlan, range: Range<usize>, values: &[f32], out: &mut [Vec<f32>]) {
+    let first = plan
+        .segments
+        .partition_point(|s| s.offset + s.len <= range.start);
+    for (segment, target) in plan.segments.iter().zip(out.iter_mut()).skip(first) {
+        if segment.offset >= range.end {
+            break;
+        }
+        let start = segment.offset.max(range.start);
+        let end = (segment.offset + segment.len).min(range.end);
+        target[start - segment.offset..end - segment.offset]
+            .copy_from_slice(&values[start - range.start..end - range.start]);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::reducer::flat::Segment;
+
+    fn plan(lens: &[usize], world: usize, rank: usize) -> FlatPlan {
+        let mut offset = 0;
+        let segments = lens
+            .iter()
+            .enumerate()
+            .map(|(i, &len)| {
+                let segment = Segment {
+                    id: i as u64,
+                    path: format!("p{i}"),
+                    shape: vec![len],
+                    offset,
+                    len,
+                };
+                offset += len;
+                segment
+            })
+            .collect::<Vec<_>>();
+        let padded = offset.div_ceil(world) * world;
+        let shard = padded / world;
+        FlatPlan {
+            entries: (0..segments.len()).collect(),
+            times: vec![0; segments.len()],
+            has_grad: vec![false; segments.len()],
+            segments,
+            len: offset,
+            padded,
+            shard: rank * shard..(rank + 1) * shard,
+        }
+    }
+
+    #[test]
+    fn columns_cover_every_shard_once_and_each_segment_ends_in_one() {
+        let plan = plan(&[5, 1, 9, 3], 3, 0);
+        let columns = Columns {
+            world: 3,
+            shard: plan.padded / 3,
+            width: 2,
+        };
+        let mut seen = vec![0; plan.padded];
+        for k in 0..columns.count() {
+            for r in 0..3 {
+                for i in columns.of_rank(r, k) {
+                    seen[i] += 1;
+                }
+            }
+        }
+        assert!(seen.iter().all(|&n| n == 1), "{seen:?}");
+        let ends: Vec<usize> = columns.last_uses(&plan).concat();
+        let mut sorted = ends.clone();
+        sorted.sort_unstable();
+        assert_eq!(sorted, vec![0, 1, 2, 3]);
+    }
+
+    #[test]
+    fn a_column_reads_and_writes_the_segments_it_crosses() {
+        let plan = plan(&[3, 4], 2, 0);
+        let grads = SegmentGrads(vec![
+            Some(TensorData::new(vec![1.0f32, 2.0, 3.0], [3])),
+            None,
+        ]);
+        let mut out = vec![9.0; 4];
+        grads.fill(&plan, 1..5, &mut out);
+        assert_eq!(out, vec![2.0, 3.0, 0.0, 0.0]);
+        let mut segments = vec![vec![0.0; 3], vec![0.0; 4]];
+        scatter(&plan, 2..8, &[1.0, 2.0, 3.0, 4.0, 5.0, 6.0], &mut segments);
+        assert_eq!(
+            segments,
+            vec![vec![0.0, 0.0, 1.0], vec![2.0, 3.0, 4.0, 5.0]]
+        );
+    }
+}
