@@ -4,10 +4,10 @@
 //! needed. (Several processes: examples/tests/data_parallel.rs.)
 
 use accelerate_burn::{
-    AccelerateError, Accelerator, DefaultBackend, FusedOptimizer, ProcessState, Sharded,
+    AccelerateError, Accelerator, DefaultBackend, FusedOptimizer, ProcessState, Sharded, Unit,
 };
 use burn::module::Module;
-use burn::nn::{Initializer, Linear, LinearConfig, Relu};
+use burn::nn::{BatchNorm, BatchNormConfig, Initializer, Linear, LinearConfig, Relu};
 use burn::optim::AdamWConfig;
 use burn::store::{ModuleSnapshot, SafetensorsStore};
 use burn::tensor::{Device, Tensor, TensorData};
@@ -172,6 +172,125 @@ fn sharded_units_on_one_process_train_bit_for_bit_as_the_unsharded_model() {
             bits(&sharded.whole()),
             "fused {fused}: parameters"
         );
+    }
+}
+
+/// A layer and its batch norm: a unit whose running statistics forward updates.
+#[derive(Module, Debug)]
+struct NormBlock {
+    linear: Linear,
+    norm: BatchNorm,
+}
+
+/// A [`NormBlock`] unit, whole or sharded, and an output layer.
+#[derive(Module, Debug)]
+struct NormNet<L: Module = NormBlock> {
+    block: L,
+    out: Linear,
+}
+
+impl NormNet {
+    fn new(device: &Device) -> Self {
+        Self {
+            block: NormBlock {
+                linear: LinearConfig::new(FEATURES, HIDDEN).init(device),
+                norm: BatchNormConfig::new(HIDDEN).init(device),
+            },
+            out: LinearConfig::new(HIDDEN, 1).init(device),
+        }
+    }
+}
+
+impl<L: Unit<NormBlock>> NormNet<L> {
+    fn output(&self, x: Tensor<2>) -> Tensor<2> {
+        let block = self.block.whole();
+        self.out
+            .forward(block.norm.forward(block.linear.forward(x)))
+    }
+
+    fn loss(&self, (x, y): (Tensor<2>, Tensor<2>)) -> Tensor<1> {
+        (self.output(x) - y).square().mean()
+    }
+
+    /// The running mean and variance, bit patterns.
+    fn statistics(&self) -> Vec<u32> {
+        let norm = self.block.whole().norm;
+        [norm.running_mean.value(), norm.running_var.value()]
+            .into_iter()
+            .flat_map(|state| state.into_data().iter::<f32>().collect::<Vec<_>>())
+            .map(f32::to_bits)
+            .collect()
+    }
+}
+
+/// A batch norm inside a sharded unit keeps its running statistics: they are buffers, left
+/// whole on every process, updated by each forward pass and kept from one gather to the next
+/// (FSDP does not shard buffers either). The sharded model trains, keeps its statistics and
+/// evaluates bit for bit as the unsharded one, with Burn's and the fused AdamW; its saved file
+/// carries them, into plain Burn and back into a sharded model.
+#[test]
+fn a_batch_norm_in_a_sharded_unit_keeps_its_running_statistics() {
+    for fused in [false, true] {
+        let (plain_acc, sharded_acc) = (accelerator(0, 1), accelerator(3, 1));
+        let device = plain_acc.device();
+        let initial = NormNet::new(&device);
+        let sharded = NormNet {
+            block: sharded_acc.shard(initial.block.clone()).unwrap(),
+            out: initial.out.clone(),
+        };
+        let adamw = AdamWConfig::new();
+        let (mut plain, mut plain_optim, mut sharded, mut sharded_optim) = if fused {
+            let (p, po) = plain_acc
+                .prepare((initial, FusedOptimizer::adamw(&adamw).unwrap()))
+                .unwrap();
+            let (s, so) = sharded_acc
+                .prepare((sharded, FusedOptimizer::adamw(&adamw).unwrap()))
+                .unwrap();
+            (p, po, s, so)
+        } else {
+            let (p, po) = plain_acc.prepare((initial, adamw.init())).unwrap();
+            let (s, so) = sharded_acc.prepare((sharded, adamw.init())).unwrap();
+            (p, po, s, so)
+        };
+        let untrained = plain.statistics();
+        for step in 0..6 {
+            let grads = plain_acc
+                .backward(plain.loss(batch(step, &device)), &plain)
+                .unwrap();
+            plain = plain_optim.step(1e-2, plain, grads).unwrap();
+            let grads = sharded_acc
+                .backward(sharded.loss(batch(step, &device)), &sharded)
+                .unwrap();
+            sharded = sharded_optim.step(1e-2, sharded, grads).unwrap();
+            assert_eq!(
+                plain.statistics(),
+                sharded.statistics(),
+                "fused {fused}, step {step}: running statistics"
+            );
+        }
+        assert_ne!(plain.statistics(), untrained, "the statistics never moved");
+        let (x, _) = batch(99, &device);
+        let evaluated = |output: Tensor<2>| -> Vec<u32> {
+            output.into_data().iter::<f32>().map(f32::to_bits).collect()
+        };
+        assert_eq!(
+            evaluated(plain.valid().output(x.clone().inner())),
+            evaluated(sharded.valid().output(x.inner())),
+            "fused {fused}: evaluation with the running statistics"
+        );
+        let dir = tempfile::tempdir().unwrap();
+        let file = sharded_acc.save_model(&sharded, dir.path()).unwrap();
+        let mut into_plain = NormNet::new(&device);
+        into_plain
+            .load_from(&mut SafetensorsStore::from_file(&file))
+            .unwrap();
+        assert_eq!(into_plain.statistics(), plain.statistics());
+        let fresh = NormNet {
+            block: sharded_acc.shard(NormNet::new(&device).block).unwrap(),
+            out: LinearConfig::new(HIDDEN, 1).init(&device),
+        };
+        let loaded = sharded_acc.load_model(fresh, &file).unwrap();
+        assert_eq!(loaded.statistics(), plain.statistics(), "fused {fused}");
     }
 }
 

@@ -2,12 +2,13 @@
 //! are the same bits on every rank after every optimizer update and in the checkpoint, and
 //! evaluation gives the same accuracy everywhere; with `.sync_buffers(false)` they drift
 //! apart (what the averaging prevents); a model stepped by an optimizer of the user's own
-//! agrees once `acc.sync_buffers` is called.
+//! agrees once `acc.sync_buffers` is called; at ZeRO-3, with the batch norm a sharded unit,
+//! the statistics are those of ZeRO-0.
 
 mod common;
 
 use accelerate_burn::burn;
-use accelerate_burn::{Accelerator, Checkpoint, DataLoader, DefaultBackend};
+use accelerate_burn::{Accelerator, Checkpoint, DataLoader, DefaultBackend, Unit};
 use accelerate_examples::digits::{self, DigitBatcher};
 use burn::data::dataset::InMemDataset;
 use burn::module::Module;
@@ -18,11 +19,11 @@ use burn::store::{ModuleSnapshot, SafetensorsStore};
 use burn::tensor::{Device, Int, Tensor};
 use common::{line, lines, run, run_child};
 
-/// A classifier with a batch norm between its two layers.
+/// A classifier with a batch norm between its two layers (a sharded unit at ZeRO-3).
 #[derive(Module, Debug)]
-struct BnNet {
+struct BnNet<N: Module = BatchNorm> {
     hidden: Linear,
-    norm: BatchNorm,
+    norm: N,
     activation: Relu,
     out: Linear,
 }
@@ -36,11 +37,13 @@ impl BnNet {
             out: LinearConfig::new(32, digits::CLASSES).init(device),
         }
     }
+}
 
+impl<N: Unit<BatchNorm>> BnNet<N> {
     fn forward(&self, x: Tensor<2>) -> Tensor<2> {
         let x = self
             .activation
-            .forward(self.norm.forward(self.hidden.forward(x)));
+            .forward(self.norm.whole().forward(self.hidden.forward(x)));
         self.out.forward(x)
     }
 
@@ -53,9 +56,9 @@ impl BnNet {
 
     /// The running mean and variance, as bit patterns (pending updates folded in).
     fn statistics(&self) -> String {
-        let model = self.valid();
+        let norm = self.valid().norm.whole();
         let mut bits: Vec<String> = Vec::new();
-        for state in [&model.norm.running_mean, &model.norm.running_var] {
+        for state in [&norm.running_mean, &norm.running_var] {
             for v in state.value().into_data().iter::<f32>() {
                 bits.push(format!("{:08x}", v.to_bits()));
             }
@@ -66,19 +69,37 @@ impl BnNet {
 
 /// Trains one epoch on each rank's shard (windows of 2 micro-batches), printing the running
 /// statistics after every update, then evaluates on the held-out images and saves a
-/// checkpoint into `TEST_DIR/ckpt`.
+/// checkpoint into `TEST_DIR/ckpt`; at `TEST_ZERO=3` with the batch norm a sharded unit.
 fn train() -> anyhow::Result<()> {
+    let stage = std::env::var("TEST_ZERO").map_or(Ok(0), |s| s.parse())?;
     let acc = Accelerator::<DefaultBackend>::builder()
         .seed(5)
         .gradient_accumulation_steps(2)
+        .zero_stage(stage)
         .sync_buffers(std::env::var("TEST_SYNC_BUFFERS").as_deref() != Ok("0"))
         .build()?;
+    let model = BnNet::new(&acc.device());
+    if stage < 3 {
+        return train_model(&acc, model);
+    }
+    let sharded = BnNet {
+        norm: acc.shard(model.norm)?,
+        hidden: model.hidden,
+        activation: model.activation,
+        out: model.out,
+    };
+    train_model(&acc, sharded)
+}
+
+fn train_model<N: Unit<BatchNorm>>(
+    acc: &Accelerator<DefaultBackend>,
+    model: BnNet<N>,
+) -> anyhow::Result<()> {
     let (train_set, test_set) = digits::train_test_split()?;
     let loader = DataLoader::builder(DigitBatcher)
         .batch_size(16)
         .shuffle(9)
         .build(InMemDataset::new(train_set.into_iter().take(320).collect()));
-    let model = BnNet::new(&acc.device());
     let (mut model, mut optim, loader) = acc.prepare((model, AdamWConfig::new().init(), loader))?;
     loader.set_epoch(0);
     for batch in loader.iter() {
@@ -152,7 +173,7 @@ fn child() {
     });
 }
 
-fn run_bn(sync: bool) -> (tempfile::TempDir, Vec<std::process::Output>) {
+fn run_bn(sync: bool, stage: u8) -> (tempfile::TempDir, Vec<std::process::Output>) {
     let tmp = tempfile::tempdir().unwrap();
     let env = [
         ("TEST_DIR", tmp.path().display().to_string()),
@@ -160,6 +181,7 @@ fn run_bn(sync: bool) -> (tempfile::TempDir, Vec<std::process::Output>) {
             "TEST_SYNC_BUFFERS",
             if sync { "1" } else { "0" }.to_string(),
         ),
+        ("TEST_ZERO", stage.to_string()),
     ];
     let outputs = run("train", 2, &env);
     for (rank, output) in outputs.iter().enumerate() {
@@ -174,7 +196,7 @@ fn run_bn(sync: bool) -> (tempfile::TempDir, Vec<std::process::Output>) {
 
 #[test]
 fn running_statistics_agree_on_every_rank_after_every_update_and_in_the_checkpoint() {
-    let (tmp, outputs) = run_bn(true);
+    let (tmp, outputs) = run_bn(true, 0);
     let (rank0, rank1) = (lines(&outputs[0], "STATS "), lines(&outputs[1], "STATS "));
     // 320 samples, 160 a rank, 10 batches of 16, windows of 2: 5 updates.
     assert_eq!(rank0.len(), 5, "{rank0:?}");
@@ -202,7 +224,7 @@ fn running_statistics_agree_on_every_rank_after_every_update_and_in_the_checkpoi
 
 #[test]
 fn without_sync_buffers_each_rank_keeps_its_own_statistics() {
-    let (_tmp, outputs) = run_bn(false);
+    let (_tmp, outputs) = run_bn(false, 0);
     assert_ne!(
         line(&outputs[0], "FINAL "),
         line(&outputs[1], "FINAL "),
@@ -229,4 +251,24 @@ fn a_model_with_its_own_optimizer_agrees_once_sync_buffers_is_called() {
     assert_ne!(line(&outputs[0], "BEFORE "), line(&outputs[1], "BEFORE "));
     assert_eq!(line(&outputs[0], "AFTER "), line(&outputs[1], "AFTER "));
     assert_ne!(line(&outputs[0], "AFTER "), line(&outputs[0], "BEFORE "));
+}
+
+/// At ZeRO-3 the batch norm is a sharded unit: its weight and bias are sharded, its running
+/// statistics stay whole on every process, where each forward pass updates them and the
+/// averaging after each update reaches them. They agree on both ranks after every update and
+/// are those of ZeRO-0's run, bit for bit, as are the accuracy and the final statistics.
+#[test]
+fn at_zero_3_a_sharded_batch_norm_keeps_the_statistics_of_zero_0() {
+    let (_whole_dir, whole) = run_bn(true, 0);
+    let (_sharded_dir, sharded) = run_bn(true, 3);
+    assert_eq!(lines(&whole[0], "STATS ").len(), 5);
+    for (rank, output) in sharded.iter().enumerate() {
+        assert_eq!(
+            lines(output, "STATS "),
+            lines(&whole[0], "STATS "),
+            "rank {rank}: the statistics after each update"
+        );
+        assert_eq!(line(output, "FINAL "), line(&whole[0], "FINAL "));
+        assert_eq!(line(output, "ACCURACY "), line(&whole[0], "ACCURACY "));
+    }
 }

@@ -8,7 +8,9 @@
 //! runs: Burn keeps the shard for backward and gathers again there (or keeps the gathered
 //! parameter, with [`Sharded::reshard_after_forward`]`(false)`), and the backward pass
 //! reduce-scatters each gradient into the shard's, averaged over the processes. Optimizers,
-//! Burn's or fused, see only the shards: every shard is a whole parameter to them.
+//! Burn's or fused, see only the shards: every shard is a whole parameter to them. Tensors a
+//! unit does not train (a batch norm's running statistics, frozen parameters) stay whole on
+//! every process (`whole`).
 //!
 //! Gathering is a collective: every process gathers the same units in the same order (train
 //! and evaluate on every process).
@@ -18,6 +20,7 @@
 #[allow(deprecated)]
 mod gather;
 mod group;
+mod whole;
 
 use std::fmt;
 use std::sync::Arc;
@@ -33,6 +36,7 @@ use crate::error::AccelerateError;
 use crate::params;
 use gather::{GatherSpec, ParamShard, ShardOps};
 pub(crate) use group::ShardGroup;
+use whole::{WholeMapper, WholeVisitor};
 
 /// A unit of a model (a layer, a block) whose parameters are sharded over the processes:
 /// this process holds `1/N` of each (ZeRO-3). Build it with
@@ -52,9 +56,12 @@ pub(crate) use group::ShardGroup;
 /// ```
 #[derive(Clone)]
 pub struct Sharded<M> {
-    /// This rank's shard of each float parameter (visit order of `M`), f32, `[shard_len]`.
+    /// This rank's shard of each trained float parameter (visit order of `M`), f32,
+    /// `[shard_len]`.
     shards: Vec<Param<Tensor<1>>>,
-    /// `M` with every float parameter left uninitialized (ids and shapes, no storage).
+    /// `M` with a one-element placeholder for each sharded parameter, and its tensors that are
+    /// not trained (buffers such as a batch norm's running statistics, frozen parameters)
+    /// whole: forward passes write into those, and the gathered units share them.
     skeleton: M,
     /// Each parameter's place in `M` and how it is cut.
     params: Arc<[UnitParam]>,
@@ -62,6 +69,7 @@ pub struct Sharded<M> {
 
 /// One parameter of a sharded unit.
 struct UnitParam {
+    id: ParamId,
     /// Its module path inside the unit (`["linear", "weight"]`).
     path: Vec<String>,
     spec: GatherSpec,
@@ -74,7 +82,7 @@ impl<M: Module> Sharded<M> {
     pub fn gather(&self) -> M {
         let mut gatherer = Gatherer {
             shards: self.shards.iter(),
-            params: self.params.iter(),
+            params: self.params.iter().peekable(),
         };
         self.skeleton.clone().map(&mut gatherer)
     }
@@ -87,6 +95,7 @@ impl<M: Module> Sharded<M> {
             .params
             .iter()
             .map(|param| UnitParam {
+                id: param.id,
                 path: param.path.clone(),
                 spec: GatherSpec(Arc::new(ParamShard {
                     shape: param.spec.0.shape.clone(),
@@ -105,35 +114,50 @@ impl<M: Module> Sharded<M> {
         self.params.iter().map(|p| p.spec.0.numel).sum()
     }
 
-    fn map_shards(self, f: impl Fn(Param<Tensor<1>>) -> Param<Tensor<1>>) -> Self {
+    /// The ids of the sharded parameters (their placeholders' in the skeleton).
+    fn sharded_ids(&self) -> Vec<ParamId> {
+        self.params.iter().map(|param| param.id).collect()
+    }
+
+    fn map_shards(
+        self,
+        f: impl Fn(Param<Tensor<1>>) -> Param<Tensor<1>>,
+        skeleton: impl FnOnce(M) -> M,
+    ) -> Self {
         Self {
             shards: self.shards.into_iter().map(f).collect(),
-            ..self
+            skeleton: skeleton(self.skeleton),
+            params: self.params,
         }
     }
 }
 
 impl<M: Module> Module for Sharded<M> {
     fn collect_devices(&self, devices: Devices) -> Devices {
-        self.shards
+        let devices = self
+            .shards
             .iter()
-            .fold(devices, |devices, shard| shard.collect_devices(devices))
+            .fold(devices, |devices, shard| shard.collect_devices(devices));
+        self.skeleton.collect_devices(devices)
     }
 
     fn fork(self, device: &Device) -> Self {
-        self.map_shards(|shard| shard.fork(device))
+        self.map_shards(|shard| shard.fork(device), |s| s.fork(device))
     }
 
     fn to_device(self, device: &Device) -> Self {
-        self.map_shards(|shard| shard.to_device(device))
+        self.map_shards(|shard| shard.to_device(device), |s| s.to_device(device))
     }
 
     fn train(self) -> Self {
-        self.map_shards(Module::train)
+        self.map_shards(Module::train, Module::train)
     }
 
     fn valid(&self) -> Self {
-        self.clone().map_shards(|shard| shard.valid())
+        // The skeleton's own `valid` gives its whole tensors a copy of their own (a batch
+        // norm's statistics as they are now), as an unsharded module's does.
+        self.clone()
+            .map_shards(|shard| shard.valid(), |skeleton| skeleton.valid())
     }
 
     fn materialize(self) -> Self {
@@ -150,10 +174,16 @@ impl<M: Module> Module for Sharded<M> {
                 visitor.exit_module(name, "Sharded");
             }
         }
+        let sharded = self.sharded_ids();
+        self.skeleton.visit(&mut WholeVisitor {
+            inner: visitor,
+            sharded: &sharded,
+        });
     }
 
     fn map<Mapper: ModuleMapper>(self, mapper: &mut Mapper) -> Self {
         let params = self.params.clone();
+        let sharded = self.sharded_ids();
         let shards = self
             .shards
             .into_iter()
@@ -169,7 +199,15 @@ impl<M: Module> Module for Sharded<M> {
                 shard
             })
             .collect();
-        Self { shards, ..self }
+        let skeleton = self.skeleton.map(&mut WholeMapper {
+            inner: mapper,
+            sharded: &sharded,
+        });
+        Self {
+            shards,
+            skeleton,
+            params,
+        }
     }
 }
 
@@ -224,14 +262,17 @@ impl<M: Module> Unit<M> for Sharded<M> {
     }
 }
 
-/// Replaces each uninitialized parameter of the skeleton with its gather.
+/// Replaces each placeholder of the skeleton with its gather; whole tensors stay.
 struct Gatherer<'a> {
     shards: std::slice::Iter<'a, Param<Tensor<1>>>,
-    params: std::slice::Iter<'a, UnitParam>,
+    params: std::iter::Peekable<std::slice::Iter<'a, UnitParam>>,
 }
 
 impl ModuleMapper for Gatherer<'_> {
     fn map_float<const D: usize>(&mut self, param: Param<Tensor<D>>) -> Param<Tensor<D>> {
+        if self.params.peek().is_none_or(|next| next.id != param.id) {
+            return param;
+        }
         let (Some(shard), Some(unit_param)) = (self.shards.next(), self.params.next()) else {
             return param;
         };
@@ -243,9 +284,10 @@ impl ModuleMapper for Gatherer<'_> {
     }
 }
 
-/// `unit` sharded over `group`'s processes on `device`: each float parameter takes rank 0's
-/// value and id, and this rank keeps its `ceil(numel / N)` elements (the last rank's padded
-/// with zeros). One parameter is whole at a time beyond the unit itself.
+/// `unit` sharded over `group`'s processes on `device`: each trained float parameter takes
+/// rank 0's value and id, and this rank keeps its `ceil(numel / N)` elements (the last rank's
+/// padded with zeros); tensors not trained stay whole (`prepare` replicates rank 0's). One
+/// parameter is whole at a time beyond the unit itself.
 pub(crate) fn shard<M: Module>(
     unit: M,
     group: &Arc<ShardGroup>,
@@ -283,7 +325,8 @@ pub(crate) fn shard<M: Module>(
     })
 }
 
-/// Cuts each float parameter into this rank's shard, leaving an uninitialized one in its place.
+/// Cuts each trained float parameter into this rank's shard, leaving a placeholder in its
+/// place.
 struct Cutter<'a> {
     /// The unit's number.
     unit: u64,
@@ -326,17 +369,17 @@ impl ModuleMapper for Cutter<'_> {
     fn map_float<const D: usize>(&mut self, param: Param<Tensor<D>>) -> Param<Tensor<D>> {
         let id = self.ids.next().map_or(param.id, ParamId::from);
         let value = param.val();
+        if !value.is_require_grad() {
+            // Not trained (a running statistic, a frozen parameter): whole, in the skeleton.
+            return param;
+        }
         let shape = value.shape();
         let numel = shape.num_elements();
-        let trainable = value.is_require_grad();
         let shard_len = numel.div_ceil(self.world).max(1);
         if self.error.is_none() {
             match self.cut(value.reshape([numel]), shard_len) {
                 Ok(shard) => {
-                    let mut tensor = params::upload(shard, self.device);
-                    if trainable {
-                        tensor = tensor.require_grad();
-                    }
+                    let tensor = params::upload(shard, self.device).require_grad();
                     self.shards.push(Param::initialized(id, tensor));
                     self.group
                         .register(id, shape.as_slice().to_vec(), self.unit);
@@ -345,6 +388,7 @@ impl ModuleMapper for Cutter<'_> {
             }
         }
         self.params.push(UnitParam {
+            id,
             path: self.path.clone(),
             spec: GatherSpec(Arc::new(ParamShard {
                 shape: shape.as_slice().to_vec(),
@@ -354,15 +398,8 @@ impl ModuleMapper for Cutter<'_> {
                 group: self.group.clone(),
             })),
         });
-        let skeleton_shape = shape.clone();
-        Param::uninitialized(
-            id,
-            move |device, require_grad| {
-                Tensor::<D>::zeros(skeleton_shape, device).set_require_grad(require_grad)
-            },
-            self.device.clone(),
-            trainable,
-            shape,
-        )
+        // A placeholder the gather replaces: one element, so that the skeleton's own
+        // `valid`, `fork` and `to_device` (for its whole tensors) cost nothing here.
+        Param::initialized(id, Tensor::<D>::zeros([1; D], self.device))
     }
 }
