@@ -31,7 +31,7 @@ CRATES = ["accelerate-core", "kernels", "accelerate-burn", "cli"]
 MAX_LINES = 500
 
 # Top-level modules of a crate, and the top-level modules each may import (itself aside).
-GROUND_FLOOR = {"error", "env_vars", "settings", "setting_table", "state", "wait"}
+GROUND_FLOOR = {"error", "env_vars", "process", "settings", "setting_table", "state", "wait"}
 LAYERS = {
     "accelerate-core": {
         **{m: GROUND_FLOOR for m in GROUND_FLOOR},

@@ -255,22 +255,82 @@ pub(crate) fn with_value<const D: usize>(
     id: Option<ParamId>,
 ) -> Param<Tensor<D>> {
     let (own_id, tensor, mapper) = param.consume();
-    let mut value: Tensor<D> = value.reshape(tensor.shape());
-    if tensor.is_autodiff() {
-        value = match tensor.gradient_checkpointing_strategy() {
-            Some(strategy) => value
-                .autodiff()
-                .with_gradient_checkpointing_strategy(strategy),
-            None => value.autodiff(),
-        };
-    }
-    if value.dtype() != tensor.dtype() {
-        value = value.cast(tensor.dtype());
-    }
-    if tensor.is_require_grad() {
-        value = value.require_grad();
-    }
+    let value = Placement::of(&tensor).place(value.reshape(tensor.shape()));
     Param::from_mapped_value(id.unwrap_or(own_id), value, mapper)
+}
+
+/// How a parameter's tensor sits in its model: what a new value takes from it.
+struct Placement {
+    autodiff: bool,
+    strategy: Option<burn::tensor::GradientCheckpointingStrategy>,
+    dtype: DType,
+    require_grad: bool,
+}
+
+impl Placement {
+    fn of<const D: usize>(tensor: &Tensor<D>) -> Self {
+        Self {
+            autodiff: tensor.is_autodiff(),
+            strategy: tensor.gradient_checkpointing_strategy(),
+            dtype: tensor.dtype(),
+            require_grad: tensor.is_require_grad(),
+        }
+    }
+
+    /// `value` (the parameter's shape) placed as the parameter was.
+    fn place<const D: usize>(&self, mut value: Tensor<D>) -> Tensor<D> {
+        if self.autodiff {
+            value = match self.strategy {
+                Some(strategy) => value
+                    .autodiff()
+                    .with_gradient_checkpointing_strategy(strategy),
+                None => value.autodiff(),
+            };
+        }
+        if value.dtype() != self.dtype {
+            value = value.cast(self.dtype);
+        }
+        if self.require_grad {
+            value = value.require_grad();
+        }
+        value
+    }
+}
+
+/// New values computed from the current ones, one parameter at a time
+/// ([`update_each`]).
+pub(crate) trait ParamUpdate {
+    /// Whether float parameter `index` (visit order) takes a new value.
+    fn updates(&self, index: usize) -> bool;
+    /// The new value of parameter `index` (flat) from its current values (flat, moved out of
+    /// the model: a uniquely owned tensor hands its storage over uncopied).
+    fn update(&mut self, index: usize, current: TensorData) -> Tensor<1>;
+}
+
+/// `model` with each float parameter that `update` updates replaced, one at a time: the old
+/// value is let go before the next parameter is read, so at most one parameter exists twice.
+pub(crate) fn update_each<M: Module>(model: M, update: &mut dyn ParamUpdate) -> M {
+    struct Each<'a> {
+        next: usize,
+        update: &'a mut dyn ParamUpdate,
+    }
+    impl ModuleMapper for Each<'_> {
+        fn map_float<const D: usize>(&mut self, param: Param<Tensor<D>>) -> Param<Tensor<D>> {
+            let index = self.next;
+            self.next += 1;
+            if !self.update.updates(index) {
+                return param;
+            }
+            let (id, tensor, mapper) = param.consume();
+            let placement = Placement::of(&tensor);
+            let shape = tensor.shape();
+            let numel = shape.num_elements();
+            let current = tensor.detach().reshape([numel]).into_data();
+            let value = self.update.update(index, current).reshape(shape);
+            Param::from_mapped_value(id, placement.place(value), mapper)
+        }
+    }
+    model.map(&mut Each { next: 0, update })
 }
 
 /// `param` under `id` when given, its value as it is.

@@ -63,6 +63,7 @@ pub mod memory_limit;
 #[cfg(unix)]
 pub mod nccl;
 pub mod output_file;
+pub mod process;
 pub mod sampler;
 pub mod scaler;
 pub mod setting_table;

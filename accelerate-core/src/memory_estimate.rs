@@ -9,11 +9,14 @@
 //!
 //! | stage | model | master copy | gradients kept | optimizer state |
 //! |---|---|---|---|---|
-//! | 0 | 4P | 4P | 4P (none on one process) | 4SP |
+//! | 0 | 4P | none | 4P (none on one process) | 4SP |
 //! | 1 | 4P | 4P/N | 4P/N | 4SP/N |
 //! | 2 | 4P | 4P/N | 4P/N | 4SP/N |
-//! | 3 | 4P/N | 4P/N | none | 4SP/N |
+//! | 3 | 4P/N | none | none | 4SP/N |
 //!
+//! Without ZeRO, and at stage 3 (whose update is one process's over the shards), the model's
+//! own f32 parameters are the master copy: the update reads and writes them one parameter at a
+//! time (a model with parameters in another dtype keeps a 4P, or 4P/N, f32 copy).
 //! Burn's backward pass also returns every gradient at once (4P for a moment, in
 //! [`MemoryEstimate::backward_gradients`]; at stage 3 only the shards' gradients, 4P/N): at
 //! stages 1 and 2 they are reduce-scattered from there into the shard, on one process and at
@@ -50,7 +53,8 @@ pub struct MemoryEstimate {
     pub stage: u8,
     /// The model's own f32 parameters (whole on every process; the shards at stage 3).
     pub model_parameters: u64,
-    /// The fused optimizer's f32 master copy (this process's shard of it under ZeRO).
+    /// The fused optimizer's f32 master copy: this process's shard of it at stages 1 and 2,
+    /// none at the others (the model's f32 parameters are updated in place).
     pub master_parameters: u64,
     /// Gradient buffers kept from step to step.
     pub gradients: u64,
@@ -77,10 +81,10 @@ impl MemoryEstimate {
         // Without ZeRO, several processes all-reduce a flat gradient buffer; one process
         // updates from backward's own gradients.
         let (master, gradients, state_elements) = match stage {
-            0 if world > 1 => (whole, whole, whole),
-            0 => (whole, 0, whole),
+            0 if world > 1 => (0, whole, whole),
+            0 => (0, 0, whole),
             1 | 2 => (shard, shard, shard),
-            _ => (shard, 0, shard),
+            _ => (0, 0, shard),
         };
         // ZeRO-3: the model holds its shards, and backward returns their gradients.
         let model = if stage == 3 { shard } else { whole };
@@ -207,7 +211,7 @@ mod tests {
                 zero0.gradients,
                 zero0.optimizer_state
             ),
-            (40, 40, 80)
+            (0, 40, 80)
         );
         assert_eq!(
             (
@@ -231,7 +235,7 @@ mod tests {
         // ZeRO-3: the model itself is its shards, and so are backward's gradients.
         let zero3 = MemoryEstimate::new(10, 2, 4, 3);
         assert_eq!((zero3.model_parameters, zero3.backward_gradients), (12, 12));
-        assert_eq!(zero3.held(), 12 + 12 + 24);
+        assert_eq!(zero3.held(), 12 + 24);
         assert_eq!(MemoryEstimate::new(10, 2, 4, 9), zero3);
         // A unit of 5 parameters is whole while it runs, with its gradients: 40 bytes, at
         // stage 3 only.

@@ -1116,13 +1116,14 @@ fn assert_zero_equals_one_process(
         assert!((bytes * world) as f64 <= unsharded as f64 * 1.001);
         // What the buffers keep between steps is what `estimate-memory` says: the shard of
         // the master parameters and of the averaged gradients under ZeRO-1 and ZeRO-2, and
-        // at ZeRO-3 no gradient (the update reads the shards' own from backward).
+        // at ZeRO-3 neither (the update reads the shards' gradients from backward and writes
+        // the shards themselves).
         let estimate = MemoryEstimate::new(reference.len() as u64, 2, world as u64, stage);
         if stage >= 1 {
             let kept = if stage == 3 { 0 } else { shard as u64 };
             assert_eq!(
                 (estimate.master_parameters, estimate.gradients),
-                (shard as u64, kept)
+                (kept, kept)
             );
             assert_eq!(estimate.optimizer_state, 2 * shard as u64);
         }

@@ -129,6 +129,46 @@ fn train(config: TransformerLmConfig, updates: u64, report: bool) -> anyhow::Res
     Ok(())
 }
 
+/// The process group's shared buffers this process created (ZeRO-0's gradients, on shared
+/// memory: mappings, which the allocator does not see), in bytes: the resident pages of the
+/// mappings named `<group>-b<id>-r<rank>-p<this pid>`. Each process maps its peers' buffers
+/// too, but those are theirs (counted by them). The group's message slots are left out: a
+/// transport's fixed cost, whatever the model.
+fn shared_buffer_bytes() -> u64 {
+    let own = format!("-p{}", std::process::id());
+    let smaps = std::fs::read_to_string("/proc/self/smaps").unwrap_or_default();
+    let mut total = 0;
+    let mut counting = false;
+    for line in smaps.lines() {
+        let mut fields = line.split_whitespace();
+        let first = fields.next().unwrap_or_default();
+        if first.contains('-') && !first.ends_with(':') {
+            // A mapping's header: address range, permissions, offset, device, inode, path.
+            let path = fields.nth(4).unwrap_or_default();
+            counting = is_group_buffer(path) && path.ends_with(&own);
+        } else if counting && first == "Rss:" {
+            total += fields
+                .next()
+                .and_then(|kib| kib.parse::<u64>().ok())
+                .unwrap_or(0)
+                * 1024;
+        }
+    }
+    total
+}
+
+/// Whether `path` names a process group's shared buffer (`...-b<id>-r<rank>-p<pid>`).
+fn is_group_buffer(path: &str) -> bool {
+    let mut parts = path.rsplit('-');
+    let mut tagged = |tag: char| {
+        parts.next().is_some_and(|p| {
+            p.strip_prefix(tag)
+                .is_some_and(|n| !n.is_empty() && n.bytes().all(|b| b.is_ascii_digit()))
+        })
+    };
+    path.starts_with("/dev/shm/") && tagged('p') && tagged('r') && tagged('b')
+}
+
 /// Prepares `model` with AdamW and takes `updates` steps on `batch` (inputs, targets); the
 /// peak counts from the first step.
 fn steps<L: Unit<TransformerEncoderLayer>>(
@@ -150,6 +190,8 @@ fn steps<L: Unit<TransformerEncoderLayer>>(
         model = optim.step(1e-3, model, grads)?;
     }
     println!("UPDATES {}", optim.updates());
+    // Measured while the optimizer (and its buffers) are alive.
+    println!("MAPPED {}", shared_buffer_bytes());
     Ok(())
 }
 
@@ -183,18 +225,19 @@ fn host_path_zero_1_2(world: u64) -> u64 {
     8 * p + 16 * p / world
 }
 
-/// Every stage's measured peak against the formula on 2 and 4 processes (RESULTS has the
-/// table), with what the test holds each to:
+/// Every stage's measured peak (the allocator's, plus ZeRO-0's shared gradient buffer)
+/// against the formula on 2 and 4 processes (RESULTS has the table), with what the test holds
+/// each to:
 /// - a higher stage never needs more than a lower one (ZeRO-1 and ZeRO-2 hold the same
-///   without accumulation);
+///   without accumulation: within 1 %);
 /// - ZeRO-1 and ZeRO-2 within 10 % of what the host path holds (`host_path_zero_1_2`, 8P +
 ///   16P/N; the formula's 8P + 8P/N and 4P + 12P/N need Burn's backward to hand gradients
-///   over one parameter at a time, and the fused update to write the model's parameters in
-///   place: see RESULTS);
-/// - ZeRO-3 with Burn's AdamW (which keeps no copy of its own beside the model's shards)
-///   within 15 % of the formula on 2 processes (1.06 measured), 30 % on 4 (1.26: the backward
-///   pass holds about 20 MB more there than the gathered layer, its gradient and the shards'
-///   gradients); the fused AdamW's master copy of the shards adds 4P/N to that;
+///   over one parameter at a time, and the sharded update to write the model's parameters
+///   without a master shard: see RESULTS);
+/// - ZeRO-3, with Burn's AdamW or the fused one (neither keeps a copy of the shards beside the
+///   model's), within 15 % of the formula on 2 processes (1.06 measured), 30 % on 4 (1.26: the
+///   backward pass holds about 20 MB more there than the gathered layer, its gradient and the
+///   shards' gradients);
 /// - each ratio to the formula at most what RESULTS reports, rounded up by 0.05.
 #[test]
 fn per_process_memory_follows_the_zero_formula() {
@@ -203,7 +246,7 @@ fn per_process_memory_follows_the_zero_formula() {
         (0u8, "fused", [1.33, 1.33]),
         (1, "fused", [1.43, 1.30]),
         (2, "fused", [1.70, 1.84]),
-        (3, "fused", [1.31, 1.49]),
+        (3, "fused", [1.11, 1.30]),
         (3, "burn", [1.15, 1.30]),
     ];
     for (column, world) in [2usize, 4].into_iter().enumerate() {
@@ -225,7 +268,9 @@ fn per_process_memory_follows_the_zero_formula() {
                     String::from_utf8_lossy(&output.stderr)
                 );
                 assert_eq!(line(output, "UPDATES "), "4");
-                worst = worst.max(line(output, "PEAK ").parse().unwrap());
+                let peak: u64 = line(output, "PEAK ").parse().unwrap();
+                let mapped: u64 = line(output, "MAPPED ").parse().unwrap();
+                worst = worst.max(peak + mapped);
             }
             let expected = formula(stage, world as u64);
             let ratio = worst as f64 / expected as f64;
@@ -235,9 +280,10 @@ fn per_process_memory_follows_the_zero_formula() {
                 worst as f64 / 1e6,
                 expected as f64 / 1e6
             );
+            // ZeRO-1 and ZeRO-2 hold the same buffers here: within 1 % of each other.
             assert!(
-                worst <= previous,
-                "{case}: {worst} bytes, more than the stage below"
+                worst as f64 <= previous as f64 * 1.01,
+                "{case}: {worst} bytes, more than the stage below ({previous})"
             );
             previous = worst;
             assert!(

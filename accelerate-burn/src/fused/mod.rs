@@ -1,15 +1,16 @@
 //! Fused optimizers over flat parameters, and ZeRO-1 and ZeRO-2.
 //!
 //! With a [`FusedOptimizer`] (or Burn's AdamW, Adam or SGD config given to `prepare`, when
-//! the fused update computes the same thing; see [`crate::OptimizerSource`]), the trainable
-//! float parameters of the model live, as the f32 master copy, in one flat buffer in module
-//! visit order (frozen parameters are left out), beside flat optimizer state, both built at
-//! prepare. Several processes without ZeRO average a completed accumulation window's
+//! the fused update computes the same thing; see [`crate::OptimizerSource`]), the optimizer
+//! state of the trainable float parameters lives in flat buffers in module visit order (frozen
+//! parameters are left out), built at prepare. Without ZeRO the model's own f32 parameters
+//! are the master copy, read and written one parameter at a time by the update (a model with
+//! parameters in another dtype keeps an f32 copy in a flat buffer). Several processes without ZeRO average a completed accumulation window's
 //! gradients in one flat gradient buffer (in f32 or the half-precision wire); one process
 //! updates from the gradients as backward returned them. Clipping only records a factor; the
 //! optimizer step is one fused pass of `accelerate_kernels::optim` per parameter (gradient
-//! scale = fp16 unscale x clip factor, moments and parameter in place, no allocation), and the
-//! model receives its new values in one upload per parameter tensor.
+//! scale = fp16 unscale x clip factor, moments and parameter in place), the parameter's
+//! storage moved out of the model and back.
 //!
 //! On wgpu and cuda (without ZeRO) the state lives on the GPU instead and the update is our
 //! cubecl kernel, one launch per parameter tensor, writing each parameter's new values to a

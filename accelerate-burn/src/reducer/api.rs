@@ -14,7 +14,7 @@ use crate::checkpoint::StageError;
 use crate::error::AccelerateError;
 use crate::fused::HeldBytes;
 use crate::group::Comm;
-use crate::params::{ParamLayout, ParamList};
+use crate::params::{ParamLayout, ParamList, ParamUpdate};
 use crate::reducer::flat::{FusedStateFile, Segment};
 
 /// The payload of [`Gradients`](super::Gradients).
@@ -149,6 +149,9 @@ pub(crate) trait ModelUpdate {
     );
     /// The parameters take new values (visit order; `None` keeps one).
     fn replace(&mut self, values: ParamList);
+    /// The parameters `update` updates take new values computed from their current ones,
+    /// one parameter at a time.
+    fn update_each(&mut self, update: &mut dyn ParamUpdate);
 }
 
 /// Which reducer a prepared optimizer has. Its name is what checkpoints record: a checkpoint

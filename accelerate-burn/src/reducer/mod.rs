@@ -29,7 +29,7 @@ use burn::tensor::Tensor;
 use crate::error::AccelerateError;
 use crate::fused::FusedOptimizer;
 use crate::group::Comm;
-use crate::params::{self, ParamLayout, ParamList, Replacement};
+use crate::params::{self, ParamLayout, ParamList, ParamUpdate, Replacement};
 pub(crate) use api::{
     GradientReducer, LoadSource, ModelUpdate, Outcome, ReducerKind, SaveRole, global_norm,
 };
@@ -144,6 +144,13 @@ impl<M: Module> ModelUpdate for ModelCell<M> {
         grads: GradientsParams,
     ) {
         self.0 = self.0.take().map(|model| optim.step(lr, model, grads));
+    }
+
+    fn update_each(&mut self, update: &mut dyn ParamUpdate) {
+        self.0 = self
+            .0
+            .take()
+            .map(|model| params::update_each(model, update));
     }
 
     fn replace(&mut self, values: ParamList) {

@@ -105,13 +105,18 @@ pub struct ShardedSave {
 }
 
 impl ShardedSave {
-    /// Checks that `dir` holds no model that is not ours, and creates the staging directory
-    /// (`.shards.<pid>.staging`, exclusively: someone else's of that name is an error).
+    /// Checks that `dir` holds no model that is not ours, removes the staging directories
+    /// that saves of this host killed before their commit left (only shard files, and only
+    /// where their process is gone), and creates the staging directory
+    /// (`.shards.<scope>.<pid>.staging`, exclusively: someone else's of that name is an
+    /// error).
     pub fn begin(dir: &Path) -> Result<Self, WeightsError> {
         std::fs::create_dir_all(dir).map_err(io("creating", dir))?;
         let replaced_whole = whole_model_of_ours(dir)?;
         let replaced_index = index_of_ours(dir)?;
-        let staging = dir.join(format!(".shards.{}.staging", std::process::id()));
+        let scope = crate::process::pid_scope();
+        remove_abandoned_staging(dir, &scope);
+        let staging = dir.join(staging_name(&scope, std::process::id()));
         std::fs::create_dir(&staging).map_err(io("creating the staging directory", &staging))?;
         Ok(Self {
             dir: dir.to_path_buf(),
@@ -157,6 +162,59 @@ impl ShardedSave {
         let _ = std::fs::remove_dir(&self.staging);
         crate::checkpoint::sync_dir(&self.dir)?;
         Ok(written)
+    }
+}
+
+/// The staging directory of a save by process `pid` of PID scope `scope`
+/// ([`crate::process::pid_scope`]).
+fn staging_name(scope: &str, pid: u32) -> String {
+    format!(".shards.{scope}.{pid}.staging")
+}
+
+/// Removes the staging directories in `dir` that saves of this PID scope left when they were
+/// killed before their commit (a save that ends any other way removes its own): a directory
+/// named as ours, whose process is gone, loses the shard files in it, then itself if nothing
+/// else is there. A live process's, another host's or container's (another scope), or one
+/// holding a file we would not have written, stays. Failing to clean never stops the save.
+fn remove_abandoned_staging(dir: &Path, scope: &str) {
+    let Ok(entries) = std::fs::read_dir(dir) else {
+        return;
+    };
+    let prefix = format!(".shards.{scope}.");
+    for entry in entries.flatten() {
+        let name = entry.file_name();
+        let Some(pid) = name
+            .to_str()
+            .and_then(|n| n.strip_prefix(&prefix))
+            .and_then(|n| n.strip_suffix(".staging"))
+            .and_then(|n| n.parse::<u32>().ok())
+        else {
+            continue;
+        };
+        let is_dir = entry.file_type().is_ok_and(|t| t.is_dir());
+        if !is_dir || pid == std::process::id() || crate::process::process_alive(u64::from(pid)) {
+            continue;
+        }
+        let path = entry.path();
+        if let Ok(files) = std::fs::read_dir(&path) {
+            for file in files.flatten() {
+                let regular = file.file_type().is_ok_and(|t| t.is_file());
+                let shard = file.file_name().to_str().is_some_and(is_shard_file_name);
+                if regular && shard {
+                    let _ = std::fs::remove_file(file.path());
+                }
+            }
+        }
+        match std::fs::remove_dir(&path) {
+            Ok(()) => tracing::info!(
+                "removed {}, left by process {pid} killed during a sharded save",
+                path.display()
+            ),
+            Err(e) => tracing::warn!(
+                "left {} (an abandoned sharded save's staging directory) in place: {e}",
+                path.display()
+            ),
+        }
     }
 }
 
@@ -272,6 +330,43 @@ mod tests {
         index.write(&other).unwrap();
         assert!(WholeSave::begin(&other).is_err());
         assert!(ShardedSave::begin(&other).is_err());
+    }
+
+    /// What a save killed before its commit left is removed by the next save, and only that:
+    /// a live process's staging, another scope's (another host or container sharing the
+    /// directory) and a file we would not have written stay.
+    #[test]
+    fn a_save_removes_the_staging_a_killed_save_left_and_nothing_else() {
+        let tmp = tempfile::tempdir().unwrap();
+        let dir = tmp.path();
+        let scope = crate::process::pid_scope();
+        let mut child = std::process::Command::new("true").spawn().unwrap();
+        let dead = child.id();
+        child.wait().unwrap();
+        let staged = |name: &str| {
+            let path = dir.join(name);
+            std::fs::create_dir(&path).unwrap();
+            model_file(&path.join(shard_file_name(0, 2)), true);
+            path
+        };
+        let killed = staged(&staging_name(&scope, dead));
+        let live = staged(&staging_name(&scope, 1));
+        let elsewhere = staged(&staging_name("0123456789ab", dead));
+        let with_user_file = staged(&staging_name(&scope, dead.wrapping_add(1_000_000)));
+        std::fs::write(with_user_file.join("notes.txt"), "mine").unwrap();
+        save_sharded(dir, 1).unwrap();
+        assert!(!killed.exists());
+        for kept in [&live, &elsewhere] {
+            assert!(
+                kept.join(shard_file_name(0, 2)).exists(),
+                "{}",
+                kept.display()
+            );
+        }
+        assert_eq!(
+            std::fs::read_to_string(with_user_file.join("notes.txt")).unwrap(),
+            "mine"
+        );
     }
 
     #[test]

@@ -200,14 +200,14 @@ mod tests {
                 .collect::<Vec<_>>()
                 .join(" ")
         };
-        assert_eq!(row("ZeRO-0"), "ZeRO-0 1 GiB 1 GiB 1 GiB 2 GiB 5 GiB 6 GiB");
+        assert_eq!(row("ZeRO-0"), "ZeRO-0 1 GiB 0 B 1 GiB 2 GiB 4 GiB 5 GiB");
         assert_eq!(
             row("ZeRO-2"),
             "ZeRO-2 1 GiB 256 MiB 256 MiB 512 MiB 2 GiB 3 GiB"
         );
         assert_eq!(
             row("ZeRO-3"),
-            "ZeRO-3 256 MiB 256 MiB 256 MiB 512 MiB 1.25 GiB 1.5 GiB"
+            "ZeRO-3 256 MiB 0 B 0 B 512 MiB 768 MiB 1 GiB"
         );
         assert!(text.contains("not counted: give --largest-unit"), "{text}");
         // A unit of 2^24 parameters adds 128 MiB to ZeRO-3's peak.
@@ -219,7 +219,7 @@ mod tests {
             Some(("layers.0", 1 << 24)),
         );
         assert!(text.contains("ZeRO-3     256 MiB"), "{text}");
-        assert!(text.contains("1.62 GiB"), "{text}");
+        assert!(text.contains("1.12 GiB"), "{text}");
         assert!(
             text.contains("layers.0: 16777216 parameters, 128 MiB"),
             "{text}"

@@ -5,17 +5,20 @@
 //! pass of `accelerate_kernels::optim` per segment (moments and parameters in place, no
 //! allocation); the model receives its new values in one upload per parameter tensor.
 
+use std::ops::Range;
+
 use accelerate_core::comm::{Reduction, SharedBuffer};
 use accelerate_kernels::optim::{adam_step, sgd_step};
 use burn::lr_scheduler::module_lr_scheduler::ModuleLearningRate;
-use burn::tensor::{Device, Tensor};
+use burn::tensor::{DType, Device, Tensor, TensorData};
 
 use super::columns::{self, SegmentGrads};
 use super::plan::{FlatPlan, Sharding};
 use crate::error::AccelerateError;
 use crate::fused::{FusedOptimizer, HeldBytes};
 use crate::group::Comm;
-use crate::params::{self, copy_f32};
+use crate::params::{self, ParamUpdate, copy_f32};
+use crate::reducer::api::ModelUpdate;
 use crate::reducer::wire::Wire;
 
 /// Where the gradients of a step wait for the update.
@@ -54,8 +57,12 @@ impl GradBuffer {
 
 /// Flat buffers on the host.
 pub(crate) struct HostFlat {
-    /// Master parameters: all of them (padded), or this rank's shard under ZeRO.
+    /// Master parameters: all of them (padded), or this rank's shard under ZeRO; none when
+    /// `in_place`.
     params: Vec<f32>,
+    /// The model's own f32 parameters are the master copy: without ZeRO the update reads and
+    /// writes them one parameter at a time, and these buffers keep no copy of them.
+    in_place: bool,
     /// The step's gradients until the update (none kept under ZeRO).
     grads: GradBuffer,
     /// This rank's averaged gradients under ZeRO (empty otherwise); under ZeRO-2 the sum of
@@ -80,8 +87,11 @@ impl HostFlat {
     ) -> Self {
         let device = trainable.first().map(Tensor::device).unwrap_or_default();
         let shard = plan.shard.len();
+        let in_place = !sharding.splits() && trainable.iter().all(|t| t.dtype() == DType::F32);
         let held = if sharding.splits() {
             plan.shard.clone()
+        } else if in_place {
+            0..0
         } else {
             0..plan.padded
         };
@@ -103,6 +113,7 @@ impl HostFlat {
         }
         Self {
             params,
+            in_place,
             grads,
             shard_grads: if sharding.splits() {
                 vec![0.0; shard]
@@ -247,47 +258,54 @@ impl HostFlat {
             let grads = if self.sharding.splits() {
                 &self.shard_grads[local.clone()]
             } else {
-                match &self.grads {
-                    GradBuffer::Flat(grads) => &grads[local.clone()],
-                    GradBuffer::Group(grads) => &grads[local.clone()],
-                    // Whole: the segment is all local.
-                    GradBuffer::Segments(grads) => match grads.segment(index) {
-                        Some(grads) if grads.len() == params.len() => grads,
-                        _ => continue,
-                    },
+                match whole_grads(&self.grads, index, local.clone()) {
+                    Some(grads) if grads.len() == params.len() => grads,
+                    _ => continue,
                 }
             };
-            match optimizer {
-                FusedOptimizer::Adam { hyper, amsgrad } => {
-                    let (m, rest) = self.state.split_at_mut(1);
-                    let (v, rest) = rest.split_at_mut(1);
-                    let max_v = if *amsgrad {
-                        Some(&mut rest[0][local.clone()])
-                    } else {
-                        None
-                    };
-                    adam_step(
-                        params,
-                        grads,
-                        &mut m[0][local.clone()],
-                        &mut v[0][local.clone()],
-                        max_v,
-                        time,
-                        rate,
-                        grad_scale,
-                        hyper,
-                    );
-                }
-                FusedOptimizer::Sgd { .. } => {
-                    let Some(hyper) = optimizer.sgd_hyper() else {
-                        continue;
-                    };
-                    let velocity = self.state.first_mut().map(|v| &mut v[local.clone()]);
-                    sgd_step(params, grads, velocity, time == 1, rate, grad_scale, &hyper);
-                }
-            }
+            let update = SegmentUpdate {
+                optimizer,
+                time,
+                rate,
+                grad_scale,
+            };
+            update.apply(params, grads, &mut self.state, local);
         }
         self.release_grads();
+    }
+
+    /// Without a copy of the parameters (`in_place`): the fused update of each parameter of
+    /// `model` with a gradient, read from the model and written back one at a time.
+    pub fn step_in_place(
+        &mut self,
+        plan: &mut FlatPlan,
+        optimizer: &FusedOptimizer,
+        lr: &ModuleLearningRate,
+        grad_scale: f32,
+        model: &mut dyn ModelUpdate,
+    ) {
+        let entries = plan.entries.iter().max().map_or(0, |&e| e + 1);
+        let mut segment_of = vec![None; entries];
+        for (index, &entry) in plan.entries.iter().enumerate() {
+            segment_of[entry] = Some(index);
+        }
+        let mut update = InPlace {
+            plan,
+            segment_of,
+            grads: &self.grads,
+            state: &mut self.state,
+            optimizer,
+            lr,
+            grad_scale,
+            device: &self.device,
+        };
+        model.update_each(&mut update);
+        self.release_grads();
+    }
+
+    /// Whether the update writes the model's parameters (no master copy here).
+    pub fn in_place(&self) -> bool {
+        self.in_place
     }
 
     /// The updated master parameters, one tensor per segment; under ZeRO every rank's shard
@@ -328,6 +346,126 @@ impl HostFlat {
             gradients: kept + bytes(&self.shard_grads),
             optimizer_state: self.state.iter().map(bytes).sum(),
         }
+    }
+}
+
+/// The averaged gradient of segment `index` without ZeRO (`range`: its place in the flat
+/// buffer).
+fn whole_grads(grads: &GradBuffer, index: usize, range: Range<usize>) -> Option<&[f32]> {
+    match grads {
+        GradBuffer::Flat(grads) => grads.get(range),
+        GradBuffer::Group(grads) => grads.get(range),
+        GradBuffer::Segments(grads) => grads.segment(index),
+    }
+}
+
+/// One segment's fused update: its count, rate and gradient scale.
+struct SegmentUpdate<'a> {
+    optimizer: &'a FusedOptimizer,
+    time: i32,
+    rate: f64,
+    grad_scale: f32,
+}
+
+impl SegmentUpdate<'_> {
+    /// Updates `params` from `grads` and the state at `local` (the segment's place in the
+    /// state buffers), moments and parameters in place.
+    fn apply(
+        &self,
+        params: &mut [f32],
+        grads: &[f32],
+        state: &mut [Vec<f32>],
+        local: Range<usize>,
+    ) {
+        match self.optimizer {
+            FusedOptimizer::Adam { hyper, amsgrad } => {
+                let (m, rest) = state.split_at_mut(1);
+                let (v, rest) = rest.split_at_mut(1);
+                let max_v = if *amsgrad {
+                    Some(&mut rest[0][local.clone()])
+                } else {
+                    None
+                };
+                adam_step(
+                    params,
+                    grads,
+                    &mut m[0][local.clone()],
+                    &mut v[0][local],
+                    max_v,
+                    self.time,
+                    self.rate,
+                    self.grad_scale,
+                    hyper,
+                );
+            }
+            FusedOptimizer::Sgd { .. } => {
+                let Some(hyper) = self.optimizer.sgd_hyper() else {
+                    return;
+                };
+                let velocity = state.first_mut().map(|v| &mut v[local]);
+                sgd_step(
+                    params,
+                    grads,
+                    velocity,
+                    self.time == 1,
+                    self.rate,
+                    self.grad_scale,
+                    &hyper,
+                );
+            }
+        }
+    }
+}
+
+/// The update of the model's own parameters, one at a time ([`HostFlat::step_in_place`]).
+struct InPlace<'a> {
+    plan: &'a mut FlatPlan,
+    /// The segment of each float parameter (visit order), for those trained.
+    segment_of: Vec<Option<usize>>,
+    grads: &'a GradBuffer,
+    state: &'a mut [Vec<f32>],
+    optimizer: &'a FusedOptimizer,
+    lr: &'a ModuleLearningRate,
+    grad_scale: f32,
+    device: &'a Device,
+}
+
+impl InPlace<'_> {
+    fn segment(&self, index: usize) -> Option<usize> {
+        self.segment_of.get(index).copied().flatten()
+    }
+}
+
+impl ParamUpdate for InPlace<'_> {
+    fn updates(&self, index: usize) -> bool {
+        self.segment(index).is_some_and(|s| self.plan.has_grad[s])
+    }
+
+    fn update(&mut self, index: usize, current: TensorData) -> Tensor<1> {
+        let mut data = if current.dtype() == DType::F32 {
+            current
+        } else {
+            current.convert::<f32>()
+        };
+        if let Some(segment) = self.segment(index) {
+            // Burn counts updates per parameter.
+            self.plan.times[segment] += 1;
+            let range = self.plan.segments[segment].offset
+                ..self.plan.segments[segment].offset + self.plan.segments[segment].len;
+            let update = SegmentUpdate {
+                optimizer: self.optimizer,
+                time: self.plan.times[segment],
+                rate: self.plan.rate(segment, self.lr),
+                grad_scale: self.grad_scale,
+            };
+            let grads = whole_grads(self.grads, segment, range.clone());
+            if let (Ok(params), Some(grads)) = (data.as_mut_slice::<f32>(), grads)
+                && params.len() == grads.len()
+            {
+                update.apply(params, grads, self.state, range);
+            }
+        }
+        Tensor::from_data(data, self.device)
     }
 }
 

@@ -304,6 +304,10 @@ impl GradientReducer for FlatReducer {
         // fp16 unscale and clipping in one factor, applied in the update pass.
         let grad_scale = pending.unscale * clip_factor;
         let values = match &mut self.buffers {
+            Buffers::Host(host) if host.in_place() => {
+                host.step_in_place(&mut self.plan, &self.optimizer, &lr, grad_scale, model);
+                return Ok(());
+            }
             Buffers::Host(host) => {
                 host.step(&mut self.plan, &self.optimizer, &lr, grad_scale);
                 host.publish(&self.plan, comm)?

@@ -95,19 +95,7 @@ impl std::fmt::Debug for Rendezvous {
     }
 }
 
-/// This machine's identity: the host name and the kernel's boot id.
-pub fn host_identity() -> String {
-    let read = |path: &str| {
-        std::fs::read_to_string(path)
-            .map(|s| s.trim().to_string())
-            .unwrap_or_default()
-    };
-    format!(
-        "{}/{}",
-        read("/proc/sys/kernel/hostname"),
-        read("/proc/sys/kernel/random/boot_id")
-    )
-}
+pub use crate::process::host_identity;
 
 impl RendezvousConfig {
     pub(super) fn err(&self, reason: impl Into<String>) -> CommError {

@@ -178,22 +178,4 @@ fn sleep_on(_word: &std::sync::atomic::AtomicU32, _seen: u32, _nap: Duration) {
 #[cfg(not(target_os = "linux"))]
 fn wake_all(_word: &std::sync::atomic::AtomicU32) {}
 
-/// This process's PID namespace: the inode of `/proc/self/ns/pid`, 0 where it cannot be read.
-pub(super) fn pid_namespace() -> u64 {
-    use std::os::unix::fs::MetadataExt;
-    std::fs::metadata("/proc/self/ns/pid").map_or(0, |m| m.ino())
-}
-
-/// True while process `pid` exists and is not a zombie.
-pub(super) fn process_alive(pid: u64) -> bool {
-    match std::fs::read_to_string(format!("/proc/{pid}/stat")) {
-        Ok(stat) => {
-            // The state letter follows the command name, which is in parentheses.
-            let state = stat
-                .rsplit_once(')')
-                .and_then(|(_, rest)| rest.trim_start().chars().next());
-            !matches!(state, Some('Z' | 'X'))
-        }
-        Err(_) => false,
-    }
-}
+pub(super) use crate::process::{pid_namespace, process_alive};
