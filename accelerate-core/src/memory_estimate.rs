@@ -10,13 +10,14 @@
 //! | stage | model | master copy | gradients kept | optimizer state |
 //! |---|---|---|---|---|
 //! | 0 | 4P | none | 4P (none on one process) | 4SP |
-//! | 1 | 4P | 4P/N | 4P/N | 4SP/N |
-//! | 2 | 4P | 4P/N | 4P/N | 4SP/N |
+//! | 1 | 4P | none | 4P/N | 4SP/N |
+//! | 2 | 4P | none | 4P/N | 4SP/N |
 //! | 3 | 4P/N | none | none | 4SP/N |
 //!
-//! Without ZeRO, and at stage 3 (whose update is one process's over the shards), the model's
-//! own f32 parameters are the master copy: the update reads and writes them one parameter at a
-//! time (a model with parameters in another dtype keeps a 4P, or 4P/N, f32 copy).
+//! The model's own f32 parameters are the master copy: the update reads and writes them one
+//! parameter at a time (at stages 1 and 2 each process its part, broadcast to the others),
+//! so `master_parameters` is 0 here; a model with parameters in another dtype keeps an f32
+//! copy (4P, or this process's 4P/N under ZeRO).
 //! Burn's backward pass also returns every gradient at once (4P for a moment, in
 //! [`MemoryEstimate::backward_gradients`]; at stage 3 only the shards' gradients, 4P/N): at
 //! stages 1 and 2 they are reduce-scattered from there into the shard, on one process and at
@@ -35,7 +36,7 @@
 //! let zero2 = MemoryEstimate::new(1_000_000, 2, 4, 2);
 //! assert_eq!(zero2.optimizer_state, 2_000_000); // 8 bytes per parameter over 4 processes
 //! assert_eq!(zero2.gradients, 1_000_000);
-//! assert_eq!(zero2.held(), 4_000_000 + 1_000_000 + 1_000_000 + 2_000_000);
+//! assert_eq!(zero2.held(), 4_000_000 + 1_000_000 + 2_000_000); // model, gradients, state
 //! ```
 
 use std::collections::BTreeMap;
@@ -53,8 +54,9 @@ pub struct MemoryEstimate {
     pub stage: u8,
     /// The model's own f32 parameters (whole on every process; the shards at stage 3).
     pub model_parameters: u64,
-    /// The fused optimizer's f32 master copy: this process's shard of it at stages 1 and 2,
-    /// none at the others (the model's f32 parameters are updated in place).
+    /// The fused optimizer's f32 master copy: none (the model's f32 parameters are updated in
+    /// place); kept for models whose parameters are in another dtype, which this estimate
+    /// does not describe.
     pub master_parameters: u64,
     /// Gradient buffers kept from step to step.
     pub gradients: u64,
@@ -83,7 +85,7 @@ impl MemoryEstimate {
         let (master, gradients, state_elements) = match stage {
             0 if world > 1 => (0, whole, whole),
             0 => (0, 0, whole),
-            1 | 2 => (shard, shard, shard),
+            1 | 2 => (0, shard, shard),
             _ => (0, 0, shard),
         };
         // ZeRO-3: the model holds its shards, and backward returns their gradients.
@@ -219,7 +221,7 @@ mod tests {
                 zero1.gradients,
                 zero1.optimizer_state
             ),
-            (12, 12, 24)
+            (0, 12, 24)
         );
         assert_eq!(
             (
@@ -227,7 +229,7 @@ mod tests {
                 zero2.gradients,
                 zero2.optimizer_state
             ),
-            (12, 12, 24)
+            (0, 12, 24)
         );
         assert_eq!(zero2.held(), zero1.held());
         assert!(zero1.held() < zero0.held());

@@ -1114,17 +1114,14 @@ fn assert_zero_equals_one_process(
         };
         assert_eq!(bytes, 2 * shard, "{case}, rank {rank}");
         assert!((bytes * world) as f64 <= unsharded as f64 * 1.001);
-        // What the buffers keep between steps is what `estimate-memory` says: the shard of
-        // the master parameters and of the averaged gradients under ZeRO-1 and ZeRO-2, and
-        // at ZeRO-3 neither (the update reads the shards' gradients from backward and writes
-        // the shards themselves).
+        // What the buffers keep between steps is what `estimate-memory` says: no master copy
+        // (the model's f32 parameters are updated in place), the shard of the averaged
+        // gradients under ZeRO-1 and ZeRO-2, and at ZeRO-3 none (the update reads the shards'
+        // gradients from backward).
         let estimate = MemoryEstimate::new(reference.len() as u64, 2, world as u64, stage);
         if stage >= 1 {
             let kept = if stage == 3 { 0 } else { shard as u64 };
-            assert_eq!(
-                (estimate.master_parameters, estimate.gradients),
-                (kept, kept)
-            );
+            assert_eq!((estimate.master_parameters, estimate.gradients), (0, kept));
             assert_eq!(estimate.optimizer_state, 2 * shard as u64);
         }
         // At ZeRO-3 a GPU backend's buffers of the shards live on the device as one process's

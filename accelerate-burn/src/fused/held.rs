@@ -5,10 +5,10 @@
 /// collectives, are not counted; nor are the half-precision wire's staging buffers).
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 pub struct HeldBytes {
-    /// The f32 master copy of the parameters kept apart from the model's: this rank's shard
-    /// under ZeRO-1 and ZeRO-2; none where the model's own f32 parameters are updated in place
-    /// (without ZeRO and at ZeRO-3, on the host) or view the buffers (on the GPU); all of them
-    /// for a model whose parameters are not f32.
+    /// The f32 master copy of the parameters kept apart from the model's: none where the
+    /// model's own f32 parameters are updated in place (on the host) or view the buffers (on
+    /// the GPU); for a model whose parameters are not f32, all of them (this rank's shard
+    /// under ZeRO-1 and ZeRO-2).
     pub master_parameters: usize,
     /// Gradient buffers kept from step to step: the flat gradient several processes
     /// all-reduce without ZeRO, this rank's averaged shard under ZeRO-1 and ZeRO-2, none on

@@ -125,18 +125,17 @@ fn table(
     );
     let _ = writeln!(
         out,
-        "{:<6} {:>11} {:>11} {:>11} {:>11} {:>11} {:>11}",
-        "stage", "model", "master", "gradients", "optimizer", "held", "peak"
+        "{:<6} {:>11} {:>11} {:>11} {:>11} {:>11}",
+        "stage", "model", "gradients", "optimizer", "held", "peak"
     );
     for stage in 0..=3u8 {
         let e = MemoryEstimate::new(parameters, optimizer.state_buffers(), world, stage)
             .with_largest_unit(unit.map_or(0, |(_, count)| count));
         let _ = writeln!(
             out,
-            "{:<6} {:>11} {:>11} {:>11} {:>11} {:>11} {:>11}",
+            "{:<6} {:>11} {:>11} {:>11} {:>11} {:>11}",
             format!("ZeRO-{stage}"),
             human(e.model_parameters),
-            human(e.master_parameters),
             human(e.gradients),
             human(e.optimizer_state),
             human(e.held()),
@@ -145,9 +144,10 @@ fn table(
     }
     let _ = writeln!(
         out,
-        "\nheld: kept between steps; peak: held plus the gradients of one backward pass,\n\
-         which Burn returns all at once, and at ZeRO-3 the largest sharded unit whole while\n\
-         it runs, with its gradient ({}).{}",
+        "\nheld: kept between steps (the model's f32 parameters are updated in place: no\n\
+         master copy); peak: held plus the gradients of one backward pass, which Burn\n\
+         returns all at once, and at ZeRO-3 the largest sharded unit whole while it runs,\n\
+         with its gradient ({}).{}",
         match unit {
             Some((name, count)) => format!("{name}: {count} parameters, {}", human(8 * count)),
             None => "not counted: give --largest-unit".to_string(),
@@ -200,15 +200,12 @@ mod tests {
                 .collect::<Vec<_>>()
                 .join(" ")
         };
-        assert_eq!(row("ZeRO-0"), "ZeRO-0 1 GiB 0 B 1 GiB 2 GiB 4 GiB 5 GiB");
+        assert_eq!(row("ZeRO-0"), "ZeRO-0 1 GiB 1 GiB 2 GiB 4 GiB 5 GiB");
         assert_eq!(
             row("ZeRO-2"),
-            "ZeRO-2 1 GiB 256 MiB 256 MiB 512 MiB 2 GiB 3 GiB"
+            "ZeRO-2 1 GiB 256 MiB 512 MiB 1.75 GiB 2.75 GiB"
         );
-        assert_eq!(
-            row("ZeRO-3"),
-            "ZeRO-3 256 MiB 0 B 0 B 512 MiB 768 MiB 1 GiB"
-        );
+        assert_eq!(row("ZeRO-3"), "ZeRO-3 256 MiB 0 B 512 MiB 768 MiB 1 GiB");
         assert!(text.contains("not counted: give --largest-unit"), "{text}");
         // A unit of 2^24 parameters adds 128 MiB to ZeRO-3's peak.
         let text = table(

@@ -5,63 +5,28 @@
 //! pass of `accelerate_kernels::optim` per segment (moments and parameters in place, no
 //! allocation); the model receives its new values in one upload per parameter tensor.
 
-use std::ops::Range;
-
-use accelerate_core::comm::{Reduction, SharedBuffer};
-use accelerate_kernels::optim::{adam_step, sgd_step};
+use accelerate_core::comm::Reduction;
 use burn::lr_scheduler::module_lr_scheduler::ModuleLearningRate;
-use burn::tensor::{DType, Device, Tensor, TensorData};
+use burn::tensor::{DType, Device, Tensor};
 
 use super::columns::{self, SegmentGrads};
+use super::grads::GradBuffer;
+use super::in_place::{Averaged, InPlace, SegmentUpdate, StepRates};
 use super::plan::{FlatPlan, Sharding};
 use crate::error::AccelerateError;
 use crate::fused::{FusedOptimizer, HeldBytes};
 use crate::group::Comm;
-use crate::params::{self, ParamUpdate, copy_f32};
+use crate::params::{self, copy_f32};
 use crate::reducer::api::ModelUpdate;
 use crate::reducer::wire::Wire;
-
-/// Where the gradients of a step wait for the update.
-pub(crate) enum GradBuffer {
-    /// Each parameter's gradient as backward returned it, with no flat copy: one process
-    /// (its gradients are the average), and ZeRO, which reduce-scatters them column by column
-    /// into the shard and keeps none of them here.
-    Segments(SegmentGrads),
-    /// A flat vector all-reduced whole: several processes without ZeRO, after a load
-    /// changed the model's size (the group's shared buffer has the old one's).
-    Flat(Vec<f32>),
-    /// The group's shared buffer, all-reduced in place (on shared memory the peers read the
-    /// values where they are, with no staging copy).
-    Group(SharedBuffer<f32>),
-}
-
-impl GradBuffer {
-    /// The flat buffer, where the gradients are kept in one.
-    fn flat_mut(&mut self) -> Option<&mut [f32]> {
-        match self {
-            Self::Segments(_) => None,
-            Self::Flat(values) => Some(values),
-            Self::Group(buffer) => Some(buffer),
-        }
-    }
-
-    /// Elements of the flat buffer (0 without one).
-    fn flat_len(&self) -> usize {
-        match self {
-            Self::Segments(_) => 0,
-            Self::Flat(values) => values.len(),
-            Self::Group(buffer) => buffer.len(),
-        }
-    }
-}
 
 /// Flat buffers on the host.
 pub(crate) struct HostFlat {
     /// Master parameters: all of them (padded), or this rank's shard under ZeRO; none when
     /// `in_place`.
     params: Vec<f32>,
-    /// The model's own f32 parameters are the master copy: without ZeRO the update reads and
-    /// writes them one parameter at a time, and these buffers keep no copy of them.
+    /// The model's own f32 parameters are the master copy: the update reads and writes them
+    /// one parameter at a time, and these buffers keep no copy of them.
     in_place: bool,
     /// The step's gradients until the update (none kept under ZeRO).
     grads: GradBuffer,
@@ -87,11 +52,11 @@ impl HostFlat {
     ) -> Self {
         let device = trainable.first().map(Tensor::device).unwrap_or_default();
         let shard = plan.shard.len();
-        let in_place = !sharding.splits() && trainable.iter().all(|t| t.dtype() == DType::F32);
-        let held = if sharding.splits() {
-            plan.shard.clone()
-        } else if in_place {
+        let in_place = trainable.iter().all(|t| t.dtype() == DType::F32);
+        let held = if in_place {
             0..0
+        } else if sharding.splits() {
+            plan.shard.clone()
         } else {
             0..plan.padded
         };
@@ -258,7 +223,7 @@ impl HostFlat {
             let grads = if self.sharding.splits() {
                 &self.shard_grads[local.clone()]
             } else {
-                match whole_grads(&self.grads, index, local.clone()) {
+                match self.grads.whole(index, local.clone()) {
                     Some(grads) if grads.len() == params.len() => grads,
                     _ => continue,
                 }
@@ -275,32 +240,26 @@ impl HostFlat {
     }
 
     /// Without a copy of the parameters (`in_place`): the fused update of each parameter of
-    /// `model` with a gradient, read from the model and written back one at a time.
+    /// `model`, read from the model and written back one at a time; under ZeRO each rank
+    /// updates its part of a parameter and sends it to the others there
+    /// ([`in_place::InPlace`]).
     pub fn step_in_place(
         &mut self,
         plan: &mut FlatPlan,
-        optimizer: &FusedOptimizer,
-        lr: &ModuleLearningRate,
-        grad_scale: f32,
+        step: StepRates<'_>,
         model: &mut dyn ModelUpdate,
-    ) {
-        let entries = plan.entries.iter().max().map_or(0, |&e| e + 1);
-        let mut segment_of = vec![None; entries];
-        for (index, &entry) in plan.entries.iter().enumerate() {
-            segment_of[entry] = Some(index);
-        }
-        let mut update = InPlace {
-            plan,
-            segment_of,
-            grads: &self.grads,
-            state: &mut self.state,
-            optimizer,
-            lr,
-            grad_scale,
-            device: &self.device,
+        comm: &Comm,
+    ) -> Result<(), AccelerateError> {
+        let grads = if self.sharding.splits() {
+            Averaged::Shard(&self.shard_grads)
+        } else {
+            Averaged::Whole(&self.grads)
         };
+        let mut update = InPlace::new(plan, step, grads, &mut self.state, &self.device, comm);
         model.update_each(&mut update);
+        let result = update.finish();
         self.release_grads();
+        result
     }
 
     /// Whether the update writes the model's parameters (no master copy here).
@@ -346,126 +305,6 @@ impl HostFlat {
             gradients: kept + bytes(&self.shard_grads),
             optimizer_state: self.state.iter().map(bytes).sum(),
         }
-    }
-}
-
-/// The averaged gradient of segment `index` without ZeRO (`range`: its place in the flat
-/// buffer).
-fn whole_grads(grads: &GradBuffer, index: usize, range: Range<usize>) -> Option<&[f32]> {
-    match grads {
-        GradBuffer::Flat(grads) => grads.get(range),
-        GradBuffer::Group(grads) => grads.get(range),
-        GradBuffer::Segments(grads) => grads.segment(index),
-    }
-}
-
-/// One segment's fused update: its count, rate and gradient scale.
-struct SegmentUpdate<'a> {
-    optimizer: &'a FusedOptimizer,
-    time: i32,
-    rate: f64,
-    grad_scale: f32,
-}
-
-impl SegmentUpdate<'_> {
-    /// Updates `params` from `grads` and the state at `local` (the segment's place in the
-    /// state buffers), moments and parameters in place.
-    fn apply(
-        &self,
-        params: &mut [f32],
-        grads: &[f32],
-        state: &mut [Vec<f32>],
-        local: Range<usize>,
-    ) {
-        match self.optimizer {
-            FusedOptimizer::Adam { hyper, amsgrad } => {
-                let (m, rest) = state.split_at_mut(1);
-                let (v, rest) = rest.split_at_mut(1);
-                let max_v = if *amsgrad {
-                    Some(&mut rest[0][local.clone()])
-                } else {
-                    None
-                };
-                adam_step(
-                    params,
-                    grads,
-                    &mut m[0][local.clone()],
-                    &mut v[0][local],
-                    max_v,
-                    self.time,
-                    self.rate,
-                    self.grad_scale,
-                    hyper,
-                );
-            }
-            FusedOptimizer::Sgd { .. } => {
-                let Some(hyper) = self.optimizer.sgd_hyper() else {
-                    return;
-                };
-                let velocity = state.first_mut().map(|v| &mut v[local]);
-                sgd_step(
-                    params,
-                    grads,
-                    velocity,
-                    self.time == 1,
-                    self.rate,
-                    self.grad_scale,
-                    &hyper,
-                );
-            }
-        }
-    }
-}
-
-/// The update of the model's own parameters, one at a time ([`HostFlat::step_in_place`]).
-struct InPlace<'a> {
-    plan: &'a mut FlatPlan,
-    /// The segment of each float parameter (visit order), for those trained.
-    segment_of: Vec<Option<usize>>,
-    grads: &'a GradBuffer,
-    state: &'a mut [Vec<f32>],
-    optimizer: &'a FusedOptimizer,
-    lr: &'a ModuleLearningRate,
-    grad_scale: f32,
-    device: &'a Device,
-}
-
-impl InPlace<'_> {
-    fn segment(&self, index: usize) -> Option<usize> {
-        self.segment_of.get(index).copied().flatten()
-    }
-}
-
-impl ParamUpdate for InPlace<'_> {
-    fn updates(&self, index: usize) -> bool {
-        self.segment(index).is_some_and(|s| self.plan.has_grad[s])
-    }
-
-    fn update(&mut self, index: usize, current: TensorData) -> Tensor<1> {
-        let mut data = if current.dtype() == DType::F32 {
-            current
-        } else {
-            current.convert::<f32>()
-        };
-        if let Some(segment) = self.segment(index) {
-            // Burn counts updates per parameter.
-            self.plan.times[segment] += 1;
-            let range = self.plan.segments[segment].offset
-                ..self.plan.segments[segment].offset + self.plan.segments[segment].len;
-            let update = SegmentUpdate {
-                optimizer: self.optimizer,
-                time: self.plan.times[segment],
-                rate: self.plan.rate(segment, self.lr),
-                grad_scale: self.grad_scale,
-            };
-            let grads = whole_grads(self.grads, segment, range.clone());
-            if let (Ok(params), Some(grads)) = (data.as_mut_slice::<f32>(), grads)
-                && params.len() == grads.len()
-            {
-                update.apply(params, grads, self.state, range);
-            }
-        }
-        Tensor::from_data(data, self.device)
     }
 }
 

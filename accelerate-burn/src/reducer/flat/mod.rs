@@ -16,14 +16,18 @@ mod checkpointing;
 mod columns;
 #[cfg(feature = "device-kernels")]
 mod device;
+mod grads;
 mod host;
+mod in_place;
 mod plan;
 mod state_file;
 
 use columns::SegmentGrads;
 #[cfg(feature = "device-kernels")]
 use device::DeviceFlat;
-use host::{GradBuffer, HostFlat};
+use grads::GradBuffer;
+use host::HostFlat;
+use in_place::StepRates;
 pub(crate) use plan::FlatPlan;
 use plan::Sharding;
 pub(crate) use state_file::FusedStateError;
@@ -305,8 +309,12 @@ impl GradientReducer for FlatReducer {
         let grad_scale = pending.unscale * clip_factor;
         let values = match &mut self.buffers {
             Buffers::Host(host) if host.in_place() => {
-                host.step_in_place(&mut self.plan, &self.optimizer, &lr, grad_scale, model);
-                return Ok(());
+                let step = StepRates {
+                    optimizer: &self.optimizer,
+                    lr: &lr,
+                    grad_scale,
+                };
+                return host.step_in_place(&mut self.plan, step, model, comm);
             }
             Buffers::Host(host) => {
                 host.step(&mut self.plan, &self.optimizer, &lr, grad_scale);
