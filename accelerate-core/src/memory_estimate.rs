@@ -14,10 +14,11 @@
 //! | 2 | 4P | none | 4P/N | 4SP/N |
 //! | 3 | 4P/N | none | none | 4SP/N |
 //!
-//! The model's own f32 parameters are the master copy: the update reads and writes them one
-//! parameter at a time (at stages 1 and 2 each process its part, broadcast to the others),
-//! so `master_parameters` is 0 here; a model with parameters in another dtype keeps an f32
-//! copy (4P, or this process's 4P/N under ZeRO).
+//! On the CPU backends the model's own f32 parameters are the master copy: the update reads
+//! and writes them one parameter at a time (at stages 1 and 2 each process its part, broadcast
+//! to the others), so `master_parameters` is 0 here. A model on a GPU backend at stage 1 or 2
+//! (the host path) keeps this process's f32 master shard in host memory (4P/N), and a model
+//! with parameters in another dtype an f32 copy (4P, or 4P/N under ZeRO).
 //! Burn's backward pass also returns every gradient at once (4P for a moment, in
 //! [`MemoryEstimate::backward_gradients`]; at stage 3 only the shards' gradients, 4P/N): at
 //! stages 1 and 2 they are reduce-scattered from there into the shard, on one process and at

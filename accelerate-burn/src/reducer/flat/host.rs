@@ -25,8 +25,8 @@ pub(crate) struct HostFlat {
     /// Master parameters: all of them (padded), or this rank's shard under ZeRO; none when
     /// `in_place`.
     params: Vec<f32>,
-    /// The model's own f32 parameters are the master copy: the update reads and writes them
-    /// one parameter at a time, and these buffers keep no copy of them.
+    /// The model's own f32 parameters, in host memory, are the master copy: the update reads
+    /// and writes them one parameter at a time, and these buffers keep no copy of them.
     in_place: bool,
     /// The step's gradients until the update (none kept under ZeRO).
     grads: GradBuffer,
@@ -42,17 +42,19 @@ pub(crate) struct HostFlat {
 
 impl HostFlat {
     /// Buffers for `plan`, starting from `trainable` (one tensor per segment), with `grads`
-    /// for the gradients.
+    /// for the gradients; `on_host`: the model's parameters live in host memory, where the
+    /// update can write them without copying them down and up (a GPU model keeps the master
+    /// copy here instead).
     pub fn new(
         plan: &FlatPlan,
         trainable: Vec<Tensor<1>>,
         state_buffers: usize,
         grads: GradBuffer,
-        sharding: Sharding,
+        (sharding, on_host): (Sharding, bool),
     ) -> Self {
         let device = trainable.first().map(Tensor::device).unwrap_or_default();
         let shard = plan.shard.len();
-        let in_place = trainable.iter().all(|t| t.dtype() == DType::F32);
+        let in_place = on_host && trainable.iter().all(|t| t.dtype() == DType::F32);
         let held = if in_place {
             0..0
         } else if sharding.splits() {

@@ -1,4 +1,5 @@
-//! The fused update written into the model's own f32 parameters, one parameter at a time:
+//! The fused update written into the model's own f32 parameters (on the CPU backends, where
+//! they live in host memory), one parameter at a time:
 //! each is moved out of the model (`into_data` of its only reference hands the storage over),
 //! updated where this process holds its optimizer state, and moved back. Without ZeRO that is
 //! the whole parameter; under ZeRO-1/2 each rank updates its part and broadcasts it to the

@@ -202,7 +202,7 @@ impl FlatReducer {
             trainable,
             optimizer.state_buffers(),
             grads()?,
-            sharding,
+            (sharding, !options.device_kernels),
         ))))
     }
 }
