@@ -60,6 +60,24 @@ impl SlurmCluster {
         cmd
     }
 
+    /// `srun` across `nodes` nodes with `per_node` tasks on each, for at most 5 minutes, as
+    /// [`run`](Self::run) starts it.
+    pub fn srun(&self, nodes: usize, per_node: usize) -> Command {
+        let total = nodes * per_node;
+        let (nodes, total, per_node) = (nodes.to_string(), total.to_string(), per_node.to_string());
+        self.run(&[
+            "srun",
+            "-N",
+            &nodes,
+            "-n",
+            &total,
+            "--ntasks-per-node",
+            &per_node,
+            "--time",
+            "5",
+        ])
+    }
+
     /// A file in the cluster's directory.
     pub fn path(&self, name: &str) -> PathBuf {
         self.dir.path().join(name)

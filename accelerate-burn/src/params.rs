@@ -209,6 +209,15 @@ pub(crate) fn copy_f32(data: TensorData, target: &mut [f32]) {
     }
 }
 
+/// `data` as f32: itself when it already is (no copy).
+pub(crate) fn into_f32(data: TensorData) -> TensorData {
+    if data.dtype() == DType::F32 {
+        data
+    } else {
+        data.convert::<f32>()
+    }
+}
+
 /// A tensor's values as f32 on the host.
 pub(crate) fn to_host_f32(tensor: Tensor<1>) -> Vec<f32> {
     let mut out = vec![0.0; tensor.shape().num_elements()];

@@ -454,17 +454,7 @@ fn srun_on_two_hosts_finds_rank_0_from_the_node_list() {
         .collect();
     let cluster = SlurmCluster::start(2, &nodes);
     let out = cluster
-        .run(&[
-            "srun",
-            "-N",
-            "2",
-            "-n",
-            "4",
-            "--ntasks-per-node",
-            "2",
-            "--time",
-            "5",
-        ])
+        .srun(2, 2)
         .arg(std::env::current_exe().unwrap())
         .args(["worker", "--exact", "--nocapture", "--test-threads=1"])
         .env(SCENARIO, "train")

@@ -461,17 +461,7 @@ fn four_processes_on_two_hosts_under_srun_learn_what_one_learns() {
         .collect();
     // The script creates the two namespaces and removes them when the cluster stops.
     let cluster = SlurmCluster::start(2, &nodes);
-    let mut srun = cluster.run(&[
-        "srun",
-        "-N",
-        "2",
-        "-n",
-        "4",
-        "--ntasks-per-node",
-        "2",
-        "--time",
-        "5",
-    ]);
+    let mut srun = cluster.srun(2, 2);
     srun.arg("--output").arg(cluster.path("rank-%t.out"));
     let out = common::as_ranks(&mut srun, "train")
         .env("TEST_BATCH", per_rank.to_string())

@@ -430,17 +430,7 @@ fn the_learner_under_srun_on_two_hosts_ends_where_two_processes_end() {
     // The script creates the two namespaces and removes them when the cluster stops.
     let cluster = slurm_cluster::SlurmCluster::start(2, &nodes);
     let learner_dir = tempfile::tempdir().unwrap();
-    let mut srun = cluster.run(&[
-        "srun",
-        "-N",
-        "2",
-        "-n",
-        "2",
-        "--ntasks-per-node",
-        "1",
-        "--time",
-        "5",
-    ]);
+    let mut srun = cluster.srun(2, 1);
     srun.arg("--output").arg(cluster.path("rank-%t.out"));
     let out = common::as_ranks(&mut srun, "learner")
         .envs(settings(learner_dir.path(), 3, &[]))

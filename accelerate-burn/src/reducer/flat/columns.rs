@@ -11,11 +11,13 @@
 
 use std::ops::Range;
 
-use burn::tensor::{DType, Tensor, TensorData};
+use accelerate_kernels::reduce::{ReduceOp, reduce_f32};
+use burn::tensor::{Tensor, TensorData};
 
 use super::plan::FlatPlan;
 use crate::error::AccelerateError;
 use crate::group::Comm;
+use crate::params;
 use crate::reducer::wire::Wire;
 
 /// f32 elements one column moves per call, over all the ranks together (4 MiB).
@@ -31,16 +33,7 @@ impl SegmentGrads {
     pub fn take(grads: impl Iterator<Item = Option<Tensor<1>>>) -> Self {
         Self(
             grads
-                .map(|grad| {
-                    grad.map(|grad| {
-                        let data = grad.into_data();
-                        if data.dtype() == DType::F32 {
-                            data
-                        } else {
-                            data.convert::<f32>()
-                        }
-                    })
-                })
+                .map(|grad| grad.map(|grad| params::into_f32(grad.into_data())))
                 .collect(),
         )
     }
@@ -159,24 +152,31 @@ pub(super) fn reduce_scatter(
 ) -> Result<(), AccelerateError> {
     if !comm.is_distributed() {
         // One process's shard is all of it (ZeRO kept for one GPU where NCCL was required).
-        let mut mine = vec![0.0; shard.len()];
-        grads.fill(plan, plan.shard.clone(), &mut mine);
-        combine(shard, &mine, add);
+        if add {
+            let mut mine = vec![0.0; shard.len()];
+            grads.fill(plan, plan.shard.clone(), &mut mine);
+            reduce_f32(shard, &mine, ReduceOp::Sum);
+        } else {
+            grads.fill(plan, plan.shard.clone(), shard);
+        }
         return Ok(());
     }
     let columns = Columns::new(plan.padded, comm.world_size());
     let last_uses = columns.last_uses(plan);
+    // One column's input and (with `add`) its result, reused by every column; `fill` writes
+    // every element.
+    let (mut input, mut mine) = (Vec::new(), Vec::new());
     for (k, done) in last_uses.iter().enumerate() {
         let width = columns.range(k).len();
-        let mut input = vec![0.0; width * columns.world];
+        input.resize(width * columns.world, 0.0);
         for (r, piece) in input.chunks_exact_mut(width).enumerate() {
             grads.fill(plan, columns.of_rank(r, k), piece);
         }
         let target = &mut shard[columns.range(k)];
         if add {
-            let mut mine = vec![0.0; width];
+            mine.resize(width, 0.0);
             comm.timed(|group| wire.reduce_scatter_mean(&mut input, &mut mine, group))?;
-            combine(target, &mine, true);
+            reduce_f32(target, &mine, ReduceOp::Sum);
         } else {
             comm.timed(|group| wire.reduce_scatter_mean(&mut input, target, group))?;
         }
@@ -185,17 +185,6 @@ pub(super) fn reduce_scatter(
         }
     }
     Ok(())
-}
-
-/// `target` set to `values`, or with `add`, `values` added to it.
-fn combine(target: &mut [f32], values: &[f32], add: bool) {
-    if add {
-        for (sum, value) in target.iter_mut().zip(values) {
-            *sum += value;
-        }
-    } else {
-        target.copy_from_slice(values);
-    }
 }
 
 /// Every rank's `shard` (its part of the flat range) put together, one vector per segment of

@@ -23,6 +23,15 @@ pub(crate) enum GradBuffer {
 
 impl GradBuffer {
     /// The flat buffer, where the gradients are kept in one.
+    fn flat(&self) -> Option<&[f32]> {
+        match self {
+            Self::Segments(_) => None,
+            Self::Flat(values) => Some(values),
+            Self::Group(buffer) => Some(buffer),
+        }
+    }
+
+    /// The flat buffer, mutably.
     pub fn flat_mut(&mut self) -> Option<&mut [f32]> {
         match self {
             Self::Segments(_) => None,
@@ -33,22 +42,31 @@ impl GradBuffer {
 
     /// Elements of the flat buffer (0 without one).
     pub fn flat_len(&self) -> usize {
-        match self {
-            Self::Segments(_) => 0,
-            Self::Flat(values) => values.len(),
-            Self::Group(buffer) => buffer.len(),
-        }
+        self.flat().map_or(0, <[f32]>::len)
     }
-}
 
-impl GradBuffer {
     /// The averaged gradient of segment `index` without ZeRO (`range`: its place in the flat
     /// buffer).
     pub fn whole(&self, index: usize, range: Range<usize>) -> Option<&[f32]> {
         match self {
-            Self::Flat(grads) => grads.get(range),
-            Self::Group(grads) => grads.get(range),
             Self::Segments(grads) => grads.segment(index),
+            flat => flat.flat()?.get(range),
+        }
+    }
+
+    /// The sum of the squares of every gradient held.
+    pub fn sum_of_squares(&self) -> f64 {
+        match self {
+            Self::Segments(grads) => grads.sum_of_squares(),
+            flat => flat.flat().map_or(0.0, accelerate_kernels::sum_of_squares),
+        }
+    }
+
+    /// Bytes held.
+    pub fn bytes(&self) -> usize {
+        match self {
+            Self::Segments(grads) => grads.bytes(),
+            flat => flat.flat_len() * 4,
         }
     }
 }

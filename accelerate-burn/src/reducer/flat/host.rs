@@ -1,20 +1,20 @@
-//! The flat buffers in host memory: the f32 master parameters (this rank's shard under ZeRO),
-//! the step's gradients (a flat buffer all-reduced whole, else each parameter's own tensor
-//! until the update), this rank's averaged shard of them under ZeRO, and the optimizer state
-//! over the shard. The update is one
-//! pass of `accelerate_kernels::optim` per segment (moments and parameters in place, no
-//! allocation); the model receives its new values in one upload per parameter tensor.
+//! The flat buffers in host memory: the step's gradients (a flat buffer all-reduced whole, else
+//! each parameter's own tensor until the update), this rank's averaged shard of them under
+//! ZeRO, and the optimizer state over the shard. The update is one pass of
+//! `accelerate_kernels::optim` per segment (moments and parameters in place): into the model's
+//! own f32 parameters where they are in host memory (`in_place`), else into an f32 master
+//! copy (this rank's shard under ZeRO) from which the model receives its new values in one
+//! upload per parameter tensor.
 
 use accelerate_core::comm::Reduction;
-use burn::lr_scheduler::module_lr_scheduler::ModuleLearningRate;
 use burn::tensor::{DType, Device, Tensor};
 
 use super::columns::{self, SegmentGrads};
 use super::grads::GradBuffer;
-use super::in_place::{Averaged, InPlace, SegmentUpdate, StepRates};
+use super::in_place::{Averaged, InPlace, StepRates};
 use super::plan::{FlatPlan, Sharding};
 use crate::error::AccelerateError;
-use crate::fused::{FusedOptimizer, HeldBytes};
+use crate::fused::HeldBytes;
 use crate::group::Comm;
 use crate::params::{self, copy_f32};
 use crate::reducer::api::ModelUpdate;
@@ -50,7 +50,8 @@ impl HostFlat {
         trainable: Vec<Tensor<1>>,
         state_buffers: usize,
         grads: GradBuffer,
-        (sharding, on_host): (Sharding, bool),
+        sharding: Sharding,
+        on_host: bool,
     ) -> Self {
         let device = trainable.first().map(Tensor::device).unwrap_or_default();
         let shard = plan.shard.len();
@@ -167,11 +168,7 @@ impl HostFlat {
         let mut sum_sq = if self.sharding.splits() {
             accelerate_kernels::sum_of_squares(&self.shard_grads)
         } else {
-            match &self.grads {
-                GradBuffer::Segments(grads) => grads.sum_of_squares(),
-                GradBuffer::Flat(grads) => accelerate_kernels::sum_of_squares(grads),
-                GradBuffer::Group(grads) => accelerate_kernels::sum_of_squares(grads),
-            }
+            self.grads.sum_of_squares()
         };
         if comm.is_distributed() && self.sharding.splits() {
             // Each rank measured its shard; infinities and NaN survive the sum.
@@ -191,13 +188,7 @@ impl HostFlat {
     }
 
     /// Applies the fused update to this rank's shard with the learning rates of `lr`.
-    pub fn step(
-        &mut self,
-        plan: &mut FlatPlan,
-        optimizer: &FusedOptimizer,
-        lr: &ModuleLearningRate,
-        grad_scale: f32,
-    ) {
+    pub fn step(&mut self, plan: &mut FlatPlan, step: StepRates<'_>) {
         let shard = plan.shard.clone();
         // Under ZeRO the master parameters are the shard only.
         let base = if self.sharding.splits() {
@@ -206,20 +197,15 @@ impl HostFlat {
             0
         };
         for index in 0..plan.segments.len() {
-            if !plan.has_grad[index] {
+            let Some(update) = step.counted(plan, index) else {
                 continue;
-            }
+            };
             let segment = &plan.segments[index];
             let start = segment.offset.max(shard.start);
             let end = (segment.offset + segment.len).min(shard.end);
-            // Burn counts updates per parameter; every rank advances every segment's count so
-            // that a shard boundary inside a segment sees one count.
-            plan.times[index] += 1;
             if start >= end {
                 continue;
             }
-            let rate = plan.rate(index, lr);
-            let time = plan.times[index];
             let params = &mut self.params[start - base..end - base];
             let local = start - shard.start..end - shard.start;
             let grads = if self.sharding.splits() {
@@ -229,12 +215,6 @@ impl HostFlat {
                     Some(grads) if grads.len() == params.len() => grads,
                     _ => continue,
                 }
-            };
-            let update = SegmentUpdate {
-                optimizer,
-                time,
-                rate,
-                grad_scale,
             };
             update.apply(params, grads, &mut self.state, local);
         }
@@ -298,13 +278,9 @@ impl HostFlat {
     /// What these buffers hold between steps.
     pub fn held_bytes(&self) -> HeldBytes {
         let bytes = |v: &Vec<f32>| v.capacity() * 4;
-        let kept = match &self.grads {
-            GradBuffer::Segments(grads) => grads.bytes(),
-            flat => flat.flat_len() * 4,
-        };
         HeldBytes {
             master_parameters: bytes(&self.params),
-            gradients: kept + bytes(&self.shard_grads),
+            gradients: self.grads.bytes() + bytes(&self.shard_grads),
             optimizer_state: self.state.iter().map(bytes).sum(),
         }
     }

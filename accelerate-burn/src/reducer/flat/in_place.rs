@@ -10,14 +10,14 @@ use std::ops::Range;
 
 use accelerate_kernels::optim::{adam_step, sgd_step};
 use burn::lr_scheduler::module_lr_scheduler::ModuleLearningRate;
-use burn::tensor::{DType, Device, Tensor, TensorData};
+use burn::tensor::{Device, Tensor, TensorData};
 
 use super::grads::GradBuffer;
 use super::plan::FlatPlan;
 use crate::error::AccelerateError;
 use crate::fused::FusedOptimizer;
 use crate::group::Comm;
-use crate::params::ParamUpdate;
+use crate::params::{self, ParamUpdate};
 
 /// What one step applies: the optimizer, its learning rates and the gradient scale (fp16
 /// unscale x clip factor).
@@ -26,6 +26,24 @@ pub(crate) struct StepRates<'a> {
     pub optimizer: &'a FusedOptimizer,
     pub lr: &'a ModuleLearningRate,
     pub grad_scale: f32,
+}
+
+impl<'a> StepRates<'a> {
+    /// Segment `segment`'s update in this step, its update count advanced; `None` where it got
+    /// no gradient in the window. Burn counts updates per parameter, and every rank advances
+    /// every segment's count, so that a shard boundary inside a segment sees one count.
+    pub fn counted(&self, plan: &mut FlatPlan, segment: usize) -> Option<SegmentUpdate<'a>> {
+        if !plan.has_grad[segment] {
+            return None;
+        }
+        plan.times[segment] += 1;
+        Some(SegmentUpdate {
+            optimizer: self.optimizer,
+            time: plan.times[segment],
+            rate: plan.rate(segment, self.lr),
+            grad_scale: self.grad_scale,
+        })
+    }
 }
 
 /// Where the averaged gradients are.
@@ -38,7 +56,7 @@ pub(super) enum Averaged<'a> {
 }
 
 /// One segment's fused update: its count, rate and gradient scale.
-pub(super) struct SegmentUpdate<'a> {
+pub(crate) struct SegmentUpdate<'a> {
     pub optimizer: &'a FusedOptimizer,
     pub time: i32,
     pub rate: f64,
@@ -148,26 +166,16 @@ impl<'a> InPlace<'a> {
     /// Applies segment `segment`'s update to `values` (the whole parameter) where this
     /// process holds its state, then (under ZeRO) has every rank's part broadcast into it.
     fn update_segment(&mut self, segment: usize, values: &mut [f32]) {
-        let has_grad = self.plan.has_grad[segment];
-        if has_grad {
-            // Burn counts updates per parameter; every rank advances every count.
-            self.plan.times[segment] += 1;
-        }
+        let update = self.step.counted(self.plan, segment);
         let (offset, len) = (
             self.plan.segments[segment].offset,
             self.plan.segments[segment].len,
         );
-        let update = SegmentUpdate {
-            optimizer: self.step.optimizer,
-            time: self.plan.times[segment],
-            rate: self.plan.rate(segment, self.step.lr),
-            grad_scale: self.step.grad_scale,
-        };
         match self.grads {
             Averaged::Whole(grads) => {
                 let range = offset..offset + len;
-                if let Some(grads) = grads.whole(segment, range.clone())
-                    && has_grad
+                if let Some(update) = update
+                    && let Some(grads) = grads.whole(segment, range.clone())
                     && grads.len() == values.len()
                 {
                     update.apply(values, grads, self.state, range);
@@ -176,7 +184,9 @@ impl<'a> InPlace<'a> {
             Averaged::Shard(grads) => {
                 let shard = self.plan.shard.clone();
                 let (start, end) = (offset.max(shard.start), (offset + len).min(shard.end));
-                if has_grad && start < end {
+                if let Some(update) = update
+                    && start < end
+                {
                     let local = start - shard.start..end - shard.start;
                     update.apply(
                         &mut values[start - offset..end - offset],
@@ -225,11 +235,7 @@ impl ParamUpdate for InPlace<'_> {
     }
 
     fn update(&mut self, index: usize, current: TensorData) -> Tensor<1> {
-        let mut data = if current.dtype() == DType::F32 {
-            current
-        } else {
-            current.convert::<f32>()
-        };
+        let mut data = params::into_f32(current);
         if let Some(segment) = self.segment(index)
             && let Ok(values) = data.as_mut_slice::<f32>()
             && values.len() == self.plan.segments[segment].len

@@ -202,7 +202,8 @@ impl FlatReducer {
             trainable,
             optimizer.state_buffers(),
             grads()?,
-            (sharding, !options.device_kernels),
+            sharding,
+            !options.device_kernels,
         ))))
     }
 }
@@ -308,16 +309,16 @@ impl GradientReducer for FlatReducer {
         // fp16 unscale and clipping in one factor, applied in the update pass.
         let grad_scale = pending.unscale * clip_factor;
         let values = match &mut self.buffers {
-            Buffers::Host(host) if host.in_place() => {
+            Buffers::Host(host) => {
                 let step = StepRates {
                     optimizer: &self.optimizer,
                     lr: &lr,
                     grad_scale,
                 };
-                return host.step_in_place(&mut self.plan, step, model, comm);
-            }
-            Buffers::Host(host) => {
-                host.step(&mut self.plan, &self.optimizer, &lr, grad_scale);
+                if host.in_place() {
+                    return host.step_in_place(&mut self.plan, step, model, comm);
+                }
+                host.step(&mut self.plan, step);
                 host.publish(&self.plan, comm)?
             }
             #[cfg(feature = "device-kernels")]

@@ -95,8 +95,6 @@ impl std::fmt::Debug for Rendezvous {
     }
 }
 
-pub use crate::process::host_identity;
-
 impl RendezvousConfig {
     pub(super) fn err(&self, reason: impl Into<String>) -> CommError {
         CommError::Rendezvous {
@@ -176,7 +174,7 @@ impl RendezvousConfig {
         Hello {
             rank: self.rank,
             world_size: self.world_size,
-            host: host_identity(),
+            host: crate::process::host_identity(),
             listen,
             settings: self.settings,
         }

@@ -94,7 +94,7 @@ impl ShmEngine {
         };
         if now >= *next_liveness {
             *next_liveness = now + LIVENESS_INTERVAL;
-            let own_namespace = pid_namespace();
+            let own_namespace = crate::process::pid_namespace();
             for peer in missing() {
                 let pid = self.region.pid(peer).load(Ordering::Acquire);
                 // A peer in another PID namespace (another container of the pod sharing
@@ -102,7 +102,7 @@ impl ShmEngine {
                 // the peer's own abort word answer for it instead.
                 let comparable = own_namespace != 0
                     && self.region.pid_namespace(peer).load(Ordering::Relaxed) == own_namespace;
-                if pid != 0 && comparable && !process_alive(pid) {
+                if pid != 0 && comparable && !crate::process::process_alive(pid) {
                     return Err(CommError::PeerLost {
                         call: call.to_string(),
                         rank: self.rank,
@@ -177,5 +177,3 @@ fn sleep_on(_word: &std::sync::atomic::AtomicU32, _seen: u32, _nap: Duration) {
 
 #[cfg(not(target_os = "linux"))]
 fn wake_all(_word: &std::sync::atomic::AtomicU32) {}
-
-pub(super) use crate::process::{pid_namespace, process_alive};

@@ -236,7 +236,7 @@ impl ShmEngine {
             .map_err(|e| CommError::io(rank, format!("mapping {}", path.display()), e))?;
         region
             .pid_namespace(rank)
-            .store(barrier::pid_namespace(), Ordering::Relaxed);
+            .store(crate::process::pid_namespace(), Ordering::Relaxed);
         region
             .pid(rank)
             .store(u64::from(std::process::id()), Ordering::Release);

@@ -86,7 +86,7 @@ pub fn sweep(dir: &Path, older_than: Duration) -> usize {
                     .unwrap_or(0)
             }
         };
-        if (creator == 0 || !super::barrier::process_alive(creator))
+        if (creator == 0 || !crate::process::process_alive(creator))
             && std::fs::remove_file(&path).is_ok()
         {
             tracing::debug!("removed {}, left by a job that died", path.display());
