@@ -90,6 +90,33 @@ mod imp {
     }
 }
 
+/// `tensor`, computed outside the fusion stream (by NCCL, for one), as a fused tensor of
+/// `client`'s, the way Burn's fusion registers uploaded data: later operations of the stream
+/// read it as they would any other tensor.
+#[cfg(all(feature = "fusion", feature = "device-kernels"))]
+pub(crate) fn register(
+    client: &burn::backend::fusion::Client<burn_cubecl::fusion::FusionCubeRuntime>,
+    tensor: burn_cubecl::tensor::CubeTensor,
+) -> burn::backend::fusion::FusionTensor<burn_cubecl::fusion::FusionCubeRuntime> {
+    use burn::backend::fusion::NoOp;
+    use burn::backend::fusion::custom::{OperationIr, OperationOutput};
+    use burn::backend::fusion::stream::StreamId;
+    use burn::backend::ir::{BackendIr, InitOperationIr};
+    use burn_cubecl::CubeBackend;
+
+    let shape = tensor.meta.shape().clone();
+    let dtype = tensor.dtype;
+    let handle = CubeBackend::float_tensor_handle(tensor);
+    let init = InitOperationIr::create(shape, dtype, || client.register_tensor_handle(handle));
+    client
+        .register(
+            StreamId::current(),
+            OperationIr::Init(init),
+            NoOp::<CubeBackend>::new(),
+        )
+        .output()
+}
+
 #[cfg(not(all(feature = "fusion", feature = "device-kernels")))]
 mod imp {
     use crate::error::AccelerateError;

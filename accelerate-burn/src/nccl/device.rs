@@ -378,6 +378,7 @@ pub(crate) trait NcclKernels: Backend {
 
 #[cfg(feature = "fusion")]
 mod fused;
+mod shards;
 
 mod cube {
     use burn_cubecl::CubeBackend;

@@ -146,6 +146,25 @@ impl DeviceCollectives {
     pub fn all_gather(&self, _: Tensor<1>) -> Result<Tensor<1>, AccelerateError> {
         match *self {}
     }
+
+    /// See the `nccl` build's.
+    #[cfg(feature = "device-kernels")]
+    pub fn gather_shard(
+        &self,
+        _: burn_cubecl::tensor::CubeTensor,
+    ) -> Result<burn_cubecl::tensor::CubeTensor, std::convert::Infallible> {
+        match *self {}
+    }
+
+    /// See the `nccl` build's.
+    #[cfg(feature = "device-kernels")]
+    pub fn reduce_scatter_shard(
+        &self,
+        _: burn_cubecl::tensor::CubeTensor,
+        _: usize,
+    ) -> Result<burn_cubecl::tensor::CubeTensor, std::convert::Infallible> {
+        match *self {}
+    }
 }
 
 #[cfg(test)]

@@ -10,7 +10,8 @@
 //! gathered parameter is kept until backward (FSDP's `reshard_after_forward=False`).
 //!
 //! The collectives run on the host (the shard read back, the result uploaded), which serves
-//! every inner backend with one implementation. Every rank issues them in the same order: the
+//! every inner backend with one implementation, except on the cuda backend of a job that uses
+//! NCCL, where NCCL's all-gather and reduce-scatter run on the GPUs (`on_gpus`). Every rank issues them in the same order: the
 //! forward in the order the model runs, the backward in the graph's order, which is the same
 //! graph on every rank. A collective that fails cannot return an error from inside a Burn
 //! operation: it is recorded in the [`ShardGroup`] (which `backward` turns into an error),
@@ -30,10 +31,17 @@ use burn::backend::autodiff::checkpoint::strategy::{BalancedCheckpointing, Check
 use burn::backend::autodiff::grads::Gradients;
 use burn::backend::autodiff::ops::{Backward, Ops};
 use burn::backend::tensor::FloatTensor;
-use burn::backend::{Backend, TensorMetadata, backend_extension};
+use burn::backend::{AutodiffBackend, Backend, TensorMetadata, backend_extension};
 use burn::tensor::{DType, TensorData, bf16, f16, try_read_sync};
 
 use super::group::ShardGroup;
+
+/// The fused GPU backends' gathers: resolved, then as on the unfused backend.
+#[cfg(all(feature = "fusion", feature = "device-kernels"))]
+mod fused;
+/// The cuda backend's gathers and reduce-scatters with NCCL, where the job uses it.
+#[cfg(feature = "device-kernels")]
+mod on_gpus;
 
 /// One sharded parameter as the gather sees it: its shape, and how it is cut.
 pub(crate) struct ParamShard {
@@ -63,29 +71,33 @@ impl fmt::Debug for ParamShard {
 #[derive(Clone, Debug)]
 pub(crate) struct GatherSpec(pub Arc<ParamShard>);
 
-/// The gather as a Burn operation. Under Burn's fusion it is one lazy operation, run when the
-/// stream reaches it: every rank's stream holds the same operations in the same order.
+/// The gather as a Burn operation. Collectives are not lazy: under Burn's fusion the
+/// operation resolves its input (the stream's earlier operations run first) and blocks, as on
+/// the unfused backend (`fused`), so every rank runs its collectives in its program's order.
 #[backend_extension(
     Flex: cfg(feature = "flex"),
     NdArray: cfg(feature = "ndarray"),
     Cube: cfg(feature = "device-kernels"),
-    Fusion: cfg(feature = "fusion"),
     Autodiff
 )]
 pub(crate) trait ShardOps: Backend {
     /// Every rank's `shard` (`[shard_len]`), concatenated in rank order and cut to the
     /// parameter's shape; its gradient is reduce-scattered (mean) into the shard's.
-    #[fusion(meta = |shard, spec| burn::backend::fusion::custom::TensorSpec::new(
-        burn::tensor::Shape::from(spec.0.shape.clone()),
-        shard.dtype,
-    ))]
     fn shard_gather(shard: FloatTensor<Self>, spec: GatherSpec) -> FloatTensor<Self>;
+
+    /// This rank's shard (`[shard_len]`, f32) of the mean over the ranks of `grad`, the
+    /// gathered parameter's gradient: the gather's backward.
+    fn shard_reduce_scatter(grad: FloatTensor<Self>, spec: GatherSpec) -> FloatTensor<Self>;
 }
 
 #[cfg(feature = "flex")]
 impl ShardOps for burn::backend::Flex {
     fn shard_gather(shard: FloatTensor<Self>, spec: GatherSpec) -> FloatTensor<Self> {
         gather::<Self>(shard, &spec.0)
+    }
+
+    fn shard_reduce_scatter(grad: FloatTensor<Self>, spec: GatherSpec) -> FloatTensor<Self> {
+        reduce_scatter::<Self>(grad, &spec.0)
     }
 }
 
@@ -94,18 +106,32 @@ impl ShardOps for burn::backend::NdArray {
     fn shard_gather(shard: FloatTensor<Self>, spec: GatherSpec) -> FloatTensor<Self> {
         gather::<Self>(shard, &spec.0)
     }
+
+    fn shard_reduce_scatter(grad: FloatTensor<Self>, spec: GatherSpec) -> FloatTensor<Self> {
+        reduce_scatter::<Self>(grad, &spec.0)
+    }
 }
 
 #[cfg(feature = "device-kernels")]
 impl ShardOps for burn_cubecl::CubeBackend {
     fn shard_gather(shard: FloatTensor<Self>, spec: GatherSpec) -> FloatTensor<Self> {
-        gather::<Self>(shard, &spec.0)
+        match spec.0.group.comm().device_collectives() {
+            Some(nccl) => on_gpus::gather(nccl, shard, &spec.0),
+            None => gather::<Self>(shard, &spec.0),
+        }
+    }
+
+    fn shard_reduce_scatter(grad: FloatTensor<Self>, spec: GatherSpec) -> FloatTensor<Self> {
+        match spec.0.group.comm().device_collectives() {
+            Some(nccl) => on_gpus::reduce_scatter(nccl, grad, &spec.0),
+            None => reduce_scatter::<Self>(grad, &spec.0),
+        }
     }
 }
 
-impl<B: Backend, C: CheckpointStrategy> ShardOps for Autodiff<B, C> {
+impl<B: ShardOps, C: CheckpointStrategy> ShardOps for Autodiff<B, C> {
     fn shard_gather(shard: FloatTensor<Self>, spec: GatherSpec) -> FloatTensor<Self> {
-        let gathered = gather::<B>(shard.primitive().clone(), &spec.0);
+        let gathered = B::shard_gather(shard.primitive().clone(), spec.clone());
         let backward = GatherBackward { spec: spec.clone() };
         if spec.0.reshard {
             // Balanced checkpointing for this operation alone: Burn then recomputes (gathers
@@ -127,6 +153,12 @@ impl<B: Backend, C: CheckpointStrategy> ShardOps for Autodiff<B, C> {
                 .stateless(gathered)
         }
     }
+
+    fn shard_reduce_scatter(grad: FloatTensor<Self>, spec: GatherSpec) -> FloatTensor<Self> {
+        // Only the gather's backward calls it, on the inner backend; a direct call is a
+        // constant to autodiff.
+        Self::from_inner(B::shard_reduce_scatter(Self::inner(grad), spec))
+    }
 }
 
 /// The backward node: the gathered parameter's gradient, averaged over the ranks, as the
@@ -136,14 +168,15 @@ struct GatherBackward {
     spec: GatherSpec,
 }
 
-impl<B: Backend> Backward<B, 1> for GatherBackward {
+impl<B: ShardOps> Backward<B, 1> for GatherBackward {
     type State = ();
 
     fn backward(self, ops: Ops<Self::State, 1>, grads: &mut Gradients, _: &mut Checkpointer) {
         let [parent] = ops.parents;
         let grad = grads.consume::<B>(&ops.node);
         if let Some(parent) = parent {
-            grads.register::<B>(parent.id, reduce_scatter::<B>(grad, &self.spec.0));
+            let shard = B::shard_reduce_scatter(grad, self.spec.clone());
+            grads.register::<B>(parent.id, shard);
         }
     }
 }
@@ -164,10 +197,10 @@ impl<B> fmt::Debug for RetroGather<B> {
     }
 }
 
-impl<B: Backend> RetroForward for RetroGather<B> {
+impl<B: ShardOps> RetroForward for RetroGather<B> {
     fn forward(&self, states: &mut BackwardStates, out_node: NodeId) {
         let shard: FloatTensor<B> = states.get_state(&self.input);
-        states.save(out_node, gather::<B>(shard, &self.spec.0));
+        states.save(out_node, B::shard_gather(shard, self.spec.clone()));
     }
 }
 

@@ -7,15 +7,12 @@
 //! for it; the output is registered after NCCL's stream is idle, so every later operation
 //! reads finished values. Collectives are not lazy: they block, as on the unfused backend.
 
-use burn::backend::fusion::custom::{OperationIr, OperationOutput};
-use burn::backend::fusion::stream::StreamId;
-use burn::backend::fusion::{Client, Fusion, FusionTensor, NoOp};
-use burn::backend::ir::{BackendIr, InitOperationIr};
+use burn::backend::fusion::{Fusion, FusionTensor};
 use burn_cubecl::CubeBackend;
 use burn_cubecl::fusion::FusionCubeRuntime;
-use burn_cubecl::tensor::CubeTensor;
 
 use super::{GpuError, NcclCall, NcclKernels};
+use crate::backend::fusion::register;
 
 type Fused = FusionTensor<FusionCubeRuntime>;
 
@@ -40,20 +37,4 @@ impl NcclKernels for Fusion<CubeBackend> {
         let (output, result) = <CubeBackend as NcclKernels>::nccl_collective(input, output, call);
         (register(&client, output), result)
     }
-}
-
-/// `tensor`, computed outside the fusion stream, as a fused tensor of `client`'s (the way
-/// Burn's fusion registers uploaded data).
-fn register(client: &Client<FusionCubeRuntime>, tensor: CubeTensor) -> Fused {
-    let shape = tensor.meta.shape().clone();
-    let dtype = tensor.dtype;
-    let handle = CubeBackend::float_tensor_handle(tensor);
-    let init = InitOperationIr::create(shape, dtype, || client.register_tensor_handle(handle));
-    client
-        .register(
-            StreamId::current(),
-            OperationIr::Init(init),
-            NoOp::<CubeBackend>::new(),
-        )
-        .output()
 }
