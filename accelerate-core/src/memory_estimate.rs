@@ -10,8 +10,8 @@
 //! | stage | model | master copy | gradients kept | optimizer state |
 //! |---|---|---|---|---|
 //! | 0 | 4P | none | 4P (none on one process) | 4SP |
-//! | 1 | 4P | none | 4P/N | 4SP/N |
-//! | 2 | 4P | none | 4P/N | 4SP/N |
+//! | 1 | 4P | none | none | 4SP/N |
+//! | 2 | 4P | none | 4P/N (with accumulation) | 4SP/N |
 //! | 3 | 4P/N | none | none | 4SP/N |
 //!
 //! On the CPU backends the model's own f32 parameters are the master copy: the update reads
@@ -21,10 +21,13 @@
 //! with parameters in another dtype an f32 copy (4P, or 4P/N under ZeRO).
 //! Burn's backward pass also returns every gradient at once (4P for a moment, in
 //! [`MemoryEstimate::backward_gradients`]; at stage 3 only the shards' gradients, 4P/N): at
-//! stages 1 and 2 they are reduce-scattered from there into the shard, on one process and at
-//! stage 3 updated from there, with no flat copy. Stages 1 and 2 differ in what they send
-//! within an accumulation window (stage 1 keeps the window's whole sum, as Burn tensors, and
-//! sends it once; stage 2 sends each micro-batch and keeps the shard of the sum).
+//! stages 1 and 2 they are reduce-scattered where they are (each process's shard averaged in
+//! backward's own tensors, the rest let go), on one process and at stage 3 updated from
+//! there, with no flat copy. Stages 1 and 2 differ within an accumulation window: stage 1
+//! keeps the window's whole sum, as Burn tensors, and sends it once; stage 2 sends each
+//! micro-batch and keeps the shard of the sum, in a buffer of the shard's length that the
+//! first window of several micro-batches makes and later ones reuse (counted here; a run
+//! without accumulation holds what stage 1 holds).
 //! Activations come on top and depend on the batch. At stage 3 each sharded unit is whole
 //! while it runs, its parameters and, in backward, their gradient (8 bytes per parameter of
 //! the largest unit on top); each parameter is cut on its own, so its shard is padded to whole
@@ -86,7 +89,10 @@ impl MemoryEstimate {
         let (master, gradients, state_elements) = match stage {
             0 if world > 1 => (0, whole, whole),
             0 => (0, 0, whole),
-            1 | 2 => (0, shard, shard),
+            // ZeRO-1 averages this rank's shard inside backward's own gradients; ZeRO-2 keeps
+            // a buffer of the shard's length for a window of several micro-batches.
+            1 => (0, 0, shard),
+            2 => (0, shard, shard),
             _ => (0, 0, shard),
         };
         // ZeRO-3: the model holds its shards, and backward returns their gradients.
@@ -222,7 +228,7 @@ mod tests {
                 zero1.gradients,
                 zero1.optimizer_state
             ),
-            (0, 12, 24)
+            (0, 0, 24)
         );
         assert_eq!(
             (
@@ -232,7 +238,7 @@ mod tests {
             ),
             (0, 12, 24)
         );
-        assert_eq!(zero2.held(), zero1.held());
+        assert_eq!(zero2.held(), zero1.held() + 12);
         assert!(zero1.held() < zero0.held());
         assert_eq!(zero2.peak(), zero2.held() + 40);
         // ZeRO-3: the model itself is its shards, and so are backward's gradients.

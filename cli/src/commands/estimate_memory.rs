@@ -145,7 +145,8 @@ fn table(
     let _ = writeln!(
         out,
         "\nheld: kept between steps (the model's f32 parameters are updated in place: no\n\
-         master copy); peak: held plus the gradients of one backward pass, which Burn\n\
+         master copy; ZeRO-2's gradients are its shard of an accumulation window's sum, none\n\
+         without accumulation); peak: held plus the gradients of one backward pass, which Burn\n\
          returns all at once, and at ZeRO-3 the largest sharded unit whole while it runs,\n\
          with its gradient ({}).{}",
         match unit {
@@ -201,6 +202,7 @@ mod tests {
                 .join(" ")
         };
         assert_eq!(row("ZeRO-0"), "ZeRO-0 1 GiB 1 GiB 2 GiB 4 GiB 5 GiB");
+        assert_eq!(row("ZeRO-1"), "ZeRO-1 1 GiB 0 B 512 MiB 1.5 GiB 2.5 GiB");
         assert_eq!(
             row("ZeRO-2"),
             "ZeRO-2 1 GiB 256 MiB 512 MiB 1.75 GiB 2.75 GiB"

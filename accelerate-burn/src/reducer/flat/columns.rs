@@ -61,6 +61,67 @@ impl SegmentGrads {
             .sum()
     }
 
+    /// Where segment `index` meets this rank's shard, as a range of the segment; `None` where
+    /// it does not.
+    pub fn shard_part(plan: &FlatPlan, index: usize) -> Option<Range<usize>> {
+        let segment = plan.segments.get(index)?;
+        let start = segment.offset.max(plan.shard.start);
+        let end = (segment.offset + segment.len).min(plan.shard.end);
+        (start < end).then(|| start - segment.offset..end - segment.offset)
+    }
+
+    /// This rank's shard of the gradients, each segment's part as it holds it.
+    fn shard_parts<'a>(&'a self, plan: &'a FlatPlan) -> impl Iterator<Item = &'a [f32]> + 'a {
+        (0..self.0.len())
+            .filter_map(move |index| self.segment(index)?.get(Self::shard_part(plan, index)?))
+    }
+
+    /// The sum of the squares of this rank's shard of the gradients.
+    pub fn shard_sum_of_squares(&self, plan: &FlatPlan) -> f64 {
+        self.shard_parts(plan)
+            .map(accelerate_kernels::sum_of_squares)
+            .sum()
+    }
+
+    /// Multiplies this rank's shard of the gradients by `factor`.
+    pub fn scale_shard(&mut self, plan: &FlatPlan, factor: f32) {
+        for (index, data) in self.0.iter_mut().enumerate() {
+            if let (Some(data), Some(part)) = (data, Self::shard_part(plan, index))
+                && let Ok(values) = data.as_mut_slice::<f32>()
+                && let Some(values) = values.get_mut(part)
+            {
+                accelerate_kernels::scale_in_place(values, factor);
+            }
+        }
+    }
+
+    /// This rank's shard of the gradients as one vector (zeros where no gradient or padding
+    /// is).
+    pub fn shard_values(&self, plan: &FlatPlan) -> Vec<f32> {
+        let mut shard = vec![0.0; plan.shard.len()];
+        self.fill(plan, plan.shard.clone(), &mut shard);
+        shard
+    }
+
+    /// Copies `values`, the flat range `range`, over the segments' gradients there.
+    fn write(&mut self, plan: &FlatPlan, range: Range<usize>, values: &[f32]) {
+        let first = plan
+            .segments
+            .partition_point(|s| s.offset + s.len <= range.start);
+        for (segment, data) in plan.segments.iter().zip(self.0.iter_mut()).skip(first) {
+            if segment.offset >= range.end {
+                break;
+            }
+            let Some(target) = data.as_mut().and_then(|d| d.as_mut_slice::<f32>().ok()) else {
+                continue;
+            };
+            let start = segment.offset.max(range.start);
+            let end = (segment.offset + segment.len).min(range.end);
+            target[start - segment.offset..end - segment.offset]
+                .copy_from_slice(&values[start - range.start..end - range.start]);
+        }
+    }
+
     /// Copies the flat range `range` into `out` (zeros where no gradient or padding is).
     fn fill(&self, plan: &FlatPlan, range: Range<usize>, out: &mut [f32]) {
         out.fill(0.0);
@@ -187,6 +248,53 @@ pub(super) fn reduce_scatter(
     Ok(())
 }
 
+/// Averages `grads` over the processes where they are: this rank's part of each gradient (its
+/// shard, `plan.shard`) ends as the average, in the gradient's own tensor; the other parts are
+/// left as sent, and a gradient with no part in the shard is let go after the last column
+/// that carries it. No buffer of the shard's length: the formula's 8P + 8P/N at ZeRO-1.
+/// Returns the gradients kept.
+pub(super) fn reduce_scatter_in_place(
+    plan: &FlatPlan,
+    mut grads: SegmentGrads,
+    wire: &mut Wire,
+    comm: &Comm,
+) -> Result<SegmentGrads, AccelerateError> {
+    // A segment of the shard that got no gradient here receives the average all the same (a
+    // peer's may have one).
+    grads.0.resize_with(plan.segments.len(), || None);
+    for (index, (segment, data)) in plan.segments.iter().zip(grads.0.iter_mut()).enumerate() {
+        if data.is_none() && SegmentGrads::shard_part(plan, index).is_some() {
+            *data = Some(TensorData::new(vec![0.0_f32; segment.len], [segment.len]));
+        }
+    }
+    if !comm.is_distributed() {
+        // One process's shard is all of it, averaged already.
+        return Ok(grads);
+    }
+    let columns = Columns::new(plan.padded, comm.world_size());
+    let rank = comm.rank();
+    let last_uses = columns.last_uses(plan);
+    // One column's input and this rank's result, reused by every column.
+    let (mut input, mut mine) = (Vec::new(), Vec::new());
+    for (k, done) in last_uses.iter().enumerate() {
+        let width = columns.range(k).len();
+        input.resize(width * columns.world, 0.0);
+        for (r, piece) in input.chunks_exact_mut(width).enumerate() {
+            grads.fill(plan, columns.of_rank(r, k), piece);
+        }
+        mine.resize(width, 0.0);
+        comm.timed(|group| wire.reduce_scatter_mean(&mut input, &mut mine, group))?;
+        // This rank's own column is read for the last time above: later columns are others.
+        grads.write(plan, columns.of_rank(rank, k), &mine);
+        for &index in done {
+            if SegmentGrads::shard_part(plan, index).is_none() {
+                grads.0[index] = None;
+            }
+        }
+    }
+    Ok(grads)
+}
+
 /// Every rank's `shard` (its part of the flat range) put together, one vector per segment of
 /// `plan`.
 pub(super) fn all_gather(
@@ -292,6 +400,30 @@ mod tests {
         let mut sorted = ends.clone();
         sorted.sort_unstable();
         assert_eq!(sorted, vec![0, 1, 2, 3]);
+    }
+
+    #[test]
+    fn a_shard_averaged_in_place_is_read_from_the_gradients_own_tensors() {
+        use crate::reducer::flat::grads::ShardGrads;
+        // 7 elements over 2 ranks, padded to 8: rank 1's shard is 4..8, the last three of
+        // segment 1 and one element of padding; segment 0 has no part in it.
+        let plan = plan(&[3, 4], 2, 1);
+        assert_eq!(SegmentGrads::shard_part(&plan, 0), None);
+        assert_eq!(SegmentGrads::shard_part(&plan, 1), Some(1..4));
+        let mut grads = SegmentGrads(vec![
+            Some(TensorData::new(vec![9.0f32; 3], [3])),
+            Some(TensorData::new(vec![5.0f32, 6.0, 7.0, 8.0], [4])),
+        ]);
+        grads.write(&plan, 4..8, &[1.0, 2.0, 3.0, 4.0]);
+        assert_eq!(grads.segment(1), Some(&[5.0, 1.0, 2.0, 3.0][..]));
+        assert_eq!(grads.shard_values(&plan), vec![1.0, 2.0, 3.0, 0.0]);
+        let mut shard = ShardGrads::InSegments(grads);
+        assert_eq!(shard.part(&plan, 1, 0..3), Some(&[1.0, 2.0, 3.0][..]));
+        assert_eq!(shard.sum_of_squares(&plan), 14.0);
+        shard.scale(&plan, 2.0);
+        assert_eq!(shard.part(&plan, 1, 1..3), Some(&[4.0, 6.0][..]));
+        shard.release();
+        assert_eq!(shard.bytes(), 0);
     }
 
     #[test]

@@ -10,7 +10,7 @@ use accelerate_core::comm::Reduction;
 use burn::tensor::{DType, Device, Tensor};
 
 use super::columns::{self, SegmentGrads};
-use super::grads::GradBuffer;
+use super::grads::{GradBuffer, ShardGrads};
 use super::in_place::{Averaged, InPlace, StepRates};
 use super::plan::{FlatPlan, Sharding};
 use crate::error::AccelerateError;
@@ -30,9 +30,9 @@ pub(crate) struct HostFlat {
     in_place: bool,
     /// The step's gradients until the update (none kept under ZeRO).
     grads: GradBuffer,
-    /// This rank's averaged gradients under ZeRO (empty otherwise); under ZeRO-2 the sum of
-    /// the open window's micro-batches.
-    shard_grads: Vec<f32>,
+    /// This rank's averaged gradients under ZeRO (none otherwise): in backward's own tensors,
+    /// or under ZeRO-2 the sum of a window of several micro-batches.
+    shard_grads: ShardGrads,
     sharding: Sharding,
     /// Optimizer state over the shard: `state_buffers` vectors.
     pub state: Vec<Vec<f32>>,
@@ -83,11 +83,7 @@ impl HostFlat {
             params,
             in_place,
             grads,
-            shard_grads: if sharding.splits() {
-                vec![0.0; shard]
-            } else {
-                Vec::new()
-            },
+            shard_grads: ShardGrads::none(),
             sharding,
             state: vec![vec![0.0; shard]; state_buffers],
             device,
@@ -106,9 +102,9 @@ impl HostFlat {
     }
 
     /// Averages one window's gradients (`plan` order) over the processes: all-reduced in the
-    /// flat buffer, or reduce-scattered into this rank's shard under ZeRO-1 (without a flat
-    /// copy); one process keeps them as they are. Returns the sum of their squares over
-    /// every rank.
+    /// flat buffer, or under ZeRO-1 reduce-scattered where they are (this rank's shard of each
+    /// averaged in its own tensor, no flat copy); one process keeps them as they are. Returns
+    /// the sum of their squares over every rank.
     pub fn average(
         &mut self,
         plan: &FlatPlan,
@@ -118,7 +114,8 @@ impl HostFlat {
     ) -> Result<f64, AccelerateError> {
         if self.sharding.splits() {
             let grads = SegmentGrads::take(grads);
-            columns::reduce_scatter(plan, grads, &mut self.shard_grads, false, wire, comm)?;
+            let kept = columns::reduce_scatter_in_place(plan, grads, wire, comm)?;
+            self.shard_grads = ShardGrads::InSegments(kept);
         } else if let Some(flat) = self.grads.flat_mut() {
             flatten(plan, grads, flat);
             if comm.is_distributed() {
@@ -134,12 +131,15 @@ impl HostFlat {
         } else {
             self.grads = GradBuffer::Segments(SegmentGrads::take(grads));
         }
-        self.measure(comm)
+        self.measure(plan, comm)
     }
 
     /// ZeRO-2: averages one micro-batch's gradients over the processes straight into this
     /// rank's shard of the window's sum (`first`: the window's first micro-batch, which
-    /// replaces the sum), column by column from the gradients themselves.
+    /// replaces the sum), column by column from the gradients themselves. A window's first
+    /// micro-batch is averaged where it is, as at ZeRO-1; its second moves the sum into a
+    /// vector of the shard's length (kept for later windows), so a window of one costs no
+    /// more than ZeRO-1.
     ///
     /// Each micro-batch communicates: holding the window's sum as shards means each rank's
     /// share of it must be sent away before the next backward pass, as DeepSpeed's ZeRO-2
@@ -153,20 +153,36 @@ impl HostFlat {
         comm: &Comm,
     ) -> Result<(), AccelerateError> {
         let grads = SegmentGrads::take(grads);
-        columns::reduce_scatter(plan, grads, &mut self.shard_grads, !first, wire, comm)
+        match &mut self.shard_grads {
+            ShardGrads::Buffer(sum) => {
+                columns::reduce_scatter(plan, grads, sum, !first, wire, comm)
+            }
+            ShardGrads::InSegments(_) if first => {
+                let kept = columns::reduce_scatter_in_place(plan, grads, wire, comm)?;
+                self.shard_grads = ShardGrads::InSegments(kept);
+                Ok(())
+            }
+            ShardGrads::InSegments(held) => {
+                let mut sum = held.shard_values(plan);
+                self.shard_grads = ShardGrads::Buffer(Vec::new());
+                columns::reduce_scatter(plan, grads, &mut sum, true, wire, comm)?;
+                self.shard_grads = ShardGrads::Buffer(sum);
+                Ok(())
+            }
+        }
     }
 
     /// ZeRO-2: multiplies the window's held sum by `factor` (a window of summed losses,
     /// weighted by its items).
-    pub fn scale_held(&mut self, factor: f32) {
-        accelerate_kernels::scale_in_place(&mut self.shard_grads, factor);
+    pub fn scale_held(&mut self, plan: &FlatPlan, factor: f32) {
+        self.shard_grads.scale(plan, factor);
     }
 
     /// The sum of the squares of the averaged gradients over every rank (this rank's shard,
     /// summed across the ranks, under ZeRO).
-    pub fn measure(&self, comm: &Comm) -> Result<f64, AccelerateError> {
+    pub fn measure(&self, plan: &FlatPlan, comm: &Comm) -> Result<f64, AccelerateError> {
         let mut sum_sq = if self.sharding.splits() {
-            accelerate_kernels::sum_of_squares(&self.shard_grads)
+            self.shard_grads.sum_of_squares(plan)
         } else {
             self.grads.sum_of_squares()
         };
@@ -185,6 +201,7 @@ impl HostFlat {
         if let GradBuffer::Segments(grads) = &mut self.grads {
             *grads = SegmentGrads::none();
         }
+        self.shard_grads.release();
     }
 
     /// Applies the fused update to this rank's shard with the learning rates of `lr`.
@@ -209,12 +226,12 @@ impl HostFlat {
             let params = &mut self.params[start - base..end - base];
             let local = start - shard.start..end - shard.start;
             let grads = if self.sharding.splits() {
-                &self.shard_grads[local.clone()]
+                self.shard_grads.part(plan, index, local.clone())
             } else {
-                match self.grads.whole(index, local.clone()) {
-                    Some(grads) if grads.len() == params.len() => grads,
-                    _ => continue,
-                }
+                self.grads.whole(index, local.clone())
+            };
+            let Some(grads) = grads.filter(|grads| grads.len() == params.len()) else {
+                continue;
             };
             update.apply(params, grads, &mut self.state, local);
         }
@@ -280,7 +297,7 @@ impl HostFlat {
         let bytes = |v: &Vec<f32>| v.capacity() * 4;
         HeldBytes {
             master_parameters: bytes(&self.params),
-            gradients: self.grads.bytes() + bytes(&self.shard_grads),
+            gradients: self.grads.bytes() + self.shard_grads.bytes(),
             optimizer_state: self.state.iter().map(bytes).sum(),
         }
     }

@@ -12,7 +12,7 @@ use accelerate_kernels::optim::{adam_step, sgd_step};
 use burn::lr_scheduler::module_lr_scheduler::ModuleLearningRate;
 use burn::tensor::{Device, Tensor, TensorData};
 
-use super::grads::GradBuffer;
+use super::grads::{GradBuffer, ShardGrads};
 use super::plan::FlatPlan;
 use crate::error::AccelerateError;
 use crate::fused::FusedOptimizer;
@@ -52,7 +52,7 @@ pub(super) enum Averaged<'a> {
     /// Whole, as the step's gradient buffer holds them.
     Whole(&'a GradBuffer),
     /// This rank's shard of the flat range (ZeRO-1/2).
-    Shard(&'a [f32]),
+    Shard(&'a ShardGrads),
 }
 
 /// One segment's fused update: its count, rate and gradient scale.
@@ -188,12 +188,12 @@ impl<'a> InPlace<'a> {
                     && start < end
                 {
                     let local = start - shard.start..end - shard.start;
-                    update.apply(
-                        &mut values[start - offset..end - offset],
-                        &grads[local.clone()],
-                        self.state,
-                        local,
-                    );
+                    let params = &mut values[start - offset..end - offset];
+                    if let Some(grads) = grads.part(self.plan, segment, local.clone())
+                        && grads.len() == params.len()
+                    {
+                        update.apply(params, grads, self.state, local);
+                    }
                 }
                 if self.error.is_none()
                     && let Err(e) = self.share(offset, values)

@@ -226,7 +226,7 @@ impl GradientReducer for FlatReducer {
         let sum_sq = match &mut self.buffers {
             // ZeRO-2: `accumulate` already averaged the window into the shard.
             Buffers::Host(host) if self.sharding == Sharding::Gradients => {
-                SumOfSquares::Measured(host.measure(comm)?)
+                SumOfSquares::Measured(host.measure(&self.plan, comm)?)
             }
             Buffers::Host(host) => {
                 self.plan.note_grads(&grads, true);
@@ -284,7 +284,7 @@ impl GradientReducer for FlatReducer {
 
     fn scale_held(&mut self, factor: f64) {
         if let (Sharding::Gradients, Some(host)) = (self.sharding, self.buffers.host_mut()) {
-            host.scale_held(factor as f32);
+            host.scale_held(&self.plan, factor as f32);
         }
     }
 
