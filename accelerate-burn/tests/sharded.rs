@@ -68,8 +68,10 @@ impl ShardedNet {
         })
     }
 
+    /// The hidden layer gathered after its input (`gather_for`), the output layer at the
+    /// bottom of the graph (`gather`): the two give the same numbers.
     fn loss(&self, (x, y): (Tensor<2>, Tensor<2>)) -> Tensor<1> {
-        let h = self.act.forward(self.hidden.gather().forward(x));
+        let h = self.act.forward(self.hidden.gather_for(&x).forward(x));
         (self.out.gather().forward(h) - y).square().mean()
     }
 

@@ -235,9 +235,10 @@ fn host_path_zero_1_2(world: u64) -> u64 {
 ///   8P/N, ZeRO-1's formula; ZeRO-2's 4P + 12P/N needs Burn's backward to hand gradients over
 ///   one parameter at a time: see RESULTS);
 /// - ZeRO-3, with Burn's AdamW or the fused one (neither keeps a copy of the shards beside the
-///   model's), within 15 % of the formula on 2 processes (1.06 measured), 30 % on 4 (1.26: the
-///   backward pass holds about 20 MB more there than the gathered layer, its gradient and the
-///   shards' gradients);
+///   model's), at most the formula (0.91 and 0.89 measured: the layers are gathered with
+///   `gather_for`, so each gradient is reduce-scattered as soon as backward has left its
+///   layer, and with resharding one parameter of a layer is whole in backward at a time, where
+///   the formula counts the whole layer with its gradients);
 /// - each ratio to the formula at most what RESULTS reports, rounded up by 0.05.
 #[test]
 fn per_process_memory_follows_the_zero_formula() {
@@ -246,8 +247,8 @@ fn per_process_memory_follows_the_zero_formula() {
         (0u8, "fused", [1.33, 1.33]),
         (1, "fused", [1.11, 1.11]),
         (2, "fused", [1.32, 1.57]),
-        (3, "fused", [1.11, 1.30]),
-        (3, "burn", [1.15, 1.30]),
+        (3, "fused", [0.96, 0.95]),
+        (3, "burn", [0.96, 0.95]),
     ];
     for (column, world) in [2usize, 4].into_iter().enumerate() {
         let mut previous = u64::MAX;
@@ -287,7 +288,7 @@ fn per_process_memory_follows_the_zero_formula() {
             );
             previous = worst;
             assert!(
-                (0.85..=bounds[column]).contains(&ratio),
+                (0.80..=bounds[column]).contains(&ratio),
                 "{case}: {worst} bytes against {expected} (ratio {ratio:.3})"
             );
             if stage == 1 || stage == 2 {

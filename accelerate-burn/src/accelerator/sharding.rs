@@ -14,7 +14,7 @@ impl<B: AcceleratorBackend> Accelerator<B> {
     /// Shards `unit` (a layer, a block) over the processes: ZeRO-3 (`zero_stage(3)`). This
     /// process keeps `1/N` of each of its float parameters (rank 0's values, so every process
     /// may build the unit with its own random initialization), and
-    /// [`Sharded::gather`] gives the unit back whole, as a differentiable collective, inside
+    /// [`Sharded::gather_for`] gives the unit back whole, as a differentiable collective, inside
     /// the model's forward pass. Build the model from its units one at a time so that no more
     /// than one unit is ever whole beyond the shards:
     ///

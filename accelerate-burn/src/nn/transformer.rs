@@ -130,7 +130,7 @@ impl<L: Unit<TransformerEncoderLayer>> TransformerEncoder<L> {
     pub fn forward(&self, input: TransformerEncoderInput) -> Tensor<3> {
         self.layers.iter().fold(input.tensor, |x, layer| {
             layer
-                .whole()
+                .whole_for(&x)
                 .forward(x, input.mask_pad.clone(), input.mask_attn.clone())
         })
     }

@@ -32,7 +32,7 @@ use burn::backend::autodiff::grads::Gradients;
 use burn::backend::autodiff::ops::{Backward, Ops};
 use burn::backend::tensor::FloatTensor;
 use burn::backend::{AutodiffBackend, Backend, TensorMetadata, backend_extension};
-use burn::tensor::{DType, TensorData, bf16, f16, try_read_sync};
+use burn::tensor::{DType, Shape, TensorData, bf16, f16, try_read_sync};
 
 use super::group::ShardGroup;
 
@@ -81,9 +81,20 @@ pub(crate) struct GatherSpec(pub Arc<ParamShard>);
     Autodiff
 )]
 pub(crate) trait ShardOps: Backend {
+    /// A one-element tensor that follows `input` in the autodiff graph and depends on nothing
+    /// in its values (backward sends `input` no gradient through it): a gather's anchor.
+    fn shard_anchor(input: FloatTensor<Self>) -> FloatTensor<Self>;
+
     /// Every rank's `shard` (`[shard_len]`), concatenated in rank order and cut to the
-    /// parameter's shape; its gradient is reduce-scattered (mean) into the shard's.
-    fn shard_gather(shard: FloatTensor<Self>, spec: GatherSpec) -> FloatTensor<Self>;
+    /// parameter's shape; its gradient is reduce-scattered (mean) into the shard's. Under
+    /// autodiff the gather comes right after `anchor` in the graph, so its backward (the
+    /// reduce-scatter) runs as soon as every operation after the anchor has run backward
+    /// (Burn runs backward by depth in the graph; see `Sharded::gather_for`).
+    fn shard_gather(
+        shard: FloatTensor<Self>,
+        anchor: FloatTensor<Self>,
+        spec: GatherSpec,
+    ) -> FloatTensor<Self>;
 
     /// This rank's shard (`[shard_len]`, f32) of the mean over the ranks of `grad`, the
     /// gathered parameter's gradient: the gather's backward.
@@ -92,7 +103,15 @@ pub(crate) trait ShardOps: Backend {
 
 #[cfg(feature = "flex")]
 impl ShardOps for burn::backend::Flex {
-    fn shard_gather(shard: FloatTensor<Self>, spec: GatherSpec) -> FloatTensor<Self> {
+    fn shard_anchor(input: FloatTensor<Self>) -> FloatTensor<Self> {
+        anchor::<Self>(input)
+    }
+
+    fn shard_gather(
+        shard: FloatTensor<Self>,
+        _: FloatTensor<Self>,
+        spec: GatherSpec,
+    ) -> FloatTensor<Self> {
         gather::<Self>(shard, &spec.0)
     }
 
@@ -103,7 +122,15 @@ impl ShardOps for burn::backend::Flex {
 
 #[cfg(feature = "ndarray")]
 impl ShardOps for burn::backend::NdArray {
-    fn shard_gather(shard: FloatTensor<Self>, spec: GatherSpec) -> FloatTensor<Self> {
+    fn shard_anchor(input: FloatTensor<Self>) -> FloatTensor<Self> {
+        anchor::<Self>(input)
+    }
+
+    fn shard_gather(
+        shard: FloatTensor<Self>,
+        _: FloatTensor<Self>,
+        spec: GatherSpec,
+    ) -> FloatTensor<Self> {
         gather::<Self>(shard, &spec.0)
     }
 
@@ -114,7 +141,15 @@ impl ShardOps for burn::backend::NdArray {
 
 #[cfg(feature = "device-kernels")]
 impl ShardOps for burn_cubecl::CubeBackend {
-    fn shard_gather(shard: FloatTensor<Self>, spec: GatherSpec) -> FloatTensor<Self> {
+    fn shard_anchor(input: FloatTensor<Self>) -> FloatTensor<Self> {
+        anchor::<Self>(input)
+    }
+
+    fn shard_gather(
+        shard: FloatTensor<Self>,
+        _: FloatTensor<Self>,
+        spec: GatherSpec,
+    ) -> FloatTensor<Self> {
         match spec.0.group.comm().device_collectives() {
             Some(nccl) => on_gpus::gather(nccl, shard, &spec.0),
             None => gather::<Self>(shard, &spec.0),
@@ -130,25 +165,48 @@ impl ShardOps for burn_cubecl::CubeBackend {
 }
 
 impl<B: ShardOps, C: CheckpointStrategy> ShardOps for Autodiff<B, C> {
-    fn shard_gather(shard: FloatTensor<Self>, spec: GatherSpec) -> FloatTensor<Self> {
-        let gathered = B::shard_gather(shard.primitive().clone(), spec.clone());
+    fn shard_anchor(input: FloatTensor<Self>) -> FloatTensor<Self> {
+        let value = B::shard_anchor(input.primitive().clone());
+        AnchorBackward
+            .prepare::<C>([input.node()])
+            .compute_bound()
+            .stateless(value)
+    }
+
+    fn shard_gather(
+        shard: FloatTensor<Self>,
+        anchor: FloatTensor<Self>,
+        spec: GatherSpec,
+    ) -> FloatTensor<Self> {
+        let gathered = B::shard_gather(
+            shard.primitive().clone(),
+            anchor.primitive().clone(),
+            spec.clone(),
+        );
         let backward = GatherBackward { spec: spec.clone() };
         if spec.0.reshard {
             // Balanced checkpointing for this operation alone: Burn then recomputes (gathers
-            // again) instead of storing the gathered parameter, on any model strategy.
+            // again) instead of storing the gathered parameter, on any model strategy. A
+            // tracked anchor is checkpointed too (one element): the recomputation's parents
+            // must be, and an untracked one cannot be (Burn would keep the gathered parameter).
+            let parents = if anchor.is_tracked() {
+                vec![&shard, &anchor]
+            } else {
+                vec![&shard]
+            };
             backward
-                .prepare::<BalancedCheckpointing>([shard.node()])
+                .prepare::<BalancedCheckpointing>([shard.node(), anchor.node()])
                 .memory_bound()
                 .retro_forward(RetroGather::<B> {
                     input: shard.node().id(),
                     spec,
                     _backend: PhantomData,
                 })
-                .parents([&shard])
+                .parents(parents)
                 .stateless(gathered)
         } else {
             backward
-                .prepare::<C>([shard.node()])
+                .prepare::<C>([shard.node(), anchor.node()])
                 .compute_bound()
                 .stateless(gathered)
         }
@@ -168,17 +226,28 @@ struct GatherBackward {
     spec: GatherSpec,
 }
 
-impl<B: ShardOps> Backward<B, 1> for GatherBackward {
+impl<B: ShardOps> Backward<B, 2> for GatherBackward {
     type State = ();
 
-    fn backward(self, ops: Ops<Self::State, 1>, grads: &mut Gradients, _: &mut Checkpointer) {
-        let [parent] = ops.parents;
+    fn backward(self, ops: Ops<Self::State, 2>, grads: &mut Gradients, _: &mut Checkpointer) {
+        // The anchor gets no gradient: it only placed the gather in the graph.
+        let [parent, _anchor] = ops.parents;
         let grad = grads.consume::<B>(&ops.node);
         if let Some(parent) = parent {
             let shard = B::shard_reduce_scatter(grad, self.spec.clone());
             grads.register::<B>(parent.id, shard);
         }
     }
+}
+
+/// The anchor's backward node: nothing flows back through an anchor.
+#[derive(Debug)]
+struct AnchorBackward;
+
+impl<B: Backend> Backward<B, 1> for AnchorBackward {
+    type State = ();
+
+    fn backward(self, _: Ops<Self::State, 1>, _: &mut Gradients, _: &mut Checkpointer) {}
 }
 
 /// Gathers the parameter again when a backward pass needs it (reshard after forward).
@@ -200,8 +269,15 @@ impl<B> fmt::Debug for RetroGather<B> {
 impl<B: ShardOps> RetroForward for RetroGather<B> {
     fn forward(&self, states: &mut BackwardStates, out_node: NodeId) {
         let shard: FloatTensor<B> = states.get_state(&self.input);
-        states.save(out_node, B::shard_gather(shard, self.spec.clone()));
+        let anchor = anchor::<B>(shard.clone());
+        states.save(out_node, B::shard_gather(shard, anchor, self.spec.clone()));
     }
+}
+
+/// A one-element zero on `input`'s device, in its type: an anchor's value (`input`'s values
+/// are not read).
+fn anchor<B: Backend>(input: FloatTensor<B>) -> FloatTensor<B> {
+    B::float_zeros(Shape::new([1]), &input.device(), input.dtype().into())
 }
 
 /// The parameter from every rank's shard (zeros once the group failed).

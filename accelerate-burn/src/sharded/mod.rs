@@ -3,11 +3,13 @@
 //!
 //! Burn has no module hooks, so the model marks its units itself: a field `Sharded<Block>`
 //! where it had `Block`, made by [`Accelerator::shard`](crate::Accelerator::shard), and
-//! `self.block.gather().forward(x)` in its forward pass. Each parameter is gathered by its own
+//! `self.block.gather_for(&x).forward(x)` in its forward pass. Each parameter is gathered by its own
 //! differentiable operation ([`gather`]), so the gathered unit lives only while its forward
 //! runs: Burn keeps the shard for backward and gathers again there (or keeps the gathered
 //! parameter, with [`Sharded::reshard_after_forward`]`(false)`), and the backward pass
-//! reduce-scatters each gradient into the shard's, averaged over the processes. Optimizers,
+//! reduce-scatters each gradient into the shard's, averaged over the processes, as soon as it
+//! has gone through the unit (`gather_for` anchors the gathers after the unit's input in the
+//! graph; Burn's backward pass runs operations by depth). Optimizers,
 //! Burn's or fused, see only the shards: every shard is a whole parameter to them. Tensors a
 //! unit does not train (a batch norm's running statistics, frozen parameters) stay whole on
 //! every process (`whole`).
@@ -49,9 +51,9 @@ use whole::{WholeMapper, WholeVisitor};
 ///
 /// fn forward(&self, mut x: Tensor<3>) -> Tensor<3> {
 ///     for block in &self.blocks {
-///         x = block.gather().forward(x); // the gathered block is freed after its forward
+///         x = block.gather_for(&x).forward(x); // freed after its forward
 ///     }
-///     self.head.gather().forward(x)
+///     self.head.gather_for(&x).forward(x)
 /// }
 /// ```
 #[derive(Clone)]
@@ -79,10 +81,34 @@ impl<M: Module> Sharded<M> {
     /// The unit, whole: every parameter gathered from every process (a collective). Under
     /// autodiff the gathered parameters are freed once the operations that use them ran, and
     /// gathered again in backward (see [`reshard_after_forward`](Self::reshard_after_forward)).
+    ///
+    /// In a forward pass prefer [`gather_for`](Self::gather_for): Burn's backward pass runs
+    /// operations by their depth in the graph, and a gather with no input is at the bottom, so
+    /// the reduce-scatters of this unit's gradients wait for the end of the backward pass,
+    /// each gathered parameter's whole gradient held until then.
     pub fn gather(&self) -> M {
+        self.gather_after(None)
+    }
+
+    /// The unit, whole, for a forward pass whose input is `input` (its values are not read):
+    /// as [`gather`](Self::gather), and in backward each parameter's gradient is
+    /// reduce-scattered into its shard and let go as soon as the backward pass has gone
+    /// through the unit, so that one unit's whole gradients exist at a time rather than the
+    /// whole model's.
+    ///
+    /// ```text
+    /// x = block.gather_for(&x).forward(x);
+    /// ```
+    pub fn gather_for<const D: usize>(&self, input: &Tensor<D>) -> M {
+        let anchor = <Dispatch as ShardOps>::shard_anchor(input.clone().into_dispatch());
+        self.gather_after(Some(Tensor::<1>::from_dispatch(anchor)))
+    }
+
+    fn gather_after(&self, anchor: Option<Tensor<1>>) -> M {
         let mut gatherer = Gatherer {
             shards: self.shards.iter(),
             params: self.params.iter().peekable(),
+            anchor,
         };
         self.skeleton.clone().map(&mut gatherer)
     }
@@ -241,17 +267,26 @@ impl<M> fmt::Debug for Sharded<M> {
 /// struct Stack<L = Block> { blocks: Vec<L> }
 /// impl<L: Unit<Block>> Stack<L> {
 ///     fn forward(&self, x: Tensor<3>) -> Tensor<3> {
-///         self.blocks.iter().fold(x, |x, block| block.whole().forward(x))
+///         self.blocks.iter().fold(x, |x, block| block.whole_for(&x).forward(x))
 ///     }
 /// }
 /// ```
 pub trait Unit<M>: Module + ModuleDisplay {
     /// The module, whole (for a sharded unit, a collective: see [`Sharded::gather`]).
     fn whole(&self) -> M;
+
+    /// The module, whole, for a forward pass on `input` (for a sharded unit
+    /// [`Sharded::gather_for`], whose gradients are reduce-scattered as soon as backward has
+    /// gone through it).
+    fn whole_for<const D: usize>(&self, input: &Tensor<D>) -> M;
 }
 
 impl<M: Module + ModuleDisplay> Unit<M> for M {
     fn whole(&self) -> M {
+        self.clone()
+    }
+
+    fn whole_for<const D: usize>(&self, _: &Tensor<D>) -> M {
         self.clone()
     }
 }
@@ -260,12 +295,19 @@ impl<M: Module> Unit<M> for Sharded<M> {
     fn whole(&self) -> M {
         self.gather()
     }
+
+    fn whole_for<const D: usize>(&self, input: &Tensor<D>) -> M {
+        self.gather_for(input)
+    }
 }
 
 /// Replaces each placeholder of the skeleton with its gather; whole tensors stay.
 struct Gatherer<'a> {
     shards: std::slice::Iter<'a, Param<Tensor<1>>>,
     params: std::iter::Peekable<std::slice::Iter<'a, UnitParam>>,
+    /// What every gather follows in the graph: the input's anchor, or (none given) a
+    /// constant, which leaves the gathers at the bottom of the graph.
+    anchor: Option<Tensor<1>>,
 }
 
 impl ModuleMapper for Gatherer<'_> {
@@ -276,8 +318,14 @@ impl ModuleMapper for Gatherer<'_> {
         let (Some(shard), Some(unit_param)) = (self.shards.next(), self.params.next()) else {
             return param;
         };
+        let shard = shard.val();
+        let anchor = self
+            .anchor
+            .get_or_insert_with(|| Tensor::<1>::zeros([1], &shard.device()))
+            .clone();
         let gathered = Tensor::<D>::from_dispatch(<Dispatch as ShardOps>::shard_gather(
-            shard.val().into_dispatch(),
+            shard.into_dispatch(),
+            anchor.into_dispatch(),
             unit_param.spec.clone(),
         ));
         Param::initialized(param.id, gathered)
