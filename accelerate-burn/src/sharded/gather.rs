@@ -101,43 +101,36 @@ pub(crate) trait ShardOps: Backend {
     fn shard_reduce_scatter(grad: FloatTensor<Self>, spec: GatherSpec) -> FloatTensor<Self>;
 }
 
+/// The CPU backends' operations: the host path.
+macro_rules! host_shard_ops {
+    ($backend:ty) => {
+        impl ShardOps for $backend {
+            fn shard_anchor(input: FloatTensor<Self>) -> FloatTensor<Self> {
+                anchor::<Self>(input)
+            }
+
+            fn shard_gather(
+                shard: FloatTensor<Self>,
+                _: FloatTensor<Self>,
+                spec: GatherSpec,
+            ) -> FloatTensor<Self> {
+                gather::<Self>(shard, &spec.0)
+            }
+
+            fn shard_reduce_scatter(
+                grad: FloatTensor<Self>,
+                spec: GatherSpec,
+            ) -> FloatTensor<Self> {
+                reduce_scatter::<Self>(grad, &spec.0)
+            }
+        }
+    };
+}
+
 #[cfg(feature = "flex")]
-impl ShardOps for burn::backend::Flex {
-    fn shard_anchor(input: FloatTensor<Self>) -> FloatTensor<Self> {
-        anchor::<Self>(input)
-    }
-
-    fn shard_gather(
-        shard: FloatTensor<Self>,
-        _: FloatTensor<Self>,
-        spec: GatherSpec,
-    ) -> FloatTensor<Self> {
-        gather::<Self>(shard, &spec.0)
-    }
-
-    fn shard_reduce_scatter(grad: FloatTensor<Self>, spec: GatherSpec) -> FloatTensor<Self> {
-        reduce_scatter::<Self>(grad, &spec.0)
-    }
-}
-
+host_shard_ops!(burn::backend::Flex);
 #[cfg(feature = "ndarray")]
-impl ShardOps for burn::backend::NdArray {
-    fn shard_anchor(input: FloatTensor<Self>) -> FloatTensor<Self> {
-        anchor::<Self>(input)
-    }
-
-    fn shard_gather(
-        shard: FloatTensor<Self>,
-        _: FloatTensor<Self>,
-        spec: GatherSpec,
-    ) -> FloatTensor<Self> {
-        gather::<Self>(shard, &spec.0)
-    }
-
-    fn shard_reduce_scatter(grad: FloatTensor<Self>, spec: GatherSpec) -> FloatTensor<Self> {
-        reduce_scatter::<Self>(grad, &spec.0)
-    }
-}
+host_shard_ops!(burn::backend::NdArray);
 
 #[cfg(feature = "device-kernels")]
 impl ShardOps for burn_cubecl::CubeBackend {

@@ -222,30 +222,21 @@ pub(super) fn reduce_scatter(
         }
         return Ok(());
     }
-    let columns = Columns::new(plan.padded, comm.world_size());
-    let last_uses = columns.last_uses(plan);
-    // One column's input and (with `add`) its result, reused by every column; `fill` writes
-    // every element.
-    let (mut input, mut mine) = (Vec::new(), Vec::new());
-    for (k, done) in last_uses.iter().enumerate() {
-        let width = columns.range(k).len();
-        input.resize(width * columns.world, 0.0);
-        for (r, piece) in input.chunks_exact_mut(width).enumerate() {
-            grads.fill(plan, columns.of_rank(r, k), piece);
-        }
-        let target = &mut shard[columns.range(k)];
-        if add {
-            mine.resize(width, 0.0);
-            comm.timed(|group| wire.reduce_scatter_mean(&mut input, &mut mine, group))?;
-            reduce_f32(target, &mine, ReduceOp::Sum);
-        } else {
-            comm.timed(|group| wire.reduce_scatter_mean(&mut input, target, group))?;
-        }
-        for &index in done {
-            grads.0[index] = None;
-        }
-    }
-    Ok(())
+    by_columns(
+        plan,
+        &mut grads,
+        wire,
+        comm,
+        |_| false,
+        |_, column, mine| {
+            let target = &mut shard[column];
+            if add {
+                reduce_f32(target, mine, ReduceOp::Sum);
+            } else {
+                target.copy_from_slice(mine);
+            }
+        },
+    )
 }
 
 /// Averages `grads` over the processes where they are: this rank's part of each gradient (its
@@ -271,10 +262,36 @@ pub(super) fn reduce_scatter_in_place(
         // One process's shard is all of it, averaged already.
         return Ok(grads);
     }
+    // This rank's own column is read for the last time when it is sent: later columns are
+    // others', so the average can take its place.
+    let keep = |index| SegmentGrads::shard_part(plan, index).is_some();
+    let shard_start = plan.shard.start;
+    by_columns(plan, &mut grads, wire, comm, keep, |grads, column, mine| {
+        grads.write(
+            plan,
+            shard_start + column.start..shard_start + column.end,
+            mine,
+        );
+    })?;
+    Ok(grads)
+}
+
+/// The column loop of both reduce-scatters: column `k` of every rank's shard is filled from
+/// `grads` and reduced (mean) into this rank's, which `deliver` receives with its range within
+/// the shard; each segment's data is let go after the last column that carries it, unless
+/// `keep(index)`.
+fn by_columns(
+    plan: &FlatPlan,
+    grads: &mut SegmentGrads,
+    wire: &mut Wire,
+    comm: &Comm,
+    keep: impl Fn(usize) -> bool,
+    mut deliver: impl FnMut(&mut SegmentGrads, Range<usize>, &[f32]),
+) -> Result<(), AccelerateError> {
     let columns = Columns::new(plan.padded, comm.world_size());
-    let rank = comm.rank();
     let last_uses = columns.last_uses(plan);
-    // One column's input and this rank's result, reused by every column.
+    // One column's input and this rank's result, reused by every column; `fill` writes every
+    // element.
     let (mut input, mut mine) = (Vec::new(), Vec::new());
     for (k, done) in last_uses.iter().enumerate() {
         let width = columns.range(k).len();
@@ -284,15 +301,14 @@ pub(super) fn reduce_scatter_in_place(
         }
         mine.resize(width, 0.0);
         comm.timed(|group| wire.reduce_scatter_mean(&mut input, &mut mine, group))?;
-        // This rank's own column is read for the last time above: later columns are others.
-        grads.write(plan, columns.of_rank(rank, k), &mine);
+        deliver(grads, columns.range(k), &mine);
         for &index in done {
-            if SegmentGrads::shard_part(plan, index).is_none() {
+            if !keep(index) {
                 grads.0[index] = None;
             }
         }
     }
-    Ok(grads)
+    Ok(())
 }
 
 /// Every rank's `shard` (its part of the flat range) put together, one vector per segment of
