@@ -102,6 +102,7 @@ pub(crate) trait ShardOps: Backend {
 }
 
 /// The CPU backends' operations: the host path.
+#[cfg(any(feature = "flex", feature = "ndarray"))]
 macro_rules! host_shard_ops {
     ($backend:ty) => {
         impl ShardOps for $backend {

@@ -277,16 +277,15 @@ pub trait Unit<M>: Module + ModuleDisplay {
 
     /// The module, whole, for a forward pass on `input` (for a sharded unit
     /// [`Sharded::gather_for`], whose gradients are reduce-scattered as soon as backward has
-    /// gone through it).
-    fn whole_for<const D: usize>(&self, input: &Tensor<D>) -> M;
+    /// gone through it). [`whole`](Self::whole) unless a unit says otherwise.
+    fn whole_for<const D: usize>(&self, input: &Tensor<D>) -> M {
+        let _ = input;
+        self.whole()
+    }
 }
 
 impl<M: Module + ModuleDisplay> Unit<M> for M {
     fn whole(&self) -> M {
-        self.clone()
-    }
-
-    fn whole_for<const D: usize>(&self, _: &Tensor<D>) -> M {
         self.clone()
     }
 }
