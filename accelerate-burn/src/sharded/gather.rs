@@ -32,7 +32,7 @@ use burn::backend::autodiff::grads::Gradients;
 use burn::backend::autodiff::ops::{Backward, Ops};
 use burn::backend::tensor::FloatTensor;
 use burn::backend::{AutodiffBackend, Backend, TensorMetadata, backend_extension};
-use burn::tensor::{DType, Shape, TensorData, bf16, f16, try_read_sync};
+use burn::tensor::{DType, TensorData, bf16, f16, try_read_sync};
 
 use super::group::ShardGroup;
 
@@ -81,8 +81,9 @@ pub(crate) struct GatherSpec(pub Arc<ParamShard>);
     Autodiff
 )]
 pub(crate) trait ShardOps: Backend {
-    /// A one-element tensor that follows `input` in the autodiff graph and depends on nothing
-    /// in its values (backward sends `input` no gradient through it): a gather's anchor.
+    /// `input` as a new node that follows it in the autodiff graph (backward sends `input` no
+    /// gradient through it): a gather's anchor. No operation runs: the anchor is `input`'s
+    /// buffer, and nothing reads it.
     fn shard_anchor(input: FloatTensor<Self>) -> FloatTensor<Self>;
 
     /// Every rank's `shard` (`[shard_len]`), concatenated in rank order and cut to the
@@ -107,7 +108,7 @@ macro_rules! host_shard_ops {
     ($backend:ty) => {
         impl ShardOps for $backend {
             fn shard_anchor(input: FloatTensor<Self>) -> FloatTensor<Self> {
-                anchor::<Self>(input)
+                input
             }
 
             fn shard_gather(
@@ -136,7 +137,7 @@ host_shard_ops!(burn::backend::NdArray);
 #[cfg(feature = "device-kernels")]
 impl ShardOps for burn_cubecl::CubeBackend {
     fn shard_anchor(input: FloatTensor<Self>) -> FloatTensor<Self> {
-        anchor::<Self>(input)
+        input
     }
 
     fn shard_gather(
@@ -172,18 +173,21 @@ impl<B: ShardOps, C: CheckpointStrategy> ShardOps for Autodiff<B, C> {
         anchor: FloatTensor<Self>,
         spec: GatherSpec,
     ) -> FloatTensor<Self> {
+        // The inner backend's gather ignores its anchor: the shard stands in.
         let gathered = B::shard_gather(
             shard.primitive().clone(),
-            anchor.primitive().clone(),
+            shard.primitive().clone(),
             spec.clone(),
         );
         let backward = GatherBackward { spec: spec.clone() };
         if spec.0.reshard {
             // Balanced checkpointing for this operation alone: Burn then recomputes (gathers
             // again) instead of storing the gathered parameter, on any model strategy. A
-            // tracked anchor is checkpointed too (one element): the recomputation's parents
-            // must be, and an untracked one cannot be (Burn would keep the gathered parameter).
-            let parents = if anchor.is_tracked() {
+            // tracked anchor is checkpointed too (the recomputation's parents must be; it keeps
+            // the unit's input, which the forward pass held anyway, until the end of backward),
+            // and an untracked one cannot be (Burn would keep the gathered parameter);
+            // a gather anchored on its own shard (no input given) checkpoints the shard once.
+            let parents = if anchor.is_tracked() && anchor.id() != shard.id() {
                 vec![&shard, &anchor]
             } else {
                 vec![&shard]
@@ -263,15 +267,10 @@ impl<B> fmt::Debug for RetroGather<B> {
 impl<B: ShardOps> RetroForward for RetroGather<B> {
     fn forward(&self, states: &mut BackwardStates, out_node: NodeId) {
         let shard: FloatTensor<B> = states.get_state(&self.input);
-        let anchor = anchor::<B>(shard.clone());
+        // The inner backend's gather ignores its anchor: the shard stands in (no operation).
+        let anchor = shard.clone();
         states.save(out_node, B::shard_gather(shard, anchor, self.spec.clone()));
     }
-}
-
-/// A one-element zero on `input`'s device, in its type: an anchor's value (`input`'s values
-/// are not read).
-fn anchor<B: Backend>(input: FloatTensor<B>) -> FloatTensor<B> {
-    B::float_zeros(Shape::new([1]), &input.device(), input.dtype().into())
 }
 
 /// The parameter from every rank's shard (zeros once the group failed).

@@ -304,8 +304,8 @@ impl<M: Module> Unit<M> for Sharded<M> {
 struct Gatherer<'a> {
     shards: std::slice::Iter<'a, Param<Tensor<1>>>,
     params: std::iter::Peekable<std::slice::Iter<'a, UnitParam>>,
-    /// What every gather follows in the graph: the input's anchor, or (none given) a
-    /// constant, which leaves the gathers at the bottom of the graph.
+    /// What every gather follows in the graph: the input's anchor, or (none given) each
+    /// gather's own shard, which leaves the gathers at the bottom of the graph.
     anchor: Option<Tensor<1>>,
 }
 
@@ -318,10 +318,9 @@ impl ModuleMapper for Gatherer<'_> {
             return param;
         };
         let shard = shard.val();
-        let anchor = self
-            .anchor
-            .get_or_insert_with(|| Tensor::<1>::zeros([1], &shard.device()))
-            .clone();
+        // Without an input the shard is its own anchor: the gather stays at depth 1, and no
+        // operation is added to the stream.
+        let anchor = self.anchor.clone().unwrap_or_else(|| shard.clone());
         let gathered = Tensor::<D>::from_dispatch(<Dispatch as ShardOps>::shard_gather(
             shard.into_dispatch(),
             anchor.into_dispatch(),
