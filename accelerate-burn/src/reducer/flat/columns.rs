@@ -61,19 +61,9 @@ impl SegmentGrads {
             .sum()
     }
 
-    /// Where segment `index` meets this rank's shard, as a range of the segment; `None` where
-    /// it does not.
-    pub fn shard_part(plan: &FlatPlan, index: usize) -> Option<Range<usize>> {
-        let segment = plan.segments.get(index)?;
-        let start = segment.offset.max(plan.shard.start);
-        let end = (segment.offset + segment.len).min(plan.shard.end);
-        (start < end).then(|| start - segment.offset..end - segment.offset)
-    }
-
     /// This rank's shard of the gradients, each segment's part as it holds it.
     fn shard_parts<'a>(&'a self, plan: &'a FlatPlan) -> impl Iterator<Item = &'a [f32]> + 'a {
-        (0..self.0.len())
-            .filter_map(move |index| self.segment(index)?.get(Self::shard_part(plan, index)?))
+        (0..self.0.len()).filter_map(move |index| self.segment(index)?.get(plan.shard_part(index)?))
     }
 
     /// The sum of the squares of this rank's shard of the gradients.
@@ -86,7 +76,7 @@ impl SegmentGrads {
     /// Multiplies this rank's shard of the gradients by `factor`.
     pub fn scale_shard(&mut self, plan: &FlatPlan, factor: f32) {
         for (index, data) in self.0.iter_mut().enumerate() {
-            if let (Some(data), Some(part)) = (data, Self::shard_part(plan, index))
+            if let (Some(data), Some(part)) = (data, plan.shard_part(index))
                 && let Ok(values) = data.as_mut_slice::<f32>()
                 && let Some(values) = values.get_mut(part)
             {
@@ -105,40 +95,21 @@ impl SegmentGrads {
 
     /// Copies `values`, the flat range `range`, over the segments' gradients there.
     fn write(&mut self, plan: &FlatPlan, range: Range<usize>, values: &[f32]) {
-        let first = plan
-            .segments
-            .partition_point(|s| s.offset + s.len <= range.start);
-        for (segment, data) in plan.segments.iter().zip(self.0.iter_mut()).skip(first) {
-            if segment.offset >= range.end {
-                break;
+        for (index, part, within) in plan.pieces(range) {
+            let target = self.0.get_mut(index).and_then(Option::as_mut);
+            if let Some(target) = target.and_then(|d| d.as_mut_slice::<f32>().ok()) {
+                target[part].copy_from_slice(&values[within]);
             }
-            let Some(target) = data.as_mut().and_then(|d| d.as_mut_slice::<f32>().ok()) else {
-                continue;
-            };
-            let start = segment.offset.max(range.start);
-            let end = (segment.offset + segment.len).min(range.end);
-            target[start - segment.offset..end - segment.offset]
-                .copy_from_slice(&values[start - range.start..end - range.start]);
         }
     }
 
     /// Copies the flat range `range` into `out` (zeros where no gradient or padding is).
     fn fill(&self, plan: &FlatPlan, range: Range<usize>, out: &mut [f32]) {
         out.fill(0.0);
-        let first = plan
-            .segments
-            .partition_point(|s| s.offset + s.len <= range.start);
-        for (index, segment) in plan.segments.iter().enumerate().skip(first) {
-            if segment.offset >= range.end {
-                break;
+        for (index, part, within) in plan.pieces(range) {
+            if let Some(values) = self.segment(index) {
+                out[within].copy_from_slice(&values[part]);
             }
-            let Some(values) = self.segment(index) else {
-                continue;
-            };
-            let start = segment.offset.max(range.start);
-            let end = (segment.offset + segment.len).min(range.end);
-            out[start - range.start..end - range.start]
-                .copy_from_slice(&values[start - segment.offset..end - segment.offset]);
         }
     }
 }
@@ -214,9 +185,7 @@ pub(super) fn reduce_scatter(
     if !comm.is_distributed() {
         // One process's shard is all of it (ZeRO kept for one GPU where NCCL was required).
         if add {
-            let mut mine = vec![0.0; shard.len()];
-            grads.fill(plan, plan.shard.clone(), &mut mine);
-            reduce_f32(shard, &mine, ReduceOp::Sum);
+            reduce_f32(shard, &grads.shard_values(plan), ReduceOp::Sum);
         } else {
             grads.fill(plan, plan.shard.clone(), shard);
         }
@@ -254,7 +223,7 @@ pub(super) fn reduce_scatter_in_place(
     // peer's may have one).
     grads.0.resize_with(plan.segments.len(), || None);
     for (index, (segment, data)) in plan.segments.iter().zip(grads.0.iter_mut()).enumerate() {
-        if data.is_none() && SegmentGrads::shard_part(plan, index).is_some() {
+        if data.is_none() && plan.shard_part(index).is_some() {
             *data = Some(TensorData::new(vec![0.0_f32; segment.len], [segment.len]));
         }
     }
@@ -264,7 +233,7 @@ pub(super) fn reduce_scatter_in_place(
     }
     // This rank's own column is read for the last time when it is sent: later columns are
     // others', so the average can take its place.
-    let keep = |index| SegmentGrads::shard_part(plan, index).is_some();
+    let keep = |index| plan.shard_part(index).is_some();
     let shard_start = plan.shard.start;
     by_columns(plan, &mut grads, wire, comm, keep, |grads, column, mine| {
         grads.write(
@@ -346,17 +315,10 @@ pub(super) fn all_gather(
 
 /// Copies `values`, the flat range `range`, into the segments' vectors (padding dropped).
 fn scatter(plan: &FlatPlan, range: Range<usize>, values: &[f32], out: &mut [Vec<f32>]) {
-    let first = plan
-        .segments
-        .partition_point(|s| s.offset + s.len <= range.start);
-    for (segment, target) in plan.segments.iter().zip(out.iter_mut()).skip(first) {
-        if segment.offset >= range.end {
-            break;
+    for (index, part, within) in plan.pieces(range) {
+        if let Some(target) = out.get_mut(index) {
+            target[part].copy_from_slice(&values[within]);
         }
-        let start = segment.offset.max(range.start);
-        let end = (segment.offset + segment.len).min(range.end);
-        target[start - segment.offset..end - segment.offset]
-            .copy_from_slice(&values[start - range.start..end - range.start]);
     }
 }
 
@@ -424,8 +386,8 @@ mod tests {
         // 7 elements over 2 ranks, padded to 8: rank 1's shard is 4..8, the last three of
         // segment 1 and one element of padding; segment 0 has no part in it.
         let plan = plan(&[3, 4], 2, 1);
-        assert_eq!(SegmentGrads::shard_part(&plan, 0), None);
-        assert_eq!(SegmentGrads::shard_part(&plan, 1), Some(1..4));
+        assert_eq!(plan.shard_part(0), None);
+        assert_eq!(plan.shard_part(1), Some(1..4));
         let mut grads = SegmentGrads(vec![
             Some(TensorData::new(vec![9.0f32; 3], [3])),
             Some(TensorData::new(vec![5.0f32, 6.0, 7.0, 8.0], [4])),

@@ -164,6 +164,7 @@ impl HostFlat {
             }
             ShardGrads::InSegments(held) => {
                 let mut sum = held.shard_values(plan);
+                // The first micro-batch's gradients are let go before the second is sent.
                 self.shard_grads = ShardGrads::Buffer(Vec::new());
                 columns::reduce_scatter(plan, grads, &mut sum, true, wire, comm)?;
                 self.shard_grads = ShardGrads::Buffer(sum);

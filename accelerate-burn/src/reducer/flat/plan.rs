@@ -108,6 +108,40 @@ impl FlatPlan {
         }
     }
 
+    /// Where the segments meet the flat range `range`, in order: each one's index, the part of
+    /// the segment, and where that part lies within `range`.
+    pub fn pieces(
+        &self,
+        range: Range<usize>,
+    ) -> impl Iterator<Item = (usize, Range<usize>, Range<usize>)> + '_ {
+        let first = self
+            .segments
+            .partition_point(|s| s.offset + s.len <= range.start);
+        self.segments
+            .iter()
+            .enumerate()
+            .skip(first)
+            .take_while(move |(_, s)| s.offset < range.end)
+            .map(move |(index, s)| {
+                let start = s.offset.max(range.start);
+                let end = (s.offset + s.len).min(range.end);
+                (
+                    index,
+                    start - s.offset..end - s.offset,
+                    start - range.start..end - range.start,
+                )
+            })
+    }
+
+    /// Where segment `index` meets this rank's shard, as a range of the segment; `None` where
+    /// it does not.
+    pub fn shard_part(&self, index: usize) -> Option<Range<usize>> {
+        let segment = self.segments.get(index)?;
+        let start = segment.offset.max(self.shard.start);
+        let end = (segment.offset + segment.len).min(self.shard.end);
+        (start < end).then(|| start - segment.offset..end - segment.offset)
+    }
+
     /// The learning rate of segment `index` under `lr`.
     pub fn rate(&self, index: usize, lr: &ModuleLearningRate) -> f64 {
         let segment = &self.segments[index];

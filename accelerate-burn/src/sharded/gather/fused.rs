@@ -7,9 +7,11 @@
 use burn::backend::fusion::{Fusion, FusionTensor};
 use burn_cubecl::CubeBackend;
 use burn_cubecl::fusion::FusionCubeRuntime;
+use burn_cubecl::tensor::CubeTensor;
 
-use super::{GatherSpec, ShardOps, gather, on_gpus, reduce_scatter};
+use super::{GatherSpec, ParamShard, ShardOps, gather, on_gpus, reduce_scatter};
 use crate::backend::fusion::register;
+use crate::nccl::DeviceCollectives;
 
 type Fused = FusionTensor<FusionCubeRuntime>;
 
@@ -19,24 +21,33 @@ impl ShardOps for Fusion<CubeBackend> {
     }
 
     fn shard_gather(shard: Fused, _: Fused, spec: GatherSpec) -> Fused {
-        match spec.0.group.comm().device_collectives() {
-            Some(nccl) => {
-                let client = shard.client.clone();
-                let shard = client.resolve_tensor_float::<CubeBackend>(shard);
-                register(&client, on_gpus::gather(nccl, shard, &spec.0))
-            }
-            None => gather::<Self>(shard, &spec.0),
-        }
+        collective(shard, &spec.0, gather::<Self>, on_gpus::gather)
     }
 
     fn shard_reduce_scatter(grad: Fused, spec: GatherSpec) -> Fused {
-        match spec.0.group.comm().device_collectives() {
-            Some(nccl) => {
-                let client = grad.client.clone();
-                let grad = client.resolve_tensor_float::<CubeBackend>(grad);
-                register(&client, on_gpus::reduce_scatter(nccl, grad, &spec.0))
-            }
-            None => reduce_scatter::<Self>(grad, &spec.0),
+        collective(
+            grad,
+            &spec.0,
+            reduce_scatter::<Self>,
+            on_gpus::reduce_scatter,
+        )
+    }
+}
+
+/// `tensor` through `on_gpus` on the cubecl tensor underneath where the job uses NCCL (its
+/// result handed back to the stream), else through `on_host`.
+fn collective(
+    tensor: Fused,
+    param: &ParamShard,
+    on_host: fn(Fused, &ParamShard) -> Fused,
+    on_gpus: fn(&DeviceCollectives, CubeTensor, &ParamShard) -> CubeTensor,
+) -> Fused {
+    match param.group.comm().device_collectives() {
+        Some(nccl) => {
+            let client = tensor.client.clone();
+            let tensor = client.resolve_tensor_float::<CubeBackend>(tensor);
+            register(&client, on_gpus(nccl, tensor, param))
         }
+        None => on_host(tensor, param),
     }
 }
