@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Structure checks that cargo does not make, run by CI (.ci/run) and by anyone:
 
-    python3 scripts/check-structure.py            # both checks, exit 1 on a finding
+    python3 scripts/check-structure.py            # every check, exit 1 on a finding
     python3 scripts/check-structure.py --graph    # also print every module's imports
 
 1. No import cycle between the modules of any crate. A module is a source file (`a/b.rs` or
@@ -16,6 +16,8 @@
    only the ground floor, so that it could become a crate of its own without a change.
 3. No library source file over 500 lines, its test module apart. Binaries, examples, benches
    and integration tests are not library code.
+4. No `Result<T, String>` in library code: errors are typed (thiserror), so a caller can match
+   on them and a message cannot lose its cause.
 
 Only the standard library: CI runs it before anything is built.
 """
@@ -296,6 +298,27 @@ def cycles(graph: dict) -> list[list]:
     return out
 
 
+def string_errors(code: str) -> list[int]:
+    """The lines of `code` that write a `Result` whose error type is `String`."""
+    found = []
+    for m in re.finditer(r"\bResult<", code):
+        depth, i, start, args = 1, m.end(), m.end(), []
+        while i < len(code) and depth:
+            c = code[i]
+            if c == "<":
+                depth += 1
+            elif c == ">" and code[i - 1] != "-":
+                depth -= 1
+            elif c == "," and depth == 1:
+                args.append(code[start:i])
+                start = i + 1
+            i += 1
+        args.append(code[start : i - 1])
+        if len(args) == 2 and args[1].strip() in ("String", "std::string::String"):
+            found.append(code.count("\n", 0, m.start()) + 1)
+    return found
+
+
 def name(crate: str, mod: tuple[str, ...]) -> str:
     return "::".join((crate,) + mod)
 
@@ -336,10 +359,17 @@ def main() -> int:
                 failed = True
                 rel = crate.mods[m].relative_to(ROOT)
                 print(f"{rel}: {lines} lines of library code, over {MAX_LINES}: split it by concern")
+            for line in string_errors(code):
+                failed = True
+                rel = crate.mods[m].relative_to(ROOT)
+                print(f"{rel}:{line}: Result<_, String> in library code: give it a typed error (thiserror)")
     if failed:
         print("structure check: FAILED (see above; scripts/check-structure.py says what it checks)")
         return 1
-    print("structure check: no import cycle, layers kept, no library file over 500 lines")
+    print(
+        "structure check: no import cycle, layers kept, no library file over 500 lines, "
+        "no Result<_, String>"
+    )
     return 0
 
 

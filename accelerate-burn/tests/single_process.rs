@@ -322,6 +322,35 @@ fn saved_weights_load_into_a_fresh_plain_burn_model() {
     acc.save_model(&model, dir.path()).unwrap();
 }
 
+/// A `model.safetensors` that accelerate-rs did not write (a hub download, a plain Burn save)
+/// is never replaced: `save_model`, and `save_model_sharded` of a model small enough for one
+/// file, stop with an error naming the file and leave it byte for byte as it was.
+#[test]
+fn a_save_never_replaces_a_model_file_someone_else_wrote() {
+    let acc = accelerator(1);
+    let model = trained_net(&acc);
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join(MODEL_FILE);
+    // Plain Burn's own save: no mark of ours in its metadata.
+    let mut store = SafetensorsStore::from_file(&path);
+    model.valid().save_into(&mut store).unwrap();
+    let before = std::fs::read(&path).unwrap();
+    let whole = acc.save_model(&model, dir.path()).unwrap_err().to_string();
+    let sharded = acc
+        .save_model_sharded(&model, dir.path(), 1 << 30)
+        .unwrap_err()
+        .to_string();
+    for err in [whole, sharded] {
+        assert!(
+            err.contains("did not write") && err.contains(MODEL_FILE),
+            "{err}"
+        );
+    }
+    assert_eq!(std::fs::read(&path).unwrap(), before);
+    let entries: Vec<_> = std::fs::read_dir(dir.path()).unwrap().collect();
+    assert_eq!(entries.len(), 1, "nothing written beside it");
+}
+
 /// A model saved in shards (the hub's layout) loads back through `load_model`, merges into one
 /// file that plain Burn loads, and gives the same outputs bit for bit either way; a whole save
 /// into the same directory replaces the shards; a missing shard is an error naming it.
@@ -1016,7 +1045,8 @@ fn batches_are_the_same_whatever_the_number_of_workers() {
 
 /// A moving average of the weights: with decay 0.75, after one step it is
 /// `0.75 * initial + 0.25 * trained` in f32, bit for bit; it saves beside the model and loads
-/// back bit for bit; a name the checkpoint lacks, or one that is no file name, is an error.
+/// back bit for bit; a name the checkpoint lacks, one that is no file name, or one that begins
+/// as the checkpoint's own files do, is an error.
 #[test]
 fn a_moving_average_updates_saves_and_resumes_beside_the_model() {
     use accelerate_burn::Checkpoint;
@@ -1063,6 +1093,22 @@ fn a_moving_average_updates_saves_and_resumes_beside_the_model() {
         .unwrap_err()
         .to_string();
     assert!(bad.contains("not a file name"), "{bad}");
+    // Names that begin as the checkpoint's own files do would share their paths (a pair
+    // `zero3_burn_optimizer_0` is the directory of rank 0's ZeRO-3 Burn optimizer record).
+    for name in ["zero3_burn_optimizer_0", "fused_optimizer_1", "rank_0"] {
+        let as_module = Checkpoint::new(&model, &optim).module(name, &ema);
+        let as_pair = Checkpoint::new(&model, &optim).pair(name, &ema, &optim);
+        for (what, checkpoint) in [("module", as_module), ("pair", as_pair)] {
+            let err = acc
+                .save_state(tmp.path().join(name), &checkpoint)
+                .unwrap_err()
+                .to_string();
+            assert!(
+                err.contains("begins as the checkpoint's own"),
+                "{what} {name}: {err}"
+            );
+        }
+    }
 }
 
 /// Two models, each with its own prepared optimizer (Burn's SGD and the fused AdamW, the

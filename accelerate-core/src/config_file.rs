@@ -274,7 +274,7 @@ pub fn parse_accelerate_yaml(path: &Path, text: &str) -> Result<LoadedConfig, Co
                     kept.insert("zero_stage".into(), stage.into());
                 }
                 Ok(None) => ignored.push(name),
-                Err(message) => return Err(fail(line_of_key(text, &name), message)),
+                Err(e) => return Err(fail(line_of_key(text, &name), e.to_string())),
             }
             continue;
         }
@@ -333,20 +333,47 @@ pub fn parse_accelerate_yaml(path: &Path, text: &str) -> Result<LoadedConfig, Co
     Ok(loaded)
 }
 
+/// A value of Accelerate's `deepspeed_config` or `fsdp_config` that names no ZeRO stage.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+enum ShardingValueError {
+    /// A key holds a value of the wrong kind.
+    #[error("{key}: expected {expected}, found {found}")]
+    Kind {
+        /// Where the value is (`section.key`).
+        key: &'static str,
+        /// What the key takes.
+        expected: &'static str,
+        /// The value found, as YAML reads it.
+        found: String,
+    },
+    /// A sharding strategy FSDP does not have.
+    #[error(
+        "fsdp_config: unknown sharding strategy {0:?} (expected FULL_SHARD, SHARD_GRAD_OP, \
+         NO_SHARD, HYBRID_SHARD or HYBRID_SHARD_ZERO2)"
+    )]
+    Strategy(String),
+}
+
 /// The ZeRO stage that Accelerate's `deepspeed_config` (its `zero_stage`) or `fsdp_config`
 /// (its sharding strategy: FSDP's `FULL_SHARD` shards parameters, gradients and state like
 /// ZeRO-3, `SHARD_GRAD_OP` gradients and state like ZeRO-2; the hybrid strategies shard the
 /// same within a machine) asks for; `None` when the section names none.
-fn zero_stage_of(section: &str, value: &serde_yaml::Value) -> Result<Option<u64>, String> {
+fn zero_stage_of(
+    section: &str,
+    value: &serde_yaml::Value,
+) -> Result<Option<u64>, ShardingValueError> {
     use serde_yaml::Value;
     let get = |key: &str| value.get(key).filter(|v| !v.is_null());
+    let kind = |key, expected, found: &dyn std::fmt::Debug| ShardingValueError::Kind {
+        key,
+        expected,
+        found: format!("{found:?}"),
+    };
     if section == "deepspeed_config" {
         return match get("zero_stage") {
             None => Ok(None),
             Some(Value::Number(n)) if n.as_u64().is_some() => Ok(n.as_u64()),
-            Some(other) => Err(format!(
-                "deepspeed_config.zero_stage: expected a number, found {other:?}"
-            )),
+            Some(other) => Err(kind("deepspeed_config.zero_stage", "a number", other)),
         };
     }
     // FSDP2 (`fsdp_version: 2`) says whether parameters are resharded after the forward pass.
@@ -355,11 +382,14 @@ fn zero_stage_of(section: &str, value: &serde_yaml::Value) -> Result<Option<u64>
             Value::Bool(true) => Ok(Some(3)),
             Value::Bool(false) => Ok(Some(2)),
             Value::String(s) => fsdp_strategy(s).map(Some),
-            other => Err(format!(
-                "fsdp_config.fsdp_reshard_after_forward: expected true or false, found {other:?}"
+            other => Err(kind(
+                "fsdp_config.fsdp_reshard_after_forward",
+                "true or false",
+                other,
             )),
         };
     }
+    const STRATEGY: &str = "fsdp_config.fsdp_sharding_strategy";
     match get("fsdp_sharding_strategy") {
         None => Ok(None),
         Some(Value::String(s)) => fsdp_strategy(s).map(Some),
@@ -368,26 +398,19 @@ fn zero_stage_of(section: &str, value: &serde_yaml::Value) -> Result<Option<u64>
             Some(1 | 4) => Ok(Some(3)),
             Some(2 | 5) => Ok(Some(2)),
             Some(3) => Ok(Some(0)),
-            _ => Err(format!(
-                "fsdp_config.fsdp_sharding_strategy = {n}: expected 1 to 5 or a strategy's name"
-            )),
+            _ => Err(kind(STRATEGY, "1 to 5 or a strategy's name", n)),
         },
-        Some(other) => Err(format!(
-            "fsdp_config.fsdp_sharding_strategy: expected a strategy's name, found {other:?}"
-        )),
+        Some(other) => Err(kind(STRATEGY, "a strategy's name", other)),
     }
 }
 
 /// The ZeRO stage of FSDP's sharding strategy `name`.
-fn fsdp_strategy(name: &str) -> Result<u64, String> {
+fn fsdp_strategy(name: &str) -> Result<u64, ShardingValueError> {
     match name.trim().to_ascii_uppercase().as_str() {
         "FULL_SHARD" | "HYBRID_SHARD" => Ok(3),
         "SHARD_GRAD_OP" | "HYBRID_SHARD_ZERO2" => Ok(2),
         "NO_SHARD" => Ok(0),
-        _ => Err(format!(
-            "fsdp_config: unknown sharding strategy {name:?} (expected FULL_SHARD, \
-             SHARD_GRAD_OP, NO_SHARD, HYBRID_SHARD or HYBRID_SHARD_ZERO2)"
-        )),
+        _ => Err(ShardingValueError::Strategy(name.to_string())),
     }
 }
 

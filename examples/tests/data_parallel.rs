@@ -140,6 +140,107 @@ fn fused() -> anyhow::Result<()> {
     Ok(())
 }
 
+/// A trunk and two heads, the head chosen by the data: even digits go through `even`, odd
+/// ones through `odd`. A batch of one parity leaves the other head out of backward (no
+/// gradient at all, not a zero one), as an expert or a task head chosen by the data would.
+#[derive(Module, Debug)]
+struct TwoHeads {
+    trunk: burn::nn::Linear,
+    even: burn::nn::Linear,
+    odd: burn::nn::Linear,
+}
+
+impl TwoHeads {
+    fn new(device: &Device) -> Self {
+        let linear = |inputs, outputs| burn::nn::LinearConfig::new(inputs, outputs).init(device);
+        Self {
+            trunk: linear(digits::PIXELS, 16),
+            even: linear(16, digits::CLASSES),
+            odd: linear(16, digits::CLASSES),
+        }
+    }
+
+    /// The mean cross-entropy over the batch, each row scored by its parity's head; a head
+    /// no row chose is not called.
+    fn loss(&self, images: Tensor<2>, targets: Tensor<1, Int>) -> Tensor<1> {
+        let device = images.device();
+        let features = burn::tensor::activation::relu(self.trunk.forward(images));
+        let labels: Vec<i64> = targets.clone().into_data().iter::<i64>().collect();
+        let mut sum: Option<Tensor<1>> = None;
+        for (head, parity) in [(&self.even, 0), (&self.odd, 1)] {
+            let rows: Vec<i64> = (0..labels.len() as i64)
+                .filter(|&row| labels[row as usize] % 2 == parity)
+                .collect();
+            if rows.is_empty() {
+                continue;
+            }
+            let count = rows.len();
+            let rows = Tensor::<1, Int>::from_data(TensorData::new(rows, [count]), &device);
+            let logits = head.forward(features.clone().select(0, rows.clone()));
+            let mean = burn::nn::loss::CrossEntropyLossConfig::new()
+                .init(&device)
+                .forward(logits, targets.clone().select(0, rows));
+            let part = mean * count as f32;
+            sum = Some(match sum {
+                Some(sum) => sum + part,
+                None => part,
+            });
+        }
+        sum.map_or_else(
+            || Tensor::zeros([1], &device),
+            |sum| sum / labels.len() as f32,
+        )
+    }
+}
+
+/// [`TwoHeads`] trained with a fused optimizer (`TEST_OPTIM`: `adamw` or `sgd` with momentum)
+/// at ZeRO stage `TEST_ZERO`, accumulation 2, clipping at 1.0, batch `TEST_BATCH` per process,
+/// on 320 digits in blocks of `TEST_BLOCK` even ones then `TEST_BLOCK` odd ones, in order: on 2
+/// processes with batch `TEST_BLOCK`, rank 0 only ever sees even digits and rank 1 odd ones.
+fn heads() -> anyhow::Result<()> {
+    let acc = Accelerator::<DefaultBackend>::builder()
+        .seed(7)
+        .gradient_accumulation_steps(2)
+        .zero_stage(env_number::<usize>("TEST_ZERO") as u8)
+        .build()?;
+    let block = env_number::<usize>("TEST_BLOCK");
+    let digits = digits::load()?;
+    let (even, odd): (Vec<_>, Vec<_>) = digits.into_iter().partition(|d| d.label % 2 == 0);
+    let mut data = Vec::new();
+    for (evens, odds) in even
+        .chunks_exact(block)
+        .zip(odd.chunks_exact(block))
+        .take(320 / (2 * block))
+    {
+        data.extend_from_slice(evens);
+        data.extend_from_slice(odds);
+    }
+    let train = DataLoader::builder(DigitBatcher)
+        .batch_size(env_number::<usize>("TEST_BATCH"))
+        .build(InMemDataset::new(data));
+    let optimizer = match std::env::var("TEST_OPTIM").as_deref() {
+        Ok("sgd") => FusedOptimizer::sgd(
+            &SgdConfig::new().with_momentum(Some(burn::optim::momentum::MomentumConfig::new())),
+        )?,
+        _ => FusedOptimizer::adamw(&AdamWConfig::new().with_weight_decay(0.01))?,
+    };
+    let (mut model, mut optim, train) =
+        acc.prepare((TwoHeads::new(&acc.device()), optimizer, train))?;
+    for epoch in 0..2 {
+        train.set_epoch(epoch);
+        for batch in train.iter() {
+            let batch = batch?;
+            let loss = model.loss(batch.images, batch.targets);
+            let mut grads = acc.backward(loss, &model)?;
+            acc.clip_grad_norm(&model, &mut grads, 1.0)?;
+            model = optim.step(3e-3, model, grads)?;
+        }
+    }
+    println!("UPDATES {}", optim.updates());
+    print_params(&model);
+    Ok(())
+}
+
 /// A fixed batch of 8 inputs for the digits MLP.
 fn probe(device: &Device) -> Tensor<2> {
     let values: Vec<f32> = (0..8 * digits::PIXELS)
@@ -392,6 +493,7 @@ fn child() {
         "evaluate" => evaluate(),
         "overflow" => overflow(),
         "uneven" => uneven(),
+        "heads" => heads(),
         other => anyhow::bail!("unknown scenario {other}"),
     });
 }
@@ -797,6 +899,47 @@ fn fusion_on_and_off_train_to_the_same_parameters() {
         let worst = largest_difference(&params(&on[0]), &params(&off[0]));
         eprintln!("{scenario}: fusion on against off, largest difference {worst:e}");
         assert!(worst <= 1e-6, "{scenario}: largest difference {worst}");
+    }
+}
+
+/// A parameter that only some ranks' batches reach: rank 0 sees even digits only and trains
+/// one head, rank 1 odd digits and the other. The fused optimizers (AdamW and SGD with
+/// momentum) at ZeRO 0, 1 and 2 on 2 processes end where 1 process ends on the same global
+/// batches (both heads in every batch), within the 1e-6 of the other N-equals-1 tests, and
+/// the ranks hold the same bits: every rank updates both heads and counts their steps alike.
+#[test]
+fn a_head_that_only_one_rank_uses_trains_as_on_one_process_and_ranks_agree() {
+    let env = |optim: &str, zero: &str, batch: usize| {
+        vec![
+            ("TEST_OPTIM", optim.to_string()),
+            ("TEST_ZERO", zero.to_string()),
+            ("TEST_BLOCK", PER_RANK_BATCH.to_string()),
+            ("TEST_BATCH", batch.to_string()),
+        ]
+    };
+    for optim in ["adamw", "sgd"] {
+        let single = run("heads", 1, &env(optim, "0", 2 * PER_RANK_BATCH));
+        let reference = params(&single[0]);
+        for zero in ["0", "1", "2"] {
+            let ranks = run("heads", 2, &env(optim, zero, PER_RANK_BATCH));
+            for (rank, output) in ranks.iter().enumerate() {
+                assert_eq!(
+                    line(output, "UPDATES "),
+                    line(&single[0], "UPDATES "),
+                    "{optim}, zero {zero}, rank {rank}"
+                );
+                let worst = largest_difference(&params(output), &reference);
+                assert!(
+                    worst <= 1e-6,
+                    "{optim}, zero {zero}, rank {rank}: largest difference {worst}"
+                );
+            }
+            assert_eq!(
+                param_bits(&ranks[0]),
+                param_bits(&ranks[1]),
+                "{optim}, zero {zero}: the ranks' parameters differ"
+            );
+        }
     }
 }
 

@@ -130,6 +130,8 @@ impl<B: AcceleratorBackend> Accelerator<B> {
             return self.load_sharded_units(model, path);
         }
         let whole = if path.is_dir() {
+            // A sharded save killed while it published here is finished first.
+            weights::finish_interrupted(path);
             path.join(MODEL_FILE)
         } else {
             path.to_path_buf()

@@ -191,6 +191,10 @@ impl<B: AcceleratorBackend> Accelerator<B> {
 /// Every safetensors file of the weights at `path` (a file, a directory with
 /// `model.safetensors`, or a sharded model's directory) with its header.
 fn weight_files(path: &Path) -> Result<Vec<(PathBuf, weights::Header)>, WeightsError> {
+    if path.is_dir() {
+        // A sharded save killed while it published here is finished first.
+        weights::finish_interrupted(path);
+    }
     let files: Vec<PathBuf> = if !path.is_dir() {
         vec![path.to_path_buf()]
     } else if path.join(MODEL_FILE).is_file() {
@@ -215,20 +219,30 @@ fn read_f32(
     data_start: u64,
     tensor: &weights::TensorEntry,
     range: std::ops::Range<usize>,
-) -> Result<Vec<f32>, String> {
+) -> Result<Vec<f32>, WeightsError> {
     use std::io::{Read, Seek, SeekFrom};
     let size = match tensor.dtype.as_str() {
         "F32" => 4,
         "F16" | "BF16" => 2,
-        other => return Err(format!("{other} values cannot be a float parameter here")),
+        other => {
+            return Err(WeightsError::Malformed {
+                path: file.to_path_buf(),
+                what: format!("{other} values cannot be a float parameter here"),
+            });
+        }
     };
     let start = data_start + tensor.data_offsets[0] + (range.start * size) as u64;
     let mut bytes = vec![0u8; range.len() * size];
-    let mut handle = std::fs::File::open(file).map_err(|e| e.to_string())?;
-    handle
-        .seek(SeekFrom::Start(start))
-        .and_then(|_| handle.read_exact(&mut bytes))
-        .map_err(|e| format!("reading {}: {e}", file.display()))?;
+    std::fs::File::open(file)
+        .and_then(|mut handle| {
+            handle.seek(SeekFrom::Start(start))?;
+            handle.read_exact(&mut bytes)
+        })
+        .map_err(|source| WeightsError::Io {
+            action: "reading",
+            path: file.to_path_buf(),
+            source,
+        })?;
     Ok(match tensor.dtype.as_str() {
         "F32" => bytes
             .chunks_exact(4)

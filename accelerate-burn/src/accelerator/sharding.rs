@@ -103,9 +103,24 @@ impl<B: AcceleratorBackend> Accelerator<B> {
         Ok(())
     }
 
-    /// The failure of a sharded unit's gather, if one failed (a collective cannot fail
-    /// inside a Burn operation; `backward` reports it).
+    /// The failure of a sharded unit's gather or reduce-scatter on any rank (a collective
+    /// cannot fail inside a Burn operation; `backward` reports it). A rank whose shard or
+    /// gradient could not be read took part with zeros, so its peers finished the pass too;
+    /// here every rank learns of it and fails naming that rank and the cause, instead of
+    /// training on the zeros. Only accelerators with sharded units exchange anything.
     pub(crate) fn sharding_failure(&self) -> Result<(), AccelerateError> {
-        self.shards.error().map_or(Ok(()), Err)
+        let mine = self.shards.error();
+        if !self.shards.has_units() || matches!(mine, Some(AccelerateError::Comm(_))) {
+            // A failed collective: the group refuses every later call, on every rank.
+            return mine.map_or(Ok(()), Err);
+        }
+        match self.comm.agree(mine.map_or(Ok(()), Err))? {
+            Ok(()) => Ok(()),
+            Err(failures) => Err(AccelerateError::Tensor {
+                rank: self.state.rank,
+                op: "gathering or reduce-scattering a sharded parameter",
+                detail: failures.to_string(),
+            }),
+        }
     }
 }

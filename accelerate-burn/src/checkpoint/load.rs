@@ -250,7 +250,10 @@ fn load_own_pair<M: Module>(
     let mismatch = mismatch(ctx.state.rank, dir);
     if !super::valid_module_name(name) {
         return Err(mismatch(
-            format!("{name:?} is not a pair name (letters, digits, - and _)"),
+            format!(
+                "{name:?} is not a pair name (letters, digits, - and _, not beginning with \
+                 zero3_, fused_optimizer_ or rank_)"
+            ),
             "load the pairs the checkpoint was saved with, under the names it used",
         ));
     }

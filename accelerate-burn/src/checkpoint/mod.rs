@@ -59,12 +59,21 @@ pub fn module_file(name: &str) -> String {
     format!("module_{name}.safetensors")
 }
 
-/// True for names that make a plain file name: ASCII letters, digits, `-` and `_`.
+/// Beginnings of the names the checkpoint's own files and directories have (ZeRO-3's shards
+/// and Burn optimizer records, the fused optimizer's shards, each rank's state): a pair or
+/// module named so could share a path with them, so such names are refused.
+const RESERVED_PREFIXES: [&str; 3] = ["zero3_", "fused_optimizer_", "rank_"];
+
+/// True for names that make a plain file name (ASCII letters, digits, `-` and `_`) and do
+/// not begin as the checkpoint's own files do ([`RESERVED_PREFIXES`]).
 fn valid_module_name(name: &str) -> bool {
     !name.is_empty()
         && name
             .chars()
             .all(|c| c.is_ascii_alphanumeric() || c == '-' || c == '_')
+        && !RESERVED_PREFIXES
+            .iter()
+            .any(|prefix| name.starts_with(prefix))
 }
 
 /// What to save besides what the accelerator tracks itself: the model, its prepared
@@ -145,7 +154,8 @@ impl<'a, M: Module> Checkpoint<'a, M> {
         self
     }
 
-    /// Also saves the weights of another module under `name` (letters, digits, `-`, `_`):
+    /// Also saves the weights of another module under `name` (letters, digits, `-`, `_`; not
+    /// beginning with `zero3_`, `fused_optimizer_` or `rank_`, which the checkpoint's own files use):
     /// an EMA copy, a frozen teacher, a second network. Read it back with
     /// [`CheckpointInfo::module`]. The main process's module is saved.
     pub fn module<N: Module>(mut self, name: &str, module: &'a N) -> Self {
@@ -159,7 +169,8 @@ impl<'a, M: Module> Checkpoint<'a, M> {
     }
 
     /// Also saves another model trained with its own prepared optimizer (a GAN's second
-    /// network, a student beside its teacher) under `name` (letters, digits, `-`, `_`): its
+    /// network, a student beside its teacher) under `name` (letters, digits, `-`, `_`; not
+    /// beginning with `zero3_`, `fused_optimizer_` or `rank_`): its
     /// weights, its optimizer's state and its loop counters, in the directory `name` of the
     /// checkpoint. Restore it with [`Accelerator::load_pair`](crate::Accelerator::load_pair).
     pub fn pair<N: Module>(

@@ -56,13 +56,17 @@ pub(crate) enum StageError {
     /// A name given to [`Checkpoint::pair`](super::Checkpoint::pair) that cannot be a
     /// directory, or one given twice.
     #[error(
-        "pair name {0:?} is not a file name or is used twice; hint: give each pair its own \
-         name of letters, digits, - and _"
+        "pair name {0:?} is not a file name, begins as the checkpoint's own files do (zero3_, \
+         fused_optimizer_, rank_) or is used twice; hint: give each pair its own name of \
+         letters, digits, - and _"
     )]
     PairName(String),
     /// A name given to [`Checkpoint::module`](super::Checkpoint::module) that cannot be a
     /// file name.
-    #[error("module name {0:?} is not a file name; hint: use letters, digits, - and _")]
+    #[error(
+        "module name {0:?} is not a file name or begins as the checkpoint's own files do \
+         (zero3_, fused_optimizer_, rank_); hint: use letters, digits, - and _"
+    )]
     ModuleName(String),
     /// A user object that does not serialise.
     #[error("object {name:?} does not serialise: {source}")]

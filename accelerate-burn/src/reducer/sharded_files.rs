@@ -126,39 +126,62 @@ fn read_models(
     for file in files.iter().filter(|f| f.name.starts_with(prefix)) {
         let path = dir.join(&file.name);
         let bytes = std::fs::read(&path).map_err(|source| StageError::Io { path, source })?;
-        let damaged = |detail: String| StageError::Burn {
-            what: file.name.clone(),
-            detail,
-        };
-        let split = bytes
-            .iter()
-            .position(|&b| b == b'\n')
-            .ok_or_else(|| damaged("no header line".into()))?;
-        let header: Header =
-            serde_json::from_slice(&bytes[..split]).map_err(|e| damaged(e.to_string()))?;
-        let values: Vec<f32> = bytes[split + 1..]
-            .chunks_exact(4)
-            .map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]]))
-            .collect();
-        let stored: usize = header.entries.iter().map(|e| e.len).sum();
-        if stored != values.len() {
-            return Err(damaged(format!(
-                "{} values stored, its header says {stored}",
-                values.len()
-            )));
-        }
-        models.push((header, values));
+        models.push(parse_model(&file.name, &bytes)?);
     }
+    check_ranks(prefix, models)
+}
+
+/// One rank's model file (`name` for errors): its header and values, which must be as many
+/// as the header says it stores.
+fn parse_model(name: &str, bytes: &[u8]) -> Result<(Header, Vec<f32>), StageError> {
+    let damaged = |detail: String| StageError::Burn {
+        what: name.to_string(),
+        detail,
+    };
+    let split = bytes
+        .iter()
+        .position(|&b| b == b'\n')
+        .ok_or_else(|| damaged("no header line".into()))?;
+    let header: Header =
+        serde_json::from_slice(&bytes[..split]).map_err(|e| damaged(e.to_string()))?;
+    let values: Vec<f32> = bytes[split + 1..]
+        .chunks_exact(4)
+        .map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]]))
+        .collect();
+    let stored = header
+        .entries
+        .iter()
+        .try_fold(0usize, |sum, e| sum.checked_add(e.len));
+    if stored != Some(values.len()) {
+        return Err(damaged(format!(
+            "{} values stored, its header says {}",
+            values.len(),
+            stored.map_or("more than fit in memory".to_string(), |n| n.to_string())
+        )));
+    }
+    Ok((header, values))
+}
+
+/// `models` in rank order, checked to be every rank of one save, each listing the same number
+/// of parameters.
+fn check_ranks(
+    prefix: &str,
+    mut models: Vec<(Header, Vec<f32>)>,
+) -> Result<Vec<(Header, Vec<f32>)>, StageError> {
     models.sort_by_key(|(header, _)| header.rank);
     let world = models.len();
+    let parameters = models.first().map_or(0, |(h, _)| h.entries.len());
     if models
         .iter()
         .enumerate()
-        .any(|(rank, (h, _))| h.rank != rank || h.world != world)
+        .any(|(rank, (h, _))| h.rank != rank || h.world != world || h.entries.len() != parameters)
     {
         return Err(StageError::Burn {
             what: format!("{prefix}*.bin"),
-            detail: format!("{world} rank files that are not the ranks of one save of {world}"),
+            detail: format!(
+                "{world} rank files that are not the ranks of one save of {world} (each with \
+                 the same parameters)"
+            ),
         });
     }
     Ok(models)
@@ -173,55 +196,92 @@ pub(crate) fn read_model(
     files: &[ManifestFile],
     layout: &ParamLayout,
     numels: &[Option<usize>],
-    (rank, world): (usize, usize),
+    job: (usize, usize),
 ) -> Result<Vec<Vec<f32>>, StageError> {
     let models = read_models(dir, prefix, files)?;
+    let wanted: Vec<Wanted<'_>> = layout
+        .entries
+        .iter()
+        .zip(numels)
+        .map(|(entry, numel)| Wanted {
+            path: &entry.path,
+            numel: numel.unwrap_or(entry.numel),
+            sharded: numel.is_some(),
+        })
+        .collect();
+    assemble(prefix, &models, &wanted, job)
+}
+
+/// A parameter of the model being loaded: its path, its whole elements, whether it is a shard.
+struct Wanted<'a> {
+    path: &'a str,
+    numel: usize,
+    sharded: bool,
+}
+
+/// Each `wanted` parameter put together from the saved ranks' `models` and cut for `rank` of
+/// `world` when it is a shard. Nothing read from the files is trusted: every length and
+/// offset is checked.
+fn assemble(
+    prefix: &str,
+    models: &[(Header, Vec<f32>)],
+    wanted: &[Wanted<'_>],
+    (rank, world): (usize, usize),
+) -> Result<Vec<Vec<f32>>, StageError> {
     let Some((first, _)) = models.first() else {
         return Err(StageError::Burn {
             what: format!("{prefix}*.bin"),
             detail: "none in the checkpoint".into(),
         });
     };
-    if first.entries.len() != layout.entries.len() {
+    if first.entries.len() != wanted.len() {
         return Err(StageError::DoesNotFit {
             file: format!("{prefix}0.bin"),
             detail: format!(
                 "{} parameters saved, this model has {}",
                 first.entries.len(),
-                layout.entries.len()
+                wanted.len()
             ),
         });
     }
+    let uncovered = |path: &str| StageError::DoesNotFit {
+        file: format!("{prefix}*.bin"),
+        detail: format!("{path}: the saved shards do not cover it"),
+    };
     let mut offsets = vec![0usize; models.len()];
-    let mut out = Vec::with_capacity(layout.entries.len());
-    for (i, (entry, numel)) in layout.entries.iter().zip(numels).enumerate() {
+    let mut out = Vec::with_capacity(wanted.len());
+    for (i, param) in wanted.iter().enumerate() {
         let saved = &first.entries[i];
-        let whole_numel = numel.unwrap_or(entry.numel);
-        if saved.path != entry.path || saved.numel != whole_numel {
+        if saved.path != param.path || saved.numel != param.numel {
             return Err(StageError::DoesNotFit {
                 file: format!("{prefix}0.bin"),
                 detail: format!(
                     "parameter #{i} was saved as {} of {} elements, this model has {} of {}",
-                    saved.path, saved.numel, entry.path, whole_numel
+                    saved.path, saved.numel, param.path, param.numel
                 ),
             });
         }
-        let mut whole = Vec::with_capacity(saved.numel);
+        // `saved.numel` is the model's own count now, so this allocation is the model's.
+        let mut whole = Vec::with_capacity(param.numel);
         for ((header, values), offset) in models.iter().zip(offsets.iter_mut()) {
-            let len = header.entries[i].len;
-            whole.extend_from_slice(&values[*offset..*offset + len]);
-            *offset += len;
-        }
-        whole.truncate(saved.numel);
-        if whole.len() != saved.numel {
-            return Err(StageError::DoesNotFit {
-                file: format!("{prefix}*.bin"),
-                detail: format!("{}: the saved shards do not cover it", saved.path),
+            let part = header.entries.get(i).and_then(|entry| {
+                let end = offset.checked_add(entry.len)?;
+                Some((values.get(*offset..end)?, end))
             });
+            let Some((part, end)) = part else {
+                return Err(uncovered(param.path));
+            };
+            whole.extend_from_slice(part);
+            *offset = end;
         }
-        out.push(match numel {
-            Some(numel) => cut(&whole, *numel, rank, world),
-            None => whole,
+        whole.truncate(param.numel);
+        if whole.len() != param.numel {
+            return Err(uncovered(param.path));
+        }
+        out.push(if param.sharded {
+            cut(&whole, param.numel, rank, world)
+        } else {
+            whole
         });
     }
     Ok(out)
@@ -309,8 +369,10 @@ pub(crate) fn reshard_state(
                     .get(name)
                     .ok_or_else(|| FusedStateError::NoBuffer(name.clone()))?;
                 let old = &state.segments[j];
-                let part = values
-                    .get(old.offset..old.offset + old.len)
+                let part = old
+                    .offset
+                    .checked_add(old.len)
+                    .and_then(|end| values.get(old.offset..end))
                     .ok_or_else(|| FusedStateError::Uncovered {
                         len: old.len,
                         name: name.clone(),
@@ -338,4 +400,130 @@ pub(crate) fn reshard_state(
         times: first.times.clone(),
         buffers,
     })
+}
+
+#[cfg(test)]
+mod tests {
+    use proptest::prelude::*;
+
+    use super::*;
+
+    /// The files 2 ranks write for parameters `a` (6 elements, sharded) and `b` (2, whole).
+    fn saved() -> Vec<Vec<u8>> {
+        (0..2usize)
+            .map(|rank| {
+                let header = Header {
+                    world: 2,
+                    rank,
+                    entries: vec![
+                        Entry {
+                            path: "a".into(),
+                            numel: 6,
+                            sharded: true,
+                            len: 3,
+                        },
+                        Entry {
+                            path: "b".into(),
+                            numel: 2,
+                            sharded: false,
+                            len: if rank == 0 { 2 } else { 0 },
+                        },
+                    ],
+                };
+                let mut bytes = serde_json::to_vec(&header).unwrap();
+                bytes.push(b'\n');
+                let stored = if rank == 0 { 5 } else { 3 };
+                for i in 0..stored {
+                    bytes.extend((10.0 * rank as f32 + i as f32).to_le_bytes());
+                }
+                bytes
+            })
+            .collect()
+    }
+
+    const WANTED: [Wanted<'static>; 2] = [
+        Wanted {
+            path: "a",
+            numel: 6,
+            sharded: true,
+        },
+        Wanted {
+            path: "b",
+            numel: 2,
+            sharded: false,
+        },
+    ];
+
+    /// Parses and puts together `files` for rank 1 of 3: an error or the values, never a
+    /// panic.
+    fn load(files: &[Vec<u8>]) -> Result<Vec<Vec<f32>>, StageError> {
+        let models = files
+            .iter()
+            .map(|bytes| parse_model("zero3_model_r.bin", bytes))
+            .collect::<Result<Vec<_>, _>>()?;
+        let models = check_ranks(MODEL_PREFIX, models)?;
+        assemble(MODEL_PREFIX, &models, &WANTED, (1, 3))
+    }
+
+    #[test]
+    fn two_ranks_files_are_put_together_and_cut_again() {
+        let loaded = load(&saved()).unwrap();
+        // a = rank 0's [0, 1, 2] then rank 1's [10, 11, 12]; rank 1 of 3 holds [2, 10].
+        assert_eq!(loaded, vec![vec![2.0, 10.0], vec![3.0, 4.0]]);
+    }
+
+    /// A header's number as JSON would carry anything: small, huge, at the limits.
+    fn number() -> impl Strategy<Value = u64> {
+        prop_oneof![
+            0u64..8,
+            Just(u64::MAX),
+            Just(u64::MAX / 4 + 1),
+            any::<u64>()
+        ]
+    }
+
+    proptest! {
+        /// Headers with any numbers (lengths whose sum overflows, ranks and worlds that do
+        /// not match, entries missing on one rank) and damaged bytes: an error, never a panic.
+        #[test]
+        fn damaged_rank_files_never_panic(
+            numbers in proptest::collection::vec(number(), 12),
+            drop_entry in any::<bool>(),
+            flips in proptest::collection::vec((any::<usize>(), any::<u8>()), 0..4),
+            cut in any::<usize>(),
+        ) {
+            let mut files = saved();
+            let text = String::from_utf8_lossy(&files[1]).into_owned();
+            let line = text.split('\n').next().unwrap_or_default();
+            let mut header: serde_json::Value = serde_json::from_str(line).unwrap();
+            let mut n = numbers.into_iter();
+            header["world"] = n.next().unwrap_or(0).into();
+            header["rank"] = n.next().unwrap_or(0).into();
+            for entry in header["entries"].as_array_mut().unwrap() {
+                entry["numel"] = n.next().unwrap_or(0).into();
+                entry["len"] = n.next().unwrap_or(0).into();
+            }
+            if drop_entry {
+                header["entries"].as_array_mut().unwrap().pop();
+            }
+            let mut bytes = serde_json::to_vec(&header).unwrap();
+            bytes.push(b'\n');
+            bytes.extend_from_slice(&[0; 12]);
+            files[1] = bytes;
+            let len = files[0].len();
+            for (i, x) in flips {
+                files[0][i % len] ^= x;
+            }
+            files[0].truncate(cut % (len + 1));
+            let _ = load(&files);
+        }
+
+        /// Random bytes for a rank's file: an error, never a panic.
+        #[test]
+        fn random_rank_files_never_panic(
+            bytes in proptest::collection::vec(any::<u8>(), 0..256),
+        ) {
+            let _ = load(&[saved()[0].clone(), bytes]);
+        }
+    }
 }

@@ -273,19 +273,19 @@ impl<B: ShardOps> RetroForward for RetroGather<B> {
     }
 }
 
-/// The parameter from every rank's shard (zeros once the group failed).
+/// The parameter from every rank's shard. A rank whose shard cannot be read takes part with
+/// zeros, so its peers are not left waiting in the collective; the failure is recorded, and
+/// `backward` makes every rank fail with it. Zeros come back once the collective failed.
 fn gather<B: Backend>(shard: FloatTensor<B>, param: &ParamShard) -> FloatTensor<B> {
     let device = shard.device();
     let dtype = shard.dtype();
-    let gathered = read::<B>(shard, param).and_then(|data| {
-        let group = &param.group;
-        group.count_gather();
-        match dtype {
-            DType::BF16 => all_gather::<bf16>(&data, param),
-            DType::F16 => all_gather::<f16>(&data, param),
-            _ => all_gather::<f32>(&data, param),
-        }
-    });
+    let data = read::<B>(shard, param);
+    param.group.count_gather();
+    let gathered = match dtype {
+        DType::BF16 => all_gather::<bf16>(data.as_ref(), param),
+        DType::F16 => all_gather::<f16>(data.as_ref(), param),
+        _ => all_gather::<f32>(data.as_ref(), param),
+    };
     let data = gathered.unwrap_or_else(|| zeros(&param.shape, dtype));
     B::float_from_data(data, &device)
 }
@@ -294,20 +294,17 @@ fn gather<B: Backend>(shard: FloatTensor<B>, param: &ParamShard) -> FloatTensor<
 /// whatever `grad`'s type: the shard is an f32 master parameter (under autocast through a
 /// cast, whose backward takes the f32 gradient as it is), so a half-precision gradient is
 /// averaged in f32 and rounded never, as data parallelism averages it at the other stages.
+/// A gradient that cannot be read takes part as zeros, as in [`gather`].
 fn reduce_scatter<B: Backend>(grad: FloatTensor<B>, param: &ParamShard) -> FloatTensor<B> {
     let device = grad.device();
-    let reduced =
-        read::<B>(grad, param).and_then(|data| reduce_scatter_mean(&data.convert::<f32>(), param));
+    let data = read::<B>(grad, param).map(|data| data.convert::<f32>());
+    let reduced = reduce_scatter_mean(data.as_ref(), param);
     let data = reduced.unwrap_or_else(|| zeros(&[param.shard_len], DType::F32));
     B::float_from_data(data, &device)
 }
 
-/// The tensor's values on the host, as the type it has; `None` (recorded) when reading failed
-/// or the group already failed.
+/// The tensor's values on the host, as the type it has; `None` (recorded) when reading failed.
 fn read<B: Backend>(tensor: FloatTensor<B>, param: &ParamShard) -> Option<TensorData> {
-    if param.group.failed() {
-        return None;
-    }
     let read = try_read_sync(B::float_into_data(tensor));
     match read {
         Some(Ok(data)) if matches!(data.dtype(), DType::F32 | DType::BF16 | DType::F16) => {
@@ -335,33 +332,42 @@ fn read<B: Backend>(tensor: FloatTensor<B>, param: &ParamShard) -> Option<Tensor
     }
 }
 
-/// The gathered parameter, from this rank's shard `data`.
-fn all_gather<E>(data: &TensorData, param: &ParamShard) -> Option<TensorData>
+/// The gathered parameter, from this rank's shard `data` (zeros in its place when it could
+/// not be read, or is not of type `E`: the failure is recorded).
+fn all_gather<E>(data: Option<&TensorData>, param: &ParamShard) -> Option<TensorData>
 where
     E: accelerate_kernels::Element + burn::tensor::Element,
 {
     let group = &param.group;
-    let shard = group.check(data.as_slice::<E>().map_err(|e| format!("{e:?}")))?;
+    let zeros = vec![E::zeroed(); param.shard_len];
+    let shard = data
+        .and_then(|data| group.check(data.as_slice::<E>()))
+        .unwrap_or(&zeros);
     let mut all = vec![E::zeroed(); param.shard_len * group.world_size()];
     group.run(|g| g.all_gather(shard, &mut all))?;
     all.truncate(param.numel);
     Some(TensorData::new(all, param.shape.clone()))
 }
 
-/// This rank's shard of the mean of every rank's gradient `data` (f32, the parameter's shape).
-fn reduce_scatter_mean(data: &TensorData, param: &ParamShard) -> Option<TensorData> {
+/// This rank's shard of the mean of every rank's gradient `data` (f32, the parameter's shape;
+/// zeros in its place when it could not be read).
+fn reduce_scatter_mean(data: Option<&TensorData>, param: &ParamShard) -> Option<TensorData> {
     let group = &param.group;
-    let grad = group.check(data.as_slice::<f32>().map_err(|e| format!("{e:?}")))?;
     let padded_len = param.shard_len * group.world_size();
+    let grad = data.and_then(|data| group.check(data.as_slice::<f32>()));
     // A copy only when the parameter does not divide evenly (the padding must be zeros).
     let padded;
-    let input = if grad.len() == padded_len {
-        grad
-    } else {
-        let mut zeros = vec![0.0_f32; padded_len];
-        zeros[..grad.len()].copy_from_slice(grad);
-        padded = zeros;
-        &padded[..]
+    let input = match grad {
+        Some(grad) if grad.len() == padded_len => grad,
+        grad => {
+            let mut zeros = vec![0.0_f32; padded_len];
+            if let Some(grad) = grad {
+                let len = grad.len().min(padded_len);
+                zeros[..len].copy_from_slice(&grad[..len]);
+            }
+            padded = zeros;
+            &padded[..]
+        }
     };
     let mut shard = vec![0.0_f32; param.shard_len];
     group.run(|g| g.reduce_scatter(input, &mut shard, Reduction::Mean))?;

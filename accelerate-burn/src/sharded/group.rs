@@ -16,8 +16,9 @@ use crate::params::ParamLayout;
 /// The sharded units' process group and bookkeeping (one per accelerator).
 pub(crate) struct ShardGroup {
     comm: Comm,
-    /// The first collective or read that failed inside a gather: later gathers give zeros
-    /// without communicating, and `backward` reports it.
+    /// The first collective or read that failed inside a gather: a read that failed takes
+    /// part with zeros, a failed collective gives zeros (its group refuses every later call at
+    /// once), and `backward` makes every rank report it.
     failure: Mutex<Option<Failure>>,
     /// Every shard parameter made by this accelerator: its id, the shape of the whole
     /// parameter it is cut from, and its unit.
@@ -71,7 +72,8 @@ impl ShardGroup {
         self.comm.world_size()
     }
 
-    /// True once a gather failed.
+    /// True once a gather failed (NCCL's gathers then stop communicating: see `on_gpus`).
+    #[cfg(feature = "device-kernels")]
     pub fn failed(&self) -> bool {
         self.failure_slot().is_some()
     }
@@ -91,8 +93,10 @@ impl ShardGroup {
     }
 
     /// `result`'s value; `None` (recorded) for an error.
-    pub fn check<T>(&self, result: Result<T, String>) -> Option<T> {
-        result.map_err(|e| self.record(Failure::Other(e))).ok()
+    pub fn check<T, E: std::fmt::Debug>(&self, result: Result<T, E>) -> Option<T> {
+        result
+            .map_err(|e| self.record(Failure::Other(format!("{e:?}"))))
+            .ok()
     }
 
     /// Records a failure that is not a collective's.
@@ -129,6 +133,11 @@ impl ShardGroup {
     /// Gathers run so far.
     pub fn gathers(&self) -> u64 {
         self.gathers.load(Ordering::Relaxed)
+    }
+
+    /// True once this accelerator made a sharded unit.
+    pub fn has_units(&self) -> bool {
+        self.units.load(Ordering::Relaxed) > 0
     }
 
     /// A number for a new unit.

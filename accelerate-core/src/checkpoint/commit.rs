@@ -165,12 +165,13 @@ fn remove_leftover(path: &Path) {
     }
 }
 
-/// The directory a load of `dir` should read: `dir`, or `dir.old` when `dir` is absent and
+/// The directory a load of `dir` should read: `dir`, or `dir.old` when `dir` holds no
+/// manifest (it is absent, or something made it again empty: a script's `mkdir -p`) and
 /// `dir.old` holds a complete checkpoint (a save that crashed between its two renames).
 pub fn locate(dir: &Path) -> PathBuf {
-    // Only whether `dir` exists: reading its manifest is the load's part (and rotation's,
+    // Only whether `dir`'s manifest exists: reading it is the load's part (and rotation's,
     // which would otherwise read every checkpoint's twice).
-    let absent = matches!(std::fs::symlink_metadata(dir), Err(e) if e.kind() == std::io::ErrorKind::NotFound);
+    let absent = matches!(std::fs::symlink_metadata(dir.join(MANIFEST_FILE)), Err(e) if e.kind() == std::io::ErrorKind::NotFound);
     if absent {
         let old = old_dir(dir);
         if read_manifest(&old).is_ok() {
@@ -340,6 +341,11 @@ pub(super) mod tests {
         std::fs::rename(&dir, old_dir(&dir)).unwrap();
         assert_eq!(locate(&dir), old_dir(&dir));
         assert_eq!(payload(&dir), b"previous");
+        // Something made `dir` again, empty (a script's `mkdir -p`): still `.old`.
+        std::fs::create_dir(&dir).unwrap();
+        assert_eq!(locate(&dir), old_dir(&dir));
+        assert_eq!(payload(&dir), b"previous");
+        std::fs::remove_dir(&dir).unwrap();
         // The next save over it completes and cleans up.
         save(&dir, b"after").unwrap();
         assert_eq!(payload(&dir), b"after");

@@ -71,6 +71,33 @@ pub fn replace_file<E: std::fmt::Display>(
     path: &Path,
     write: impl FnOnce(&Path) -> Result<(), E>,
 ) -> Result<u64, CheckpointError> {
+    publish(path, write, "renaming into place", |temporary| {
+        std::fs::rename(temporary, path)
+    })
+}
+
+/// Creates `path` with what `write` puts into a temporary file beside it, as [`replace_file`]
+/// does, except that `path` must not exist when the file is put in place: it is hard-linked
+/// there (which never replaces a file), then the temporary name removed. A file that someone
+/// created at `path` meanwhile stays as it is, and the error's source is `AlreadyExists`.
+pub fn create_file<E: std::fmt::Display>(
+    path: &Path,
+    write: impl FnOnce(&Path) -> Result<(), E>,
+) -> Result<u64, CheckpointError> {
+    publish(path, write, "linking into place", |temporary| {
+        std::fs::hard_link(temporary, path)?;
+        std::fs::remove_file(temporary)
+    })
+}
+
+/// Writes a temporary file beside `path` with `write`, syncs it, puts it in place with `place`
+/// (given the temporary path), then syncs the directory; on failure removes the temporary.
+fn publish<E: std::fmt::Display>(
+    path: &Path,
+    write: impl FnOnce(&Path) -> Result<(), E>,
+    placing: &'static str,
+    place: impl FnOnce(&Path) -> std::io::Result<()>,
+) -> Result<u64, CheckpointError> {
     let temporary = create_temporary_beside(path)?;
     let written = write(&temporary)
         .map_err(|e| CheckpointError::Io {
@@ -80,7 +107,7 @@ pub fn replace_file<E: std::fmt::Display>(
         })
         .and_then(|()| sync_file(&temporary))
         .and_then(|bytes| {
-            std::fs::rename(&temporary, path).map_err(io("renaming into place", &temporary))?;
+            place(&temporary).map_err(io(placing, path))?;
             Ok(bytes)
         });
     match written {
@@ -154,6 +181,35 @@ mod tests {
         .to_string();
         assert!(err.contains("disk full"), "{err}");
         assert_eq!(std::fs::read(&path).unwrap(), b"new!");
+        let names: Vec<_> = std::fs::read_dir(tmp.path()).unwrap().collect();
+        assert_eq!(names.len(), 1, "{names:?}");
+    }
+
+    /// A created file never replaces one that appeared at its path while it was written (the
+    /// window between merge-weights' check that its output is free and its publish): the
+    /// other file stays, the error says it exists, and no temporary file is left.
+    #[test]
+    fn a_created_file_never_replaces_one_made_meanwhile() {
+        let tmp = tempfile::tempdir().unwrap();
+        let path = tmp.path().join("model.safetensors");
+        assert_eq!(
+            create_file(&path, |p| std::fs::write(p, b"ours")).unwrap(),
+            4
+        );
+        assert_eq!(std::fs::read(&path).unwrap(), b"ours");
+        std::fs::remove_file(&path).unwrap();
+        let err = create_file(&path, |p| {
+            std::fs::write(&path, b"someone else's")?;
+            std::fs::write(p, b"ours")
+        })
+        .unwrap_err();
+        match &err {
+            CheckpointError::Io { source, .. } => {
+                assert_eq!(source.kind(), std::io::ErrorKind::AlreadyExists, "{err}");
+            }
+            other => panic!("{other}"),
+        }
+        assert_eq!(std::fs::read(&path).unwrap(), b"someone else's");
         let names: Vec<_> = std::fs::read_dir(tmp.path()).unwrap().collect();
         assert_eq!(names.len(), 1, "{names:?}");
     }

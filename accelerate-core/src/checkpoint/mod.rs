@@ -46,7 +46,8 @@ mod rotation;
 
 pub use commit::{begin_save, commit, locate, old_dir, partial_dir};
 pub use files::{
-    MAX_JSON_BYTES, read_json, replace_file, sync_dir, sync_file, write_json, write_synced,
+    MAX_JSON_BYTES, create_file, read_json, replace_file, sync_dir, sync_file, write_json,
+    write_synced,
 };
 pub use rotation::CheckpointRotation;
 

@@ -56,8 +56,8 @@ impl Header {
     }
 }
 
-/// Bytes per element of the safetensors dtype `dtype`; `None` for a dtype this version does
-/// not know (its bytes are still copied, checked only against the file's size).
+/// Bytes per element of the safetensors dtype `dtype`; `None` for a dtype smaller than a
+/// byte ([`dtype_bits`] knows those) or one this version does not know.
 pub fn dtype_size(dtype: &str) -> Option<u64> {
     Some(match dtype {
         "BOOL" | "U8" | "I8" | "F8_E5M2" | "F8_E4M3" | "F8_E8M0" => 1,
@@ -66,6 +66,16 @@ pub fn dtype_size(dtype: &str) -> Option<u64> {
         "U64" | "I64" | "F64" | "C64" => 8,
         _ => return None,
     })
+}
+
+/// Bits per element of the safetensors dtype `dtype`, the sub-byte ones (`F4`, `F6_*`,
+/// packed) included; `None` for a dtype this version does not know.
+fn dtype_bits(dtype: &str) -> Option<u64> {
+    match dtype {
+        "F4" => Some(4),
+        "F6_E2M3" | "F6_E3M2" => Some(6),
+        _ => dtype_size(dtype).map(|bytes| bytes * 8),
+    }
 }
 
 /// Reads the header of the safetensors file at `path`, never its data, and checks every
@@ -115,32 +125,58 @@ pub fn read_header(path: &Path) -> Result<Header, WeightsError> {
         }
         let entry: TensorEntry = serde_json::from_value(value)
             .map_err(|e| malformed(path, format!("tensor {name:?}: {e}")))?;
-        check_entry(&name, &entry, data_len).map_err(|what| malformed(path, what))?;
+        check_entry(path, &name, &entry, data_len)?;
         header.tensors.insert(name, entry);
     }
     Ok(header)
 }
 
-/// Fails unless `entry`'s bytes lie inside `data_len` bytes of data and match its shape.
-fn check_entry(name: &str, entry: &TensorEntry, data_len: u64) -> Result<(), String> {
+/// Fails unless `entry`'s bytes lie inside `data_len` bytes of data and are exactly what its
+/// shape and dtype take: a dtype whose size is unknown cannot be checked, so it is refused
+/// (counting its elements unchecked would let a header claim any number).
+fn check_entry(
+    path: &Path,
+    name: &str,
+    entry: &TensorEntry,
+    data_len: u64,
+) -> Result<(), WeightsError> {
     let [start, end] = entry.data_offsets;
     if start > end || end > data_len {
-        return Err(format!(
-            "tensor {name:?}: bytes {start}..{end} are not inside the file's {data_len} bytes \
-             of data (a truncated file?)"
+        return Err(malformed(
+            path,
+            format!(
+                "tensor {name:?}: bytes {start}..{end} are not inside the file's {data_len} \
+                 bytes of data (a truncated file?)"
+            ),
         ));
     }
-    let elements = entry
-        .elements()
-        .ok_or_else(|| format!("tensor {name:?}: its shape {:?} overflows", entry.shape))?;
-    if let Some(size) = dtype_size(&entry.dtype)
-        && elements.checked_mul(size) != Some(end - start)
-    {
-        return Err(format!(
-            "tensor {name:?}: {elements} {} values take {} bytes, not the {} its offsets give",
-            entry.dtype,
-            elements.saturating_mul(size),
-            end - start
+    let elements = entry.elements().ok_or_else(|| {
+        malformed(
+            path,
+            format!("tensor {name:?}: its shape {:?} overflows", entry.shape),
+        )
+    })?;
+    let Some(bits) = dtype_bits(&entry.dtype) else {
+        return Err(malformed(
+            path,
+            format!(
+                "tensor {name:?}: dtype {:?} is not one this version of accelerate-rs knows, so \
+                 its size cannot be checked",
+                entry.dtype
+            ),
+        ));
+    };
+    let bytes = elements.checked_mul(bits).map(|bits| bits.div_ceil(8));
+    if bytes != Some(end - start) {
+        return Err(malformed(
+            path,
+            format!(
+                "tensor {name:?}: {elements} {} values take {}, not the {} bytes its offsets \
+                 give",
+                entry.dtype,
+                bytes.map_or("more than 2^64 bytes".to_string(), |b| format!("{b} bytes")),
+                end - start
+            ),
         ));
     }
     Ok(())
@@ -220,6 +256,21 @@ mod tests {
                 .to_string()
                 .contains("overflows")
         );
+        // A dtype of unknown size claiming 2^62 elements in 4 bytes: refused, not counted.
+        write(
+            &path,
+            r#"{"w":{"dtype":"F9","shape":[4611686018427387904],"data_offsets":[0,4]}}"#,
+            4,
+        );
+        let err = read_header(&path).unwrap_err().to_string();
+        assert!(err.contains("\"F9\" is not one"), "{err}");
+        // Packed 4-bit floats: 5 values in 3 bytes.
+        write(
+            &path,
+            r#"{"w":{"dtype":"F4","shape":[5],"data_offsets":[0,3]}}"#,
+            3,
+        );
+        assert_eq!(read_header(&path).unwrap().tensors["w"].byte_len(), 3);
         // Not a safetensors file at all.
         std::fs::write(&path, u64::MAX.to_le_bytes()).unwrap();
         assert!(

@@ -35,8 +35,11 @@ struct Source {
 /// Merges the sharded model in `dir` (`model.safetensors.index.json` and its shards) into
 /// `out_dir/model.safetensors`, which must not exist (the directory is created if missing).
 /// Every tensor the index lists must be in the shard it names, and every shard tensor in the
-/// index. The file is written under a temporary name and renamed when complete.
+/// index. The file is written under a temporary name and linked into place when complete, so
+/// a file created at the output meanwhile is never replaced.
 pub fn merge_sharded(dir: &Path, out_dir: &Path) -> Result<MergeReport, WeightsError> {
+    // A sharded save killed while it published here is finished first.
+    super::finish_interrupted(dir);
     if !dir.join(INDEX_FILE).is_file() {
         return Err(malformed(
             dir,
@@ -62,8 +65,20 @@ pub fn merge_sharded(dir: &Path, out_dir: &Path) -> Result<MergeReport, WeightsE
     let header = header::encode(&metadata, &entries)
         .map_err(|e| malformed(&output, format!("encoding the header: {e}")))?;
     std::fs::create_dir_all(out_dir).map_err(io("creating", out_dir))?;
-    crate::checkpoint::replace_file(&output, |temporary| {
+    // Created, never renamed over: a file that appeared at `output` since the check above
+    // is someone else's.
+    crate::checkpoint::create_file(&output, |temporary| {
         write_merged(dir, temporary, &header, &layout)
+    })
+    .map_err(|e| match e {
+        crate::checkpoint::CheckpointError::Io { source, .. }
+            if source.kind() == std::io::ErrorKind::AlreadyExists =>
+        {
+            WeightsError::OutputExists {
+                path: output.clone(),
+            }
+        }
+        other => other.into(),
     })?;
     Ok(MergeReport {
         output,

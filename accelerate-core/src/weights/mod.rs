@@ -24,6 +24,7 @@
 
 mod header;
 mod merge;
+mod publish;
 mod save;
 mod sharding;
 mod stream;
@@ -32,6 +33,7 @@ mod stream;
 pub(crate) use header::write_test_file;
 pub use header::{Header, TensorEntry, dtype_size, read_header};
 pub use merge::{MergeReport, merge_sharded};
+pub use publish::finish_interrupted;
 pub use save::{ShardedSave, WholeSave};
 pub use sharding::{
     INDEX_FILE, IndexMetadata, MODEL_FILE, SAVED_BY, SAVED_BY_KEY, ShardIndex, is_shard_file_name,

@@ -1,17 +1,13 @@
 //! Saving a model's weights into a directory, in either layout, without losing or mixing
 //! models: a sharded save stages its shards in a private directory and publishes them only
-//! once all are written; the files of the layout a save replaces are removed only when
-//! accelerate-rs wrote them (their `saved_by` mark); a model of the other layout that someone
-//! else wrote stops the save before anything is written.
-//!
-//! The one window a crash can hit is the publication of a sharded save: the previous index is
-//! removed first, then the shards renamed into place, then the new index written, so a crash
-//! there leaves a directory without an index (which reads as no model, an error) rather than an
-//! index naming a mix of old and new shards.
+//! once all are written (crash-safely: [`super::publish`]); the files of the layout a save
+//! replaces are removed only when accelerate-rs wrote them (their `saved_by` mark); a model
+//! that someone else wrote stops the save before anything is written.
 
 use std::path::{Path, PathBuf};
 
 use super::header::read_header;
+use super::publish::{self, Replaced, staging_name};
 use super::sharding::{INDEX_FILE, MODEL_FILE, ShardIndex, is_shard_file_name};
 use super::{WeightsError, io, malformed};
 
@@ -26,8 +22,8 @@ fn whole_model_of_ours(dir: &Path) -> Result<bool, WeightsError> {
         Ok(header) if header.is_ours() => Ok(true),
         _ => Err(malformed(
             &path,
-            "a whole model that accelerate-rs did not write; saving a sharded one beside it \
-             would leave two models: move it away, or save to another directory",
+            "a whole model that accelerate-rs did not write: a save here would replace it (or \
+             leave two models beside each other); move it away, or save to another directory",
         )),
     }
 }
@@ -48,11 +44,11 @@ fn index_of_ours(dir: &Path) -> Result<Option<ShardIndex>, WeightsError> {
     }
 }
 
-/// Removes the shards `index` names that match our shard names and are not in `keep`, then
-/// nothing else: a name the index gives that we would not have written stays.
-fn remove_shards(dir: &Path, index: &ShardIndex, keep: &[String]) -> Result<(), WeightsError> {
+/// Removes the shards `index` names that match our shard names, then nothing else: a name
+/// the index gives that we would not have written stays.
+fn remove_shards(dir: &Path, index: &ShardIndex) -> Result<(), WeightsError> {
     for file in index.files() {
-        if is_shard_file_name(file) && !keep.iter().any(|k| k == file) {
+        if is_shard_file_name(file) {
             let path = dir.join(file);
             match std::fs::remove_file(&path) {
                 Err(e) if e.kind() != std::io::ErrorKind::NotFound => {
@@ -73,9 +69,13 @@ pub struct WholeSave {
 }
 
 impl WholeSave {
-    /// Checks that `dir` holds no sharded model that is not ours (and creates it).
+    /// Checks that `dir` holds no model that is not ours, whole or sharded (and creates it):
+    /// the whole file is about to be replaced, and a sharded model removed. A sharded save
+    /// killed while it published there is finished first.
     pub fn begin(dir: &Path) -> Result<Self, WeightsError> {
         std::fs::create_dir_all(dir).map_err(io("creating", dir))?;
+        publish::finish_interrupted(dir);
+        whole_model_of_ours(dir)?;
         Ok(Self {
             dir: dir.to_path_buf(),
             replaced: index_of_ours(dir)?,
@@ -87,7 +87,7 @@ impl WholeSave {
         if let Some(index) = &self.replaced {
             let path = self.dir.join(INDEX_FILE);
             std::fs::remove_file(&path).map_err(io("removing the replaced index", &path))?;
-            remove_shards(&self.dir, index, &[])?;
+            remove_shards(&self.dir, index)?;
         }
         Ok(())
     }
@@ -105,17 +105,16 @@ pub struct ShardedSave {
 }
 
 impl ShardedSave {
-    /// Checks that `dir` holds no model that is not ours, removes the staging directories
-    /// that saves of this host killed before their commit left (only shard files, and only
-    /// where their process is gone), and creates the staging directory
-    /// (`.shards.<scope>.<pid>.staging`, exclusively: someone else's of that name is an
-    /// error).
+    /// Finishes or removes what saves of this host killed in `dir` left
+    /// ([`publish::finish_interrupted`]), checks that `dir` holds no model that is not ours,
+    /// and creates the staging directory (`.shards.<scope>.<pid>.staging`, exclusively:
+    /// someone else's of that name is an error).
     pub fn begin(dir: &Path) -> Result<Self, WeightsError> {
         std::fs::create_dir_all(dir).map_err(io("creating", dir))?;
+        publish::finish_interrupted(dir);
         let replaced_whole = whole_model_of_ours(dir)?;
         let replaced_index = index_of_ours(dir)?;
         let scope = crate::process::pid_scope();
-        remove_abandoned_staging(dir, &scope);
         let staging = dir.join(staging_name(&scope, std::process::id()));
         std::fs::create_dir(&staging).map_err(io("creating the staging directory", &staging))?;
         Ok(Self {
@@ -133,88 +132,22 @@ impl ShardedSave {
     }
 
     /// Publishes the staged shards that `index` names (every one must have been written) and
-    /// `index`, then removes the model of ours they replace; returns the paths written.
+    /// `index`, then removes the model of ours they replace; returns the paths written. Once
+    /// the publish is journalled, a failure or a kill leaves it for the next save or load of
+    /// the directory to finish: the old model or the new one always loads whole.
     pub fn commit(mut self, index: &ShardIndex) -> Result<Vec<PathBuf>, WeightsError> {
-        let files: Vec<String> = index.files().into_iter().map(str::to_string).collect();
-        for file in &files {
-            crate::checkpoint::sync_file(&self.staging.join(file))?;
-        }
-        if self.replaced_index.is_some() {
-            let path = self.dir.join(INDEX_FILE);
-            std::fs::remove_file(&path).map_err(io("removing the replaced index", &path))?;
-        }
-        let mut written = Vec::with_capacity(files.len() + 1);
-        for file in &files {
-            let (staged, target) = (self.staging.join(file), self.dir.join(file));
-            std::fs::rename(&staged, &target).map_err(io("moving into place", &staged))?;
-            written.push(target);
-        }
-        index.write(&self.dir)?;
-        written.push(self.dir.join(INDEX_FILE));
-        self.committed = true;
-        if let Some(replaced) = &self.replaced_index {
-            remove_shards(&self.dir, replaced, &files)?;
-        }
-        if self.replaced_whole {
-            let path = self.dir.join(MODEL_FILE);
-            std::fs::remove_file(&path).map_err(io("removing the replaced model", &path))?;
-        }
-        let _ = std::fs::remove_dir(&self.staging);
-        crate::checkpoint::sync_dir(&self.dir)?;
-        Ok(written)
-    }
-}
-
-/// The staging directory of a save by process `pid` of PID scope `scope`
-/// ([`crate::process::pid_scope`]).
-fn staging_name(scope: &str, pid: u32) -> String {
-    format!(".shards.{scope}.{pid}.staging")
-}
-
-/// Removes the staging directories in `dir` that saves of this PID scope left when they were
-/// killed before their commit (a save that ends any other way removes its own): a directory
-/// named as ours, whose process is gone, loses the shard files in it, then itself if nothing
-/// else is there. A live process's, another host's or container's (another scope), or one
-/// holding a file we would not have written, stays. Failing to clean never stops the save.
-fn remove_abandoned_staging(dir: &Path, scope: &str) {
-    let Ok(entries) = std::fs::read_dir(dir) else {
-        return;
-    };
-    let prefix = format!(".shards.{scope}.");
-    for entry in entries.flatten() {
-        let name = entry.file_name();
-        let Some(pid) = name
-            .to_str()
-            .and_then(|n| n.strip_prefix(&prefix))
-            .and_then(|n| n.strip_suffix(".staging"))
-            .and_then(|n| n.parse::<u32>().ok())
-        else {
-            continue;
+        let replaced = Replaced {
+            shards: self
+                .replaced_index
+                .as_ref()
+                .map(|old| old.files().into_iter().map(str::to_string).collect())
+                .unwrap_or_default(),
+            whole: self.replaced_whole,
         };
-        let is_dir = entry.file_type().is_ok_and(|t| t.is_dir());
-        if !is_dir || pid == std::process::id() || crate::process::process_alive(u64::from(pid)) {
-            continue;
-        }
-        let path = entry.path();
-        if let Ok(files) = std::fs::read_dir(&path) {
-            for file in files.flatten() {
-                let regular = file.file_type().is_ok_and(|t| t.is_file());
-                let shard = file.file_name().to_str().is_some_and(is_shard_file_name);
-                if regular && shard {
-                    let _ = std::fs::remove_file(file.path());
-                }
-            }
-        }
-        match std::fs::remove_dir(&path) {
-            Ok(()) => tracing::info!(
-                "removed {}, left by process {pid} killed during a sharded save",
-                path.display()
-            ),
-            Err(e) => tracing::warn!(
-                "left {} (an abandoned sharded save's staging directory) in place: {e}",
-                path.display()
-            ),
-        }
+        let published = publish::publish(&self.dir, &self.staging, index, replaced);
+        // Journalled, the staging directory is the publish's record: it stays until done.
+        self.committed = published.is_ok() || self.staging.join(INDEX_FILE).exists();
+        published
     }
 }
 
@@ -332,6 +265,24 @@ mod tests {
         assert!(ShardedSave::begin(&other).is_err());
     }
 
+    #[test]
+    fn a_whole_save_replaces_only_a_whole_model_of_ours() {
+        let tmp = tempfile::tempdir().unwrap();
+        let dir = tmp.path();
+        // A hub download: refused before anything is written, left as it was.
+        model_file(&dir.join(MODEL_FILE), false);
+        let before = std::fs::read(dir.join(MODEL_FILE)).unwrap();
+        let err = WholeSave::begin(dir).err().unwrap().to_string();
+        assert!(err.contains("did not write"), "{err}");
+        assert_eq!(std::fs::read(dir.join(MODEL_FILE)).unwrap(), before);
+        // A file that is not safetensors at all is not ours either.
+        std::fs::write(dir.join(MODEL_FILE), "weights of some other program").unwrap();
+        assert!(WholeSave::begin(dir).is_err());
+        // Ours: replaced.
+        model_file(&dir.join(MODEL_FILE), true);
+        WholeSave::begin(dir).unwrap().finish().unwrap();
+    }
+
     /// What a save killed before its commit left is removed by the next save, and only that:
     /// a live process's staging, another scope's (another host or container sharing the
     /// directory) and a file we would not have written stay.
@@ -350,12 +301,23 @@ mod tests {
             path
         };
         let killed = staged(&staging_name(&scope, dead));
+        // Killed while Burn wrote the second shard: its scratch file goes too.
+        let scratch = format!("{}.{dead}-0.tmp", shard_file_name(1, 2));
+        std::fs::write(killed.join(&scratch), "half a shard").unwrap();
+        // A name that only looks like one stays (and so does its directory).
+        let not_scratch = staged(&staging_name(&scope, dead.wrapping_add(2_000_000)));
+        std::fs::write(
+            not_scratch.join(format!("{}.x-0.tmp", shard_file_name(1, 2))),
+            "?",
+        )
+        .unwrap();
         let live = staged(&staging_name(&scope, 1));
         let elsewhere = staged(&staging_name("0123456789ab", dead));
         let with_user_file = staged(&staging_name(&scope, dead.wrapping_add(1_000_000)));
         std::fs::write(with_user_file.join("notes.txt"), "mine").unwrap();
         save_sharded(dir, 1).unwrap();
         assert!(!killed.exists());
+        assert_eq!(names(&not_scratch).len(), 1, "{:?}", names(&not_scratch));
         for kept in [&live, &elsewhere] {
             assert!(
                 kept.join(shard_file_name(0, 2)).exists(),

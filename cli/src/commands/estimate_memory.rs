@@ -150,7 +150,10 @@ fn table(
          returns all at once, and at ZeRO-3 the largest sharded unit whole while it runs,\n\
          with its gradient ({}).{}",
         match unit {
-            Some((name, count)) => format!("{name}: {count} parameters, {}", human(8 * count)),
+            Some((name, count)) => format!(
+                "{name}: {count} parameters, {}",
+                human(count.saturating_mul(8))
+            ),
             None => "not counted: give --largest-unit".to_string(),
         },
         if world == 1 {

@@ -6,7 +6,6 @@
 //! copy (this rank's shard under ZeRO) from which the model receives its new values in one
 //! upload per parameter tensor.
 
-use accelerate_core::comm::Reduction;
 use burn::tensor::{DType, Device, Tensor};
 
 use super::columns::{self, SegmentGrads};
@@ -107,7 +106,7 @@ impl HostFlat {
     /// the sum of their squares over every rank.
     pub fn average(
         &mut self,
-        plan: &FlatPlan,
+        plan: &mut FlatPlan,
         grads: impl Iterator<Item = Option<Tensor<1>>>,
         wire: &mut Wire,
         comm: &Comm,
@@ -180,20 +179,18 @@ impl HostFlat {
     }
 
     /// The sum of the squares of the averaged gradients over every rank (this rank's shard,
-    /// summed across the ranks, under ZeRO).
-    pub fn measure(&self, plan: &FlatPlan, comm: &Comm) -> Result<f64, AccelerateError> {
-        let mut sum_sq = if self.sharding.splits() {
-            self.shard_grads.sum_of_squares(plan)
-        } else {
-            self.grads.sum_of_squares()
-        };
-        if comm.is_distributed() && self.sharding.splits() {
-            // Each rank measured its shard; infinities and NaN survive the sum.
-            let mut total = [sum_sq as f32];
-            comm.timed(|group| group.all_reduce(&mut total, Reduction::Sum))?;
-            sum_sq = f64::from(total[0]);
+    /// summed across the ranks, under ZeRO); the ranks agree on which segments got gradients
+    /// in the window ([`FlatPlan::agree_grads`]) on the way.
+    pub fn measure(&self, plan: &mut FlatPlan, comm: &Comm) -> Result<f64, AccelerateError> {
+        if self.sharding.splits() {
+            // Each rank measured its shard: the sum over the ranks rides on the agreement on
+            // which segments got gradients.
+            let shard = self.shard_grads.sum_of_squares(plan);
+            let total = plan.agree_grads(comm, Some(shard))?;
+            return Ok(total.unwrap_or(shard));
         }
-        Ok(sum_sq)
+        plan.agree_grads(comm, None)?;
+        Ok(self.grads.sum_of_squares())
     }
 
     /// Lets go of gradients kept as backward returned them (after the update, or a skipped

@@ -226,16 +226,20 @@ impl GradientReducer for FlatReducer {
         let sum_sq = match &mut self.buffers {
             // ZeRO-2: `accumulate` already averaged the window into the shard.
             Buffers::Host(host) if self.sharding == Sharding::Gradients => {
-                SumOfSquares::Measured(host.measure(&self.plan, comm)?)
+                SumOfSquares::Measured(host.measure(&mut self.plan, comm)?)
             }
             Buffers::Host(host) => {
                 self.plan.note_grads(&grads, true);
-                let taken = self.plan.entries.iter().map(|&e| grads[e].take());
-                SumOfSquares::Measured(host.average(&self.plan, taken, &mut self.wire, comm)?)
+                // Taken first: the average also agrees on the plan's gradient mask.
+                let taken: Vec<_> = self.plan.entries.iter().map(|&e| grads[e].take()).collect();
+                let sum_sq =
+                    host.average(&mut self.plan, taken.into_iter(), &mut self.wire, comm)?;
+                SumOfSquares::Measured(sum_sq)
             }
             #[cfg(feature = "device-kernels")]
             Buffers::Device(device) => {
                 self.plan.note_grads(&grads, true);
+                self.plan.agree_grads(comm, None)?;
                 let taken = self.plan.entries.iter().map(|&e| grads[e].take());
                 device.gather(&self.plan, taken, !comm.is_distributed());
                 // fp16's overflow test needs the value now; otherwise it waits for clipping.

@@ -3,11 +3,14 @@
 
 use std::ops::Range;
 
+use accelerate_core::comm::Reduction;
 use accelerate_kernels::schedule::chunk_range;
 use burn::lr_scheduler::module_lr_scheduler::ModuleLearningRate;
 use burn::module::ParamId;
 
 use super::state_file::Segment;
+use crate::error::AccelerateError;
+use crate::group::Comm;
 use crate::params::{ParamLayout, ParamList};
 
 /// What each process holds of the flat buffers (the fused optimizer's ZeRO stage, where
@@ -57,7 +60,8 @@ pub(crate) struct FlatPlan {
     pub shard: Range<usize>,
     /// Updates applied to each segment (Burn counts per parameter).
     pub times: Vec<i32>,
-    /// Which segments got a gradient in the window being applied.
+    /// Which segments got a gradient in the window being applied, on any rank (after
+    /// [`agree_grads`](Self::agree_grads); before it, on this rank).
     pub has_grad: Vec<bool>,
 }
 
@@ -106,6 +110,35 @@ impl FlatPlan {
             let has = grads.get(entry).is_some_and(Option::is_some);
             self.has_grad[index] = has || !first && self.has_grad[index];
         }
+    }
+
+    /// Makes `has_grad` the same on every rank: a segment got a gradient in the window when
+    /// any rank's backward gave it one (the others averaged zeros in), so every rank updates
+    /// it and advances its count, as one process over the global batch would. Decided alone,
+    /// a parameter that only some ranks' batches reach (a head chosen by the data) would be
+    /// updated on those ranks only and the replicas (or the shard's parts) would drift apart.
+    /// `rider` (a sum of squares measured per shard) travels in the same all-reduce and comes
+    /// back summed over the ranks.
+    pub fn agree_grads(
+        &mut self,
+        comm: &Comm,
+        rider: Option<f64>,
+    ) -> Result<Option<f64>, AccelerateError> {
+        if !comm.is_distributed() {
+            return Ok(rider);
+        }
+        let mut counts: Vec<f32> = self
+            .has_grad
+            .iter()
+            .map(|&has| f32::from(u8::from(has)))
+            .collect();
+        counts.extend(rider.map(|value| value as f32));
+        comm.timed(|group| group.all_reduce(&mut counts, Reduction::Sum))?;
+        for (has, &count) in self.has_grad.iter_mut().zip(&counts) {
+            *has = count > 0.0;
+        }
+        // Infinities and NaN survive the sum: fp16's overflow test reads them.
+        Ok(rider.and(counts.get(self.has_grad.len()).map(|&sum| f64::from(sum))))
     }
 
     /// Where the segments meet the flat range `range`, in order: each one's index, the part of
