@@ -57,7 +57,8 @@ impl Header {
 }
 
 /// Bytes per element of the safetensors dtype `dtype`; `None` for a dtype smaller than a
-/// byte ([`dtype_bits`] knows those) or one this version does not know.
+/// byte (`F4`, `F6_*`: the header check knows their packed sizes) or one this version does
+/// not know.
 pub fn dtype_size(dtype: &str) -> Option<u64> {
     Some(match dtype {
         "BOOL" | "U8" | "I8" | "F8_E5M2" | "F8_E4M3" | "F8_E8M0" => 1,

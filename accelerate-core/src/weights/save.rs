@@ -106,7 +106,7 @@ pub struct ShardedSave {
 
 impl ShardedSave {
     /// Finishes or removes what saves of this host killed in `dir` left
-    /// ([`publish::finish_interrupted`]), checks that `dir` holds no model that is not ours,
+    /// ([`finish_interrupted`](super::finish_interrupted)), checks that `dir` holds no model that is not ours,
     /// and creates the staging directory (`.shards.<scope>.<pid>.staging`, exclusively:
     /// someone else's of that name is an error).
     pub fn begin(dir: &Path) -> Result<Self, WeightsError> {
