@@ -31,6 +31,17 @@ mod stream;
 
 #[cfg(test)]
 pub(crate) use header::write_test_file;
+
+/// The names in `dir`, sorted (tests).
+#[cfg(test)]
+pub(crate) fn test_file_names(dir: &Path) -> Vec<String> {
+    let mut names: Vec<String> = std::fs::read_dir(dir)
+        .unwrap()
+        .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+        .collect();
+    names.sort();
+    names
+}
 pub use header::{Header, TensorEntry, dtype_size, read_header};
 pub use merge::{MergeReport, merge_sharded};
 pub use publish::finish_interrupted;

@@ -282,6 +282,7 @@ pub fn finish_interrupted(dir: &Path) {
 #[cfg(test)]
 mod tests {
     use super::super::sharding::{SAVED_BY, SAVED_BY_KEY, shard_file_name};
+    use super::super::test_file_names as names;
     use super::super::{TensorEntry, header};
     use super::*;
     use std::collections::BTreeMap;
@@ -345,15 +346,6 @@ mod tests {
             }
         }
         tensors
-    }
-
-    fn names(dir: &Path) -> Vec<String> {
-        let mut names: Vec<String> = std::fs::read_dir(dir)
-            .unwrap()
-            .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
-            .collect();
-        names.sort();
-        names
     }
 
     /// A publish killed after each of its steps in turn (the process gone, as a SIGKILL or an

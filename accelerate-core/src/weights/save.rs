@@ -165,6 +165,7 @@ mod tests {
     use super::super::TensorEntry;
     use super::super::header;
     use super::super::sharding::{SAVED_BY, SAVED_BY_KEY, shard_file_name};
+    use super::super::test_file_names as names;
     use super::*;
     use std::collections::BTreeMap;
 
@@ -202,15 +203,6 @@ mod tests {
                 .map(|(i, n)| (format!("w{i}"), n.clone())),
         );
         save.commit(&index)
-    }
-
-    fn names(dir: &Path) -> Vec<String> {
-        let mut names: Vec<String> = std::fs::read_dir(dir)
-            .unwrap()
-            .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
-            .collect();
-        names.sort();
-        names
     }
 
     #[test]
