@@ -6,11 +6,11 @@
 use accelerate_burn::{
     AccelerateError, Accelerator, DefaultBackend, FusedOptimizer, ProcessState, Sharded, Unit,
 };
-use burn::module::Module;
+use burn::module::{Module, Param, ParamId};
 use burn::nn::{BatchNorm, BatchNormConfig, Initializer, Linear, LinearConfig, Relu};
 use burn::optim::AdamWConfig;
 use burn::store::{ModuleSnapshot, SafetensorsStore};
-use burn::tensor::{Device, Tensor, TensorData};
+use burn::tensor::{Bool, Device, Int, Tensor, TensorData};
 
 const FEATURES: usize = 6;
 const HIDDEN: usize = 16;
@@ -487,4 +487,109 @@ fn a_sharded_model_is_never_saved_over_someone_elses_model() {
     assert!(err.contains("did not write"), "{err}");
     assert_eq!(std::fs::read(&index).unwrap(), text);
     assert_eq!(std::fs::read_dir(theirs.path()).unwrap().count(), 1);
+}
+
+/// `Net` with an Int and a Bool parameter beside its floats (a step counter, a mask).
+#[derive(Module, Debug)]
+struct Counted {
+    net: Net,
+    steps: Param<Tensor<1, Int>>,
+    mask: Param<Tensor<2, Bool>>,
+}
+
+/// `Counted` with its layers sharded.
+#[derive(Module, Debug)]
+struct ShardedCounted {
+    net: ShardedNet,
+    steps: Param<Tensor<1, Int>>,
+    mask: Param<Tensor<2, Bool>>,
+}
+
+/// An Int and a Bool parameter: `[3, 1, 4, 1, 5]` and a diagonal mask, or zeros and false.
+fn counters(device: &Device, set: bool) -> (Param<Tensor<1, Int>>, Param<Tensor<2, Bool>>) {
+    let steps: Vec<i64> = if set { vec![3, 1, 4, 1, 5] } else { vec![0; 5] };
+    let mask = [set, false, false, set];
+    (
+        Param::initialized(
+            ParamId::new(),
+            Tensor::from_data(TensorData::new(steps, [5]), device),
+        ),
+        Param::initialized(
+            ParamId::new(),
+            Tensor::from_data(TensorData::new(mask.to_vec(), [2, 2]), device),
+        ),
+    )
+}
+
+/// Every value of a counted model: float bits, then the Int values, then the Bool values.
+fn counted_values(
+    net: &Net,
+    steps: &Param<Tensor<1, Int>>,
+    mask: &Param<Tensor<2, Bool>>,
+) -> (Vec<u32>, Vec<i64>, Vec<bool>) {
+    (
+        bits(net),
+        steps.val().into_data().iter::<i64>().collect(),
+        mask.val().into_data().iter::<bool>().collect(),
+    )
+}
+
+/// A model with sharded units and Int and Bool parameters keeps them through its files:
+/// `save_model` writes every tensor plain Burn's save writes (plain Burn's strict load reads
+/// it back whole), `save_model_sharded`'s shards load into another sharded model, and a file
+/// plain Burn saved from the unsharded model loads into the sharded one.
+#[test]
+fn a_sharded_model_keeps_its_int_and_bool_parameters_in_every_file() {
+    let acc = accelerator(3, 1);
+    let device = acc.device();
+    let (steps, mask) = counters(&device, true);
+    let model = ShardedCounted {
+        net: ShardedNet::new(&acc, Net::new(&device)).unwrap(),
+        steps,
+        mask,
+    };
+    let expected = counted_values(&model.net.whole(), &model.steps, &model.mask);
+    let fresh = || {
+        let (steps, mask) = counters(&device, false);
+        ShardedCounted {
+            net: ShardedNet::new(&acc, Net::zeros(&device)).unwrap(),
+            steps,
+            mask,
+        }
+    };
+    let dir = tempfile::tempdir().unwrap();
+
+    let file = acc.save_model(&model, dir.path()).unwrap();
+    let (steps, mask) = counters(&Device::default(), false);
+    let mut plain = Counted {
+        net: Net::zeros(&Device::default()),
+        steps,
+        mask,
+    };
+    plain
+        .load_from(&mut SafetensorsStore::from_file(&file))
+        .unwrap();
+    assert_eq!(
+        counted_values(&plain.net, &plain.steps, &plain.mask),
+        expected
+    );
+
+    let sharded = dir.path().join("sharded");
+    let files = acc.save_model_sharded(&model, &sharded, 128).unwrap();
+    assert!(files.len() > 2, "{files:?}");
+
+    let burns = dir.path().join("burns.safetensors");
+    plain
+        .save_into(&mut SafetensorsStore::from_file(&burns))
+        .unwrap();
+
+    for source in [file, sharded, burns] {
+        let loaded = acc.load_model(fresh(), &source).unwrap();
+        assert_eq!(
+            counted_values(&loaded.net.whole(), &loaded.steps, &loaded.mask),
+            expected,
+            "{}",
+            source.display()
+        );
+    }
 }

@@ -241,6 +241,44 @@ fn heads() -> anyhow::Result<()> {
     Ok(())
 }
 
+/// Casts every float parameter it maps to f64.
+struct ToF64;
+
+impl burn::module::ModuleMapper for ToF64 {
+    fn map_float<const D: usize>(
+        &mut self,
+        param: burn::module::Param<Tensor<D>>,
+    ) -> burn::module::Param<Tensor<D>> {
+        param.map(|tensor| tensor.cast(burn::tensor::FloatDType::F64))
+    }
+}
+
+/// One ZeRO-3 step of the digits MLP where rank 1's shards are f64, which a gather cannot
+/// send (a local failure, as a read error would be): prints `BACKWARD <error>`.
+fn bad_shard() -> anyhow::Result<()> {
+    let acc = Accelerator::<DefaultBackend>::builder()
+        .seed(7)
+        .zero_stage(3)
+        .build()?;
+    let device = acc.device();
+    let model =
+        acc.shard(MlpConfig::new(digits::PIXELS, vec![32], digits::CLASSES).init(&device))?;
+    let odd = acc.process_index() == 1;
+    let model = if odd { model.map(&mut ToF64) } else { model };
+    let (model, _optim) = acc.prepare((model, SgdConfig::new().init()))?;
+    let mut images = probe(&device);
+    if odd {
+        images = images.cast(burn::tensor::FloatDType::F64);
+    }
+    let targets = Tensor::<1, Int>::zeros([8], &device);
+    let loss = model.gather().forward_loss(images, targets).loss;
+    match acc.backward(loss, &model) {
+        Ok(_) => println!("BACKWARD ok"),
+        Err(e) => println!("BACKWARD {e}"),
+    }
+    Ok(())
+}
+
 /// A fixed batch of 8 inputs for the digits MLP.
 fn probe(device: &Device) -> Tensor<2> {
     let values: Vec<f32> = (0..8 * digits::PIXELS)
@@ -494,6 +532,7 @@ fn child() {
         "overflow" => overflow(),
         "uneven" => uneven(),
         "heads" => heads(),
+        "bad_shard" => bad_shard(),
         other => anyhow::bail!("unknown scenario {other}"),
     });
 }
@@ -943,6 +982,22 @@ fn a_head_that_only_one_rank_uses_trains_as_on_one_process_and_ranks_agree() {
                 "{optim}, zero {zero}: the ranks' parameters differ"
             );
         }
+    }
+}
+
+/// A ZeRO-3 rank whose shard cannot be gathered (here f64, as a read error would) takes part
+/// in the collective with zeros, so its peer is not left waiting for the collective's
+/// timeout (which would end rank 0 with a timeout, not the cause), and both ranks' backward
+/// fails naming rank 1 and the cause.
+#[test]
+fn a_rank_whose_gather_fails_locally_makes_every_rank_fail_naming_it() {
+    let ranks = run("bad_shard", 2, &[("ACCELERATE_TIMEOUT", "120".to_string())]);
+    for (rank, output) in ranks.iter().enumerate() {
+        let said = line(output, "BACKWARD ");
+        assert!(
+            said.contains("rank 1: a sharded parameter is F64"),
+            "rank {rank}: {said}"
+        );
     }
 }
 

@@ -116,10 +116,11 @@ impl<B: AcceleratorBackend> Accelerator<B> {
 
     /// `model` with the weights at `path`: a safetensors file, or a directory holding a
     /// `model.safetensors` (preferred, as the hub's loaders do) or a sharded model
-    /// (`model.safetensors.index.json` and its shards, each read in turn). Every float tensor
-    /// of `model` must be found, and every tensor found must have a place in `model`. Into a
-    /// model with sharded units (ZeRO-3) each process reads only its shard of each parameter
-    /// (fine-tuning a model from the hub that no process could hold whole).
+    /// (`model.safetensors.index.json` and its shards, each read in turn). Every tensor of
+    /// `model` (float, Int and Bool parameters) must be found, and every tensor found must have
+    /// a place in `model`. Into a model with sharded units (ZeRO-3) each process reads only its
+    /// shard of each float parameter (fine-tuning a model from the hub that no process could
+    /// hold whole); Int and Bool parameters, never sharded, are read whole.
     pub fn load_model<M: Module>(
         &self,
         model: M,

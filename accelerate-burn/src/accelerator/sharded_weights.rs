@@ -13,6 +13,9 @@ use accelerate_core::weights::{
     WeightsError, WholeSave,
 };
 use burn::module::Module;
+use burn::store::burn_pack::Tensor as PackTensor;
+use burn::store::{ModuleSnapshot, SafetensorsStore};
+use burn::tensor::{BoolStore, DType};
 
 use super::{Accelerator, MODEL_FILE};
 use crate::backend::AcceleratorBackend;
@@ -41,21 +44,50 @@ impl<B: AcceleratorBackend> Accelerator<B> {
             .iter()
             .map(|entry| self.shards.whole_shape(entry.id))
             .collect();
-        let tensors: Vec<StreamedTensor> = layout
+        // Every tensor of the model in Burn's order: the float parameters (gathered where
+        // sharded, written as f32) and the rest (Int and Bool parameters, never sharded)
+        // written as the model holds them, so the file is what plain Burn's save writes.
+        let float_index: BTreeMap<&str, usize> = layout
             .entries
             .iter()
-            .zip(&whole)
-            .map(|(entry, shape)| StreamedTensor {
-                name: entry.path.clone(),
-                dtype: "F32".into(),
-                shape: shape
-                    .as_ref()
-                    .unwrap_or(&entry.shape)
-                    .iter()
-                    .map(|&d| d as u64)
-                    .collect(),
-            })
+            .enumerate()
+            .map(|(k, entry)| (entry.path.as_str(), k))
             .collect();
+        let mut sources = Vec::new();
+        let mut tensors = Vec::new();
+        for snapshot in model.collect(None, None, false) {
+            let (source, tensor) = match float_index.get(snapshot.name.as_str()) {
+                Some(&k) => {
+                    let entry = &layout.entries[k];
+                    let shape = whole[k].as_ref().unwrap_or(&entry.shape);
+                    let tensor = StreamedTensor {
+                        name: entry.path.clone(),
+                        dtype: "F32".into(),
+                        shape: shape.iter().map(|&d| d as u64).collect(),
+                    };
+                    (Saved::Float(k), tensor)
+                }
+                None => {
+                    let dtype = safetensors_dtype(snapshot.dtype).ok_or_else(|| {
+                        self.weights_error(WeightsError::Malformed {
+                            path: dir.to_path_buf(),
+                            what: format!(
+                                "{} is {:?}, which a safetensors file cannot hold",
+                                snapshot.name, snapshot.dtype
+                            ),
+                        })
+                    })?;
+                    let tensor = StreamedTensor {
+                        name: snapshot.name.clone(),
+                        dtype: dtype.into(),
+                        shape: snapshot.shape.iter().map(|&d| d as u64).collect(),
+                    };
+                    (Saved::Other(snapshot), tensor)
+                }
+            };
+            sources.push(source);
+            tensors.push(tensor);
+        }
         let sizes: Vec<u64> = tensors.iter().map(|t| t.byte_len().unwrap_or(0)).collect();
         let plan = match max_shard_size {
             Some(max) => weights::plan_shards(&sizes, max),
@@ -63,18 +95,31 @@ impl<B: AcceleratorBackend> Accelerator<B> {
         };
         let values = params::values(model);
         let world = self.state.world_size;
+        let main = self.is_main_process();
         // Every process gathers parameter i when the main process writes it; `next` is the
         // first not gathered yet, so a writer that stopped can be caught up with.
         let next = Cell::new(0usize);
         let failed: RefCell<Option<CommError>> = RefCell::new(None);
         let produce = |i: usize| -> Result<Vec<u8>, WeightsError> {
             next.set(i + 1);
+            let k = match sources.get(i) {
+                Some(Saved::Float(k)) => *k,
+                Some(Saved::Other(snapshot)) if main => {
+                    return snapshot.to_bytes().map(|b| b.to_vec()).map_err(|e| {
+                        WeightsError::Malformed {
+                            path: dir.to_path_buf(),
+                            what: format!("reading {} failed: {e}", snapshot.name),
+                        }
+                    });
+                }
+                _ => return Ok(Vec::new()),
+            };
             let mut value = values
-                .get(i)
+                .get(k)
                 .cloned()
                 .map(params::to_host_f32)
                 .unwrap_or_default();
-            if let Some(shape) = &whole[i] {
+            if let Some(shape) = &whole[k] {
                 let mut all = vec![0.0f32; value.len() * world];
                 if let Err(e) = self.comm.timed(|group| group.all_gather(&value, &mut all)) {
                     failed.borrow_mut().get_or_insert(e);
@@ -89,7 +134,7 @@ impl<B: AcceleratorBackend> Accelerator<B> {
             Ok(value.iter().flat_map(|v| v.to_le_bytes()).collect())
         };
         let metadata = BTreeMap::from([(SAVED_BY_KEY.to_string(), SAVED_BY.to_string())]);
-        let written = if self.is_main_process() {
+        let written = if main {
             write_files(dir, &tensors, &sizes, &plan, &metadata, &produce)
         } else {
             Ok(paths(dir, plan.len()))
@@ -171,6 +216,47 @@ impl<B: AcceleratorBackend> Accelerator<B> {
             values.push(Some(params::upload(part, &self.device)));
             used.insert(entry.path.clone());
         }
+        let mut model = params::replace(
+            model,
+            params::Replacement {
+                values,
+                ids: Vec::new(),
+            },
+        );
+        // The other tensors (Int and Bool parameters, never sharded) are read whole by Burn,
+        // each file's in turn.
+        let others: Vec<String> = model
+            .collect(None, None, false)
+            .into_iter()
+            .map(|snapshot| snapshot.name)
+            .filter(|name| !used.contains(name))
+            .collect();
+        for (file, header) in &files {
+            let here: Vec<&String> = others
+                .iter()
+                .filter(|name| header.tensors.contains_key(*name))
+                .collect();
+            if here.is_empty() {
+                continue;
+            }
+            let mut store = SafetensorsStore::from_file(file)
+                .allow_partial(true)
+                .with_full_paths(here.iter().map(|name| name.to_string()));
+            let applied = model
+                .load_from(&mut store)
+                .map_err(|e| mismatch(format!("{}: {e}", file.display())))?;
+            if !applied.errors.is_empty() {
+                return Err(mismatch(format!(
+                    "{}: {:?}",
+                    file.display(),
+                    applied.errors
+                )));
+            }
+            used.extend(here.into_iter().cloned());
+        }
+        if let Some(missing) = others.iter().find(|name| !used.contains(*name)) {
+            return Err(mismatch(format!("no file holds {missing}")));
+        }
         if let Some(extra) = files
             .iter()
             .flat_map(|(_, header)| header.tensors.keys())
@@ -178,13 +264,7 @@ impl<B: AcceleratorBackend> Accelerator<B> {
         {
             return Err(mismatch(format!("{extra} has no place in the model")));
         }
-        Ok(params::replace(
-            model,
-            params::Replacement {
-                values,
-                ids: Vec::new(),
-            },
-        ))
+        Ok(model)
     }
 }
 
@@ -269,6 +349,34 @@ pub(super) fn paths(dir: &Path, count: usize) -> Vec<PathBuf> {
         .collect();
     files.push(dir.join(INDEX_FILE));
     files
+}
+
+/// Where a saved tensor's bytes come from.
+enum Saved {
+    /// Float parameter `k` of the layout, gathered where it is sharded.
+    Float(usize),
+    /// Any other tensor (an Int or Bool parameter), as the model holds it.
+    Other(PackTensor),
+}
+
+/// The safetensors name of `dtype`, as Burn's own safetensors writer names it; `None` for one
+/// a safetensors file cannot hold.
+fn safetensors_dtype(dtype: DType) -> Option<&'static str> {
+    Some(match dtype {
+        DType::F64 => "F64",
+        DType::F32 | DType::Flex32 => "F32",
+        DType::F16 => "F16",
+        DType::BF16 => "BF16",
+        DType::I64 => "I64",
+        DType::I32 => "I32",
+        DType::I16 => "I16",
+        DType::I8 => "I8",
+        DType::U64 => "U64",
+        DType::U32 | DType::Bool(BoolStore::U32) => "U32",
+        DType::U8 | DType::Bool(BoolStore::U8) => "U8",
+        DType::Bool(BoolStore::Native) => "BOOL",
+        DType::U16 | DType::QFloat(_) => return None,
+    })
 }
 
 /// The main process's part: one file, or the shards of `plan` and their index.

@@ -114,7 +114,12 @@ impl<B: AcceleratorBackend> Accelerator<B> {
             // A failed collective: the group refuses every later call, on every rank.
             return mine.map_or(Ok(()), Err);
         }
-        match self.comm.agree(mine.map_or(Ok(()), Err))? {
+        // What crosses is the cause alone: the agreed error names the rank once.
+        let cause = mine.map(|e| match e {
+            AccelerateError::Tensor { detail, .. } => detail,
+            other => other.to_string(),
+        });
+        match self.comm.agree(cause.map_or(Ok(()), Err))? {
             Ok(()) => Ok(()),
             Err(failures) => Err(AccelerateError::Tensor {
                 rank: self.state.rank,

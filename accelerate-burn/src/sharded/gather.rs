@@ -275,7 +275,8 @@ impl<B: ShardOps> RetroForward for RetroGather<B> {
 
 /// The parameter from every rank's shard. A rank whose shard cannot be read takes part with
 /// zeros, so its peers are not left waiting in the collective; the failure is recorded, and
-/// `backward` makes every rank fail with it. Zeros come back once the collective failed.
+/// `backward` makes every rank fail with it. Zeros of the shard's type come back on that rank,
+/// and on every rank once the collective failed.
 fn gather<B: Backend>(shard: FloatTensor<B>, param: &ParamShard) -> FloatTensor<B> {
     let device = shard.device();
     let dtype = shard.dtype();
@@ -286,7 +287,9 @@ fn gather<B: Backend>(shard: FloatTensor<B>, param: &ParamShard) -> FloatTensor<
         DType::F16 => all_gather::<f16>(data.as_ref(), param),
         _ => all_gather::<f32>(data.as_ref(), param),
     };
-    let data = gathered.unwrap_or_else(|| zeros(&param.shape, dtype));
+    let data = gathered
+        .filter(|_| data.is_some())
+        .unwrap_or_else(|| zeros(&param.shape, dtype));
     B::float_from_data(data, &device)
 }
 
@@ -297,9 +300,15 @@ fn gather<B: Backend>(shard: FloatTensor<B>, param: &ParamShard) -> FloatTensor<
 /// A gradient that cannot be read takes part as zeros, as in [`gather`].
 fn reduce_scatter<B: Backend>(grad: FloatTensor<B>, param: &ParamShard) -> FloatTensor<B> {
     let device = grad.device();
+    let dtype = grad.dtype();
     let data = read::<B>(grad, param).map(|data| data.convert::<f32>());
     let reduced = reduce_scatter_mean(data.as_ref(), param);
-    let data = reduced.unwrap_or_else(|| zeros(&[param.shard_len], DType::F32));
+    // A gradient that could not be read gets zeros of its own type (which the shard has too).
+    let data = match (reduced, &data) {
+        (Some(reduced), Some(_)) => reduced,
+        (Some(_), None) => zeros(&[param.shard_len], dtype),
+        (None, _) => zeros(&[param.shard_len], DType::F32),
+    };
     B::float_from_data(data, &device)
 }
 
