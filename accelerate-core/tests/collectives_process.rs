@@ -638,6 +638,129 @@ fn silent_connections_and_a_connect_flood_do_not_hold_the_set_up() {
     }
 }
 
+/// The variable naming the ports the `flooder` test floods (comma-separated).
+const FLOOD: &str = "ACCELERATE_TEST_FLOOD";
+
+/// The body of a flooding local user: as many silent connections to each port of [`FLOOD`]
+/// as the servers keep, reopened as soon as one is closed, from two threads per port, until
+/// killed (two minutes at most).
+#[test]
+fn flooder() {
+    let Ok(ports) = std::env::var(FLOOD) else {
+        return;
+    };
+    let ports: Vec<u16> = ports.split(',').filter_map(|p| p.parse().ok()).collect();
+    let until = Instant::now() + Duration::from_secs(120);
+    let held = std::sync::Arc::new(std::sync::atomic::AtomicUsize::new(0));
+    for &port in ports.iter().chain(&ports) {
+        let held = held.clone();
+        std::thread::spawn(move || {
+            let addr = std::net::SocketAddr::from(([127, 0, 0, 1], port));
+            let mut open: Vec<std::net::TcpStream> = Vec::new();
+            while Instant::now() < until {
+                if let Ok(s) = std::net::TcpStream::connect(addr)
+                    && s.set_nonblocking(true).is_ok()
+                {
+                    open.push(s);
+                }
+                // Keep what the server still holds: a closed connection reads end of file.
+                if open.len() >= 48 {
+                    open.retain(|s| {
+                        let mut byte = [0u8; 1];
+                        matches!(s.peek(&mut byte), Err(e) if e.kind() == std::io::ErrorKind::WouldBlock)
+                    });
+                    held.fetch_max(open.len(), std::sync::atomic::Ordering::Relaxed);
+                }
+                if open.len() >= 300 {
+                    std::thread::sleep(Duration::from_millis(1));
+                }
+            }
+        });
+    }
+    while held.load(std::sync::atomic::Ordering::Relaxed) < 32 {
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    println!("HOLDING");
+    std::thread::sleep(until.saturating_duration_since(Instant::now()));
+}
+
+/// Another local user (nobody) holds every slot it may of rank 0's rendezvous and peer
+/// listener for as long as the job takes, reopening each connection the servers close. On
+/// one host every process is 127.0.0.1, so a cap per address let it starve the job's own
+/// ranks; counted per local user (the kernel's owner of the connecting socket), the job's
+/// second rank still gets in at once and the job forms and trains. Needs root (to be
+/// another user); skipped otherwise.
+#[test]
+fn another_local_users_flood_does_not_hold_the_set_up() {
+    use std::os::unix::process::CommandExt;
+    if !nix::unistd::geteuid().is_root() {
+        eprintln!("skipped: only root can run a flooder as another user");
+        return;
+    }
+    let mut job = start(
+        "train",
+        "tcp",
+        2,
+        &[0],
+        &[("ACCELERATE_RENDEZVOUS_TIMEOUT", "30")],
+    );
+    let rank0 = job.children[0].id();
+    let waited = Instant::now();
+    let ports = loop {
+        let ports = listening_ports(rank0);
+        if ports.len() >= 2 || waited.elapsed() > Duration::from_secs(20) {
+            break ports;
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    };
+    assert!(ports.len() >= 2, "{ports:?}");
+    let list: Vec<String> = ports.iter().map(u16::to_string).collect();
+    let mut flooder = Command::new(std::env::current_exe().unwrap());
+    flooder
+        .args(["flooder", "--exact", "--nocapture", "--test-threads=1"])
+        .env(FLOOD, list.join(","))
+        .env_remove(SCENARIO)
+        .uid(65534)
+        .gid(65534)
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped());
+    // Killed when dropped, whatever happens below.
+    let mut flood = Job {
+        children: vec![flooder.spawn().unwrap()],
+        token: String::new(),
+        port: 0,
+    };
+    let stdout = flood.children[0].stdout.take().unwrap();
+    let holding = BufReader::new(stdout)
+        .lines()
+        .map_while(Result::ok)
+        .find(|line| line.contains("HOLDING"));
+    assert!(
+        holding.is_some(),
+        "the flooder never held the servers' slots"
+    );
+    job.children.push(spawn_rank(
+        "train",
+        "tcp",
+        (1, 2),
+        (job.port, &job.token),
+        // Time enough to join a job that nobody floods (a few milliseconds), not enough to
+        // wait for slots another user holds (5 to 9 s when a cap per address let it).
+        &[("ACCELERATE_RENDEZVOUS_TIMEOUT", "4")],
+    ));
+    let results = job.finish(Duration::from_secs(60));
+    assert!(
+        flood.children[0].try_wait().unwrap().is_none(),
+        "the flooder stopped before the job formed"
+    );
+    drop(flood);
+    for (rank, (code, stdout, stderr)) in results.iter().enumerate() {
+        assert_eq!(*code, 0, "rank {rank}: {stdout}\n{stderr}");
+        assert!(stdout.contains("FORMED tcp"), "rank {rank}: {stdout}");
+        assert!(stdout.contains("TRAINED"), "rank {rank}: {stdout}");
+    }
+}
+
 #[test]
 fn hostile_clients_delay_nobody_and_the_job_still_forms_and_trains() {
     for transport in ["tcp", "shm"] {

@@ -23,6 +23,7 @@ pub mod admission;
 pub mod auth;
 mod client;
 mod conn;
+mod loopback_owner;
 pub mod secret;
 mod server;
 pub mod torch_store;

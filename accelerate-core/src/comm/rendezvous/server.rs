@@ -8,7 +8,7 @@ use std::sync::Arc;
 use std::sync::mpsc::{self, Sender};
 use std::time::{Duration, Instant};
 
-use super::admission::{ACCEPTS_PER_PASS, Admission};
+use super::admission::{ACCEPTS_PER_PASS, Admission, Source};
 use super::conn::{Conn, GreetError, greet};
 use super::secret::SecretError;
 use super::wire::{Hello, MAX_HELLO_BYTES, PeerInfo, ProbeResult, Reply};
@@ -230,7 +230,7 @@ impl RendezvousConfig {
                     return;
                 }
             };
-            let Some(ticket) = admission.admit(from.ip()) else {
+            let Some(ticket) = admission.admit(Source::of(&stream, from)) else {
                 tracing::debug!(%from, "too many connections in flight; closed");
                 continue;
             };

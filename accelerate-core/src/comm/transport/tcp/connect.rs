@@ -8,7 +8,7 @@ use std::sync::{Arc, mpsc};
 use std::time::{Duration, Instant};
 
 use super::{Peer, READ_AHEAD, SPIN, Spin, TcpLink};
-use crate::comm::admission::{ACCEPTS_PER_PASS, Admission};
+use crate::comm::admission::{ACCEPTS_PER_PASS, Admission, Source};
 use crate::comm::auth::{self, AuthError, Claim, Purpose};
 use crate::comm::rendezvous::PeerInfo;
 use crate::error::CommError;
@@ -168,7 +168,7 @@ fn accept_higher(
         match listener.accept() {
             Ok((stream, from)) => {
                 accepted_in_a_row += 1;
-                let Some(ticket) = admission.admit(from.ip()) else {
+                let Some(ticket) = admission.admit(Source::of(&stream, from)) else {
                     tracing::debug!(%from, "too many peer connections in flight; closed");
                     continue;
                 };
