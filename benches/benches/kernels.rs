@@ -62,5 +62,69 @@ fn unscale(c: &mut Criterion) {
     group.finish();
 }
 
-criterion_group!(benches, kernels, reductions, unscale);
+/// The three products of a linear layer 256 -> 768 over 4,096 tokens (the transformer
+/// example's QKV shapes), bf16 operands into f32: forward `x W`, input gradient `dY W^T`,
+/// weight gradient `X^T dY`; on each path this CPU can take (`vdpbf16ps`, AVX-512 FMAs on
+/// widened panels, widened then the f32 product),
+/// and the f32 product of the same shapes. Throughput counts 2 flops per multiply-add.
+fn matmul_bf16(c: &mut Criterion) {
+    use accelerate_kernels::bf16_matmul::{Bf16Mat, Bf16Path, matmul_bf16_on};
+    use accelerate_kernels::linear::{Weight, forward, input_grad, weight_grad};
+    let (tokens, d_in, d_out) = (4096usize, 256usize, 768usize);
+    let value = |i: usize| ((i * 7919 % 1000) as f32 - 500.0) * 1e-3;
+    let x32: Vec<f32> = (0..tokens * d_in).map(value).collect();
+    let w32: Vec<f32> = (0..d_in * d_out).map(|i| value(i + 3)).collect();
+    let dy32: Vec<f32> = (0..tokens * d_out).map(|i| value(i + 5)).collect();
+    let half = |v: &[f32]| -> Vec<bf16> { v.iter().map(|&x| bf16::from_f32(x)).collect() };
+    let (x, w, dy) = (half(&x32), half(&w32), half(&dy32));
+    let mut group = c.benchmark_group("matmul_bf16_linear_256_768_4096");
+    group.sample_size(20);
+    group.throughput(Throughput::Elements((2 * tokens * d_in * d_out) as u64));
+    for path in [Bf16Path::Avx512Bf16, Bf16Path::Avx512, Bf16Path::Widened] {
+        if !path.available() {
+            continue;
+        }
+        let name = format!("{path:?}");
+        group.bench_function(format!("{name}/forward"), |b| {
+            b.iter(|| {
+                matmul_bf16_on(
+                    path,
+                    Bf16Mat::row_major(black_box(&x), tokens, d_in),
+                    Bf16Mat::row_major(&w, d_in, d_out),
+                )
+            })
+        });
+        group.bench_function(format!("{name}/input_grad"), |b| {
+            b.iter(|| {
+                matmul_bf16_on(
+                    path,
+                    Bf16Mat::row_major(black_box(&dy), tokens, d_out),
+                    Bf16Mat::row_major(&w, d_in, d_out).t(),
+                )
+            })
+        });
+        group.bench_function(format!("{name}/weight_grad"), |b| {
+            b.iter(|| {
+                matmul_bf16_on(
+                    path,
+                    Bf16Mat::row_major(black_box(&x), tokens, d_in).t(),
+                    Bf16Mat::row_major(&dy, tokens, d_out),
+                )
+            })
+        });
+    }
+    let weight = Weight::rows_of(&w32, d_in, d_out);
+    group.bench_function("f32/forward", |b| {
+        b.iter(|| forward(black_box(&x32), weight, None))
+    });
+    group.bench_function("f32/input_grad", |b| {
+        b.iter(|| input_grad(black_box(&dy32), weight))
+    });
+    group.bench_function("f32/weight_grad", |b| {
+        b.iter(|| weight_grad(black_box(&x32), &dy32, d_in, d_out))
+    });
+    group.finish();
+}
+
+criterion_group!(benches, kernels, reductions, unscale, matmul_bf16);
 criterion_main!(benches);

@@ -8,6 +8,8 @@
 //! - [`norm`]: sum of squares and global L2 norm, f32 lanes with f64 block totals.
 //! - [`layer_norm`]: layer normalisation forward and backward, one parallel pass each,
 //!   the same bits on any number of threads.
+//! - [`bf16_matmul`]: products of bf16 matrices with f32 accumulation (`vdpbf16ps` where the
+//!   CPU has AVX512_BF16, else widened to the f32 product); [`isa`] says which path runs.
 //! - [`linear`]: a linear layer's product with its bias, and its three gradients, without the
 //!   zero-fill and alignment copy around Burn's products.
 //! - [`softmax`]: attention's scaled, masked softmax, forward and backward.
@@ -39,6 +41,7 @@
 
 pub mod amp;
 pub mod attention;
+pub mod bf16_matmul;
 pub mod convert;
 pub mod cross_entropy;
 #[cfg(feature = "cubecl")]
@@ -48,6 +51,7 @@ pub mod cube;
 pub mod element;
 mod fresh;
 pub mod gelu;
+pub mod isa;
 pub mod layer_norm;
 pub mod linear;
 mod matmul;

@@ -43,9 +43,31 @@ pub struct EnvArgs {}
 pub fn run(_args: EnvArgs) -> anyhow::Result<ExitCode> {
     let vars: Vec<(String, String)> = std::env::vars().collect();
     print!("{}", report(&vars));
+    println!("{}", cpu_kernels());
     print!("{}", backends());
     print!("{}", configuration());
     Ok(ExitCode::SUCCESS)
+}
+
+/// The instruction sets the CPU kernels use here and the path bf16 products take.
+fn cpu_kernels() -> String {
+    use accelerate_kernels::bf16_matmul::Bf16Path;
+    use accelerate_kernels::isa;
+    let (detected, current) = (isa::detected(), isa::current());
+    let capped = if current == detected {
+        String::new()
+    } else {
+        format!(", capped to {} by ACCELERATE_CPU_ISA", current.name())
+    };
+    let path = match Bf16Path::detect() {
+        Bf16Path::Avx512Bf16 => "vdpbf16ps on bf16 pairs (AVX512_BF16)",
+        Bf16Path::Avx512 => "AVX-512 FMAs on operands widened as they are packed",
+        Bf16Path::Widened => "widened to f32, then the f32 product",
+    };
+    format!(
+        "CPU kernels: {}{capped}; bf16 products: {path}",
+        detected.name()
+    )
 }
 
 /// What a build with Burn finds here (from `accelerate-selftest --report`), then the libnccl

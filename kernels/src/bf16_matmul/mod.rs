@@ -1,0 +1,509 @@
+//! Matrix products of bf16 operands with f32 accumulation, for mixed-precision training on the
+//! CPU: `c = a b` with `a` and `b` bf16 (any strides, so the transposed operands of a linear
+//! layer's backward need no copy) and `c` f32, row-major.
+//!
+//! Three paths, one answer up to f32 rounding:
+//! - [`Bf16Path::Avx512Bf16`]: both operands packed in pairs along `k` (one 32-bit lane holds
+//!   `a[i][k], a[i][k+1]`), and a 24 x 16 microkernel of `vdpbf16ps`, which multiplies both
+//!   halves of a pair exactly and adds them into f32 accumulators: 32 multiply-adds per
+//!   instruction. Taken on AMD CPUs with AVX512_BF16 (Zen 4 and later), where it issues at
+//!   the rate of an f32 FMA: twice its multiply-adds.
+//! - [`Bf16Path::Avx512`]: both operands widened to f32 as they are packed, and a 24 x 16
+//!   microkernel of AVX-512 FMAs. Taken on Intel CPUs with AVX-512: there (Sapphire and
+//!   Emerald Rapids) `vdpbf16ps` issues at half the rate of two FMA ports (measured: RESULTS,
+//!   issue 60), and the `gemm` crate's f32 kernels use 256-bit registers on stable Rust.
+//! - [`Bf16Path::Widened`] (every other CPU, or forced with `ACCELERATE_CPU_ISA`, see
+//!   [`crate::isa`]): both operands widened to f32 and the f32 product of
+//!   [`linear`](crate::linear) run.
+//!
+//! Rows are split among threads in fixed blocks of [`BLOCK_ROWS`], and every element is
+//! summed in the same order in any block, so the bits do not depend on the number of threads.
+
+use std::ops::Range;
+
+use half::bf16;
+use rayon::prelude::*;
+
+#[cfg(target_arch = "x86_64")]
+mod avx512;
+
+/// Rows of the microkernel's tile.
+const MR: usize = 24;
+/// Columns of the microkernel's tile (one AVX-512 register of f32).
+const NR: usize = 16;
+/// Rows one task computes: a fixed split, whatever the number of threads.
+pub const BLOCK_ROWS: usize = 2 * MR;
+/// Products below this many multiply-adds run on the calling thread (as the f32 products do).
+const PARALLEL_FROM: usize = 192 * 192 * 192;
+
+/// A read-only bf16 matrix view: element `(r, c)` is
+/// `data[offset + r * row_stride + c * col_stride]`.
+#[derive(Debug, Clone, Copy)]
+pub struct Bf16Mat<'a> {
+    /// The buffer the matrix lives in.
+    pub data: &'a [bf16],
+    /// Where element `(0, 0)` is.
+    pub offset: usize,
+    /// Rows.
+    pub rows: usize,
+    /// Columns.
+    pub cols: usize,
+    /// Distance between rows.
+    pub row_stride: usize,
+    /// Distance between columns.
+    pub col_stride: usize,
+}
+
+impl<'a> Bf16Mat<'a> {
+    /// A row-major `rows x cols` matrix filling `data` from its start.
+    pub fn row_major(data: &'a [bf16], rows: usize, cols: usize) -> Self {
+        Self {
+            data,
+            offset: 0,
+            rows,
+            cols,
+            row_stride: cols,
+            col_stride: 1,
+        }
+    }
+
+    /// The transposed view (no copy).
+    pub fn t(self) -> Self {
+        Self {
+            rows: self.cols,
+            cols: self.rows,
+            row_stride: self.col_stride,
+            col_stride: self.row_stride,
+            ..self
+        }
+    }
+
+    /// Element `(r, c)`.
+    fn at(&self, r: usize, c: usize) -> bf16 {
+        self.data[self.offset + r * self.row_stride + c * self.col_stride]
+    }
+
+    /// Panics unless every element lies inside `data`.
+    fn check(&self, name: &str) {
+        if self.rows == 0 || self.cols == 0 {
+            return;
+        }
+        let last = (self.rows - 1)
+            .checked_mul(self.row_stride)
+            .and_then(|r| r.checked_add((self.cols - 1).checked_mul(self.col_stride)?))
+            .and_then(|x| x.checked_add(self.offset));
+        assert!(
+            last.is_some_and(|last| last < self.data.len()),
+            "matmul_bf16: {name} ({}x{}, strides {}/{}, from {}) reaches past its {} values",
+            self.rows,
+            self.cols,
+            self.row_stride,
+            self.col_stride,
+            self.offset,
+            self.data.len()
+        );
+    }
+}
+
+/// Which kernel a bf16 product runs.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Bf16Path {
+    /// `vdpbf16ps` on operands packed in pairs (AVX512_BF16).
+    Avx512Bf16,
+    /// AVX-512 FMAs on operands widened to f32 as they are packed.
+    Avx512,
+    /// Operands widened to f32, then the f32 product.
+    Widened,
+}
+
+impl Bf16Path {
+    /// The fastest path this CPU takes, within the cap of `ACCELERATE_CPU_ISA`.
+    pub fn detect() -> Self {
+        use crate::isa::{Isa, current, dot_products_at_fma_rate};
+        match current() {
+            Isa::Avx512Bf16 if dot_products_at_fma_rate() => Self::Avx512Bf16,
+            Isa::Avx512Bf16 | Isa::Avx512 => Self::Avx512,
+            _ => Self::Widened,
+        }
+    }
+
+    /// True when this CPU can run the path.
+    pub fn available(self) -> bool {
+        use crate::isa::{Isa, detected};
+        match self {
+            Self::Widened => true,
+            Self::Avx512 => detected() >= Isa::Avx512,
+            Self::Avx512Bf16 => detected() >= Isa::Avx512Bf16,
+        }
+    }
+}
+
+/// `a b` as a new row-major `a.rows x b.cols` f32 matrix, on the path [`Bf16Path::detect`]
+/// chooses, spread over the current rayon pool when large enough.
+///
+/// # Panics
+/// When the shapes do not chain, or a view reaches past its slice.
+pub fn matmul_bf16(a: Bf16Mat<'_>, b: Bf16Mat<'_>) -> Vec<f32> {
+    matmul_bf16_on(Bf16Path::detect(), a, b)
+}
+
+/// [`matmul_bf16`] on `path` (the widened one where this CPU cannot run it): what the tests
+/// and benchmarks use to compare the paths in one process.
+///
+/// # Panics
+/// As [`matmul_bf16`].
+pub fn matmul_bf16_on(path: Bf16Path, a: Bf16Mat<'_>, b: Bf16Mat<'_>) -> Vec<f32> {
+    assert_eq!(
+        a.cols, b.rows,
+        "matmul_bf16: {}x{} by {}x{}",
+        a.rows, a.cols, b.rows, b.cols
+    );
+    a.check("a");
+    b.check("b");
+    let (m, n, k) = (a.rows, b.cols, a.cols);
+    let len = m.checked_mul(n).expect("a product's size fits usize");
+    if len == 0 || k == 0 {
+        return vec![0.0; len];
+    }
+    match path {
+        #[cfg(target_arch = "x86_64")]
+        Bf16Path::Avx512Bf16 | Bf16Path::Avx512 if path.available() => packed(a, b, path),
+        _ => widened(a, b),
+    }
+}
+
+/// The widened path: both operands to f32, row-major, then the f32 product.
+fn widened(a: Bf16Mat<'_>, b: Bf16Mat<'_>) -> Vec<f32> {
+    let widen = |x: Bf16Mat<'_>| -> Vec<f32> {
+        (0..x.rows)
+            .flat_map(|r| (0..x.cols).map(move |c| x.at(r, c).to_f32()))
+            .collect()
+    };
+    let (a32, b32) = (widen(a), widen(b));
+    crate::matmul::product(
+        crate::matmul::Mat::rows_of(&a32, 0, [a.rows, a.cols], a.cols),
+        crate::matmul::Mat::rows_of(&b32, 0, [b.rows, b.cols], b.cols),
+    )
+}
+
+/// Values of `k` one packed 32-bit lane holds on `path`: a pair of bf16 for `vdpbf16ps`, one
+/// value widened to f32 for the FMAs.
+fn per_lane(path: Bf16Path) -> usize {
+    if path == Bf16Path::Avx512Bf16 { 2 } else { 1 }
+}
+
+/// The 32-bit lane of values `k` and `k + 1` (zero past the end) of one row or column: the
+/// pair (`k` in the low half) when `per_lane` is 2, else value `k` as f32 bits.
+fn lane(value: impl Fn(usize) -> bf16, k: usize, len: usize, per_lane: usize) -> u32 {
+    let lo = value(k);
+    if per_lane == 1 {
+        return lo.to_f32().to_bits();
+    }
+    let hi = if k + 1 < len {
+        value(k + 1)
+    } else {
+        bf16::ZERO
+    };
+    u32::from(lo.to_bits()) | (u32::from(hi.to_bits()) << 16)
+}
+
+/// Values `from..from + len` of row `index` of `m` (`along_row`) or of its column `index`, as
+/// one slice when they lie next to each other in memory.
+fn run<'a>(
+    m: &Bf16Mat<'a>,
+    along_row: bool,
+    index: usize,
+    from: usize,
+    len: usize,
+) -> Option<&'a [bf16]> {
+    let (step, start) = if along_row {
+        (
+            m.col_stride,
+            m.offset + index * m.row_stride + from * m.col_stride,
+        )
+    } else {
+        (
+            m.row_stride,
+            m.offset + index * m.col_stride + from * m.row_stride,
+        )
+    };
+    (step == 1 || len <= 1)
+        .then(|| m.data.get(start..start + len))
+        .flatten()
+}
+
+/// Lanes from two runs of values (`hi` absent past the end of `k`, or with one value a lane):
+/// `out[o * stride]` for each value `o`.
+fn put_lanes(out: &mut [u32], stride: usize, lo: &[bf16], hi: Option<&[bf16]>, per_lane: usize) {
+    let slots = out.iter_mut().step_by(stride);
+    match (per_lane, hi) {
+        (1, _) => slots.zip(lo).for_each(|(o, v)| *o = v.to_f32().to_bits()),
+        (_, Some(hi)) => slots
+            .zip(lo.iter().zip(hi))
+            .for_each(|(o, (l, h))| *o = u32::from(l.to_bits()) | (u32::from(h.to_bits()) << 16)),
+        (_, None) => slots.zip(lo).for_each(|(o, l)| *o = u32::from(l.to_bits())),
+    }
+}
+
+/// `b` as panels of [`NR`] columns: panel `p` holds, for each step along `k`, the lanes of
+/// columns `p * NR ..` (zeros past the last column).
+fn pack_b(b: Bf16Mat<'_>, steps: usize, per_lane: usize) -> Vec<u32> {
+    let panels = b.cols.div_ceil(NR);
+    let mut packed = vec![0u32; panels * steps * NR];
+    let fill = |(p, panel): (usize, &mut [u32])| {
+        let width = NR.min(b.cols - p * NR);
+        for s in 0..steps {
+            let k = s * per_lane;
+            let hi = (per_lane == 2 && k + 1 < b.rows).then_some(k + 1);
+            let out = &mut panel[s * NR..s * NR + width];
+            // Rows of `b` read in runs where its columns lie contiguous (a row-major `b`).
+            match (
+                run(&b, true, k, p * NR, width),
+                hi.map(|h| run(&b, true, h, p * NR, width)),
+            ) {
+                (Some(lo), None) => put_lanes(out, 1, lo, None, per_lane),
+                (Some(lo), Some(Some(hi))) => put_lanes(out, 1, lo, Some(hi), per_lane),
+                _ => {
+                    for (j, o) in out.iter_mut().enumerate() {
+                        *o = lane(|k| b.at(k, p * NR + j), k, b.rows, per_lane);
+                    }
+                }
+            }
+        }
+    };
+    packed.par_chunks_mut(steps * NR).enumerate().for_each(fill);
+    packed
+}
+
+/// Rows `rows` of `a` as panels of [`MR`] rows: for each step along `k`, the lanes of each
+/// row (zeros past the last row).
+fn pack_a(
+    a: Bf16Mat<'_>,
+    rows: Range<usize>,
+    steps: usize,
+    per_lane: usize,
+    packed: &mut Vec<u32>,
+) {
+    let panels = rows.len().div_ceil(MR);
+    packed.clear();
+    packed.resize(panels * steps * MR, 0);
+    let k_len = a.cols;
+    for (p, panel) in packed.chunks_mut(steps * MR).enumerate() {
+        let height = MR.min(rows.len() - p * MR);
+        let first = rows.start + p * MR;
+        if run(&a, true, first, 0, k_len).is_some() && k_len > 1 {
+            // A row-major `a`: each row's `k` values in one run, laid across the steps.
+            for i in 0..height {
+                let Some(row) = run(&a, true, first + i, 0, k_len) else {
+                    continue;
+                };
+                let (lo, hi): (Vec<bf16>, Vec<bf16>) = if per_lane == 1 {
+                    (row.to_vec(), Vec::new())
+                } else {
+                    let even = row.iter().step_by(2).copied().collect();
+                    // Zero past an odd `k`'s end, so every step has its pair.
+                    let odd = row
+                        .iter()
+                        .skip(1)
+                        .step_by(2)
+                        .copied()
+                        .chain((k_len % 2 == 1).then_some(bf16::ZERO))
+                        .collect();
+                    (even, odd)
+                };
+                let hi = (per_lane == 2).then_some(hi.as_slice());
+                put_lanes(&mut panel[i..], MR, &lo, hi, per_lane);
+            }
+        } else if run(&a, false, 0, first, height).is_some() && height > 1 {
+            // A transposed `a` (X^T): each step's values of the panel's rows in one run.
+            for s in 0..steps {
+                let k = s * per_lane;
+                let out = &mut panel[s * MR..s * MR + height];
+                let lo = run(&a, false, k, first, height).unwrap_or_default();
+                let hi = (per_lane == 2 && k + 1 < k_len)
+                    .then(|| run(&a, false, k + 1, first, height).unwrap_or_default());
+                put_lanes(out, 1, lo, hi, per_lane);
+            }
+        } else {
+            for i in 0..height {
+                for s in 0..steps {
+                    panel[s * MR + i] = lane(|k| a.at(first + i, k), s * per_lane, k_len, per_lane);
+                }
+            }
+        }
+    }
+}
+
+/// The packed paths: `b` packed once, then blocks of [`BLOCK_ROWS`] rows, each packing its
+/// rows of `a` and computing its tiles with `path`'s microkernel.
+#[cfg(target_arch = "x86_64")]
+fn packed(a: Bf16Mat<'_>, b: Bf16Mat<'_>, path: Bf16Path) -> Vec<f32> {
+    let (m, n, k) = (a.rows, b.cols, a.cols);
+    let per_lane = per_lane(path);
+    let steps = k.div_ceil(per_lane);
+    let packed_b = pack_b(b, steps, per_lane);
+    let mut c = vec![0.0f32; m * n];
+    let block = |(index, rows_out): (usize, &mut [f32])| {
+        let start = index * BLOCK_ROWS;
+        let rows = start..(start + BLOCK_ROWS).min(m);
+        let mut packed_a = Vec::new();
+        pack_a(a, rows.clone(), steps, per_lane, &mut packed_a);
+        let mut tile = [0.0f32; MR * NR];
+        for (p, b_panel) in packed_b.chunks(steps * NR).enumerate() {
+            let cols = p * NR..((p + 1) * NR).min(n);
+            for (t, a_panel) in packed_a.chunks(steps * MR).enumerate() {
+                avx512::tile(path, a_panel, b_panel, steps, &mut tile);
+                let first = t * MR;
+                let count = MR.min(rows.len() - first);
+                for i in 0..count {
+                    let out = &mut rows_out[(first + i) * n..][cols.clone()];
+                    out.copy_from_slice(&tile[i * NR..i * NR + cols.len()]);
+                }
+            }
+        }
+    };
+    if m.saturating_mul(n).saturating_mul(k) >= PARALLEL_FROM {
+        c.par_chunks_mut(BLOCK_ROWS * n).enumerate().for_each(block);
+    } else {
+        c.chunks_mut(BLOCK_ROWS * n).enumerate().for_each(block);
+    }
+    c
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Deterministic values of both signs and many magnitudes (none subnormal).
+    fn values(len: usize, seed: u64) -> Vec<bf16> {
+        let mut state = seed.wrapping_mul(0x9e37_79b9_7f4a_7c15) | 1;
+        (0..len)
+            .map(|_| {
+                state ^= state << 13;
+                state ^= state >> 7;
+                state ^= state << 17;
+                let unit = (state >> 40) as f32 / (1u64 << 24) as f32;
+                let scale = [0.01f32, 0.5, 1.0, 3.0, 40.0][(state % 5) as usize];
+                bf16::from_f32((unit - 0.5) * scale)
+            })
+            .collect()
+    }
+
+    /// Each element against an f64 product of the same bf16 values: products of bf16 are
+    /// exact in f32, so the only error is f32 summation, at most `(k + 1) u` of the sum of
+    /// absolute terms (`u = 2^-24`; `vdpbf16ps` rounds a pair's sum, then its addition; an
+    /// FMA rounds once per step).
+    fn check(path: Bf16Path, a: Bf16Mat<'_>, b: Bf16Mat<'_>) {
+        let c = matmul_bf16_on(path, a, b);
+        let (m, n, k) = (a.rows, b.cols, a.cols);
+        assert_eq!(c.len(), m * n);
+        let bound_factor = (k as f64 + 1.0) * 2f64.powi(-24) * 1.01;
+        for r in 0..m {
+            for col in 0..n {
+                let (mut exact, mut magnitude) = (0.0f64, 0.0f64);
+                for i in 0..k {
+                    let term = f64::from(a.at(r, i).to_f32()) * f64::from(b.at(i, col).to_f32());
+                    exact += term;
+                    magnitude += term.abs();
+                }
+                let got = f64::from(c[r * n + col]);
+                assert!(
+                    (got - exact).abs() <= bound_factor * magnitude,
+                    "{path:?} {m}x{k} by {k}x{n}, ({r}, {col}): {got} for {exact} (bound {})",
+                    bound_factor * magnitude
+                );
+            }
+        }
+    }
+
+    fn paths() -> Vec<Bf16Path> {
+        [Bf16Path::Avx512Bf16, Bf16Path::Avx512, Bf16Path::Widened]
+            .into_iter()
+            .filter(|p| p.available())
+            .collect()
+    }
+
+    /// Odd sizes, `k` odd and not a multiple of 32, single rows and columns, tiles cut at
+    /// every edge, and the transposed operands of a linear layer's backward.
+    #[test]
+    fn products_match_an_f64_reference_of_the_bf16_values() {
+        let shapes = [
+            (1, 1, 1),
+            (1, 33, 7),
+            (13, 29, 65),
+            (12, 32, 64),
+            (25, 70, 3),
+            (49, 31, 130),
+            (2, 100, 257),
+            (97, 65, 1),
+        ];
+        for path in paths() {
+            for (m, n, k) in shapes {
+                let a = values(m * k, 1);
+                let b = values(k * n, 2);
+                let a_t = values(k * m, 3);
+                let b_t = values(n * k, 4);
+                check(
+                    path,
+                    Bf16Mat::row_major(&a, m, k),
+                    Bf16Mat::row_major(&b, k, n),
+                );
+                // x W^T (b stored n x k) and X^T dY (a stored k x m).
+                check(
+                    path,
+                    Bf16Mat::row_major(&a, m, k),
+                    Bf16Mat::row_major(&b_t, n, k).t(),
+                );
+                check(
+                    path,
+                    Bf16Mat::row_major(&a_t, k, m).t(),
+                    Bf16Mat::row_major(&b, k, n),
+                );
+            }
+        }
+    }
+
+    /// A product large enough to be split among threads gives the same bits on 1, 2 and 3
+    /// threads, on every path.
+    #[test]
+    fn the_bits_do_not_depend_on_the_number_of_threads() {
+        let (m, n, k) = (203, 190, 201);
+        let a = values(m * k, 5);
+        let b = values(k * n, 6);
+        for path in paths() {
+            let on = |threads: usize| -> Vec<u32> {
+                let pool = rayon::ThreadPoolBuilder::new()
+                    .num_threads(threads)
+                    .build()
+                    .unwrap();
+                pool.install(|| {
+                    matmul_bf16_on(
+                        path,
+                        Bf16Mat::row_major(&a, m, k),
+                        Bf16Mat::row_major(&b, k, n),
+                    )
+                })
+                .iter()
+                .map(|v| v.to_bits())
+                .collect()
+            };
+            let one = on(1);
+            assert_eq!(one, on(2), "{path:?}");
+            assert_eq!(one, on(3), "{path:?}");
+        }
+    }
+
+    #[test]
+    fn empty_products_are_zeros_and_bad_views_are_refused() {
+        let a = values(6, 7);
+        let zero_k = matmul_bf16(
+            Bf16Mat::row_major(&a[..0], 2, 0),
+            Bf16Mat::row_major(&a[..0], 0, 3),
+        );
+        assert_eq!(zero_k, vec![0.0; 6]);
+        let refused = std::panic::catch_unwind(|| {
+            matmul_bf16(Bf16Mat::row_major(&a, 2, 3), Bf16Mat::row_major(&a, 3, 3))
+        });
+        assert!(refused.is_err(), "a 3x3 view of 6 values");
+    }
+}
