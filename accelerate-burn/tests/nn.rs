@@ -591,6 +591,97 @@ fn linear_equals_burns_on(device: &Device) {
     }
 }
 
+/// `nn::linear` in bf16 (autocast's type: bf16 products accumulated in f32, each result
+/// rounded once) against Burn's f32 linear layer of the same bf16 values: outputs and the
+/// gradients of the input, the weight and the bias within one bf16 rounding (2^-8, normwise),
+/// every result in bf16, over odd shapes, with and without a bias, a transposed weight. On
+/// Flex (NdArray has no bf16).
+#[cfg(feature = "flex")]
+#[test]
+fn linear_in_bf16_is_an_f32_product_of_the_same_values_rounded_once() {
+    use burn::tensor::DType;
+    let device = Device::default().autodiff();
+    for ([batch, seq, d_in, d_out], bias, transposed) in [
+        ([1, 1, 1, 1], true, false),
+        ([1, 3, 7, 5], false, false),
+        ([2, 17, 33, 1], true, true),
+        ([3, 5, 64, 129], true, true),
+        ([2, 64, 256, 768], true, false),
+    ] {
+        let what = format!(
+            "{:?} bias {bias} transposed {transposed}",
+            [batch, seq, d_in, d_out]
+        );
+        let half = |t: Tensor<3>| t.cast(FloatDType::BF16);
+        let input = half(Tensor::random(
+            [batch, seq, d_in],
+            Distribution::Normal(0.0, 1.0),
+            &device,
+        ));
+        let stored = if transposed {
+            [d_out, d_in]
+        } else {
+            [d_in, d_out]
+        };
+        let weight = Tensor::<2>::random(stored, Distribution::Normal(0.0, 0.2), &device)
+            .cast(FloatDType::BF16);
+        let b = Tensor::<1>::random([d_out], Distribution::Normal(0.0, 1.0), &device)
+            .cast(FloatDType::BF16);
+        let dy = half(Tensor::random(
+            [batch, seq, d_out],
+            Distribution::Normal(0.0, 1.0),
+            &device,
+        ));
+        let run = |dtype: FloatDType, ours: bool| {
+            let x = input.clone().cast(dtype).require_grad();
+            let w = weight.clone().cast(dtype).require_grad();
+            let bias_param = b.clone().cast(dtype).require_grad();
+            let view = if transposed {
+                w.clone().transpose()
+            } else {
+                w.clone()
+            };
+            let bias_arg = bias.then(|| bias_param.clone());
+            let y = if ours {
+                nn::linear(x.clone(), view, bias_arg)
+            } else {
+                burn::tensor::module::linear(x.clone(), view, bias_arg)
+            };
+            let grads = (y.clone() * dy.clone().cast(dtype)).sum().backward();
+            let mut out = vec![
+                y,
+                x.grad(&grads).unwrap(),
+                w.grad(&grads).unwrap().reshape([1, 1, -1]),
+            ];
+            if bias {
+                out.push(bias_param.grad(&grads).unwrap().reshape([1, 1, -1]));
+            }
+            out
+        };
+        let ours = run(FloatDType::BF16, true);
+        let reference = run(FloatDType::F32, false);
+        for (name, (ours, reference)) in ["y", "dx", "dW", "db"]
+            .iter()
+            .zip(ours.into_iter().zip(reference))
+        {
+            assert_eq!(ours.dtype(), DType::BF16, "{name} {what}");
+            let ours: Vec<f32> = ours
+                .cast(FloatDType::F32)
+                .into_data()
+                .iter::<f32>()
+                .collect();
+            let reference: Vec<f32> = reference.into_data().iter::<f32>().collect();
+            let (mut diff, mut norm) = (0.0f64, 0.0f64);
+            for (a, r) in ours.iter().zip(&reference) {
+                diff += f64::from(a - r).powi(2);
+                norm += f64::from(*r).powi(2);
+            }
+            let relative = (diff / norm.max(f64::MIN_POSITIVE)).sqrt();
+            assert!(relative <= 2f64.powi(-8), "{name} {what}: {relative:e}");
+        }
+    }
+}
+
 /// f64 tensors are not ours to compute: Burn's `linear` runs, with its result.
 #[test]
 fn linear_of_other_float_types_is_burns() {

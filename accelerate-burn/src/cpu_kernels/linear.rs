@@ -5,7 +5,14 @@
 //! on the calling thread around each one (a zero-filled output copied again for alignment, a
 //! separate bias pass, a single-threaded bias gradient), which left the second core idle for
 //! about a fifth of a transformer's step.
+//!
+//! bf16 tensors (autocast) take [`accelerate_kernels::bf16_matmul`]'s products instead: bf16
+//! operands, f32 accumulation, each result rounded once to bf16; the bias added and its
+//! gradient summed in f32. Burn's Flex widens both operands to f32 and narrows the result for
+//! every bf16 product.
 
+use accelerate_kernels::bf16_matmul::{Bf16Mat, matmul_bf16};
+use accelerate_kernels::convert::{bf16_to_f32_slice, f32_to_bf16_slice};
 use accelerate_kernels::linear::{self, Weight};
 use burn::backend::Flex;
 use burn::backend::TensorMetadata;
@@ -17,7 +24,7 @@ use burn::backend::autodiff::grads::Gradients;
 use burn::backend::autodiff::ops::{Backward, NodeGuard, Ops, OpsKind};
 use burn::backend::flex::FlexTensor;
 use burn::backend::tensor::FloatTensor;
-use burn::tensor::Shape;
+use burn::tensor::{DType, Shape, TensorData, bf16};
 
 use super::{contiguous, flex_tensor, values};
 
@@ -65,6 +72,18 @@ impl WeightView {
         }
     }
 
+    /// The weight as a bf16 matrix view (a bf16 weight).
+    fn bf16(&self) -> Bf16Mat<'_> {
+        Bf16Mat {
+            data: self.tensor.storage::<bf16>(),
+            offset: self.offset,
+            rows: self.d_in,
+            cols: self.d_out,
+            row_stride: self.row_stride,
+            col_stride: self.col_stride,
+        }
+    }
+
     fn weight(&self) -> Weight<'_> {
         Weight {
             data: self.tensor.storage::<f32>(),
@@ -86,6 +105,30 @@ fn with_last(shape: &Shape, width: usize) -> Shape {
     dims.into()
 }
 
+/// The bf16 values of a contiguous bf16 tensor.
+fn bf16_values(tensor: &FlexTensor) -> &[bf16] {
+    tensor.as_slice::<bf16>().unwrap_or(&[])
+}
+
+/// `values` widened to f32.
+fn widened(values: &[bf16]) -> Vec<f32> {
+    let mut out = vec![0.0; values.len()];
+    bf16_to_f32_slice(values, &mut out);
+    out
+}
+
+/// A bf16 Flex tensor of `shape` holding `values` rounded once.
+fn narrowed(values: &[f32], shape: Shape) -> FlexTensor {
+    let mut out = vec![bf16::ZERO; values.len()];
+    f32_to_bf16_slice(values, &mut out);
+    FlexTensor::from_data(TensorData::new(out, shape))
+}
+
+/// `rows x width` row-major bf16 values as a matrix view.
+fn bf16_rows(values: &[bf16], width: usize) -> Bf16Mat<'_> {
+    Bf16Mat::row_major(values, values.len().checked_div(width).unwrap_or(0), width)
+}
+
 /// `x W (+ b)` of Flex tensors, `x` `[..., d_in]`.
 pub(super) fn forward(
     x: &FlexTensor,
@@ -96,6 +139,16 @@ pub(super) fn forward(
     let shape = with_last(&x.shape(), view.d_out);
     let x = contiguous(x);
     let bias = bias.map(contiguous);
+    if x.dtype() == DType::BF16 {
+        let mut y = matmul_bf16(bf16_rows(bf16_values(&x), view.d_in), view.bf16());
+        if let Some(bias) = &bias {
+            let bias = widened(bf16_values(bias));
+            for row in y.chunks_exact_mut(view.d_out.max(1)) {
+                row.iter_mut().zip(&bias).for_each(|(y, b)| *y += b);
+            }
+        }
+        return narrowed(&y, shape);
+    }
     let y = linear::forward(values(&x), view.weight(), bias.as_ref().map(values));
     flex_tensor(y, shape)
 }
@@ -105,6 +158,10 @@ pub(super) fn input_grad(dy: &FlexTensor, weight: &FlexTensor) -> FlexTensor {
     let view = WeightView::of(weight);
     let shape = with_last(&dy.shape(), view.d_in);
     let dy = contiguous(dy);
+    if dy.dtype() == DType::BF16 {
+        let dx = matmul_bf16(bf16_rows(bf16_values(&dy), view.d_out), view.bf16().t());
+        return narrowed(&dx, shape);
+    }
     flex_tensor(linear::input_grad(values(&dy), view.weight()), shape)
 }
 
@@ -113,14 +170,23 @@ pub(super) fn weight_grad(x: &FlexTensor, dy: &FlexTensor) -> FlexTensor {
     let d_in = x.shape().as_slice().last().copied().unwrap_or(1);
     let d_out = dy.shape().as_slice().last().copied().unwrap_or(1);
     let (x, dy) = (contiguous(x), contiguous(dy));
+    if dy.dtype() == DType::BF16 {
+        let x = bf16_rows(bf16_values(&x), d_in).t();
+        let grad = matmul_bf16(x, bf16_rows(bf16_values(&dy), d_out));
+        return narrowed(&grad, [d_in, d_out].into());
+    }
     let grad = linear::weight_grad(values(&x), values(&dy), d_in, d_out);
     flex_tensor(grad, [d_in, d_out].into())
 }
 
-/// The sums of `dy` over every leading dimension, `[d_out]`.
+/// The sums of `dy` over every leading dimension, `[d_out]` (summed in f32 for bf16).
 pub(super) fn bias_grad(dy: &FlexTensor) -> FlexTensor {
     let d_out = dy.shape().as_slice().last().copied().unwrap_or(1);
     let dy = contiguous(dy);
+    if dy.dtype() == DType::BF16 {
+        let sums = linear::bias_grad(&widened(bf16_values(&dy)), d_out);
+        return narrowed(&sums, [d_out].into());
+    }
     flex_tensor(linear::bias_grad(values(&dy), d_out), [d_out].into())
 }
 

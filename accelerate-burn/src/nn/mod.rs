@@ -58,6 +58,21 @@ pub(crate) fn on_flex(device: &burn::tensor::Device) -> bool {
     )
 }
 
+/// Whether `x`, the `weights` and the `bias` are all bf16 on Flex: what the linear layer's bf16
+/// products take (autocast's types).
+#[cfg(feature = "flex")]
+pub(crate) fn all_bf16_on_flex<const D: usize>(
+    x: &burn::tensor::Tensor<D>,
+    weights: &[&burn::tensor::Tensor<2>],
+    bias: Option<&burn::tensor::Tensor<1>>,
+) -> bool {
+    use burn::tensor::DType;
+    x.dtype() == DType::BF16
+        && weights.iter().all(|w| w.dtype() == DType::BF16)
+        && bias.is_none_or(|b| b.dtype() == DType::BF16)
+        && on_flex(&x.device())
+}
+
 /// Whether `x`, the `weights` and the `bias` are all f32 on Flex: what our kernels that keep
 /// parameters (the linear layers) take; other types use Burn's operations.
 #[cfg(feature = "flex")]
