@@ -28,8 +28,10 @@ use rayon::prelude::*;
 mod avx512;
 
 /// Rows of the microkernel's tile.
+#[cfg_attr(not(target_arch = "x86_64"), allow(dead_code))]
 const MR: usize = 24;
 /// Columns of the microkernel's tile (one AVX-512 register of f32).
+#[cfg_attr(not(target_arch = "x86_64"), allow(dead_code))]
 const NR: usize = 16;
 /// Rows one task computes: a fixed split, whatever the number of threads.
 pub const BLOCK_ROWS: usize = 2 * MR;
@@ -188,12 +190,14 @@ fn widened(a: Bf16Mat<'_>, b: Bf16Mat<'_>) -> Vec<f32> {
 
 /// Values of `k` one packed 32-bit lane holds on `path`: a pair of bf16 for `vdpbf16ps`, one
 /// value widened to f32 for the FMAs.
+#[cfg_attr(not(target_arch = "x86_64"), allow(dead_code))]
 fn per_lane(path: Bf16Path) -> usize {
     if path == Bf16Path::Avx512Bf16 { 2 } else { 1 }
 }
 
 /// The 32-bit lane of values `k` and `k + 1` (zero past the end) of one row or column: the
 /// pair (`k` in the low half) when `per_lane` is 2, else value `k` as f32 bits.
+#[cfg_attr(not(target_arch = "x86_64"), allow(dead_code))]
 fn lane(value: impl Fn(usize) -> bf16, k: usize, len: usize, per_lane: usize) -> u32 {
     let lo = value(k);
     if per_lane == 1 {
@@ -209,6 +213,7 @@ fn lane(value: impl Fn(usize) -> bf16, k: usize, len: usize, per_lane: usize) ->
 
 /// Values `from..from + len` of row `index` of `m` (`along_row`) or of its column `index`, as
 /// one slice when they lie next to each other in memory.
+#[cfg_attr(not(target_arch = "x86_64"), allow(dead_code))]
 fn run<'a>(
     m: &Bf16Mat<'a>,
     along_row: bool,
@@ -234,6 +239,7 @@ fn run<'a>(
 
 /// Lanes from two runs of values (`hi` absent past the end of `k`, or with one value a lane):
 /// `out[o * stride]` for each value `o`.
+#[cfg_attr(not(target_arch = "x86_64"), allow(dead_code))]
 fn put_lanes(out: &mut [u32], stride: usize, lo: &[bf16], hi: Option<&[bf16]>, per_lane: usize) {
     let slots = out.iter_mut().step_by(stride);
     match (per_lane, hi) {
@@ -247,6 +253,7 @@ fn put_lanes(out: &mut [u32], stride: usize, lo: &[bf16], hi: Option<&[bf16]>, p
 
 /// `b` as panels of [`NR`] columns: panel `p` holds, for each step along `k`, the lanes of
 /// columns `p * NR ..` (zeros past the last column).
+#[cfg_attr(not(target_arch = "x86_64"), allow(dead_code))]
 fn pack_b(b: Bf16Mat<'_>, steps: usize, per_lane: usize) -> Vec<u32> {
     let panels = b.cols.div_ceil(NR);
     let mut packed = vec![0u32; panels * steps * NR];
@@ -277,6 +284,7 @@ fn pack_b(b: Bf16Mat<'_>, steps: usize, per_lane: usize) -> Vec<u32> {
 
 /// Rows `rows` of `a` as panels of [`MR`] rows: for each step along `k`, the lanes of each
 /// row (zeros past the last row).
+#[cfg_attr(not(target_arch = "x86_64"), allow(dead_code))]
 fn pack_a(
     a: Bf16Mat<'_>,
     rows: Range<usize>,
