@@ -201,7 +201,7 @@ fn per_lane(path: Bf16Path) -> usize {
 fn lane(value: impl Fn(usize) -> bf16, k: usize, len: usize, per_lane: usize) -> u32 {
     let lo = value(k);
     if per_lane == 1 {
-        return lo.to_f32().to_bits();
+        return u32::from(lo.to_bits()) << 16;
     }
     let hi = if k + 1 < len {
         value(k + 1)
@@ -243,7 +243,10 @@ fn run<'a>(
 fn put_lanes(out: &mut [u32], stride: usize, lo: &[bf16], hi: Option<&[bf16]>, per_lane: usize) {
     let slots = out.iter_mut().step_by(stride);
     match (per_lane, hi) {
-        (1, _) => slots.zip(lo).for_each(|(o, v)| *o = v.to_f32().to_bits()),
+        // Widening bf16 is exact: its bits are the f32's upper half.
+        (1, _) => slots
+            .zip(lo)
+            .for_each(|(o, v)| *o = u32::from(v.to_bits()) << 16),
         (_, Some(hi)) => slots
             .zip(lo.iter().zip(hi))
             .for_each(|(o, (l, h))| *o = u32::from(l.to_bits()) | (u32::from(h.to_bits()) << 16)),
@@ -305,22 +308,20 @@ fn pack_a(
                 let Some(row) = run(&a, true, first + i, 0, k_len) else {
                     continue;
                 };
-                let (lo, hi): (Vec<bf16>, Vec<bf16>) = if per_lane == 1 {
-                    (row.to_vec(), Vec::new())
-                } else {
-                    let even = row.iter().step_by(2).copied().collect();
-                    // Zero past an odd `k`'s end, so every step has its pair.
-                    let odd = row
-                        .iter()
-                        .skip(1)
-                        .step_by(2)
-                        .copied()
-                        .chain((k_len % 2 == 1).then_some(bf16::ZERO))
-                        .collect();
-                    (even, odd)
-                };
-                let hi = (per_lane == 2).then_some(hi.as_slice());
-                put_lanes(&mut panel[i..], MR, &lo, hi, per_lane);
+                if per_lane == 1 {
+                    put_lanes(&mut panel[i..], MR, row, None, 1);
+                    continue;
+                }
+                let even: Vec<bf16> = row.iter().step_by(2).copied().collect();
+                // Zero past an odd `k`'s end, so every step has its pair.
+                let odd: Vec<bf16> = row
+                    .iter()
+                    .skip(1)
+                    .step_by(2)
+                    .copied()
+                    .chain((k_len % 2 == 1).then_some(bf16::ZERO))
+                    .collect();
+                put_lanes(&mut panel[i..], MR, &even, Some(&odd), 2);
             }
         } else if run(&a, false, 0, first, height).is_some() && height > 1 {
             // A transposed `a` (X^T): each step's values of the panel's rows in one run.
