@@ -591,15 +591,28 @@ fn linear_equals_burns_on(device: &Device) {
     }
 }
 
-/// `nn::linear` in bf16 (autocast's type: bf16 products accumulated in f32, each result
-/// rounded once) against Burn's f32 linear layer of the same bf16 values: outputs and the
-/// gradients of the input, the weight and the bias within one bf16 rounding (2^-8, normwise),
-/// every result in bf16, over odd shapes, with and without a bias, a transposed weight. On
-/// Flex (NdArray has no bf16).
+/// `nn::linear` in bf16 and in f16 (autocast's types: half-precision products accumulated in
+/// f32, each result rounded once) against Burn's f32 linear layer of the same values: outputs
+/// and the gradients of the input, the weight and the bias within one rounding of the type
+/// (2^-8 for bf16, 2^-11 for f16, normwise), every result in the type, over odd shapes, with
+/// and without a bias, a transposed weight. On Flex (NdArray has no bf16).
 #[cfg(feature = "flex")]
 #[test]
-fn linear_in_bf16_is_an_f32_product_of_the_same_values_rounded_once() {
-    use burn::tensor::DType;
+fn linear_in_half_precision_is_an_f32_product_of_the_same_values_rounded_once() {
+    for (half, dtype, rounding) in [
+        (FloatDType::BF16, burn::tensor::DType::BF16, 2f64.powi(-8)),
+        (FloatDType::F16, burn::tensor::DType::F16, 2f64.powi(-11)),
+    ] {
+        linear_in_half_is_an_f32_product_rounded_once(half, dtype, rounding);
+    }
+}
+
+#[cfg(feature = "flex")]
+fn linear_in_half_is_an_f32_product_rounded_once(
+    half_type: FloatDType,
+    half_dtype: burn::tensor::DType,
+    rounding: f64,
+) {
     let device = Device::default().autodiff();
     for ([batch, seq, d_in, d_out], bias, transposed) in [
         ([1, 1, 1, 1], true, false),
@@ -612,7 +625,7 @@ fn linear_in_bf16_is_an_f32_product_of_the_same_values_rounded_once() {
             "{:?} bias {bias} transposed {transposed}",
             [batch, seq, d_in, d_out]
         );
-        let half = |t: Tensor<3>| t.cast(FloatDType::BF16);
+        let half = |t: Tensor<3>| t.cast(half_type);
         let input = half(Tensor::random(
             [batch, seq, d_in],
             Distribution::Normal(0.0, 1.0),
@@ -623,10 +636,10 @@ fn linear_in_bf16_is_an_f32_product_of_the_same_values_rounded_once() {
         } else {
             [d_in, d_out]
         };
-        let weight = Tensor::<2>::random(stored, Distribution::Normal(0.0, 0.2), &device)
-            .cast(FloatDType::BF16);
-        let b = Tensor::<1>::random([d_out], Distribution::Normal(0.0, 1.0), &device)
-            .cast(FloatDType::BF16);
+        let weight =
+            Tensor::<2>::random(stored, Distribution::Normal(0.0, 0.2), &device).cast(half_type);
+        let b =
+            Tensor::<1>::random([d_out], Distribution::Normal(0.0, 1.0), &device).cast(half_type);
         let dy = half(Tensor::random(
             [batch, seq, d_out],
             Distribution::Normal(0.0, 1.0),
@@ -658,13 +671,13 @@ fn linear_in_bf16_is_an_f32_product_of_the_same_values_rounded_once() {
             }
             out
         };
-        let ours = run(FloatDType::BF16, true);
+        let ours = run(half_type, true);
         let reference = run(FloatDType::F32, false);
         for (name, (ours, reference)) in ["y", "dx", "dW", "db"]
             .iter()
             .zip(ours.into_iter().zip(reference))
         {
-            assert_eq!(ours.dtype(), DType::BF16, "{name} {what}");
+            assert_eq!(ours.dtype(), half_dtype, "{name} {what}");
             let ours: Vec<f32> = ours
                 .cast(FloatDType::F32)
                 .into_data()
@@ -677,7 +690,10 @@ fn linear_in_bf16_is_an_f32_product_of_the_same_values_rounded_once() {
                 norm += f64::from(*r).powi(2);
             }
             let relative = (diff / norm.max(f64::MIN_POSITIVE)).sqrt();
-            assert!(relative <= 2f64.powi(-8), "{name} {what}: {relative:e}");
+            assert!(
+                relative <= rounding,
+                "{half_type:?} {name} {what}: {relative:e}"
+            );
         }
     }
 }

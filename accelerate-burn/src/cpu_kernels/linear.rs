@@ -6,13 +6,15 @@
 //! separate bias pass, a single-threaded bias gradient), which left the second core idle for
 //! about a fifth of a transformer's step.
 //!
-//! bf16 tensors (autocast) take [`accelerate_kernels::bf16_matmul`]'s products instead: bf16
-//! operands, f32 accumulation, each result rounded once to bf16; the bias added and its
-//! gradient summed in f32. Burn's Flex widens both operands to f32 and narrows the result for
-//! every bf16 product.
+//! bf16 and f16 tensors (autocast) take [`accelerate_kernels::bf16_matmul`]'s products instead:
+//! half-precision operands, f32 accumulation, each result rounded once to the tensor's type;
+//! the bias added and its gradient summed in f32. Burn's Flex widens both operands to f32 and narrows the result for
+//! every half-precision product.
 
-use accelerate_kernels::bf16_matmul::{Bf16Mat, matmul_bf16};
-use accelerate_kernels::convert::{bf16_to_f32_slice, f32_to_bf16_slice};
+use accelerate_kernels::bf16_matmul::{HalfElement, HalfMat, matmul_bf16, matmul_f16};
+use accelerate_kernels::convert::{
+    bf16_to_f32_slice, f16_to_f32_slice, f32_to_bf16_slice, f32_to_f16_slice,
+};
 use accelerate_kernels::linear::{self, Weight};
 use burn::backend::Flex;
 use burn::backend::TensorMetadata;
@@ -24,7 +26,7 @@ use burn::backend::autodiff::grads::Gradients;
 use burn::backend::autodiff::ops::{Backward, NodeGuard, Ops, OpsKind};
 use burn::backend::flex::FlexTensor;
 use burn::backend::tensor::FloatTensor;
-use burn::tensor::{DType, Shape, TensorData, bf16};
+use burn::tensor::{DType, Shape, TensorData, bf16, f16};
 
 use super::{contiguous, flex_tensor, values};
 
@@ -72,10 +74,10 @@ impl WeightView {
         }
     }
 
-    /// The weight as a bf16 matrix view (a bf16 weight).
-    fn bf16(&self) -> Bf16Mat<'_> {
-        Bf16Mat {
-            data: self.tensor.storage::<bf16>(),
+    /// The weight as a half-precision matrix view (a weight of type `T`).
+    fn half<T: Half>(&self) -> HalfMat<'_, T> {
+        HalfMat {
+            data: self.tensor.storage::<T>(),
             offset: self.offset,
             rows: self.d_in,
             cols: self.d_out,
@@ -105,28 +107,106 @@ fn with_last(shape: &Shape, width: usize) -> Shape {
     dims.into()
 }
 
-/// The bf16 values of a contiguous bf16 tensor.
-fn bf16_values(tensor: &FlexTensor) -> &[bf16] {
-    tensor.as_slice::<bf16>().unwrap_or(&[])
+/// The half-precision types the layer computes with half-precision products.
+trait Half: HalfElement + burn::tensor::Element + bytemuck::Pod {
+    /// `a b`, accumulated in f32.
+    fn product(a: HalfMat<'_, Self>, b: HalfMat<'_, Self>) -> Vec<f32>;
+    /// `src` widened into `dst`.
+    fn widen(src: &[Self], dst: &mut [f32]);
+    /// `src` rounded into `dst`.
+    fn narrow(src: &[f32], dst: &mut [Self]);
+}
+
+impl Half for bf16 {
+    fn product(a: HalfMat<'_, Self>, b: HalfMat<'_, Self>) -> Vec<f32> {
+        matmul_bf16(a, b)
+    }
+    fn widen(src: &[Self], dst: &mut [f32]) {
+        bf16_to_f32_slice(src, dst);
+    }
+    fn narrow(src: &[f32], dst: &mut [Self]) {
+        f32_to_bf16_slice(src, dst);
+    }
+}
+
+impl Half for f16 {
+    fn product(a: HalfMat<'_, Self>, b: HalfMat<'_, Self>) -> Vec<f32> {
+        matmul_f16(a, b)
+    }
+    fn widen(src: &[Self], dst: &mut [f32]) {
+        f16_to_f32_slice(src, dst);
+    }
+    fn narrow(src: &[f32], dst: &mut [Self]) {
+        f32_to_f16_slice(src, dst);
+    }
+}
+
+/// The values of a contiguous tensor of type `T`.
+fn half_values<T: Half>(tensor: &FlexTensor) -> &[T] {
+    tensor.as_slice::<T>().unwrap_or(&[])
 }
 
 /// `values` widened to f32.
-fn widened(values: &[bf16]) -> Vec<f32> {
+fn widened<T: Half>(values: &[T]) -> Vec<f32> {
     let mut out = vec![0.0; values.len()];
-    bf16_to_f32_slice(values, &mut out);
+    T::widen(values, &mut out);
     out
 }
 
-/// A bf16 Flex tensor of `shape` holding `values` rounded once.
-fn narrowed(values: &[f32], shape: Shape) -> FlexTensor {
-    let mut out = vec![bf16::ZERO; values.len()];
-    f32_to_bf16_slice(values, &mut out);
+/// A Flex tensor of type `T` and `shape` holding `values` rounded once.
+fn narrowed<T: Half>(values: &[f32], shape: Shape) -> FlexTensor {
+    let mut out = vec![T::ZERO; values.len()];
+    T::narrow(values, &mut out);
     FlexTensor::from_data(TensorData::new(out, shape))
 }
 
-/// `rows x width` row-major bf16 values as a matrix view.
-fn bf16_rows(values: &[bf16], width: usize) -> Bf16Mat<'_> {
-    Bf16Mat::row_major(values, values.len().checked_div(width).unwrap_or(0), width)
+/// `rows x width` row-major values as a matrix view.
+fn half_rows<T: Half>(values: &[T], width: usize) -> HalfMat<'_, T> {
+    HalfMat::row_major(values, values.len().checked_div(width).unwrap_or(0), width)
+}
+
+/// The half-precision forward: `x W` (+ the bias, in f32), rounded once.
+fn forward_half<T: Half>(
+    x: &FlexTensor,
+    view: &WeightView,
+    bias: Option<&FlexTensor>,
+    shape: Shape,
+) -> FlexTensor {
+    let mut y = T::product(half_rows(half_values::<T>(x), view.d_in), view.half());
+    if let Some(bias) = bias {
+        let bias = widened(half_values::<T>(bias));
+        for row in y.chunks_exact_mut(view.d_out.max(1)) {
+            row.iter_mut().zip(&bias).for_each(|(y, b)| *y += b);
+        }
+    }
+    narrowed::<T>(&y, shape)
+}
+
+/// The half-precision input gradient `dy W^T`, rounded once.
+fn input_grad_half<T: Half>(dy: &FlexTensor, view: &WeightView, shape: Shape) -> FlexTensor {
+    let dx = T::product(
+        half_rows(half_values::<T>(dy), view.d_out),
+        view.half::<T>().t(),
+    );
+    narrowed::<T>(&dx, shape)
+}
+
+/// The half-precision weight gradient `x^T dy`, rounded once.
+fn weight_grad_half<T: Half>(
+    x: &FlexTensor,
+    dy: &FlexTensor,
+    d_in: usize,
+    d_out: usize,
+) -> FlexTensor {
+    let x = half_rows(half_values::<T>(x), d_in).t();
+    let grad = T::product(x, half_rows(half_values::<T>(dy), d_out));
+    narrowed::<T>(&grad, [d_in, d_out].into())
+}
+
+/// The half-precision bias gradient, summed in f32 and rounded once.
+fn bias_grad_half<T: Half>(dy: &FlexTensor, d_out: usize) -> FlexTensor {
+    let sums = linear::bias_grad(&widened(half_values::<T>(dy)), d_out);
+    narrowed::<T>(&sums, [d_out].into())
 }
 
 /// `x W (+ b)` of Flex tensors, `x` `[..., d_in]`.
@@ -139,15 +219,10 @@ pub(super) fn forward(
     let shape = with_last(&x.shape(), view.d_out);
     let x = contiguous(x);
     let bias = bias.map(contiguous);
-    if x.dtype() == DType::BF16 {
-        let mut y = matmul_bf16(bf16_rows(bf16_values(&x), view.d_in), view.bf16());
-        if let Some(bias) = &bias {
-            let bias = widened(bf16_values(bias));
-            for row in y.chunks_exact_mut(view.d_out.max(1)) {
-                row.iter_mut().zip(&bias).for_each(|(y, b)| *y += b);
-            }
-        }
-        return narrowed(&y, shape);
+    match x.dtype() {
+        DType::BF16 => return forward_half::<bf16>(&x, &view, bias.as_ref(), shape),
+        DType::F16 => return forward_half::<f16>(&x, &view, bias.as_ref(), shape),
+        _ => {}
     }
     let y = linear::forward(values(&x), view.weight(), bias.as_ref().map(values));
     flex_tensor(y, shape)
@@ -158,9 +233,10 @@ pub(super) fn input_grad(dy: &FlexTensor, weight: &FlexTensor) -> FlexTensor {
     let view = WeightView::of(weight);
     let shape = with_last(&dy.shape(), view.d_in);
     let dy = contiguous(dy);
-    if dy.dtype() == DType::BF16 {
-        let dx = matmul_bf16(bf16_rows(bf16_values(&dy), view.d_out), view.bf16().t());
-        return narrowed(&dx, shape);
+    match dy.dtype() {
+        DType::BF16 => return input_grad_half::<bf16>(&dy, &view, shape),
+        DType::F16 => return input_grad_half::<f16>(&dy, &view, shape),
+        _ => {}
     }
     flex_tensor(linear::input_grad(values(&dy), view.weight()), shape)
 }
@@ -170,22 +246,23 @@ pub(super) fn weight_grad(x: &FlexTensor, dy: &FlexTensor) -> FlexTensor {
     let d_in = x.shape().as_slice().last().copied().unwrap_or(1);
     let d_out = dy.shape().as_slice().last().copied().unwrap_or(1);
     let (x, dy) = (contiguous(x), contiguous(dy));
-    if dy.dtype() == DType::BF16 {
-        let x = bf16_rows(bf16_values(&x), d_in).t();
-        let grad = matmul_bf16(x, bf16_rows(bf16_values(&dy), d_out));
-        return narrowed(&grad, [d_in, d_out].into());
+    match dy.dtype() {
+        DType::BF16 => return weight_grad_half::<bf16>(&x, &dy, d_in, d_out),
+        DType::F16 => return weight_grad_half::<f16>(&x, &dy, d_in, d_out),
+        _ => {}
     }
     let grad = linear::weight_grad(values(&x), values(&dy), d_in, d_out);
     flex_tensor(grad, [d_in, d_out].into())
 }
 
-/// The sums of `dy` over every leading dimension, `[d_out]` (summed in f32 for bf16).
+/// The sums of `dy` over every leading dimension, `[d_out]` (summed in f32 for half types).
 pub(super) fn bias_grad(dy: &FlexTensor) -> FlexTensor {
     let d_out = dy.shape().as_slice().last().copied().unwrap_or(1);
     let dy = contiguous(dy);
-    if dy.dtype() == DType::BF16 {
-        let sums = linear::bias_grad(&widened(bf16_values(&dy)), d_out);
-        return narrowed(&sums, [d_out].into());
+    match dy.dtype() {
+        DType::BF16 => return bias_grad_half::<bf16>(&dy, d_out),
+        DType::F16 => return bias_grad_half::<f16>(&dy, d_out),
+        _ => {}
     }
     flex_tensor(linear::bias_grad(values(&dy), d_out), [d_out].into())
 }

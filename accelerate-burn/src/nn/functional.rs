@@ -1,7 +1,7 @@
 //! Free functions for hand-built models: [`linear`], [`gelu`], [`attention`], [`cross_entropy`]
 //! (and [`layer_norm`](super::layer_norm)). Each runs our fused kernel on Flex (f32, and f16/bf16
-//! computed in f32; [`linear`] f32, and bf16 with bf16 products accumulated in f32) and Burn's
-//! own operations everywhere else, with the same results.
+//! computed in f32; [`linear`] f32, and bf16/f16 with half-precision products accumulated in
+//! f32) and Burn's own operations everywhere else, with the same results.
 
 use burn::tensor::activation::{log_softmax, quiet_softmax, softmax};
 use burn::tensor::{Bool, Int, Tensor};
@@ -38,7 +38,7 @@ pub fn linear<const D: usize>(
     }
     #[cfg(feature = "flex")]
     if super::all_f32_on_flex(&x, &[&weight], bias.as_ref())
-        || super::all_bf16_on_flex(&x, &[&weight], bias.as_ref())
+        || super::all_half_on_flex(&x, &[&weight], bias.as_ref())
     {
         return crate::cpu_kernels::linear(x, weight, bias);
     }

@@ -58,18 +58,19 @@ pub(crate) fn on_flex(device: &burn::tensor::Device) -> bool {
     )
 }
 
-/// Whether `x`, the `weights` and the `bias` are all bf16 on Flex: what the linear layer's bf16
-/// products take (autocast's types).
+/// Whether `x`, the `weights` and the `bias` are all bf16, or all f16, on Flex: what the
+/// linear layer's half-precision products take (autocast's types).
 #[cfg(feature = "flex")]
-pub(crate) fn all_bf16_on_flex<const D: usize>(
+pub(crate) fn all_half_on_flex<const D: usize>(
     x: &burn::tensor::Tensor<D>,
     weights: &[&burn::tensor::Tensor<2>],
     bias: Option<&burn::tensor::Tensor<1>>,
 ) -> bool {
     use burn::tensor::DType;
-    x.dtype() == DType::BF16
-        && weights.iter().all(|w| w.dtype() == DType::BF16)
-        && bias.is_none_or(|b| b.dtype() == DType::BF16)
+    let dtype = x.dtype();
+    matches!(dtype, DType::BF16 | DType::F16)
+        && weights.iter().all(|w| w.dtype() == dtype)
+        && bias.is_none_or(|b| b.dtype() == dtype)
         && on_flex(&x.device())
 }
 

@@ -21,7 +21,7 @@
 
 use std::ops::Range;
 
-use half::bf16;
+use half::{bf16, f16};
 use rayon::prelude::*;
 
 #[cfg(target_arch = "x86_64")]
@@ -38,12 +38,43 @@ pub const BLOCK_ROWS: usize = 2 * MR;
 /// Products below this many multiply-adds run on the calling thread (as the f32 products do).
 const PARALLEL_FROM: usize = 192 * 192 * 192;
 
-/// A read-only bf16 matrix view: element `(r, c)` is
+/// The half-precision element types the products take: bf16 and f16.
+pub trait HalfElement: Copy + Send + Sync + 'static {
+    /// Zero.
+    const ZERO: Self;
+    /// The value's bits.
+    fn bits(self) -> u16;
+    /// The value widened to f32 (exact), as f32 bits.
+    fn widened_bits(self) -> u32;
+}
+
+impl HalfElement for bf16 {
+    const ZERO: Self = bf16::ZERO;
+    fn bits(self) -> u16 {
+        self.to_bits()
+    }
+    // Widening bf16 is exact: its bits are the f32's upper half.
+    fn widened_bits(self) -> u32 {
+        u32::from(self.to_bits()) << 16
+    }
+}
+
+impl HalfElement for f16 {
+    const ZERO: Self = f16::ZERO;
+    fn bits(self) -> u16 {
+        self.to_bits()
+    }
+    fn widened_bits(self) -> u32 {
+        crate::convert::f16_bits_to_f32(self.to_bits()).to_bits()
+    }
+}
+
+/// A read-only matrix view of half-precision values: element `(r, c)` is
 /// `data[offset + r * row_stride + c * col_stride]`.
 #[derive(Debug, Clone, Copy)]
-pub struct Bf16Mat<'a> {
+pub struct HalfMat<'a, T> {
     /// The buffer the matrix lives in.
-    pub data: &'a [bf16],
+    pub data: &'a [T],
     /// Where element `(0, 0)` is.
     pub offset: usize,
     /// Rows.
@@ -56,9 +87,14 @@ pub struct Bf16Mat<'a> {
     pub col_stride: usize,
 }
 
-impl<'a> Bf16Mat<'a> {
+/// A bf16 matrix view.
+pub type Bf16Mat<'a> = HalfMat<'a, bf16>;
+/// An f16 matrix view.
+pub type F16Mat<'a> = HalfMat<'a, f16>;
+
+impl<'a, T: HalfElement> HalfMat<'a, T> {
     /// A row-major `rows x cols` matrix filling `data` from its start.
-    pub fn row_major(data: &'a [bf16], rows: usize, cols: usize) -> Self {
+    pub fn row_major(data: &'a [T], rows: usize, cols: usize) -> Self {
         Self {
             data,
             offset: 0,
@@ -81,7 +117,7 @@ impl<'a> Bf16Mat<'a> {
     }
 
     /// Element `(r, c)`.
-    fn at(&self, r: usize, c: usize) -> bf16 {
+    fn at(&self, r: usize, c: usize) -> T {
         self.data[self.offset + r * self.row_stride + c * self.col_stride]
     }
 
@@ -149,12 +185,45 @@ pub fn matmul_bf16(a: Bf16Mat<'_>, b: Bf16Mat<'_>) -> Vec<f32> {
     matmul_bf16_on(Bf16Path::detect(), a, b)
 }
 
+/// `a b` for f16 operands, as [`matmul_bf16`]: on AVX-512 FMAs over operands widened as they
+/// are packed where the CPU has AVX-512 (there is no f16 pair product), else widened then the
+/// f32 product.
+///
+/// # Panics
+/// As [`matmul_bf16`].
+pub fn matmul_f16(a: F16Mat<'_>, b: F16Mat<'_>) -> Vec<f32> {
+    let path = match Bf16Path::detect() {
+        Bf16Path::Avx512Bf16 => Bf16Path::Avx512,
+        other => other,
+    };
+    matmul_half_on(path, a, b)
+}
+
 /// [`matmul_bf16`] on `path` (the widened one where this CPU cannot run it): what the tests
 /// and benchmarks use to compare the paths in one process.
 ///
 /// # Panics
 /// As [`matmul_bf16`].
 pub fn matmul_bf16_on(path: Bf16Path, a: Bf16Mat<'_>, b: Bf16Mat<'_>) -> Vec<f32> {
+    matmul_half_on(path, a, b)
+}
+
+/// `a b` of half-precision operands on `path`; f16 operands take the FMA path for the pair
+/// path (`vdpbf16ps` multiplies bf16 only).
+///
+/// # Panics
+/// As [`matmul_bf16`].
+pub fn matmul_half_on<T: HalfElement>(
+    path: Bf16Path,
+    a: HalfMat<'_, T>,
+    b: HalfMat<'_, T>,
+) -> Vec<f32> {
+    let pairs_allowed = std::any::TypeId::of::<T>() == std::any::TypeId::of::<bf16>();
+    let path = if path == Bf16Path::Avx512Bf16 && !pairs_allowed {
+        Bf16Path::Avx512
+    } else {
+        path
+    };
     assert_eq!(
         a.cols, b.rows,
         "matmul_bf16: {}x{} by {}x{}",
@@ -175,10 +244,10 @@ pub fn matmul_bf16_on(path: Bf16Path, a: Bf16Mat<'_>, b: Bf16Mat<'_>) -> Vec<f32
 }
 
 /// The widened path: both operands to f32, row-major, then the f32 product.
-fn widened(a: Bf16Mat<'_>, b: Bf16Mat<'_>) -> Vec<f32> {
-    let widen = |x: Bf16Mat<'_>| -> Vec<f32> {
+fn widened<T: HalfElement>(a: HalfMat<'_, T>, b: HalfMat<'_, T>) -> Vec<f32> {
+    let widen = |x: HalfMat<'_, T>| -> Vec<f32> {
         (0..x.rows)
-            .flat_map(|r| (0..x.cols).map(move |c| x.at(r, c).to_f32()))
+            .flat_map(|r| (0..x.cols).map(move |c| f32::from_bits(x.at(r, c).widened_bits())))
             .collect()
     };
     let (a32, b32) = (widen(a), widen(b));
@@ -198,29 +267,25 @@ fn per_lane(path: Bf16Path) -> usize {
 /// The 32-bit lane of values `k` and `k + 1` (zero past the end) of one row or column: the
 /// pair (`k` in the low half) when `per_lane` is 2, else value `k` as f32 bits.
 #[cfg_attr(not(target_arch = "x86_64"), allow(dead_code))]
-fn lane(value: impl Fn(usize) -> bf16, k: usize, len: usize, per_lane: usize) -> u32 {
+fn lane<T: HalfElement>(value: impl Fn(usize) -> T, k: usize, len: usize, per_lane: usize) -> u32 {
     let lo = value(k);
     if per_lane == 1 {
-        return u32::from(lo.to_bits()) << 16;
+        return lo.widened_bits();
     }
-    let hi = if k + 1 < len {
-        value(k + 1)
-    } else {
-        bf16::ZERO
-    };
-    u32::from(lo.to_bits()) | (u32::from(hi.to_bits()) << 16)
+    let hi = if k + 1 < len { value(k + 1) } else { T::ZERO };
+    u32::from(lo.bits()) | (u32::from(hi.bits()) << 16)
 }
 
 /// Values `from..from + len` of row `index` of `m` (`along_row`) or of its column `index`, as
 /// one slice when they lie next to each other in memory.
 #[cfg_attr(not(target_arch = "x86_64"), allow(dead_code))]
-fn run<'a>(
-    m: &Bf16Mat<'a>,
+fn run<'a, T: HalfElement>(
+    m: &HalfMat<'a, T>,
     along_row: bool,
     index: usize,
     from: usize,
     len: usize,
-) -> Option<&'a [bf16]> {
+) -> Option<&'a [T]> {
     let (step, start) = if along_row {
         (
             m.col_stride,
@@ -240,24 +305,27 @@ fn run<'a>(
 /// Lanes from two runs of values (`hi` absent past the end of `k`, or with one value a lane):
 /// `out[o * stride]` for each value `o`.
 #[cfg_attr(not(target_arch = "x86_64"), allow(dead_code))]
-fn put_lanes(out: &mut [u32], stride: usize, lo: &[bf16], hi: Option<&[bf16]>, per_lane: usize) {
+fn put_lanes<T: HalfElement>(
+    out: &mut [u32],
+    stride: usize,
+    lo: &[T],
+    hi: Option<&[T]>,
+    per_lane: usize,
+) {
     let slots = out.iter_mut().step_by(stride);
     match (per_lane, hi) {
-        // Widening bf16 is exact: its bits are the f32's upper half.
-        (1, _) => slots
-            .zip(lo)
-            .for_each(|(o, v)| *o = u32::from(v.to_bits()) << 16),
+        (1, _) => slots.zip(lo).for_each(|(o, v)| *o = v.widened_bits()),
         (_, Some(hi)) => slots
             .zip(lo.iter().zip(hi))
-            .for_each(|(o, (l, h))| *o = u32::from(l.to_bits()) | (u32::from(h.to_bits()) << 16)),
-        (_, None) => slots.zip(lo).for_each(|(o, l)| *o = u32::from(l.to_bits())),
+            .for_each(|(o, (l, h))| *o = u32::from(l.bits()) | (u32::from(h.bits()) << 16)),
+        (_, None) => slots.zip(lo).for_each(|(o, l)| *o = u32::from(l.bits())),
     }
 }
 
 /// `b` as panels of [`NR`] columns: panel `p` holds, for each step along `k`, the lanes of
 /// columns `p * NR ..` (zeros past the last column).
 #[cfg_attr(not(target_arch = "x86_64"), allow(dead_code))]
-fn pack_b(b: Bf16Mat<'_>, steps: usize, per_lane: usize) -> Vec<u32> {
+fn pack_b<T: HalfElement>(b: HalfMat<'_, T>, steps: usize, per_lane: usize) -> Vec<u32> {
     let panels = b.cols.div_ceil(NR);
     let mut packed = vec![0u32; panels * steps * NR];
     let fill = |(p, panel): (usize, &mut [u32])| {
@@ -288,8 +356,8 @@ fn pack_b(b: Bf16Mat<'_>, steps: usize, per_lane: usize) -> Vec<u32> {
 /// Rows `rows` of `a` as panels of [`MR`] rows: for each step along `k`, the lanes of each
 /// row (zeros past the last row).
 #[cfg_attr(not(target_arch = "x86_64"), allow(dead_code))]
-fn pack_a(
-    a: Bf16Mat<'_>,
+fn pack_a<T: HalfElement>(
+    a: HalfMat<'_, T>,
     rows: Range<usize>,
     steps: usize,
     per_lane: usize,
@@ -312,14 +380,14 @@ fn pack_a(
                     put_lanes(&mut panel[i..], MR, row, None, 1);
                     continue;
                 }
-                let even: Vec<bf16> = row.iter().step_by(2).copied().collect();
+                let even: Vec<T> = row.iter().step_by(2).copied().collect();
                 // Zero past an odd `k`'s end, so every step has its pair.
-                let odd: Vec<bf16> = row
+                let odd: Vec<T> = row
                     .iter()
                     .skip(1)
                     .step_by(2)
                     .copied()
-                    .chain((k_len % 2 == 1).then_some(bf16::ZERO))
+                    .chain((k_len % 2 == 1).then_some(T::ZERO))
                     .collect();
                 put_lanes(&mut panel[i..], MR, &even, Some(&odd), 2);
             }
@@ -346,7 +414,7 @@ fn pack_a(
 /// The packed paths: `b` packed once, then blocks of [`BLOCK_ROWS`] rows, each packing its
 /// rows of `a` and computing its tiles with `path`'s microkernel.
 #[cfg(target_arch = "x86_64")]
-fn packed(a: Bf16Mat<'_>, b: Bf16Mat<'_>, path: Bf16Path) -> Vec<f32> {
+fn packed<T: HalfElement>(a: HalfMat<'_, T>, b: HalfMat<'_, T>, path: Bf16Path) -> Vec<f32> {
     let (m, n, k) = (a.rows, b.cols, a.cols);
     let per_lane = per_lane(path);
     let steps = k.div_ceil(per_lane);
@@ -402,8 +470,8 @@ mod tests {
     /// exact in f32, so the only error is f32 summation, at most `(k + 1) u` of the sum of
     /// absolute terms (`u = 2^-24`; `vdpbf16ps` rounds a pair's sum, then its addition; an
     /// FMA rounds once per step).
-    fn check(path: Bf16Path, a: Bf16Mat<'_>, b: Bf16Mat<'_>) {
-        let c = matmul_bf16_on(path, a, b);
+    fn check<T: HalfElement>(path: Bf16Path, a: HalfMat<'_, T>, b: HalfMat<'_, T>) {
+        let c = matmul_half_on(path, a, b);
         let (m, n, k) = (a.rows, b.cols, a.cols);
         assert_eq!(c.len(), m * n);
         let bound_factor = (k as f64 + 1.0) * 2f64.powi(-24) * 1.01;
@@ -411,7 +479,8 @@ mod tests {
             for col in 0..n {
                 let (mut exact, mut magnitude) = (0.0f64, 0.0f64);
                 for i in 0..k {
-                    let term = f64::from(a.at(r, i).to_f32()) * f64::from(b.at(i, col).to_f32());
+                    let wide = |v: T| f64::from(f32::from_bits(v.widened_bits()));
+                    let term = wide(a.at(r, i)) * wide(b.at(i, col));
                     exact += term;
                     magnitude += term.abs();
                 }
@@ -467,6 +536,31 @@ mod tests {
                     path,
                     Bf16Mat::row_major(&a_t, k, m).t(),
                     Bf16Mat::row_major(&b, k, n),
+                );
+            }
+        }
+    }
+
+    /// f16 operands (fp16 autocast): every path, the pair path taking the FMAs (products of
+    /// f16 are exact in f32 too: 11-bit significands).
+    #[test]
+    fn f16_products_match_an_f64_reference_of_the_f16_values() {
+        let f16s =
+            |v: Vec<bf16>| -> Vec<f16> { v.iter().map(|x| f16::from_f32(x.to_f32())).collect() };
+        for path in paths() {
+            for (m, n, k) in [(1, 1, 1), (13, 29, 65), (49, 31, 130), (2, 100, 257)] {
+                let a = f16s(values(m * k, 8));
+                let b = f16s(values(k * n, 9));
+                let b_t = f16s(values(n * k, 10));
+                check(
+                    path,
+                    HalfMat::row_major(&a, m, k),
+                    HalfMat::row_major(&b, k, n),
+                );
+                check(
+                    path,
+                    HalfMat::row_major(&a, m, k),
+                    HalfMat::row_major(&b_t, n, k).t(),
                 );
             }
         }
