@@ -545,6 +545,20 @@ fn attack(port: u16, how: &'static str, token: String) -> std::thread::JoinHandl
     })
 }
 
+/// The ports rank 0 of `job` listens on once it has opened both its rendezvous and its peer
+/// listener (what it has after 20 s at most).
+fn rendezvous_and_peer_ports(job: &Job) -> Vec<u16> {
+    let rank0 = job.children[0].id();
+    let waited = Instant::now();
+    loop {
+        let ports = listening_ports(rank0);
+        if ports.len() >= 2 || waited.elapsed() > Duration::from_secs(20) {
+            return ports;
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    }
+}
+
 /// The TCP ports process `pid` listens on (from `/proc`: its socket inodes, matched against
 /// the kernel's table of listening sockets).
 fn listening_ports(pid: u32) -> Vec<u16> {
@@ -582,15 +596,7 @@ fn listening_ports(pid: u32) -> Vec<u16> {
 fn silent_connections_and_a_connect_flood_do_not_hold_the_set_up() {
     let timeout = [("ACCELERATE_RENDEZVOUS_TIMEOUT", "60")];
     let mut job = start("train", "tcp", 2, &[0], &timeout);
-    let rank0 = job.children[0].id();
-    let waited = Instant::now();
-    let ports = loop {
-        let ports = listening_ports(rank0);
-        if ports.len() >= 2 || waited.elapsed() > Duration::from_secs(20) {
-            break ports;
-        }
-        std::thread::sleep(Duration::from_millis(20));
-    };
+    let ports = rendezvous_and_peer_ports(&job);
     assert!(ports.contains(&job.port), "{ports:?}");
     let peer_listener = ports.iter().copied().find(|&p| p != job.port);
     let peer_listener = peer_listener.unwrap_or_else(|| panic!("no peer listener: {ports:?}"));
@@ -704,15 +710,7 @@ fn another_local_users_flood_does_not_hold_the_set_up() {
         &[0],
         &[("ACCELERATE_RENDEZVOUS_TIMEOUT", "30")],
     );
-    let rank0 = job.children[0].id();
-    let waited = Instant::now();
-    let ports = loop {
-        let ports = listening_ports(rank0);
-        if ports.len() >= 2 || waited.elapsed() > Duration::from_secs(20) {
-            break ports;
-        }
-        std::thread::sleep(Duration::from_millis(20));
-    };
+    let ports = rendezvous_and_peer_ports(&job);
     assert!(ports.len() >= 2, "{ports:?}");
     let list: Vec<String> = ports.iter().map(u16::to_string).collect();
     let mut flooder = Command::new(std::env::current_exe().unwrap());

@@ -78,20 +78,24 @@ fn detect() -> Isa {
 /// FMA does 16): AMD's AVX512_BF16 CPUs (Zen 4 and later). Intel's Sapphire and Emerald
 /// Rapids issue it at half the rate of their two FMA ports (measured here: RESULTS, issue 60),
 /// so f32 FMAs on widened operands are faster there.
+/// Checked once: `CPUID` leaves the VM on every call, and every product asks.
 pub fn dot_products_at_fma_rate() -> bool {
-    #[cfg(target_arch = "x86_64")]
-    {
-        let vendor = std::arch::x86_64::__cpuid(0);
-        let name: Vec<u8> = [vendor.ebx, vendor.edx, vendor.ecx]
-            .iter()
-            .flat_map(|r| r.to_le_bytes())
-            .collect();
-        name == b"AuthenticAMD"
-    }
-    #[cfg(not(target_arch = "x86_64"))]
-    {
-        false
-    }
+    static AMD: OnceLock<bool> = OnceLock::new();
+    *AMD.get_or_init(|| {
+        #[cfg(target_arch = "x86_64")]
+        {
+            let vendor = std::arch::x86_64::__cpuid(0);
+            let name: Vec<u8> = [vendor.ebx, vendor.edx, vendor.ecx]
+                .iter()
+                .flat_map(|r| r.to_le_bytes())
+                .collect();
+            name == b"AuthenticAMD"
+        }
+        #[cfg(not(target_arch = "x86_64"))]
+        {
+            false
+        }
+    })
 }
 
 /// What the kernels use: [`detected`], capped by `ACCELERATE_CPU_ISA` (read once).
