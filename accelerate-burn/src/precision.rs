@@ -19,11 +19,7 @@ pub trait Autocast {
 
 impl<const D: usize> Autocast for Tensor<D> {
     fn autocast(self, dtype: DType) -> Self {
-        if self.dtype() == dtype {
-            self
-        } else {
-            self.cast(dtype)
-        }
+        crate::nn::cast(self, dtype)
     }
 }
 
@@ -99,7 +95,6 @@ impl Caster {
     }
 }
 
-/// The view of `model` whose float parameters are cast to `dtype`.
 /// `model` with its float parameters in `dtype` as leaves of their own (same ids, gradients
 /// required as in `model`): a step that takes its gradients from the copy itself (a Learner's
 /// `TrainStep`) gets them under the master's ids, in `dtype`.
@@ -112,7 +107,7 @@ pub(crate) fn leaf_view<M: Module>(model: &M, dtype: DType) -> M {
             param.map(|t| {
                 let grad = t.is_require_grad();
                 // Detached after the cast: a cast is a node of the graph, not a leaf.
-                let copy = t.cast(dtype).detach();
+                let copy = crate::nn::cast(t, dtype).detach();
                 if grad { copy.require_grad() } else { copy }
             })
         }
@@ -120,12 +115,14 @@ pub(crate) fn leaf_view<M: Module>(model: &M, dtype: DType) -> M {
     model.clone().map(&mut Leaf(dtype))
 }
 
+/// The view of `model` whose float parameters are cast to `dtype` (tracked: their gradients
+/// reach the f32 masters), once per forward pass.
 pub(crate) fn low_precision_view<M: Module>(model: &M, dtype: DType) -> M {
     struct Cast(DType);
     impl ModuleMapper for Cast {
         fn map_float<const D: usize>(&mut self, param: Param<Tensor<D>>) -> Param<Tensor<D>> {
             let dtype = self.0;
-            param.map(|t| t.cast(dtype))
+            param.map(|t| crate::nn::cast(t, dtype))
         }
     }
     model.clone().map(&mut Cast(dtype))

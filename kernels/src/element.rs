@@ -77,18 +77,48 @@ impl ReduceOp {
     }
 }
 
-/// An element type of the collectives: plain old data with a conversion through f32.
+/// An element type of the collectives and of the casts: plain old data with a conversion
+/// through f32 (widening is exact; narrowing rounds to nearest, ties to even, as
+/// [`convert`](crate::convert)).
 pub trait Element: bytemuck::Pod + Send + Sync + 'static {
     /// Its [`DType`].
     const DTYPE: DType;
+    /// The value as f32 (exact).
+    fn to_f32(self) -> f32;
+    /// `value` rounded once to this type.
+    fn from_f32(value: f32) -> Self;
 }
 
 impl Element for f32 {
     const DTYPE: DType = DType::F32;
+    #[inline(always)]
+    fn to_f32(self) -> f32 {
+        self
+    }
+    #[inline(always)]
+    fn from_f32(value: f32) -> Self {
+        value
+    }
 }
 impl Element for f16 {
     const DTYPE: DType = DType::F16;
+    #[inline(always)]
+    fn to_f32(self) -> f32 {
+        crate::convert::f16_bits_to_f32(self.to_bits())
+    }
+    #[inline(always)]
+    fn from_f32(value: f32) -> Self {
+        f16::from_bits(crate::convert::f32_to_f16_bits(value))
+    }
 }
 impl Element for bf16 {
     const DTYPE: DType = DType::BF16;
+    #[inline(always)]
+    fn to_f32(self) -> f32 {
+        crate::convert::bf16_bits_to_f32(self.to_bits())
+    }
+    #[inline(always)]
+    fn from_f32(value: f32) -> Self {
+        bf16::from_bits(crate::convert::f32_to_bf16_bits(value))
+    }
 }

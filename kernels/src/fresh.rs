@@ -11,10 +11,7 @@ use std::mem::MaybeUninit;
 /// # Safety
 /// `fill` writes every element of the slice it is given (returning normally); a panic inside
 /// it is safe (the vector is dropped empty).
-pub(crate) unsafe fn written_by(
-    len: usize,
-    fill: impl FnOnce(&mut [MaybeUninit<f32>]),
-) -> Vec<f32> {
+pub(crate) unsafe fn written_by<T>(len: usize, fill: impl FnOnce(&mut [MaybeUninit<T>])) -> Vec<T> {
     let mut values = Vec::with_capacity(len);
     fill(&mut values.spare_capacity_mut()[..len]);
     // SAFETY: the capacity is at least `len`, and the caller promises that `fill` initialised

@@ -27,6 +27,7 @@
 
 use rayon::prelude::*;
 
+use crate::element::Element;
 use crate::matmul::{self, Mat};
 
 /// Rows of `dy` per bias-gradient task: enough to pay for a task, few enough that a step's
@@ -83,7 +84,7 @@ impl<'a> Weight<'a> {
 ///
 /// # Panics
 /// When `values` is not a whole number of rows.
-fn rows(values: &[f32], width: usize, what: &str) -> usize {
+fn rows<E>(values: &[E], width: usize, what: &str) -> usize {
     if width == 0 {
         assert!(
             values.is_empty(),
@@ -157,14 +158,15 @@ pub fn weight_grad(x: &[f32], dy: &[f32], d_in: usize, d_out: usize) -> Vec<f32>
     )
 }
 
-/// The column sums of `dy` (row-major, `d_out` wide): the gradient of the bias.
+/// The column sums of `dy` (row-major, `d_out` wide; f32, or bf16/f16 summed in f32): the
+/// gradient of the bias.
 ///
 /// Each task sums a fixed block of rows (contiguous memory, which the prefetcher streams), then
 /// the blocks' sums are added in block order: the same bits on any number of threads.
 ///
 /// # Panics
 /// When `dy` is not rows of `d_out`.
-pub fn bias_grad(dy: &[f32], d_out: usize) -> Vec<f32> {
+pub fn bias_grad<E: Element>(dy: &[E], d_out: usize) -> Vec<f32> {
     rows(dy, d_out, "dy");
     if d_out == 0 {
         return Vec::new();
@@ -174,7 +176,9 @@ pub fn bias_grad(dy: &[f32], d_out: usize) -> Vec<f32> {
         .map(|block| {
             let mut sums = vec![0.0; d_out];
             for row in block.chunks_exact(d_out) {
-                sums.iter_mut().zip(row).for_each(|(sum, v)| *sum += v);
+                sums.iter_mut()
+                    .zip(row)
+                    .for_each(|(sum, v)| *sum += v.to_f32());
             }
             sums
         })
@@ -262,6 +266,20 @@ mod tests {
     }
 
     /// A tied output layer's weight: the transpose of a `[vocab, d_model]` embedding, no copy.
+    /// The bias gradient of bf16 and f16 gradients is, bit for bit, that of the same values
+    /// widened to f32 (summed in f32 in the same order).
+    #[test]
+    fn half_bias_gradients_are_sums_in_f32() {
+        let (n, d_out) = (3 * BIAS_ROWS_PER_TASK + 5, 37);
+        let dy = uniform(n * d_out, 21, 3.0);
+        let bf: Vec<half::bf16> = dy.iter().map(|&v| half::bf16::from_f32(v)).collect();
+        let wide: Vec<f32> = bf.iter().map(|v| v.to_f32()).collect();
+        assert_eq!(bits(&bias_grad(&bf, d_out)), bits(&bias_grad(&wide, d_out)));
+        let h: Vec<half::f16> = dy.iter().map(|&v| half::f16::from_f32(v)).collect();
+        let wide: Vec<f32> = h.iter().map(|v| v.to_f32()).collect();
+        assert_eq!(bits(&bias_grad(&h, d_out)), bits(&bias_grad(&wide, d_out)));
+    }
+
     #[test]
     fn a_transposed_weight_view_is_read_in_place() {
         let (n, d_in, d_out) = (9, 6, 11);

@@ -7,14 +7,13 @@
 //! about a fifth of a transformer's step.
 //!
 //! bf16 and f16 tensors (autocast) take [`accelerate_kernels::bf16_matmul`]'s products instead:
-//! half-precision operands, f32 accumulation, each result rounded once to the tensor's type;
-//! the bias added and its gradient summed in f32. Burn's Flex widens both operands to f32 and narrows the result for
-//! every half-precision product.
+//! half-precision operands, f32 accumulation, each result rounded once to the tensor's type as
+//! the product stores it (no f32 copy); the bias added and its gradient summed in f32. Burn's
+//! Flex widens both operands to f32 and narrows the result for every half-precision product.
 
-use accelerate_kernels::bf16_matmul::{HalfElement, HalfMat, matmul_bf16, matmul_f16};
-use accelerate_kernels::convert::{
-    bf16_to_f32_slice, f16_to_f32_slice, f32_to_bf16_slice, f32_to_f16_slice,
-};
+use accelerate_kernels::Element as KernelElement;
+use accelerate_kernels::bf16_matmul::{Bf16Path, HalfElement, HalfMat, matmul_half_to};
+use accelerate_kernels::convert::cast;
 use accelerate_kernels::linear::{self, Weight};
 use burn::backend::Flex;
 use burn::backend::TensorMetadata;
@@ -108,56 +107,19 @@ fn with_last(shape: &Shape, width: usize) -> Shape {
 }
 
 /// The half-precision types the layer computes with half-precision products.
-trait Half: HalfElement + burn::tensor::Element + bytemuck::Pod {
-    /// `a b`, accumulated in f32.
-    fn product(a: HalfMat<'_, Self>, b: HalfMat<'_, Self>) -> Vec<f32>;
-    /// `src` widened into `dst`.
-    fn widen(src: &[Self], dst: &mut [f32]);
-    /// `src` rounded into `dst`.
-    fn narrow(src: &[f32], dst: &mut [Self]);
-}
+trait Half: HalfElement + KernelElement + burn::tensor::Element {}
 
-impl Half for bf16 {
-    fn product(a: HalfMat<'_, Self>, b: HalfMat<'_, Self>) -> Vec<f32> {
-        matmul_bf16(a, b)
-    }
-    fn widen(src: &[Self], dst: &mut [f32]) {
-        bf16_to_f32_slice(src, dst);
-    }
-    fn narrow(src: &[f32], dst: &mut [Self]) {
-        f32_to_bf16_slice(src, dst);
-    }
-}
-
-impl Half for f16 {
-    fn product(a: HalfMat<'_, Self>, b: HalfMat<'_, Self>) -> Vec<f32> {
-        matmul_f16(a, b)
-    }
-    fn widen(src: &[Self], dst: &mut [f32]) {
-        f16_to_f32_slice(src, dst);
-    }
-    fn narrow(src: &[f32], dst: &mut [Self]) {
-        f32_to_f16_slice(src, dst);
-    }
-}
+impl Half for bf16 {}
+impl Half for f16 {}
 
 /// The values of a contiguous tensor of type `T`.
 fn half_values<T: Half>(tensor: &FlexTensor) -> &[T] {
     tensor.as_slice::<T>().unwrap_or(&[])
 }
 
-/// `values` widened to f32.
-fn widened<T: Half>(values: &[T]) -> Vec<f32> {
-    let mut out = vec![0.0; values.len()];
-    T::widen(values, &mut out);
-    out
-}
-
-/// A Flex tensor of type `T` and `shape` holding `values` rounded once.
-fn narrowed<T: Half>(values: &[f32], shape: Shape) -> FlexTensor {
-    let mut out = vec![T::ZERO; values.len()];
-    T::narrow(values, &mut out);
-    FlexTensor::from_data(TensorData::new(out, shape))
+/// A Flex tensor of type `T` and `shape` holding `values`.
+fn half_tensor<T: Half>(values: Vec<T>, shape: Shape) -> FlexTensor {
+    FlexTensor::from_data(TensorData::new(values, shape))
 }
 
 /// `rows x width` row-major values as a matrix view.
@@ -165,30 +127,33 @@ fn half_rows<T: Half>(values: &[T], width: usize) -> HalfMat<'_, T> {
     HalfMat::row_major(values, values.len().checked_div(width).unwrap_or(0), width)
 }
 
-/// The half-precision forward: `x W` (+ the bias, in f32), rounded once.
+/// The half-precision forward: `x W` (+ the bias, in f32), rounded once as the product
+/// stores it.
 fn forward_half<T: Half>(
     x: &FlexTensor,
     view: &WeightView,
     bias: Option<&FlexTensor>,
     shape: Shape,
 ) -> FlexTensor {
-    let mut y = T::product(half_rows(half_values::<T>(x), view.d_in), view.half());
-    if let Some(bias) = bias {
-        let bias = widened(half_values::<T>(bias));
-        for row in y.chunks_exact_mut(view.d_out.max(1)) {
-            row.iter_mut().zip(&bias).for_each(|(y, b)| *y += b);
-        }
-    }
-    narrowed::<T>(&y, shape)
+    let bias = bias.map(|bias| cast::<T, f32>(half_values::<T>(bias)));
+    let y: Vec<T> = matmul_half_to(
+        Bf16Path::detect(),
+        half_rows(half_values::<T>(x), view.d_in),
+        view.half(),
+        bias.as_deref(),
+    );
+    half_tensor(y, shape)
 }
 
 /// The half-precision input gradient `dy W^T`, rounded once.
 fn input_grad_half<T: Half>(dy: &FlexTensor, view: &WeightView, shape: Shape) -> FlexTensor {
-    let dx = T::product(
+    let dx: Vec<T> = matmul_half_to(
+        Bf16Path::detect(),
         half_rows(half_values::<T>(dy), view.d_out),
         view.half::<T>().t(),
+        None,
     );
-    narrowed::<T>(&dx, shape)
+    half_tensor(dx, shape)
 }
 
 /// The half-precision weight gradient `x^T dy`, rounded once.
@@ -198,15 +163,19 @@ fn weight_grad_half<T: Half>(
     d_in: usize,
     d_out: usize,
 ) -> FlexTensor {
-    let x = half_rows(half_values::<T>(x), d_in).t();
-    let grad = T::product(x, half_rows(half_values::<T>(dy), d_out));
-    narrowed::<T>(&grad, [d_in, d_out].into())
+    let grad: Vec<T> = matmul_half_to(
+        Bf16Path::detect(),
+        half_rows(half_values::<T>(x), d_in).t(),
+        half_rows(half_values::<T>(dy), d_out),
+        None,
+    );
+    half_tensor(grad, [d_in, d_out].into())
 }
 
 /// The half-precision bias gradient, summed in f32 and rounded once.
 fn bias_grad_half<T: Half>(dy: &FlexTensor, d_out: usize) -> FlexTensor {
-    let sums = linear::bias_grad(&widened(half_values::<T>(dy)), d_out);
-    narrowed::<T>(&sums, [d_out].into())
+    let sums = linear::bias_grad(half_values::<T>(dy), d_out);
+    half_tensor(cast::<f32, T>(&sums), [d_out].into())
 }
 
 /// `x W (+ b)` of Flex tensors, `x` `[..., d_in]`.

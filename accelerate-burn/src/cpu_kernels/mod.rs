@@ -15,6 +15,7 @@
 //! device and the type first and uses Burn's own operations everywhere else, so calling these
 //! on another backend (which panics) cannot happen.
 
+mod cast;
 mod cross_entropy;
 mod gelu;
 mod gelu_linear;
@@ -31,7 +32,7 @@ use burn::backend::autodiff::checkpoint::strategy::CheckpointStrategy;
 use burn::backend::flex::FlexTensor;
 use burn::backend::tensor::{BoolTensor, FloatTensor, IntTensor};
 use burn::backend::{Backend, Dispatch, Flex, backend_extension};
-use burn::tensor::{Bool, Int, Tensor, TensorData};
+use burn::tensor::{Bool, FloatDType, Int, Tensor, TensorData};
 
 /// The fused CPU operations, as Burn operations.
 #[backend_extension(Flex, Autodiff)]
@@ -119,6 +120,9 @@ pub(crate) trait CpuKernels: Backend {
         b: FloatTensor<Self>,
         c: FloatTensor<Self>,
     ) -> FloatTensor<Self>;
+
+    /// `x` (f32, bf16 or f16) converted to `dtype`, in parallel; its gradient is cast back.
+    fn fused_cast(x: FloatTensor<Self>, dtype: FloatDType) -> FloatTensor<Self>;
 }
 
 impl CpuKernels for Flex {
@@ -214,6 +218,10 @@ impl CpuKernels for Flex {
     ) -> FloatTensor<Self> {
         weight_cat::forward([&a, &b, &c])
     }
+
+    fn fused_cast(x: FloatTensor<Self>, dtype: FloatDType) -> FloatTensor<Self> {
+        cast::forward(&x, dtype)
+    }
 }
 
 impl<C: CheckpointStrategy> CpuKernels for Autodiff<Flex, C> {
@@ -306,6 +314,10 @@ impl<C: CheckpointStrategy> CpuKernels for Autodiff<Flex, C> {
         c: FloatTensor<Self>,
     ) -> FloatTensor<Self> {
         weight_cat::tracked::<C>(a, b, c)
+    }
+
+    fn fused_cast(x: FloatTensor<Self>, dtype: FloatDType) -> FloatTensor<Self> {
+        cast::tracked::<C>(x, dtype)
     }
 }
 
@@ -461,5 +473,13 @@ pub(crate) fn weight_cat(a: Tensor<2>, b: Tensor<2>, c: Tensor<2>) -> Tensor<2> 
         a.into_dispatch(),
         b.into_dispatch(),
         c.into_dispatch(),
+    ))
+}
+
+/// A float dispatch tensor on Flex (f32, bf16 or f16) converted to `dtype` in parallel.
+pub(crate) fn cast<const D: usize>(x: Tensor<D>, dtype: FloatDType) -> Tensor<D> {
+    Tensor::from_dispatch(<Dispatch as CpuKernels>::fused_cast(
+        x.into_dispatch(),
+        dtype,
     ))
 }

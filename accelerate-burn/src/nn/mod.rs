@@ -98,20 +98,40 @@ fn fused_here<const D: usize>(tensor: &burn::tensor::Tensor<D>) -> bool {
 }
 
 /// `op` on `tensor` widened to f32 (the type our kernels compute in), its result narrowed back
-/// to `tensor`'s type.
+/// to `tensor`'s type (both casts parallel, see [`cast`]).
 #[cfg(feature = "flex")]
 fn in_f32<const D: usize, const E: usize>(
     tensor: burn::tensor::Tensor<D>,
     op: impl FnOnce(burn::tensor::Tensor<D>) -> burn::tensor::Tensor<E>,
 ) -> burn::tensor::Tensor<E> {
-    use burn::tensor::{DType, FloatDType};
+    use burn::tensor::DType;
     let dtype = tensor.dtype();
-    let out = op(tensor.cast(FloatDType::F32));
     if dtype == DType::F32 {
-        out
-    } else {
-        out.cast(FloatDType::from(dtype))
+        return op(tensor);
     }
+    let out = op(cast(tensor, DType::F32));
+    cast(out, dtype)
+}
+
+/// `tensor` as `dtype` (a float type), as `Tensor::cast`: on Flex, between f32, bf16 and f16,
+/// our parallel conversion (forward and backward; Flex converts on the calling thread).
+pub(crate) fn cast<const D: usize>(
+    tensor: burn::tensor::Tensor<D>,
+    dtype: burn::tensor::DType,
+) -> burn::tensor::Tensor<D> {
+    use burn::tensor::FloatDType;
+    if tensor.dtype() == dtype {
+        return tensor;
+    }
+    #[cfg(feature = "flex")]
+    {
+        use burn::tensor::DType;
+        let ours = |t: DType| matches!(t, DType::F32 | DType::BF16 | DType::F16);
+        if ours(tensor.dtype()) && ours(dtype) && on_flex(&tensor.device()) {
+            return crate::cpu_kernels::cast(tensor, FloatDType::from(dtype));
+        }
+    }
+    tensor.cast(FloatDType::from(dtype))
 }
 
 #[cfg(test)]
@@ -123,5 +143,48 @@ mod tests {
         let device = burn::tensor::Device::default();
         assert!(super::on_flex(&device));
         assert!(super::on_flex(&device.autodiff()));
+    }
+
+    /// Our parallel cast gives Burn's bits, forward and for the gradient it sends back, in
+    /// every direction between f32, bf16 and f16 (autocast's casts of weights, inputs and
+    /// outputs go through it).
+    #[cfg(feature = "flex")]
+    #[test]
+    fn casts_equal_burns_forward_and_backward() {
+        use burn::tensor::{DType, Distribution, Tensor};
+        let device = burn::tensor::Device::default().autodiff();
+        let types = [DType::F32, DType::BF16, DType::F16];
+        for from in types {
+            for to in types {
+                let x = Tensor::<2>::random([37, 1500], Distribution::Normal(0.0, 3.0), &device)
+                    .cast(from);
+                let dy = Tensor::<2>::random([37, 1500], Distribution::Normal(0.0, 1.0), &device)
+                    .cast(to);
+                let run = |ours: bool| {
+                    let x = x.clone().require_grad();
+                    let y = if ours {
+                        super::cast(x.clone(), to)
+                    } else {
+                        x.clone().cast(to)
+                    };
+                    let grads = (y.clone() * dy.clone()).sum().backward();
+                    let dx = x.grad(&grads).expect("x's gradient");
+                    (y.into_data(), dx.into_data())
+                };
+                let ((y, dx), (burn_y, burn_dx)) = (run(true), run(false));
+                assert_eq!(y.dtype(), to, "{from:?} -> {to:?}");
+                assert_eq!(y.as_bytes(), burn_y.as_bytes(), "{from:?} -> {to:?}");
+                assert_eq!(
+                    dx.dtype(),
+                    burn_dx.dtype(),
+                    "{from:?} -> {to:?}: gradient type"
+                );
+                assert_eq!(
+                    dx.as_bytes(),
+                    burn_dx.as_bytes(),
+                    "{from:?} -> {to:?}: gradient"
+                );
+            }
+        }
     }
 }

@@ -18,11 +18,23 @@
 //!
 //! Rows are split among threads in fixed blocks of [`BLOCK_ROWS`], and every element is
 //! summed in the same order in any block, so the bits do not depend on the number of threads.
+//!
+//! [`matmul_half_to`] writes the result in any [`Element`] type, a bias added first, each
+//! value rounded once as its tile is stored: a linear layer's half-precision activations come
+//! out of the product with no f32 copy and no pass of their own.
 
+// The result is allocated without clearing (`fresh::written_by`); the unsafe blocks say why
+// every element is written.
+#![allow(unsafe_code)]
+
+use std::mem::MaybeUninit;
 use std::ops::Range;
 
 use half::{bf16, f16};
 use rayon::prelude::*;
+
+use crate::element::Element;
+use crate::fresh::written_by;
 
 #[cfg(target_arch = "x86_64")]
 mod avx512;
@@ -208,8 +220,8 @@ pub fn matmul_bf16_on(path: Bf16Path, a: Bf16Mat<'_>, b: Bf16Mat<'_>) -> Vec<f32
     matmul_half_on(path, a, b)
 }
 
-/// `a b` of half-precision operands on `path`; f16 operands take the FMA path for the pair
-/// path (`vdpbf16ps` multiplies bf16 only).
+/// `a b` of half-precision operands on `path`, as f32; f16 operands take the FMA path for the
+/// pair path (`vdpbf16ps` multiplies bf16 only).
 ///
 /// # Panics
 /// As [`matmul_bf16`].
@@ -218,6 +230,35 @@ pub fn matmul_half_on<T: HalfElement>(
     a: HalfMat<'_, T>,
     b: HalfMat<'_, T>,
 ) -> Vec<f32> {
+    matmul_half_to(path, a, b, None)
+}
+
+/// `a b`, plus `bias` (one f32 per column of `b`) on every row when given, on `path`
+/// ([`Bf16Path::detect`] for the fastest), each element summed in f32 and rounded once to `O`.
+///
+/// ```
+/// use accelerate_kernels::bf16_matmul::{Bf16Mat, Bf16Path, matmul_half_to};
+/// use half::bf16;
+///
+/// let a: Vec<bf16> = [1.0f32, 2.0, 3.0, 4.0].map(bf16::from_f32).to_vec();
+/// let identity: Vec<bf16> = [1.0f32, 0.0, 0.0, 1.0].map(bf16::from_f32).to_vec();
+/// let y: Vec<bf16> = matmul_half_to(
+///     Bf16Path::detect(),
+///     Bf16Mat::row_major(&a, 2, 2),
+///     Bf16Mat::row_major(&identity, 2, 2),
+///     Some(&[0.5, -1.0]),
+/// );
+/// assert_eq!(y, [1.5f32, 1.0, 3.5, 3.0].map(bf16::from_f32));
+/// ```
+///
+/// # Panics
+/// As [`matmul_bf16`], and when `bias` is not `b.cols` long.
+pub fn matmul_half_to<T: HalfElement, O: Element>(
+    path: Bf16Path,
+    a: HalfMat<'_, T>,
+    b: HalfMat<'_, T>,
+    bias: Option<&[f32]>,
+) -> Vec<O> {
     let pairs_allowed = std::any::TypeId::of::<T>() == std::any::TypeId::of::<bf16>();
     let path = if path == Bf16Path::Avx512Bf16 && !pairs_allowed {
         Bf16Path::Avx512
@@ -231,15 +272,57 @@ pub fn matmul_half_on<T: HalfElement>(
     );
     a.check("a");
     b.check("b");
+    if let Some(bias) = bias {
+        assert_eq!(
+            bias.len(),
+            b.cols,
+            "matmul_bf16: a bias of {} for {} columns",
+            bias.len(),
+            b.cols
+        );
+    }
     let (m, n, k) = (a.rows, b.cols, a.cols);
     let len = m.checked_mul(n).expect("a product's size fits usize");
     if len == 0 || k == 0 {
-        return vec![0.0; len];
+        return (0..len)
+            .map(|i| O::from_f32(bias.map_or(0.0, |bias| bias[i % n])))
+            .collect();
     }
     match path {
         #[cfg(target_arch = "x86_64")]
-        Bf16Path::Avx512Bf16 | Bf16Path::Avx512 if path.available() => packed(a, b, path),
-        _ => widened(a, b),
+        Bf16Path::Avx512Bf16 | Bf16Path::Avx512 if path.available() => {
+            let fill = |c: &mut [MaybeUninit<O>]| packed(a, b, path, bias, c);
+            // SAFETY: `packed` writes every element of `c` (see there).
+            unsafe { written_by(len, fill) }
+        }
+        _ => {
+            let c = widened(a, b);
+            let fill = |out: &mut [MaybeUninit<O>]| {
+                out.par_chunks_mut(n)
+                    .zip(c.par_chunks(n))
+                    .for_each(|(out, row)| store_row(out, row, bias));
+            };
+            // SAFETY: `out` and `c` both hold `m` rows of `n`, and `store_row` writes every
+            // value of its row.
+            unsafe { written_by(len, fill) }
+        }
+    }
+}
+
+/// `row` (+ `bias`, the columns `row` covers) rounded into `out` (as long as `row`).
+#[inline(always)]
+fn store_row<O: Element>(out: &mut [MaybeUninit<O>], row: &[f32], bias: Option<&[f32]>) {
+    match bias {
+        Some(bias) => {
+            for ((o, &v), &b) in out.iter_mut().zip(row).zip(bias) {
+                o.write(O::from_f32(v + b));
+            }
+        }
+        None => {
+            for (o, &v) in out.iter_mut().zip(row) {
+                o.write(O::from_f32(v));
+            }
+        }
     }
 }
 
@@ -411,16 +494,24 @@ fn pack_a<T: HalfElement>(
     }
 }
 
-/// The packed paths: `b` packed once, then blocks of [`BLOCK_ROWS`] rows, each packing its
-/// rows of `a` and computing its tiles with `path`'s microkernel.
+/// The packed paths into `c` (`a.rows x b.cols`, row-major): `b` packed once, then blocks of
+/// [`BLOCK_ROWS`] rows, each packing its rows of `a` and computing its tiles with `path`'s
+/// microkernel, each tile stored (+ `bias`) rounded to `O`. Writes every element of `c`: the
+/// blocks cut `c` into whole rows, the panels of `b` cover every column and the panels of `a`
+/// every row of a block, and each tile stores all its rows and columns that lie inside `c`.
 #[cfg(target_arch = "x86_64")]
-fn packed<T: HalfElement>(a: HalfMat<'_, T>, b: HalfMat<'_, T>, path: Bf16Path) -> Vec<f32> {
+fn packed<T: HalfElement, O: Element>(
+    a: HalfMat<'_, T>,
+    b: HalfMat<'_, T>,
+    path: Bf16Path,
+    bias: Option<&[f32]>,
+    c: &mut [MaybeUninit<O>],
+) {
     let (m, n, k) = (a.rows, b.cols, a.cols);
     let per_lane = per_lane(path);
     let steps = k.div_ceil(per_lane);
     let packed_b = pack_b(b, steps, per_lane);
-    let mut c = vec![0.0f32; m * n];
-    let block = |(index, rows_out): (usize, &mut [f32])| {
+    let block = |(index, rows_out): (usize, &mut [MaybeUninit<O>])| {
         let start = index * BLOCK_ROWS;
         let rows = start..(start + BLOCK_ROWS).min(m);
         let mut packed_a = Vec::new();
@@ -428,13 +519,14 @@ fn packed<T: HalfElement>(a: HalfMat<'_, T>, b: HalfMat<'_, T>, path: Bf16Path) 
         let mut tile = [0.0f32; MR * NR];
         for (p, b_panel) in packed_b.chunks(steps * NR).enumerate() {
             let cols = p * NR..((p + 1) * NR).min(n);
+            let bias = bias.map(|bias| &bias[cols.clone()]);
             for (t, a_panel) in packed_a.chunks(steps * MR).enumerate() {
                 avx512::tile(path, a_panel, b_panel, steps, &mut tile);
                 let first = t * MR;
                 let count = MR.min(rows.len() - first);
                 for i in 0..count {
                     let out = &mut rows_out[(first + i) * n..][cols.clone()];
-                    out.copy_from_slice(&tile[i * NR..i * NR + cols.len()]);
+                    store_row(out, &tile[i * NR..i * NR + cols.len()], bias);
                 }
             }
         }
@@ -444,7 +536,6 @@ fn packed<T: HalfElement>(a: HalfMat<'_, T>, b: HalfMat<'_, T>, path: Bf16Path) 
     } else {
         c.chunks_mut(BLOCK_ROWS * n).enumerate().for_each(block);
     }
-    c
 }
 
 #[cfg(test)]
@@ -594,6 +685,36 @@ mod tests {
             assert_eq!(one, on(2), "{path:?}");
             assert_eq!(one, on(3), "{path:?}");
         }
+    }
+
+    /// A result written in bf16 or f16 with a bias is, bit for bit, the f32 result plus the
+    /// bias rounded once, on every path (across tile and block edges: 77 rows, 35 columns).
+    #[test]
+    fn half_results_are_the_f32_sum_plus_the_bias_rounded_once() {
+        let (m, n, k) = (77, 35, 19);
+        let a = values(m * k, 11);
+        let b = values(k * n, 12);
+        let bias: Vec<f32> = values(n, 13).iter().map(|v| v.to_f32()).collect();
+        for path in paths() {
+            let (a, b) = (Bf16Mat::row_major(&a, m, k), Bf16Mat::row_major(&b, k, n));
+            let sums = matmul_half_on(path, a, b);
+            let plus = |i: usize| sums[i] + bias[i % n];
+            let got: Vec<bf16> = matmul_half_to(path, a, b, Some(&bias));
+            let want: Vec<bf16> = (0..m * n).map(|i| bf16::from_f32(plus(i))).collect();
+            assert_eq!(got, want, "{path:?} bf16");
+            let got: Vec<f16> = matmul_half_to(path, a, b, Some(&bias));
+            let want: Vec<f16> = (0..m * n).map(|i| f16::from_f32(plus(i))).collect();
+            assert_eq!(got, want, "{path:?} f16");
+            let got: Vec<f32> = matmul_half_to(path, a, b, None);
+            assert_eq!(got, sums, "{path:?} f32");
+        }
+        let empty: Vec<bf16> = matmul_half_to(
+            Bf16Path::detect(),
+            Bf16Mat::row_major(&a[..0], 2, 0),
+            Bf16Mat::row_major(&a[..0], 0, 2),
+            Some(&[1.0, -2.0]),
+        );
+        assert_eq!(empty, [1.0f32, -2.0, 1.0, -2.0].map(bf16::from_f32));
     }
 
     #[test]
