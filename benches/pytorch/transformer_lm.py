@@ -11,6 +11,11 @@ speed does not depend on the text.
 
     python benches/pytorch/transformer_lm.py --steps 30 --threads 2
     accelerate launch --num_processes 2 benches/pytorch/transformer_lm.py --threads 1
+    python benches/pytorch/transformer_lm.py --mixed-precision bf16
+
+`--mixed-precision bf16` (or fp16) is Accelerate's `mixed_precision` when it is installed, else
+`torch.autocast("cpu", dtype)` around the forward pass and the loss, which is what Accelerate
+does on the CPU for bf16.
 """
 
 import argparse
@@ -47,13 +52,14 @@ def main():
     parser.add_argument("--steps", type=int, default=30)  # at least 4
     parser.add_argument("--batch", type=int, default=32)
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--mixed-precision", choices=["no", "bf16", "fp16"], default="no")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     torch.manual_seed(0)
     try:
         from accelerate import Accelerator
 
-        accelerator = Accelerator(cpu=True)
+        accelerator = Accelerator(cpu=True, mixed_precision=args.mixed_precision)
     except ImportError:
         accelerator = None
     model = TransformerLm()
@@ -62,6 +68,13 @@ def main():
     )
     if accelerator is not None:
         model, optimizer = accelerator.prepare(model, optimizer)
+    compute = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(args.mixed_precision)
+
+    def autocast():
+        if accelerator is not None:
+            return accelerator.autocast()
+        return torch.autocast("cpu", dtype=compute, enabled=compute is not None)
+
     context, tokens_per_step = 128, args.batch * 128
     warm_up = 3
     start = None
@@ -70,10 +83,11 @@ def main():
             start = time.perf_counter()
         data = torch.randint(0, 256, (args.batch, context + 1))
         inputs, targets = data[:, :-1], data[:, 1:]
-        logits = model(inputs)
-        loss = nn.functional.cross_entropy(
-            logits.reshape(-1, 256), targets.reshape(-1), reduction="sum"
-        ) / tokens_per_step
+        with autocast():
+            logits = model(inputs)
+            loss = nn.functional.cross_entropy(
+                logits.reshape(-1, 256), targets.reshape(-1), reduction="sum"
+            ) / tokens_per_step
         optimizer.zero_grad()
         if accelerator is not None:
             accelerator.backward(loss)
@@ -88,7 +102,7 @@ def main():
     if accelerator is None or accelerator.is_main_process:
         via = "accelerate" if accelerator is not None else "plain"
         print(
-            f"pytorch {torch.__version__} ({via}, {processes} process(es), {args.threads} "
+            f"pytorch {torch.__version__} ({via}, {args.mixed_precision}, {processes} process(es), {args.threads} "
             f"thread(s)): {rate:.0f} tokens/s over {args.steps - warm_up} updates, loss {loss.item():.4f}"
         )
 

@@ -62,10 +62,12 @@ pub trait HalfElement: Copy + Send + Sync + 'static {
 
 impl HalfElement for bf16 {
     const ZERO: Self = bf16::ZERO;
+    #[inline(always)]
     fn bits(self) -> u16 {
         self.to_bits()
     }
     // Widening bf16 is exact: its bits are the f32's upper half.
+    #[inline(always)]
     fn widened_bits(self) -> u32 {
         u32::from(self.to_bits()) << 16
     }
@@ -73,9 +75,11 @@ impl HalfElement for bf16 {
 
 impl HalfElement for f16 {
     const ZERO: Self = f16::ZERO;
+    #[inline(always)]
     fn bits(self) -> u16 {
         self.to_bits()
     }
+    #[inline(always)]
     fn widened_bits(self) -> u32 {
         crate::convert::f16_bits_to_f32(self.to_bits()).to_bits()
     }
@@ -386,16 +390,10 @@ fn run<'a, T: HalfElement>(
 }
 
 /// Lanes from two runs of values (`hi` absent past the end of `k`, or with one value a lane):
-/// `out[o * stride]` for each value `o`.
+/// `out[o]` for each value `o`.
 #[cfg_attr(not(target_arch = "x86_64"), allow(dead_code))]
-fn put_lanes<T: HalfElement>(
-    out: &mut [u32],
-    stride: usize,
-    lo: &[T],
-    hi: Option<&[T]>,
-    per_lane: usize,
-) {
-    let slots = out.iter_mut().step_by(stride);
+fn put_lanes<T: HalfElement>(out: &mut [u32], lo: &[T], hi: Option<&[T]>, per_lane: usize) {
+    let slots = out.iter_mut();
     match (per_lane, hi) {
         (1, _) => slots.zip(lo).for_each(|(o, v)| *o = v.widened_bits()),
         (_, Some(hi)) => slots
@@ -403,6 +401,54 @@ fn put_lanes<T: HalfElement>(
             .for_each(|(o, (l, h))| *o = u32::from(l.bits()) | (u32::from(h.bits()) << 16)),
         (_, None) => slots.zip(lo).for_each(|(o, l)| *o = u32::from(l.bits())),
     }
+}
+
+/// Lanes of `runs` (each the values of one row or column of an operand along `k`, all of
+/// length `k_len`) laid out step by step: `out[s * width + i]` is step `s` of run `i`. Written
+/// in step order (each output lane once, in sequence) while every run is read forward: a
+/// panel's rows of `a` (or columns of `b`) are `width` streams the prefetcher follows, where
+/// writing one run at a time scattered every lane `width` apart.
+#[cfg_attr(not(target_arch = "x86_64"), allow(dead_code))]
+fn put_runs<T: HalfElement>(
+    out: &mut [u32],
+    width: usize,
+    runs: &[&[T]],
+    k_len: usize,
+    per_lane: usize,
+) {
+    let steps = k_len.div_ceil(per_lane);
+    for (s, out) in out.chunks_exact_mut(width).take(steps).enumerate() {
+        let out = &mut out[..runs.len()];
+        if per_lane == 1 {
+            for (o, run) in out.iter_mut().zip(runs) {
+                *o = run[s].widened_bits();
+            }
+        } else if 2 * s + 1 < k_len {
+            for (o, run) in out.iter_mut().zip(runs) {
+                *o = u32::from(run[2 * s].bits()) | (u32::from(run[2 * s + 1].bits()) << 16);
+            }
+        } else {
+            // An odd `k`'s last step: its pair ends in zero.
+            for (o, run) in out.iter_mut().zip(runs) {
+                *o = u32::from(run[2 * s].bits());
+            }
+        }
+    }
+}
+
+/// The runs along `k` of `m`'s rows `lines` (`along_row`) or of its columns `lines`: each
+/// line's `len` values in one slice, when they lie contiguous in memory.
+#[cfg_attr(not(target_arch = "x86_64"), allow(dead_code))]
+fn runs_along_k<'a, T: HalfElement>(
+    m: &HalfMat<'a, T>,
+    along_row: bool,
+    lines: Range<usize>,
+    len: usize,
+) -> Option<Vec<&'a [T]>> {
+    if len < 2 {
+        return None;
+    }
+    lines.map(|line| run(m, along_row, line, 0, len)).collect()
 }
 
 /// `b` as panels of [`NR`] columns: panel `p` holds, for each step along `k`, the lanes of
@@ -413,6 +459,12 @@ fn pack_b<T: HalfElement>(b: HalfMat<'_, T>, steps: usize, per_lane: usize) -> V
     let mut packed = vec![0u32; panels * steps * NR];
     let fill = |(p, panel): (usize, &mut [u32])| {
         let width = NR.min(b.cols - p * NR);
+        let columns = p * NR..p * NR + width;
+        // Columns of `b` read in runs where each lies contiguous (`W^T` of an input gradient).
+        if let Some(runs) = runs_along_k(&b, false, columns, b.rows) {
+            put_runs(panel, NR, &runs, b.rows, per_lane);
+            return;
+        }
         for s in 0..steps {
             let k = s * per_lane;
             let hi = (per_lane == 2 && k + 1 < b.rows).then_some(k + 1);
@@ -422,8 +474,8 @@ fn pack_b<T: HalfElement>(b: HalfMat<'_, T>, steps: usize, per_lane: usize) -> V
                 run(&b, true, k, p * NR, width),
                 hi.map(|h| run(&b, true, h, p * NR, width)),
             ) {
-                (Some(lo), None) => put_lanes(out, 1, lo, None, per_lane),
-                (Some(lo), Some(Some(hi))) => put_lanes(out, 1, lo, Some(hi), per_lane),
+                (Some(lo), None) => put_lanes(out, lo, None, per_lane),
+                (Some(lo), Some(Some(hi))) => put_lanes(out, lo, Some(hi), per_lane),
                 _ => {
                     for (j, o) in out.iter_mut().enumerate() {
                         *o = lane(|k| b.at(k, p * NR + j), k, b.rows, per_lane);
@@ -453,27 +505,9 @@ fn pack_a<T: HalfElement>(
     for (p, panel) in packed.chunks_mut(steps * MR).enumerate() {
         let height = MR.min(rows.len() - p * MR);
         let first = rows.start + p * MR;
-        if run(&a, true, first, 0, k_len).is_some() && k_len > 1 {
-            // A row-major `a`: each row's `k` values in one run, laid across the steps.
-            for i in 0..height {
-                let Some(row) = run(&a, true, first + i, 0, k_len) else {
-                    continue;
-                };
-                if per_lane == 1 {
-                    put_lanes(&mut panel[i..], MR, row, None, 1);
-                    continue;
-                }
-                let even: Vec<T> = row.iter().step_by(2).copied().collect();
-                // Zero past an odd `k`'s end, so every step has its pair.
-                let odd: Vec<T> = row
-                    .iter()
-                    .skip(1)
-                    .step_by(2)
-                    .copied()
-                    .chain((k_len % 2 == 1).then_some(T::ZERO))
-                    .collect();
-                put_lanes(&mut panel[i..], MR, &even, Some(&odd), 2);
-            }
+        if let Some(runs) = runs_along_k(&a, true, first..first + height, k_len) {
+            // A row-major `a`: each row's `k` values in one run.
+            put_runs(panel, MR, &runs, k_len, per_lane);
         } else if run(&a, false, 0, first, height).is_some() && height > 1 {
             // A transposed `a` (X^T): each step's values of the panel's rows in one run.
             for s in 0..steps {
@@ -482,7 +516,7 @@ fn pack_a<T: HalfElement>(
                 let lo = run(&a, false, k, first, height).unwrap_or_default();
                 let hi = (per_lane == 2 && k + 1 < k_len)
                     .then(|| run(&a, false, k + 1, first, height).unwrap_or_default());
-                put_lanes(out, 1, lo, hi, per_lane);
+                put_lanes(out, lo, hi, per_lane);
             }
         } else {
             for i in 0..height {
