@@ -330,18 +330,50 @@ fn store_row<O: Element>(out: &mut [MaybeUninit<O>], row: &[f32], bias: Option<&
     }
 }
 
-/// The widened path: both operands to f32, row-major, then the f32 product.
+/// The widened path: both operands widened to f32 (in parallel, in their own memory order),
+/// then the f32 product.
 fn widened<T: HalfElement>(a: HalfMat<'_, T>, b: HalfMat<'_, T>) -> Vec<f32> {
-    let widen = |x: HalfMat<'_, T>| -> Vec<f32> {
-        (0..x.rows)
-            .flat_map(|r| (0..x.cols).map(move |c| f32::from_bits(x.at(r, c).widened_bits())))
-            .collect()
+    let (a32, a_t) = widen(a);
+    let (b32, b_t) = widen(b);
+    crate::matmul::product(as_mat(&a32, a, a_t), as_mat(&b32, b, b_t))
+}
+
+/// The f32 view of `x` widened by [`widen`] into `values` (`transposed`: stored as `x^T`).
+fn as_mat<'v, T: HalfElement>(
+    values: &'v [f32],
+    x: HalfMat<'_, T>,
+    transposed: bool,
+) -> crate::matmul::Mat<'v> {
+    let stored = if transposed { x.t() } else { x };
+    let mat = crate::matmul::Mat::rows_of(values, 0, [stored.rows, stored.cols], stored.cols);
+    if transposed { mat.t() } else { mat }
+}
+
+/// `x` widened to f32 as a row-major buffer of `x`, or of `x^T` when `x` is stored column by
+/// column (then `true`): read in memory order, one task per row of the buffer.
+fn widen<T: HalfElement>(x: HalfMat<'_, T>) -> (Vec<f32>, bool) {
+    let transposed = x.row_stride == 1 && x.col_stride != 1;
+    let stored = if transposed { x.t() } else { x };
+    let fill = |out: &mut [MaybeUninit<f32>]| {
+        out.par_chunks_mut(stored.cols.max(1))
+            .enumerate()
+            .for_each(|(r, row)| match run(&stored, true, r, 0, stored.cols) {
+                Some(values) => {
+                    for (o, v) in row.iter_mut().zip(values) {
+                        o.write(f32::from_bits(v.widened_bits()));
+                    }
+                }
+                None => {
+                    for (c, o) in row.iter_mut().enumerate() {
+                        o.write(f32::from_bits(stored.at(r, c).widened_bits()));
+                    }
+                }
+            });
     };
-    let (a32, b32) = (widen(a), widen(b));
-    crate::matmul::product(
-        crate::matmul::Mat::rows_of(&a32, 0, [a.rows, a.cols], a.cols),
-        crate::matmul::Mat::rows_of(&b32, 0, [b.rows, b.cols], b.cols),
-    )
+    // SAFETY: the buffer is `rows` rows of `cols`, and each task writes every value of its
+    // row (a run of `cols` values, or one value per column).
+    let values = unsafe { written_by(stored.rows * stored.cols, fill) };
+    (values, transposed)
 }
 
 /// Values of `k` one packed 32-bit lane holds on `path`: a pair of bf16 for `vdpbf16ps`, one
