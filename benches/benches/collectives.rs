@@ -253,25 +253,9 @@ fn child() {
     }
 }
 
-/// Element types the tables measure.
-trait BenchElement: accelerate_kernels::Element + PartialEq {
-    fn from_f32(v: f32) -> Self;
-}
-impl BenchElement for f32 {
-    fn from_f32(v: f32) -> Self {
-        v
-    }
-}
-impl BenchElement for half::bf16 {
-    fn from_f32(v: f32) -> Self {
-        half::bf16::from_f32(v)
-    }
-}
-impl BenchElement for half::f16 {
-    fn from_f32(v: f32) -> Self {
-        half::f16::from_f32(v)
-    }
-}
+/// Element types the tables measure (built from f32 with [`accelerate_kernels::Element::from_f32`]).
+trait BenchElement: accelerate_kernels::Element + PartialEq {}
+impl<T: accelerate_kernels::Element + PartialEq> BenchElement for T {}
 
 /// One rank of a table for element type `T`, named `dtype`.
 fn measure<T: BenchElement>(dtype: &str) {

@@ -1,7 +1,8 @@
 //! The fused GELU: [`accelerate_kernels::gelu`] on Flex tensors, and its backward node (state:
 //! the input, by checkpoint). Its gradient is the exact derivative `Φ(x) + x φ(x)`. Memory-bound
 //! with a retro-forward, as Burn's own GELU: under gradient checkpointing its output is
-//! recomputed in the backward pass, not kept.
+//! recomputed in the backward pass, not kept. bf16 and f16 tensors (autocast) are read and
+//! written in their own type and computed in f32 chunk by chunk: no f32 copy is cast or kept.
 
 use accelerate_kernels::gelu;
 use burn::backend::Flex;
@@ -16,14 +17,19 @@ use burn::backend::autodiff::grads::Gradients;
 use burn::backend::autodiff::ops::{Backward, Ops, OpsKind};
 use burn::backend::flex::FlexTensor;
 use burn::backend::tensor::FloatTensor;
+use burn::tensor::{DType, bf16, f16};
 
-use super::{contiguous, flex_tensor, owned_contiguous, values};
+use super::{contiguous, flex_tensor, half_tensor, half_values, owned_contiguous, values};
 
-/// `x * Φ(x)` of a Flex tensor.
+/// `x * Φ(x)` of a Flex tensor (f32; bf16 and f16 computed in f32, rounded once).
 pub(super) fn forward(x: &FlexTensor) -> FlexTensor {
     let shape = x.shape();
     let x = contiguous(x);
-    flex_tensor(gelu::forward(values(&x)), shape)
+    match x.dtype() {
+        DType::BF16 => half_tensor(gelu::forward_half(half_values::<bf16>(&x)), shape),
+        DType::F16 => half_tensor(gelu::forward_half(half_values::<f16>(&x)), shape),
+        _ => flex_tensor(gelu::forward(values(&x)), shape),
+    }
 }
 
 /// The backward node of the fused GELU.
@@ -71,11 +77,21 @@ pub(super) fn recompute_backward(x: &FlexTensor, dy: FlexTensor) -> (FlexTensor,
     (flex_tensor(y, shape), grad)
 }
 
-/// The gradient `dy * (Φ(x) + x φ(x))` of the GELU's input.
+/// The gradient `dy * (Φ(x) + x φ(x))` of the GELU's input (of `x`'s type).
 pub(super) fn backward(x: &FlexTensor, dy: &FlexTensor) -> FlexTensor {
     let shape = x.shape();
     let (x, dy) = (contiguous(x), contiguous(dy));
-    flex_tensor(gelu::backward(values(&x), values(&dy)), shape)
+    match x.dtype() {
+        DType::BF16 => half_tensor(
+            gelu::backward_half(half_values::<bf16>(&x), half_values::<bf16>(&dy)),
+            shape,
+        ),
+        DType::F16 => half_tensor(
+            gelu::backward_half(half_values::<f16>(&x), half_values::<f16>(&dy)),
+            shape,
+        ),
+        _ => flex_tensor(gelu::backward(values(&x), values(&dy)), shape),
+    }
 }
 
 /// The fused GELU under autodiff.

@@ -1,5 +1,7 @@
 //! The fused layer norm: [`accelerate_kernels::layer_norm`] on Flex tensors, and its backward
 //! node (parents `x`, `gamma`, `beta`; state: the input, gamma and each row's statistics).
+//! bf16 and f16 tensors (autocast) are computed in f32 between parallel casts, and kept for the
+//! backward pass in their own type (half the bytes of an f32 copy).
 
 use accelerate_kernels::layer_norm;
 use burn::backend::Flex;
@@ -11,16 +13,28 @@ use burn::backend::autodiff::grads::Gradients;
 use burn::backend::autodiff::ops::{Backward, Ops, OpsKind};
 use burn::backend::flex::FlexTensor;
 use burn::backend::tensor::FloatTensor;
+use burn::tensor::{DType, FloatDType};
 
-use super::{contiguous, flex_tensor, owned_contiguous, row_shape, values};
+use super::{cast, contiguous, flex_tensor, owned_contiguous, row_shape, values};
 
-/// The forward pass: the output, and each row's mean and reciprocal standard deviation.
+/// `tensor` widened to f32 (itself when it is f32).
+fn in_f32(tensor: &FlexTensor) -> FlexTensor {
+    cast::forward(tensor, FloatDType::F32)
+}
+
+/// The forward pass: the output (of `x`'s type), and each row's mean and reciprocal standard
+/// deviation (f32).
 pub(super) fn forward(
     x: &FlexTensor,
     gamma: &FlexTensor,
     beta: &FlexTensor,
     epsilon: f64,
 ) -> (FlexTensor, FlexTensor) {
+    let dtype = x.dtype();
+    if dtype != DType::F32 {
+        let (y, stats) = forward(&in_f32(x), &in_f32(gamma), &in_f32(beta), epsilon);
+        return (cast::forward(&y, FloatDType::from(dtype)), stats);
+    }
     let shape = x.shape();
     let rows = row_shape(&shape);
     let (x, gamma, beta) = (contiguous(x), contiguous(gamma), contiguous(beta));
@@ -50,6 +64,14 @@ impl Backward<Flex, 3> for LayerNormBackward {
         let [node_x, node_gamma, node_beta] = ops.parents;
         let dy: FlexTensor = grads.consume::<Flex>(&ops.node);
         let (x, gamma, stats) = ops.state;
+        // Gradients of the input's type; a half-precision input is computed in f32.
+        let dtype = FloatDType::from(x.dtype());
+        let (x, gamma, dy) = if dtype == FloatDType::F32 {
+            (x, gamma, dy)
+        } else {
+            (in_f32(&x), in_f32(&gamma), in_f32(&dy))
+        };
+        let typed = |t: FlexTensor| cast::forward(&t, dtype);
         let shape = x.shape();
         let rows = row_shape(&shape);
         let (x, gamma) = (contiguous(&x), contiguous(&gamma));
@@ -68,13 +90,13 @@ impl Backward<Flex, 3> for LayerNormBackward {
         );
         let width: burn::tensor::Shape = [rows.width].into();
         if let Some(node) = node_x {
-            grads.register::<Flex>(node.id, dx);
+            grads.register::<Flex>(node.id, typed(dx));
         }
         if let Some(node) = node_gamma {
-            grads.register::<Flex>(node.id, flex_tensor(dgamma, width.clone()));
+            grads.register::<Flex>(node.id, typed(flex_tensor(dgamma, width.clone())));
         }
         if let Some(node) = node_beta {
-            grads.register::<Flex>(node.id, flex_tensor(dbeta, width));
+            grads.register::<Flex>(node.id, typed(flex_tensor(dbeta, width)));
         }
     }
 }

@@ -11,8 +11,7 @@
 //! the product stores it (no f32 copy); the bias added and its gradient summed in f32. Burn's
 //! Flex widens both operands to f32 and narrows the result for every half-precision product.
 
-use accelerate_kernels::Element as KernelElement;
-use accelerate_kernels::bf16_matmul::{Bf16Path, HalfElement, HalfMat, matmul_half_to};
+use accelerate_kernels::bf16_matmul::{Bf16Path, HalfMat, matmul_half_to};
 use accelerate_kernels::convert::cast;
 use accelerate_kernels::linear::{self, Weight};
 use burn::backend::Flex;
@@ -25,9 +24,9 @@ use burn::backend::autodiff::grads::Gradients;
 use burn::backend::autodiff::ops::{Backward, NodeGuard, Ops, OpsKind};
 use burn::backend::flex::FlexTensor;
 use burn::backend::tensor::FloatTensor;
-use burn::tensor::{DType, Shape, TensorData, bf16, f16};
+use burn::tensor::{DType, Shape, bf16, f16};
 
-use super::{contiguous, flex_tensor, values};
+use super::{Half, contiguous, flex_tensor, half_tensor, half_values, values};
 
 /// A `[d_in, d_out]` weight read in place when its strides allow (a transposed view included),
 /// else from a contiguous copy.
@@ -104,22 +103,6 @@ fn with_last(shape: &Shape, width: usize) -> Shape {
         *last = width;
     }
     dims.into()
-}
-
-/// The half-precision types the layer computes with half-precision products.
-trait Half: HalfElement + KernelElement + burn::tensor::Element {}
-
-impl Half for bf16 {}
-impl Half for f16 {}
-
-/// The values of a contiguous tensor of type `T`.
-fn half_values<T: Half>(tensor: &FlexTensor) -> &[T] {
-    tensor.as_slice::<T>().unwrap_or(&[])
-}
-
-/// A Flex tensor of type `T` and `shape` holding `values`.
-fn half_tensor<T: Half>(values: Vec<T>, shape: Shape) -> FlexTensor {
-    FlexTensor::from_data(TensorData::new(values, shape))
 }
 
 /// `rows x width` row-major values as a matrix view.

@@ -11,9 +11,12 @@
 //! backward (the attention weights and the GELU's output are recomputed). One file per operation: its forward on Flex, its backward node,
 //! and its tracked form under autodiff.
 //!
-//! Only f32 tensors on Flex (plain or under autodiff) come here: [`crate::nn`] checks the
-//! device and the type first and uses Burn's own operations everywhere else, so calling these
-//! on another backend (which panics) cannot happen.
+//! Only Flex tensors (plain or under autodiff) come here: [`crate::nn`] checks the device and
+//! the type first and uses Burn's own operations everywhere else, so calling these on another
+//! backend (which panics) cannot happen. f32 everywhere; bf16 and f16 (autocast's types) in the
+//! linear layer (half-precision products), the GELU (chunks computed in f32), layer norm and
+//! self-attention (computed in f32 between parallel casts, kept in their own type) and the
+//! casts themselves; the other operations are called on f32 (`nn` casts around them).
 
 mod cast;
 mod cross_entropy;
@@ -37,8 +40,8 @@ use burn::tensor::{Bool, FloatDType, Int, Tensor, TensorData};
 /// The fused CPU operations, as Burn operations.
 #[backend_extension(Flex, Autodiff)]
 pub(crate) trait CpuKernels: Backend {
-    /// Layer norm over the last dimension of `x` (f32): `(x - mean) / sqrt(var + epsilon) *
-    /// gamma + beta`, with the biased variance, as Burn's `layer_norm`.
+    /// Layer norm over the last dimension of `x` (f32, bf16 or f16, as `gamma` and `beta`):
+    /// `(x - mean) / sqrt(var + epsilon) * gamma + beta`, with the biased variance, as Burn's `layer_norm`.
     fn fused_layer_norm(
         x: FloatTensor<Self>,
         gamma: FloatTensor<Self>,
@@ -344,6 +347,25 @@ fn owned_contiguous(tensor: FlexTensor) -> FlexTensor {
     }
 }
 
+/// The half-precision types (bf16, f16) the kernels read and write in place.
+trait Half:
+    accelerate_kernels::Element + accelerate_kernels::bf16_matmul::HalfElement + burn::tensor::Element
+{
+}
+
+impl Half for burn::tensor::bf16 {}
+impl Half for burn::tensor::f16 {}
+
+/// The values of a contiguous tensor of type `T`.
+fn half_values<T: Half>(tensor: &FlexTensor) -> &[T] {
+    tensor.as_slice::<T>().unwrap_or(&[])
+}
+
+/// A Flex tensor of type `T` and `shape` holding `values`.
+fn half_tensor<T: Half>(values: Vec<T>, shape: burn::tensor::Shape) -> FlexTensor {
+    FlexTensor::from_data(TensorData::new(values, shape))
+}
+
 /// The f32 slice of a contiguous f32 tensor (`contiguous` made it so).
 fn values(tensor: &FlexTensor) -> &[f32] {
     tensor.as_slice::<f32>().unwrap_or(&[])
@@ -364,7 +386,7 @@ fn row_shape(shape: &burn::tensor::Shape) -> RowShape {
     }
 }
 
-/// The fused layer norm of dispatch tensors (f32 on Flex, plain or under autodiff).
+/// The fused layer norm of dispatch tensors (f32, bf16 or f16 on Flex, plain or under autodiff).
 pub(crate) fn layer_norm<const D: usize>(
     x: Tensor<D>,
     gamma: Tensor<1>,
@@ -401,7 +423,7 @@ pub(crate) fn attention_softmax(
     })
 }
 
-/// The fused self-attention of an f32 QKV product `[batch, seq, 3 * d_model]` on Flex: the
+/// The fused self-attention of a QKV product `[batch, seq, 3 * d_model]` (f32, bf16 or f16) on Flex: the
 /// context `[batch, seq, d_model]`, masked where `mask` (`[batch, seq, seq]`) is true.
 pub(crate) fn self_attention(
     qkv: Tensor<3>,
@@ -433,7 +455,7 @@ pub(crate) fn cross_entropy(logits: Tensor<2>, targets: Tensor<1, Int>) -> Tenso
     ))
 }
 
-/// The fused GELU of an f32 tensor on Flex.
+/// The fused GELU of an f32, bf16 or f16 tensor on Flex.
 pub(crate) fn gelu<const D: usize>(x: Tensor<D>) -> Tensor<D> {
     Tensor::from_dispatch(<Dispatch as CpuKernels>::fused_gelu(x.into_dispatch()))
 }
@@ -482,4 +504,89 @@ pub(crate) fn cast<const D: usize>(x: Tensor<D>, dtype: FloatDType) -> Tensor<D>
         x.into_dispatch(),
         dtype,
     ))
+}
+
+#[cfg(test)]
+mod tests {
+    use burn::tensor::{Bool, DType, Device, Distribution, FloatDType, Tensor, TensorData};
+
+    /// `op` on `x` and its gradients under `dy`: the output's bytes, then each input's
+    /// gradient's bytes.
+    fn run<const D: usize, const E: usize>(
+        inputs: &[Tensor<D>],
+        dy: &Tensor<E>,
+        op: impl Fn(Vec<Tensor<D>>) -> Tensor<E>,
+    ) -> Vec<TensorData> {
+        let inputs: Vec<Tensor<D>> = inputs.iter().map(|t| t.clone().require_grad()).collect();
+        let y = op(inputs.clone());
+        let grads = (y.clone() * dy.clone()).sum().backward();
+        let mut out = vec![y.into_data()];
+        out.extend(
+            inputs
+                .iter()
+                .map(|t| t.grad(&grads).expect("a gradient").into_data()),
+        );
+        out
+    }
+
+    fn assert_same_bytes(ours: Vec<TensorData>, reference: Vec<TensorData>, what: &str) {
+        assert_eq!(ours.len(), reference.len());
+        for (i, (a, b)) in ours.iter().zip(&reference).enumerate() {
+            assert_eq!(a.dtype(), b.dtype(), "{what}: tensor {i}'s type");
+            assert_eq!(a.as_bytes(), b.as_bytes(), "{what}: tensor {i}");
+        }
+    }
+
+    /// The GELU, layer norm and self-attention of bf16 and f16 tensors, which read and keep
+    /// them in their own type, give bit for bit what casting to f32, running the f32 kernel
+    /// and casting back gives, forward and for every gradient.
+    #[test]
+    fn half_precision_kernels_equal_the_f32_kernels_between_casts() {
+        let device = Device::default().autodiff();
+        let f32 = FloatDType::F32;
+        for dtype in [FloatDType::BF16, FloatDType::F16] {
+            let half = DType::from(dtype);
+            let random = |dims: [usize; 3], std: f64| {
+                Tensor::<3>::random(dims, Distribution::Normal(0.0, std), &device).cast(dtype)
+            };
+            let x = random([3, 19, 40], 2.0);
+            let dy = random([3, 19, 40], 1.0);
+            let ours = run(std::slice::from_ref(&x), &dy, |t| super::gelu(t[0].clone()));
+            let reference = run(std::slice::from_ref(&x), &dy, |t| {
+                super::gelu(super::cast(t[0].clone(), f32)).cast(dtype)
+            });
+            assert_same_bytes(ours, reference, &format!("gelu {half:?}"));
+
+            let gamma = random([1, 1, 40], 1.0);
+            let beta = random([1, 1, 40], 1.0);
+            let inputs = [x.clone(), gamma, beta];
+            let width = |t: &Tensor<3>| t.clone().reshape([40]);
+            let ours = run(&inputs, &dy, |t| {
+                super::layer_norm(t[0].clone(), width(&t[1]), width(&t[2]), 1e-5)
+            });
+            let reference = run(&inputs, &dy, |t| {
+                let wide = |t: &Tensor<3>| super::cast(t.clone(), f32);
+                super::layer_norm(wide(&t[0]), width(&wide(&t[1])), width(&wide(&t[2])), 1e-5)
+                    .cast(dtype)
+            });
+            assert_same_bytes(ours, reference, &format!("layer norm {half:?}"));
+
+            let (seq, heads, d_model) = (13, 2, 8);
+            let qkv = random([2, seq, 3 * d_model], 1.0);
+            let dcontext = random([2, seq, d_model], 1.0);
+            let causal = Tensor::<2, Bool>::tril_mask([seq, seq], 0, &device)
+                .reshape([1, seq, seq])
+                .expand([2, seq, seq]);
+            let attend = |qkv: Tensor<3>| {
+                super::self_attention(qkv, Some(causal.clone()), heads, 0.5, -1e4, false)
+            };
+            let ours = run(std::slice::from_ref(&qkv), &dcontext, |t| {
+                attend(t[0].clone())
+            });
+            let reference = run(std::slice::from_ref(&qkv), &dcontext, |t| {
+                attend(super::cast(t[0].clone(), f32)).cast(dtype)
+            });
+            assert_same_bytes(ours, reference, &format!("self-attention {half:?}"));
+        }
+    }
 }

@@ -1,7 +1,8 @@
 //! Fused self-attention: [`accelerate_kernels::attention`] on Flex tensors, from the one QKV
 //! product `[batch, seq, 3 * d_model]` to the context `[batch, seq, d_model]`, and its backward
 //! node (state: the QKV tensor, two numbers per query row, the mask). The `[batch, heads, seq,
-//! seq]` weights are never kept: the backward pass recomputes them tile by tile.
+//! seq]` weights are never kept: the backward pass recomputes them tile by tile. A bf16 or f16
+//! QKV tensor (autocast) is computed in f32 between parallel casts and kept in its own type.
 
 use accelerate_kernels::attention::{self, Mask, SelfAttention};
 use burn::backend::Flex;
@@ -13,9 +14,10 @@ use burn::backend::autodiff::grads::Gradients;
 use burn::backend::autodiff::ops::{Backward, Ops, OpsKind};
 use burn::backend::flex::FlexTensor;
 use burn::backend::tensor::FloatTensor;
+use burn::tensor::{DType, FloatDType};
 
 use super::softmax::mask_bytes;
-use super::{contiguous, flex_tensor, values};
+use super::{cast, contiguous, flex_tensor, values};
 
 /// What the attention computes besides its input.
 #[derive(Debug, Clone, Copy)]
@@ -58,12 +60,18 @@ impl Settings {
     }
 }
 
-/// The context `[batch, seq, d_model]` and the rows' statistics of the attention over `qkv`.
+/// The context `[batch, seq, d_model]` (of `qkv`'s type) and the rows' statistics of the
+/// attention over `qkv`.
 pub(super) fn forward(
     qkv: &FlexTensor,
     mask: Option<&[u8]>,
     settings: Settings,
 ) -> (FlexTensor, Vec<f32>) {
+    let dtype = qkv.dtype();
+    if dtype != DType::F32 {
+        let (context, stats) = forward(&cast::forward(qkv, FloatDType::F32), mask, settings);
+        return (cast::forward(&context, FloatDType::from(dtype)), stats);
+    }
     let shape = qkv.shape();
     let dims = shape.as_slice();
     let call = settings.describe(dims, mask);
@@ -88,9 +96,13 @@ impl Backward<Flex, 1> for SelfAttentionBackward {
         let (qkv, stats, mask, settings) = ops.state;
         let shape = qkv.shape();
         let call = settings.describe(shape.as_slice(), mask.as_deref());
-        let (qkv, dcontext) = (contiguous(&qkv), contiguous(&dcontext));
+        // The gradient of the QKV tensor's type; half precision computed in f32.
+        let dtype = FloatDType::from(qkv.dtype());
+        let in_f32 = |t: &FlexTensor| contiguous(&cast::forward(t, FloatDType::F32));
+        let (qkv, dcontext) = (in_f32(&qkv), in_f32(&dcontext));
         let dqkv = attention::backward(&call, values(&qkv), &stats, values(&dcontext));
-        grads.register::<Flex>(node.id, flex_tensor(dqkv, shape));
+        let dqkv = cast::forward(&flex_tensor(dqkv, shape), dtype);
+        grads.register::<Flex>(node.id, dqkv);
     }
 }
 

@@ -246,9 +246,9 @@ impl MultiHeadAttention {
                 super::functional::one_mask(input.mask_pad, input.mask_attn, [batch, seq, seq]);
             let scale = 1.0 / self.softmax_of().divisor;
             let (heads, fill, quiet) = (self.n_heads, self.min_float, self.quiet_softmax);
-            let context = super::in_f32(self.project_qkv(input.query), |qkv| {
-                crate::cpu_kernels::self_attention(qkv, mask, heads, scale, fill, quiet)
-            });
+            // In the QKV product's type (bf16 and f16 computed in f32 inside, kept as they are).
+            let qkv = self.project_qkv(input.query);
+            let context = crate::cpu_kernels::self_attention(qkv, mask, heads, scale, fill, quiet);
             return self.project(&self.output, context);
         }
         self.forward(input).context

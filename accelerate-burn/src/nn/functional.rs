@@ -63,11 +63,12 @@ pub(super) fn linear_layer<const D: usize>(
 }
 
 /// The exact GELU, `x * Φ(x)`, as `burn::tensor::activation::gelu`, with the exact derivative
-/// `Φ(x) + x φ(x)` as its gradient.
+/// `Φ(x) + x φ(x)` as its gradient. On Flex, bf16 and f16 are read and written as they are and
+/// computed in f32.
 pub fn gelu<const D: usize>(x: Tensor<D>) -> Tensor<D> {
     #[cfg(feature = "flex")]
     if fused_here(&x) {
-        return in_f32(x, crate::cpu_kernels::gelu);
+        return crate::cpu_kernels::gelu(x);
     }
     burn::tensor::activation::gelu(x)
 }

@@ -104,11 +104,11 @@ pub fn layer_norm<const D: usize>(
     }
     #[cfg(feature = "flex")]
     if super::fused_here(&x) {
+        // In x's type (bf16 and f16 computed in f32 inside, kept in their own type).
         let beta = beta.unwrap_or_else(|| gamma.zeros_like());
-        return super::in_f32(x, |x| {
-            let f32 = FloatDType::F32;
-            crate::cpu_kernels::layer_norm(x, gamma.cast(f32), beta.cast(f32), epsilon)
-        });
+        let dtype = x.dtype();
+        let (gamma, beta) = (super::cast(gamma, dtype), super::cast(beta, dtype));
+        return crate::cpu_kernels::layer_norm(x, gamma, beta, epsilon);
     }
     burn_layer_norm(x, gamma, beta, epsilon)
 }

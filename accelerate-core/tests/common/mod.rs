@@ -7,7 +7,6 @@
 use accelerate_core::comm::{ProcessGroup, Reduction};
 use accelerate_kernels::Element;
 use accelerate_kernels::schedule::chunk_range;
-use half::{bf16, f16};
 
 /// Buffer lengths every collective is checked at.
 pub const LENS: [usize; 9] = [0, 1, 2, 3, 7, 13, 100, 1021, 4099];
@@ -45,26 +44,9 @@ pub fn reduced<T: Convert>(world: usize, len: usize, reduction: Reduction) -> Ve
         .collect()
 }
 
-/// Element types the tests build from f32.
-pub trait Convert: Element + PartialEq + std::fmt::Debug {
-    /// `v` rounded to this type.
-    fn from_f32(v: f32) -> Self;
-}
-impl Convert for f32 {
-    fn from_f32(v: f32) -> Self {
-        v
-    }
-}
-impl Convert for f16 {
-    fn from_f32(v: f32) -> Self {
-        f16::from_f32(v)
-    }
-}
-impl Convert for bf16 {
-    fn from_f32(v: f32) -> Self {
-        bf16::from_f32(v)
-    }
-}
+/// Element types the tests build from f32 (with [`Element::from_f32`]) and compare.
+pub trait Convert: Element + PartialEq + std::fmt::Debug {}
+impl<T: Element + PartialEq + std::fmt::Debug> Convert for T {}
 
 /// Runs every collective on `group` for element type `T` and checks each against the serial
 /// reference. Every rank of the group calls this with the same arguments.

@@ -9,6 +9,10 @@
 //! multiply-adds are fused (`mul_add`), so on a CPU with AVX-512 or AVX2 and FMA the same loop,
 //! compiled for it, computes the same bits as the portable one, 16 or 8 lanes at a time.
 //!
+//!
+//! [`forward_half`] and [`backward_half`] take bf16 or f16 values (autocast's activations) and
+//! compute each chunk in f32.
+//!
 //! ```
 //! use accelerate_kernels::gelu::{backward, forward};
 //!
@@ -27,6 +31,7 @@ use std::mem::MaybeUninit;
 
 use rayon::prelude::*;
 
+use crate::element::Element;
 use crate::fresh::written_by;
 
 pub(crate) mod chunk;
@@ -100,10 +105,78 @@ pub fn recompute_backward(x: &[f32], grad: &mut [f32]) -> Vec<f32> {
     unsafe { written_by(x.len(), fill) }
 }
 
+/// [`forward`] of bf16 or f16 values (or f32): each chunk widened, computed in f32, and
+/// rounded once, with no f32 copy of the whole tensor.
+pub fn forward_half<T: Element>(x: &[T]) -> Vec<T> {
+    let fill = |y: &mut [MaybeUninit<T>]| {
+        y.par_chunks_mut(CHUNK)
+            .zip(x.par_chunks(CHUNK))
+            .for_each(|(y, x)| {
+                // One chunk: `forward` computes it on this thread.
+                let out = forward(&widened(x));
+                for (y, &v) in y.iter_mut().zip(&out) {
+                    y.write(T::from_f32(v));
+                }
+            });
+    };
+    // SAFETY: the chunks of `y` and `x` pair up one to one with equal lengths, and `out` is
+    // as long as its chunk of `x`, so each loop writes every element of its chunk of `y`.
+    unsafe { written_by(x.len(), fill) }
+}
+
+/// [`backward`] of bf16 or f16 values (or f32), chunk by chunk in f32, each gradient rounded
+/// once.
+///
+/// # Panics
+/// When `dy` is not as long as `x`.
+pub fn backward_half<T: Element>(x: &[T], dy: &[T]) -> Vec<T> {
+    assert_eq!(x.len(), dy.len(), "gelu: dy for {} inputs", x.len());
+    let fill = |dx: &mut [MaybeUninit<T>]| {
+        dx.par_chunks_mut(CHUNK)
+            .zip(x.par_chunks(CHUNK).zip(dy.par_chunks(CHUNK)))
+            .for_each(|(dx, (x, dy))| {
+                let out = backward(&widened(x), &widened(dy));
+                for (dx, &v) in dx.iter_mut().zip(&out) {
+                    dx.write(T::from_f32(v));
+                }
+            });
+    };
+    // SAFETY: as in `forward_half`: equal chunks, each written in full.
+    unsafe { written_by(x.len(), fill) }
+}
+
+/// One chunk widened to f32.
+fn widened<T: Element>(values: &[T]) -> Vec<f32> {
+    values.iter().map(|v| v.to_f32()).collect()
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
     use crate::test_support::bits;
+
+    /// The half-precision GELU is the f32 GELU of the widened values, rounded once, forward
+    /// and backward, across chunk boundaries.
+    #[test]
+    fn half_values_take_the_f32_gelu_rounded_once() {
+        let n = 2 * CHUNK + 77;
+        let x32 = crate::test_support::uniform(n, 31, 6.0);
+        let dy32 = crate::test_support::uniform(n, 32, 2.0);
+        let x: Vec<half::bf16> = x32.iter().map(|&v| half::bf16::from_f32(v)).collect();
+        let dy: Vec<half::bf16> = dy32.iter().map(|&v| half::bf16::from_f32(v)).collect();
+        let (wx, wdy) = (widened(&x), widened(&dy));
+        let round =
+            |v: Vec<f32>| -> Vec<half::bf16> { v.into_iter().map(half::bf16::from_f32).collect() };
+        assert_eq!(forward_half(&x), round(forward(&wx)));
+        assert_eq!(backward_half(&x, &dy), round(backward(&wx, &wdy)));
+        let x: Vec<half::f16> = x32.iter().map(|&v| half::f16::from_f32(v)).collect();
+        let y: Vec<half::f16> = forward_half(&x);
+        let want: Vec<half::f16> = forward(&widened(&x))
+            .into_iter()
+            .map(half::f16::from_f32)
+            .collect();
+        assert_eq!(y, want);
+    }
 
     /// The build the dispatch picks on this CPU (AVX-512 or AVX2 where it has them) computes
     /// the portable loop's bits: the same IEEE operations in the same order, wider. (`x86`'s
