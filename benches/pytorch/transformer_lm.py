@@ -11,6 +11,7 @@ speed does not depend on the text.
 
     python benches/pytorch/transformer_lm.py --steps 30 --threads 2
     accelerate launch --num_processes 2 benches/pytorch/transformer_lm.py --threads 1
+    torchrun --nproc_per_node 2 benches/pytorch/transformer_lm.py --threads 1  # DDP, gloo
     python benches/pytorch/transformer_lm.py --mixed-precision bf16
 
 `--mixed-precision bf16` (or fp16) is Accelerate's `mixed_precision` when it is installed, else
@@ -19,6 +20,7 @@ does on the CPU for bf16.
 """
 
 import argparse
+import os
 import time
 
 import torch
@@ -66,8 +68,13 @@ def main():
     optimizer = torch.optim.AdamW(
         model.parameters(), lr=3e-4, betas=(0.9, 0.95), weight_decay=0.1
     )
+    ddp = accelerator is None and int(os.environ.get("WORLD_SIZE", "1")) > 1
     if accelerator is not None:
         model, optimizer = accelerator.prepare(model, optimizer)
+    elif ddp:
+        # Launched by torchrun without Accelerate: plain DDP over gloo.
+        torch.distributed.init_process_group("gloo")
+        model = nn.parallel.DistributedDataParallel(model)
     compute = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(args.mixed_precision)
 
     def autocast():
@@ -97,10 +104,18 @@ def main():
             torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         optimizer.step()
     elapsed = time.perf_counter() - start
-    processes = accelerator.num_processes if accelerator is not None else 1
+    if accelerator is not None:
+        processes = accelerator.num_processes
+    else:
+        processes = torch.distributed.get_world_size() if ddp else 1
     rate = (args.steps - warm_up) * tokens_per_step * processes / elapsed
-    if accelerator is None or accelerator.is_main_process:
-        via = "accelerate" if accelerator is not None else "plain"
+    main_process = (
+        accelerator.is_main_process
+        if accelerator is not None
+        else (not ddp or torch.distributed.get_rank() == 0)
+    )
+    if main_process:
+        via = "accelerate" if accelerator is not None else ("ddp" if ddp else "plain")
         print(
             f"pytorch {torch.__version__} ({via}, {args.mixed_precision}, {processes} process(es), {args.threads} "
             f"thread(s)): {rate:.0f} tokens/s over {args.steps - warm_up} updates, loss {loss.item():.4f}"
