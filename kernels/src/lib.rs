@@ -22,6 +22,7 @@
 //! - [`amp`]: the fused unscale-and-check pass of dynamic loss scaling.
 //! - [`optim`]: fused, in-place AdamW / Adam / SGD updates (the formulas of Burn's optimizers).
 //! - [`convert`]: branch-free f32 <-> f16/bf16 conversions that vectorise.
+//! - [`cast`]: whole buffers converted between f32, bf16 and f16 in parallel.
 //! - [`element`]: the element types of the collectives and the reduction operators.
 //! - [`reduce`]: element-wise sum, max and min for f32, f16 and bf16 (halves combined in f32).
 //! - [`schedule`]: ring, recursive-doubling and binomial-tree schedules of the collectives.
@@ -42,6 +43,7 @@
 pub mod amp;
 pub mod attention;
 pub mod bf16_matmul;
+pub mod cast;
 pub mod convert;
 pub mod cross_entropy;
 #[cfg(feature = "cubecl")]

@@ -1,11 +1,11 @@
-//! Casts between f32, bf16 and f16 on Flex ([`accelerate_kernels::convert::cast`], parallel and
+//! Casts between f32, bf16 and f16 on Flex ([`accelerate_kernels::cast::cast`], parallel and
 //! vectorised), and their backward node (the gradient cast back to the input's type). Flex
 //! converts one element at a time on the calling thread: autocast's casts of the weights, the
 //! activations around our f32-only kernels and the weight gradients were 5 % of a bf16 step
 //! and a quarter of the time the second core waited (RESULTS, issue 60).
 
 use accelerate_kernels::Element as KernelElement;
-use accelerate_kernels::convert::cast;
+use accelerate_kernels::cast::cast;
 use burn::backend::Flex;
 use burn::backend::TensorMetadata;
 use burn::backend::autodiff::Autodiff;

@@ -12,7 +12,7 @@
 //! Flex widens both operands to f32 and narrows the result for every half-precision product.
 
 use accelerate_kernels::bf16_matmul::{Bf16Path, HalfMat, matmul_half_to};
-use accelerate_kernels::convert::cast;
+use accelerate_kernels::cast::cast;
 use accelerate_kernels::linear::{self, Weight};
 use burn::backend::Flex;
 use burn::backend::TensorMetadata;

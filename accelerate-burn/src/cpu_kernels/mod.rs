@@ -22,11 +22,14 @@ mod cast;
 mod cross_entropy;
 mod gelu;
 mod gelu_linear;
+mod half_precision;
 mod layer_norm;
 mod linear;
 mod self_attention;
 mod softmax;
 mod weight_cat;
+
+use half_precision::{Half, half_tensor, half_values};
 
 use accelerate_kernels::rows::Shape as RowShape;
 use burn::backend::TensorMetadata;
@@ -345,25 +348,6 @@ fn owned_contiguous(tensor: FlexTensor) -> FlexTensor {
     } else {
         tensor.to_contiguous()
     }
-}
-
-/// The half-precision types (bf16, f16) the kernels read and write in place.
-trait Half:
-    accelerate_kernels::Element + accelerate_kernels::bf16_matmul::HalfElement + burn::tensor::Element
-{
-}
-
-impl Half for burn::tensor::bf16 {}
-impl Half for burn::tensor::f16 {}
-
-/// The values of a contiguous tensor of type `T`.
-fn half_values<T: Half>(tensor: &FlexTensor) -> &[T] {
-    tensor.as_slice::<T>().unwrap_or(&[])
-}
-
-/// A Flex tensor of type `T` and `shape` holding `values`.
-fn half_tensor<T: Half>(values: Vec<T>, shape: burn::tensor::Shape) -> FlexTensor {
-    FlexTensor::from_data(TensorData::new(values, shape))
 }
 
 /// The f32 slice of a contiguous f32 tensor (`contiguous` made it so).

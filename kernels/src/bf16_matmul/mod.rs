@@ -28,7 +28,6 @@
 #![allow(unsafe_code)]
 
 use std::mem::MaybeUninit;
-use std::ops::Range;
 
 use half::{bf16, f16};
 use rayon::prelude::*;
@@ -38,6 +37,7 @@ use crate::fresh::written_by;
 
 #[cfg(target_arch = "x86_64")]
 mod avx512;
+mod pack;
 
 /// Rows of the microkernel's tile.
 #[cfg_attr(not(target_arch = "x86_64"), allow(dead_code))]
@@ -354,210 +354,27 @@ fn as_mat<'v, T: HalfElement>(
 fn widen<T: HalfElement>(x: HalfMat<'_, T>) -> (Vec<f32>, bool) {
     let transposed = x.row_stride == 1 && x.col_stride != 1;
     let stored = if transposed { x.t() } else { x };
-    let fill = |out: &mut [MaybeUninit<f32>]| {
-        out.par_chunks_mut(stored.cols.max(1))
-            .enumerate()
-            .for_each(|(r, row)| match run(&stored, true, r, 0, stored.cols) {
-                Some(values) => {
-                    for (o, v) in row.iter_mut().zip(values) {
-                        o.write(f32::from_bits(v.widened_bits()));
+    let fill =
+        |out: &mut [MaybeUninit<f32>]| {
+            out.par_chunks_mut(stored.cols.max(1)).enumerate().for_each(
+                |(r, row)| match pack::run(&stored, true, r, 0, stored.cols) {
+                    Some(values) => {
+                        for (o, v) in row.iter_mut().zip(values) {
+                            o.write(f32::from_bits(v.widened_bits()));
+                        }
                     }
-                }
-                None => {
-                    for (c, o) in row.iter_mut().enumerate() {
-                        o.write(f32::from_bits(stored.at(r, c).widened_bits()));
+                    None => {
+                        for (c, o) in row.iter_mut().enumerate() {
+                            o.write(f32::from_bits(stored.at(r, c).widened_bits()));
+                        }
                     }
-                }
-            });
-    };
+                },
+            );
+        };
     // SAFETY: the buffer is `rows` rows of `cols`, and each task writes every value of its
     // row (a run of `cols` values, or one value per column).
     let values = unsafe { written_by(stored.rows * stored.cols, fill) };
     (values, transposed)
-}
-
-/// Values of `k` one packed 32-bit lane holds on `path`: a pair of bf16 for `vdpbf16ps`, one
-/// value widened to f32 for the FMAs.
-#[cfg_attr(not(target_arch = "x86_64"), allow(dead_code))]
-fn per_lane(path: Bf16Path) -> usize {
-    if path == Bf16Path::Avx512Bf16 { 2 } else { 1 }
-}
-
-/// The 32-bit lane of values `k` and `k + 1` (zero past the end) of one row or column: the
-/// pair (`k` in the low half) when `per_lane` is 2, else value `k` as f32 bits.
-#[cfg_attr(not(target_arch = "x86_64"), allow(dead_code))]
-fn lane<T: HalfElement>(value: impl Fn(usize) -> T, k: usize, len: usize, per_lane: usize) -> u32 {
-    let lo = value(k);
-    if per_lane == 1 {
-        return lo.widened_bits();
-    }
-    let hi = if k + 1 < len { value(k + 1) } else { T::ZERO };
-    u32::from(lo.bits()) | (u32::from(hi.bits()) << 16)
-}
-
-/// Values `from..from + len` of row `index` of `m` (`along_row`) or of its column `index`, as
-/// one slice when they lie next to each other in memory.
-#[cfg_attr(not(target_arch = "x86_64"), allow(dead_code))]
-fn run<'a, T: HalfElement>(
-    m: &HalfMat<'a, T>,
-    along_row: bool,
-    index: usize,
-    from: usize,
-    len: usize,
-) -> Option<&'a [T]> {
-    let (step, start) = if along_row {
-        (
-            m.col_stride,
-            m.offset + index * m.row_stride + from * m.col_stride,
-        )
-    } else {
-        (
-            m.row_stride,
-            m.offset + index * m.col_stride + from * m.row_stride,
-        )
-    };
-    (step == 1 || len <= 1)
-        .then(|| m.data.get(start..start + len))
-        .flatten()
-}
-
-/// Lanes from two runs of values (`hi` absent past the end of `k`, or with one value a lane):
-/// `out[o]` for each value `o`.
-#[cfg_attr(not(target_arch = "x86_64"), allow(dead_code))]
-fn put_lanes<T: HalfElement>(out: &mut [u32], lo: &[T], hi: Option<&[T]>, per_lane: usize) {
-    let slots = out.iter_mut();
-    match (per_lane, hi) {
-        (1, _) => slots.zip(lo).for_each(|(o, v)| *o = v.widened_bits()),
-        (_, Some(hi)) => slots
-            .zip(lo.iter().zip(hi))
-            .for_each(|(o, (l, h))| *o = u32::from(l.bits()) | (u32::from(h.bits()) << 16)),
-        (_, None) => slots.zip(lo).for_each(|(o, l)| *o = u32::from(l.bits())),
-    }
-}
-
-/// Lanes of `runs` (each the values of one row or column of an operand along `k`, all of
-/// length `k_len`) laid out step by step: `out[s * width + i]` is step `s` of run `i`. Written
-/// in step order (each output lane once, in sequence) while every run is read forward: a
-/// panel's rows of `a` (or columns of `b`) are `width` streams the prefetcher follows, where
-/// writing one run at a time scattered every lane `width` apart.
-#[cfg_attr(not(target_arch = "x86_64"), allow(dead_code))]
-fn put_runs<T: HalfElement>(
-    out: &mut [u32],
-    width: usize,
-    runs: &[&[T]],
-    k_len: usize,
-    per_lane: usize,
-) {
-    let steps = k_len.div_ceil(per_lane);
-    for (s, out) in out.chunks_exact_mut(width).take(steps).enumerate() {
-        let out = &mut out[..runs.len()];
-        if per_lane == 1 {
-            for (o, run) in out.iter_mut().zip(runs) {
-                *o = run[s].widened_bits();
-            }
-        } else if 2 * s + 1 < k_len {
-            for (o, run) in out.iter_mut().zip(runs) {
-                *o = u32::from(run[2 * s].bits()) | (u32::from(run[2 * s + 1].bits()) << 16);
-            }
-        } else {
-            // An odd `k`'s last step: its pair ends in zero.
-            for (o, run) in out.iter_mut().zip(runs) {
-                *o = u32::from(run[2 * s].bits());
-            }
-        }
-    }
-}
-
-/// The runs along `k` of `m`'s rows `lines` (`along_row`) or of its columns `lines`: each
-/// line's `len` values in one slice, when they lie contiguous in memory.
-#[cfg_attr(not(target_arch = "x86_64"), allow(dead_code))]
-fn runs_along_k<'a, T: HalfElement>(
-    m: &HalfMat<'a, T>,
-    along_row: bool,
-    lines: Range<usize>,
-    len: usize,
-) -> Option<Vec<&'a [T]>> {
-    if len < 2 {
-        return None;
-    }
-    lines.map(|line| run(m, along_row, line, 0, len)).collect()
-}
-
-/// `b` as panels of [`NR`] columns: panel `p` holds, for each step along `k`, the lanes of
-/// columns `p * NR ..` (zeros past the last column).
-#[cfg_attr(not(target_arch = "x86_64"), allow(dead_code))]
-fn pack_b<T: HalfElement>(b: HalfMat<'_, T>, steps: usize, per_lane: usize) -> Vec<u32> {
-    let panels = b.cols.div_ceil(NR);
-    let mut packed = vec![0u32; panels * steps * NR];
-    let fill = |(p, panel): (usize, &mut [u32])| {
-        let width = NR.min(b.cols - p * NR);
-        let columns = p * NR..p * NR + width;
-        // Columns of `b` read in runs where each lies contiguous (`W^T` of an input gradient).
-        if let Some(runs) = runs_along_k(&b, false, columns, b.rows) {
-            put_runs(panel, NR, &runs, b.rows, per_lane);
-            return;
-        }
-        for s in 0..steps {
-            let k = s * per_lane;
-            let hi = (per_lane == 2 && k + 1 < b.rows).then_some(k + 1);
-            let out = &mut panel[s * NR..s * NR + width];
-            // Rows of `b` read in runs where its columns lie contiguous (a row-major `b`).
-            match (
-                run(&b, true, k, p * NR, width),
-                hi.map(|h| run(&b, true, h, p * NR, width)),
-            ) {
-                (Some(lo), None) => put_lanes(out, lo, None, per_lane),
-                (Some(lo), Some(Some(hi))) => put_lanes(out, lo, Some(hi), per_lane),
-                _ => {
-                    for (j, o) in out.iter_mut().enumerate() {
-                        *o = lane(|k| b.at(k, p * NR + j), k, b.rows, per_lane);
-                    }
-                }
-            }
-        }
-    };
-    packed.par_chunks_mut(steps * NR).enumerate().for_each(fill);
-    packed
-}
-
-/// Rows `rows` of `a` as panels of [`MR`] rows: for each step along `k`, the lanes of each
-/// row (zeros past the last row).
-#[cfg_attr(not(target_arch = "x86_64"), allow(dead_code))]
-fn pack_a<T: HalfElement>(
-    a: HalfMat<'_, T>,
-    rows: Range<usize>,
-    steps: usize,
-    per_lane: usize,
-    packed: &mut Vec<u32>,
-) {
-    let panels = rows.len().div_ceil(MR);
-    packed.clear();
-    packed.resize(panels * steps * MR, 0);
-    let k_len = a.cols;
-    for (p, panel) in packed.chunks_mut(steps * MR).enumerate() {
-        let height = MR.min(rows.len() - p * MR);
-        let first = rows.start + p * MR;
-        if let Some(runs) = runs_along_k(&a, true, first..first + height, k_len) {
-            // A row-major `a`: each row's `k` values in one run.
-            put_runs(panel, MR, &runs, k_len, per_lane);
-        } else if run(&a, false, 0, first, height).is_some() && height > 1 {
-            // A transposed `a` (X^T): each step's values of the panel's rows in one run.
-            for s in 0..steps {
-                let k = s * per_lane;
-                let out = &mut panel[s * MR..s * MR + height];
-                let lo = run(&a, false, k, first, height).unwrap_or_default();
-                let hi = (per_lane == 2 && k + 1 < k_len)
-                    .then(|| run(&a, false, k + 1, first, height).unwrap_or_default());
-                put_lanes(out, lo, hi, per_lane);
-            }
-        } else {
-            for i in 0..height {
-                for s in 0..steps {
-                    panel[s * MR + i] = lane(|k| a.at(first + i, k), s * per_lane, k_len, per_lane);
-                }
-            }
-        }
-    }
 }
 
 /// The packed paths into `c` (`a.rows x b.cols`, row-major): `b` packed once, then blocks of
@@ -574,14 +391,14 @@ fn packed<T: HalfElement, O: Element>(
     c: &mut [MaybeUninit<O>],
 ) {
     let (m, n, k) = (a.rows, b.cols, a.cols);
-    let per_lane = per_lane(path);
+    let per_lane = pack::per_lane(path);
     let steps = k.div_ceil(per_lane);
-    let packed_b = pack_b(b, steps, per_lane);
+    let packed_b = pack::pack_b(b, steps, per_lane);
     let block = |(index, rows_out): (usize, &mut [MaybeUninit<O>])| {
         let start = index * BLOCK_ROWS;
         let rows = start..(start + BLOCK_ROWS).min(m);
         let mut packed_a = Vec::new();
-        pack_a(a, rows.clone(), steps, per_lane, &mut packed_a);
+        pack::pack_a(a, rows.clone(), steps, per_lane, &mut packed_a);
         let mut tile = [0.0f32; MR * NR];
         for (p, b_panel) in packed_b.chunks(steps * NR).enumerate() {
             let cols = p * NR..((p + 1) * NR).min(n);
