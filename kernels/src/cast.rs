@@ -1,6 +1,8 @@
 //! Whole buffers converted between f32, bf16 and f16 in parallel blocks: autocast's casts of
 //! weights, activations and gradients. Each value goes through f32 with
-//! [`Element`]'s conversions (those of [`crate::convert`]).
+//! [`Element`]'s conversions (those of [`crate::convert`]). [`widen_into`] and [`store_sum`]
+//! convert short runs in place for the other kernels (a product's operands and tiles, a
+//! sum's), f16 with F16C where the CPU has it.
 
 // The output is allocated without clearing (`fresh::written_by`); the unsafe block says why
 // every element is written.
@@ -8,10 +10,66 @@
 
 use std::mem::MaybeUninit;
 
+#[cfg(target_arch = "x86_64")]
+use half::f16;
 use rayon::prelude::*;
 
-use crate::element::Element;
+use crate::element::{DType, Element};
 use crate::fresh::written_by;
+
+/// `src` widened to f32 into `dst` (as long), exactly: f16 8 values an instruction with F16C
+/// where the CPU has it (the products' packing of f16 operands read in runs).
+#[inline]
+pub fn widen_into<S: Element>(src: &[S], dst: &mut [f32]) {
+    #[allow(unused_mut)]
+    let mut done = 0;
+    #[cfg(target_arch = "x86_64")]
+    if let (DType::F16, Ok(src)) = (S::DTYPE, bytemuck::try_cast_slice::<S, f16>(src)) {
+        done = crate::x86::widen_f16_lanes(src, dst);
+    }
+    for (d, s) in dst[done..].iter_mut().zip(&src[done..]) {
+        *d = s.to_f32();
+    }
+}
+
+/// `values` (+ `plus`, element by element, when given) rounded once to `O` into `out` (as long
+/// as `values`, every slot written): f16 by F16C 8 values an instruction where the CPU has it (a product's tile
+/// with its bias, the sum of two activations).
+#[inline]
+pub fn store_sum<O: Element>(out: &mut [MaybeUninit<O>], values: &[f32], plus: Option<&[f32]>) {
+    assert_eq!(
+        out.len(),
+        values.len(),
+        "store_sum: {} slots for {} values",
+        out.len(),
+        values.len()
+    );
+    assert!(
+        plus.is_none_or(|plus| plus.len() >= values.len()),
+        "store_sum: fewer values to add than values"
+    );
+    #[allow(unused_mut)]
+    let mut done = 0;
+    #[cfg(target_arch = "x86_64")]
+    if std::any::TypeId::of::<O>() == std::any::TypeId::of::<f16>() {
+        // SAFETY: `O` is f16 (the same type id), so the cast only names the type.
+        let out = unsafe { &mut *(std::ptr::from_mut(out) as *mut [MaybeUninit<f16>]) };
+        done = crate::x86::store_f16_lanes(values, plus, out);
+    }
+    let (out, values) = (&mut out[done..], &values[done..]);
+    match plus {
+        Some(plus) => {
+            for ((o, &v), &p) in out.iter_mut().zip(values).zip(&plus[done..]) {
+                o.write(O::from_f32(v + p));
+            }
+        }
+        None => {
+            for (o, &v) in out.iter_mut().zip(values) {
+                o.write(O::from_f32(v));
+            }
+        }
+    }
+}
 
 /// Elements one task of [`cast`] converts: enough to pay for the task, few enough to spread a
 /// layer's activations over every thread.
@@ -89,5 +147,24 @@ mod tests {
         }
         let same: Vec<f32> = cast(&wide);
         assert_eq!(bits(&same), bits(&wide));
+    }
+
+    /// The in-place widening (F16C for f16 where the CPU has it, in groups of 8 and a portable
+    /// tail) gives the one-value conversions' bits for every f16 value, at lengths that end
+    /// inside a group.
+    #[test]
+    fn widening_in_place_equals_one_value_conversions() {
+        let every: Vec<f16> = (0..=u16::MAX).map(f16::from_bits).collect();
+        for len in [every.len(), 13, 7] {
+            let mut wide = vec![0.0f32; len];
+            widen_into(&every[..len], &mut wide);
+            for (w, h) in wide.iter().zip(&every) {
+                let want = h.to_f32();
+                assert!(
+                    w.to_bits() == want.to_bits() || (w.is_nan() && want.is_nan()),
+                    "{h:?}"
+                );
+            }
+        }
     }
 }

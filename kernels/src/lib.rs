@@ -40,6 +40,7 @@
 //! assert!((l2_norm(&grads) - 1.0).abs() < 1e-6);
 //! ```
 
+pub mod add;
 pub mod amp;
 pub mod attention;
 pub mod bf16_matmul;

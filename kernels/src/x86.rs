@@ -375,6 +375,80 @@ pub(crate) fn scale_bf16_lanes(values: &mut [bf16], factor: f32) -> usize {
     unsafe { scale_bf16_avx2(values, factor) }
 }
 
+/// Widens the full groups of 8 f16 values of `src` into `dst` (as long) with F16C when the
+/// CPU has it; returns how many it did (0 without): the caller converts the rest.
+pub(crate) fn widen_f16_lanes(src: &[f16], dst: &mut [f32]) -> usize {
+    if !has_avx2_f16c() {
+        return 0;
+    }
+    // SAFETY: the CPU supports AVX2 and F16C (checked above).
+    unsafe { widen_f16_f16c(as_bits(src), dst) }
+}
+
+/// `dst[i] = src[i]` widened, 8 values per `vcvtph2ps`; returns how many it did.
+///
+/// # Safety
+///
+/// The CPU must support AVX2 and F16C (see `has_avx2_f16c`).
+#[target_feature(enable = "avx2,f16c")]
+unsafe fn widen_f16_f16c(src: &[u16], dst: &mut [f32]) -> usize {
+    let n = src.len().min(dst.len());
+    let body = n - n % 8;
+    let (s, d) = (src.as_ptr(), dst.as_mut_ptr());
+    let mut i = 0;
+    while i < body {
+        // SAFETY: i + 8 <= body <= both lengths: the 16-byte load and 32-byte store are in
+        // bounds (unaligned forms).
+        unsafe { _mm256_storeu_ps(d.add(i), f16_widen(_mm_loadu_si128(s.add(i).cast()))) };
+        i += 8;
+    }
+    body
+}
+
+/// `out[i] = row[i] + bias[i]` (or `row[i]`) rounded to f16 for the full groups of 8 values
+/// with F16C when the CPU has it, read straight from `row` (a product's tile) and written
+/// once; returns how many it did (0 without): the caller rounds the rest.
+pub(crate) fn store_f16_lanes(
+    row: &[f32],
+    bias: Option<&[f32]>,
+    out: &mut [MaybeUninit<f16>],
+) -> usize {
+    if !has_avx2_f16c() {
+        return 0;
+    }
+    // SAFETY: the CPU supports AVX2 and F16C (checked above).
+    unsafe { store_f16_f16c(row, bias, out) }
+}
+
+/// [`store_f16_lanes`]' loop: one `vaddps` and one `vcvtps2ph` per 8 values.
+///
+/// # Safety
+///
+/// The CPU must support AVX2 and F16C (see `has_avx2_f16c`).
+#[target_feature(enable = "avx2,f16c")]
+unsafe fn store_f16_f16c(row: &[f32], bias: Option<&[f32]>, out: &mut [MaybeUninit<f16>]) -> usize {
+    let n = row
+        .len()
+        .min(out.len())
+        .min(bias.map_or(usize::MAX, <[f32]>::len));
+    let body = n - n % 8;
+    let (r, o) = (row.as_ptr(), out.as_mut_ptr().cast::<u16>());
+    let mut i = 0;
+    while i < body {
+        // SAFETY: i + 8 <= body <= every length: each load and store is in bounds (unaligned
+        // forms); `MaybeUninit<f16>` has f16's layout, two bytes.
+        unsafe {
+            let mut v = _mm256_loadu_ps(r.add(i));
+            if let Some(bias) = bias {
+                v = _mm256_add_ps(v, _mm256_loadu_ps(bias.as_ptr().add(i)));
+            }
+            _mm_storeu_si128(o.add(i).cast(), f16_narrow(v));
+        }
+        i += 8;
+    }
+    body
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

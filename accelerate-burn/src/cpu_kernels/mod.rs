@@ -18,27 +18,27 @@
 //! self-attention (computed in f32 between parallel casts, kept in their own type) and the
 //! casts themselves; the other operations are called on f32 (`nn` casts around them).
 
+mod add;
 mod cast;
 mod cross_entropy;
 mod gelu;
 mod gelu_linear;
-mod half_precision;
 mod layer_norm;
 mod linear;
 mod self_attention;
 mod softmax;
+mod tensors;
 mod weight_cat;
 
-use half_precision::{Half, half_tensor, half_values};
+use tensors::{
+    Half, contiguous, flex_tensor, half_tensor, half_values, owned_contiguous, row_shape, values,
+};
 
-use accelerate_kernels::rows::Shape as RowShape;
-use burn::backend::TensorMetadata;
 use burn::backend::autodiff::Autodiff;
 use burn::backend::autodiff::checkpoint::strategy::CheckpointStrategy;
-use burn::backend::flex::FlexTensor;
 use burn::backend::tensor::{BoolTensor, FloatTensor, IntTensor};
 use burn::backend::{Backend, Dispatch, Flex, backend_extension};
-use burn::tensor::{Bool, FloatDType, Int, Tensor, TensorData};
+use burn::tensor::{Bool, FloatDType, Int, Tensor};
 
 /// The fused CPU operations, as Burn operations.
 #[backend_extension(Flex, Autodiff)]
@@ -129,6 +129,9 @@ pub(crate) trait CpuKernels: Backend {
 
     /// `x` (f32, bf16 or f16) converted to `dtype`, in parallel; its gradient is cast back.
     fn fused_cast(x: FloatTensor<Self>, dtype: FloatDType) -> FloatTensor<Self>;
+
+    /// `a + b`, two bf16 or f16 tensors of one shape added in parallel (Burn's add otherwise).
+    fn fused_add(a: FloatTensor<Self>, b: FloatTensor<Self>) -> FloatTensor<Self>;
 }
 
 impl CpuKernels for Flex {
@@ -228,6 +231,10 @@ impl CpuKernels for Flex {
     fn fused_cast(x: FloatTensor<Self>, dtype: FloatDType) -> FloatTensor<Self> {
         cast::forward(&x, dtype)
     }
+
+    fn fused_add(a: FloatTensor<Self>, b: FloatTensor<Self>) -> FloatTensor<Self> {
+        add::forward(&a, &b)
+    }
 }
 
 impl<C: CheckpointStrategy> CpuKernels for Autodiff<Flex, C> {
@@ -325,48 +332,9 @@ impl<C: CheckpointStrategy> CpuKernels for Autodiff<Flex, C> {
     fn fused_cast(x: FloatTensor<Self>, dtype: FloatDType) -> FloatTensor<Self> {
         cast::tracked::<C>(x, dtype)
     }
-}
 
-/// `tensor`'s values in row-major order: borrowed when contiguous, else a copy.
-fn contiguous(tensor: &FlexTensor) -> FlexTensor {
-    if tensor.layout().contiguous_offsets().is_some() {
-        tensor.clone()
-    } else {
-        tensor.to_contiguous()
-    }
-}
-
-/// `tensor` with row-major storage holding exactly its values, for a kernel that writes in
-/// place: itself when its storage already is that (`storage_mut` then copies only if the
-/// storage is shared), else a contiguous copy.
-fn owned_contiguous(tensor: FlexTensor) -> FlexTensor {
-    let n = tensor.shape().num_elements();
-    let exact =
-        tensor.layout().contiguous_offsets() == Some((0, n)) && tensor.storage::<f32>().len() == n;
-    if exact {
-        tensor
-    } else {
-        tensor.to_contiguous()
-    }
-}
-
-/// The f32 slice of a contiguous f32 tensor (`contiguous` made it so).
-fn values(tensor: &FlexTensor) -> &[f32] {
-    tensor.as_slice::<f32>().unwrap_or(&[])
-}
-
-/// A Flex tensor of `shape` holding `values`.
-fn flex_tensor(values: Vec<f32>, shape: burn::tensor::Shape) -> FlexTensor {
-    FlexTensor::from_data(TensorData::new(values, shape))
-}
-
-/// The rows of `shape`'s last dimension.
-fn row_shape(shape: &burn::tensor::Shape) -> RowShape {
-    let dims = shape.as_slice();
-    let width = dims.last().copied().unwrap_or(1);
-    RowShape {
-        rows: shape.num_elements().checked_div(width).unwrap_or(0),
-        width,
+    fn fused_add(a: FloatTensor<Self>, b: FloatTensor<Self>) -> FloatTensor<Self> {
+        add::tracked::<C>(a, b)
     }
 }
 
@@ -490,6 +458,14 @@ pub(crate) fn cast<const D: usize>(x: Tensor<D>, dtype: FloatDType) -> Tensor<D>
     ))
 }
 
+/// `a + b` of two float dispatch tensors on Flex (bf16 or f16 of one shape added in parallel).
+pub(crate) fn add<const D: usize>(a: Tensor<D>, b: Tensor<D>) -> Tensor<D> {
+    Tensor::from_dispatch(<Dispatch as CpuKernels>::fused_add(
+        a.into_dispatch(),
+        b.into_dispatch(),
+    ))
+}
+
 #[cfg(test)]
 mod tests {
     use burn::tensor::{Bool, DType, Device, Distribution, FloatDType, Tensor, TensorData};
@@ -571,6 +547,36 @@ mod tests {
                 attend(super::cast(t[0].clone(), f32)).cast(dtype)
             });
             assert_same_bytes(ours, reference, &format!("self-attention {half:?}"));
+        }
+    }
+
+    /// Our sum of two bf16 or f16 tensors (a residual connection) gives Burn's `a + b` bit for
+    /// bit, forward and for both gradients, also when one operand is a transposed view.
+    #[test]
+    fn half_precision_sums_equal_burns_add() {
+        let device = Device::default().autodiff();
+        for dtype in [FloatDType::BF16, FloatDType::F16] {
+            let random = |dims: [usize; 3]| {
+                Tensor::<3>::random(dims, Distribution::Normal(0.0, 3.0), &device).cast(dtype)
+            };
+            let inputs = [random([3, 700, 40]), random([3, 700, 40])];
+            let dy = random([3, 700, 40]);
+            let ours = run(&inputs, &dy, |t| super::add(t[0].clone(), t[1].clone()));
+            let reference = run(&inputs, &dy, |t| t[0].clone() + t[1].clone());
+            assert_same_bytes(ours, reference, &format!("add {dtype:?}"));
+            let transposed = random([3, 40, 700]);
+            let inputs = [inputs[0].clone(), transposed];
+            let ours = run(&inputs, &dy, |t| {
+                super::add(t[0].clone(), t[1].clone().swap_dims(1, 2))
+            });
+            let reference = run(&inputs, &dy, |t| {
+                t[0].clone() + t[1].clone().swap_dims(1, 2)
+            });
+            assert_same_bytes(
+                ours,
+                reference,
+                &format!("add of a transposed view {dtype:?}"),
+            );
         }
     }
 }

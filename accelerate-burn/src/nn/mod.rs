@@ -113,6 +113,24 @@ fn in_f32<const D: usize, const E: usize>(
     cast(out, dtype)
 }
 
+/// `a + b` of one shape (a residual connection): on Flex, two bf16 or two f16 tensors are
+/// added by our parallel kernel, with the bits Flex gives (Flex adds half-precision values one
+/// at a time on the calling thread); anything else as `a + b`.
+pub(crate) fn add<const D: usize>(
+    a: burn::tensor::Tensor<D>,
+    b: burn::tensor::Tensor<D>,
+) -> burn::tensor::Tensor<D> {
+    #[cfg(feature = "flex")]
+    {
+        use burn::tensor::DType;
+        let half = matches!(a.dtype(), DType::BF16 | DType::F16);
+        if half && a.dtype() == b.dtype() && a.dims() == b.dims() && on_flex(&a.device()) {
+            return crate::cpu_kernels::add(a, b);
+        }
+    }
+    a + b
+}
+
 /// `tensor` as `dtype` (a float type), as `Tensor::cast`: on Flex, between f32, bf16 and f16,
 /// our parallel conversion (forward and backward; Flex converts on the calling thread).
 pub(crate) fn cast<const D: usize>(

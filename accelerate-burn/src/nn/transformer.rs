@@ -223,7 +223,7 @@ impl TransformerEncoderLayer {
         if let Some(mask) = mask_attn {
             input = input.mask_attn(mask);
         }
-        let x = x + self.dropout.forward(self.mha.forward_context(input));
+        let x = super::add(x, self.dropout.forward(self.mha.forward_context(input)));
         let (x, branch) = if self.norm_first {
             let branch = self.norm_1.forward(x.clone());
             (x, branch)
@@ -231,7 +231,7 @@ impl TransformerEncoderLayer {
             let x = self.norm_1.forward(x);
             (x.clone(), x)
         };
-        let x = x + self.dropout.forward(self.pwff.forward(branch));
+        let x = super::add(x, self.dropout.forward(self.pwff.forward(branch)));
         if self.norm_first {
             x
         } else {

@@ -51,7 +51,7 @@ pub const BLOCK_ROWS: usize = 2 * MR;
 const PARALLEL_FROM: usize = 192 * 192 * 192;
 
 /// The half-precision element types the products take: bf16 and f16.
-pub trait HalfElement: Copy + Send + Sync + 'static {
+pub trait HalfElement: Element {
     /// Zero.
     const ZERO: Self;
     /// The value's bits.
@@ -304,31 +304,17 @@ pub fn matmul_half_to<T: HalfElement, O: Element>(
             let fill = |out: &mut [MaybeUninit<O>]| {
                 out.par_chunks_mut(n)
                     .zip(c.par_chunks(n))
-                    .for_each(|(out, row)| store_row(out, row, bias));
+                    .for_each(|(out, row)| crate::cast::store_sum(out, row, bias));
             };
-            // SAFETY: `out` and `c` both hold `m` rows of `n`, and `store_row` writes every
+            // SAFETY: `out` and `c` both hold `m` rows of `n`, and `store_sum` writes every
             // value of its row.
             unsafe { written_by(len, fill) }
         }
     }
 }
 
-/// `row` (+ `bias`, the columns `row` covers) rounded into `out` (as long as `row`).
-#[inline(always)]
-fn store_row<O: Element>(out: &mut [MaybeUninit<O>], row: &[f32], bias: Option<&[f32]>) {
-    match bias {
-        Some(bias) => {
-            for ((o, &v), &b) in out.iter_mut().zip(row).zip(bias) {
-                o.write(O::from_f32(v + b));
-            }
-        }
-        None => {
-            for (o, &v) in out.iter_mut().zip(row) {
-                o.write(O::from_f32(v));
-            }
-        }
-    }
-}
+/// Values the widened path widens at a time (on the stack).
+const WIDEN_RUN: usize = 256;
 
 /// The widened path: both operands widened to f32 (in parallel, in their own memory order),
 /// then the f32 product.
@@ -359,8 +345,14 @@ fn widen<T: HalfElement>(x: HalfMat<'_, T>) -> (Vec<f32>, bool) {
             out.par_chunks_mut(stored.cols.max(1)).enumerate().for_each(
                 |(r, row)| match pack::run(&stored, true, r, 0, stored.cols) {
                     Some(values) => {
-                        for (o, v) in row.iter_mut().zip(values) {
-                            o.write(f32::from_bits(v.widened_bits()));
+                        let mut wide = [0.0f32; WIDEN_RUN];
+                        for (out, values) in row.chunks_mut(WIDEN_RUN).zip(values.chunks(WIDEN_RUN))
+                        {
+                            let wide = &mut wide[..values.len()];
+                            crate::cast::widen_into(values, wide);
+                            for (o, &v) in out.iter_mut().zip(wide.iter()) {
+                                o.write(v);
+                            }
                         }
                     }
                     None => {
@@ -407,9 +399,14 @@ fn packed<T: HalfElement, O: Element>(
                 avx512::tile(path, a_panel, b_panel, steps, &mut tile);
                 let first = t * MR;
                 let count = MR.min(rows.len() - first);
+                if count == MR && cols.len() == NR {
+                    let at = first * n + cols.start;
+                    avx512::store_tile(&tile, &mut rows_out[at..], n, bias);
+                    continue;
+                }
                 for i in 0..count {
                     let out = &mut rows_out[(first + i) * n..][cols.clone()];
-                    store_row(out, &tile[i * NR..i * NR + cols.len()], bias);
+                    crate::cast::store_sum(out, &tile[i * NR..i * NR + cols.len()], bias);
                 }
             }
         }

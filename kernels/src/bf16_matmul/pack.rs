@@ -3,7 +3,10 @@
 //! bf16 for `vdpbf16ps`, one value widened to f32 for the FMAs), read in contiguous runs
 //! wherever the operand's strides allow.
 
+use std::any::TypeId;
 use std::ops::Range;
+
+use half::f16;
 
 use rayon::prelude::*;
 
@@ -82,13 +85,24 @@ fn put_runs<T: HalfElement>(
     per_lane: usize,
 ) {
     let steps = k_len.div_ceil(per_lane);
+    if per_lane == 1 {
+        if TypeId::of::<T>() == TypeId::of::<f16>() {
+            // f16 runs widened whole first (8 values an instruction with F16C), then placed
+            // as bits: widening each placed value alone was a tenth of the fp16 step.
+            let mut wide = vec![0.0f32; runs.len() * k_len];
+            for (wide, run) in wide.chunks_exact_mut(k_len).zip(runs) {
+                crate::cast::widen_into(&run[..k_len], wide);
+            }
+            let wide: Vec<&[f32]> = wide.chunks_exact(k_len).collect();
+            place(out, width, &wide, steps, f32::to_bits);
+        } else {
+            place(out, width, runs, steps, T::widened_bits);
+        }
+        return;
+    }
     for (s, out) in out.chunks_exact_mut(width).take(steps).enumerate() {
         let out = &mut out[..runs.len()];
-        if per_lane == 1 {
-            for (o, run) in out.iter_mut().zip(runs) {
-                *o = run[s].widened_bits();
-            }
-        } else if 2 * s + 1 < k_len {
+        if 2 * s + 1 < k_len {
             for (o, run) in out.iter_mut().zip(runs) {
                 *o = u32::from(run[2 * s].bits()) | (u32::from(run[2 * s + 1].bits()) << 16);
             }
@@ -97,6 +111,22 @@ fn put_runs<T: HalfElement>(
             for (o, run) in out.iter_mut().zip(runs) {
                 *o = u32::from(run[2 * s].bits());
             }
+        }
+    }
+}
+
+/// One value a lane: `out[s * width + i] = lane(runs[i][s])` for the first `steps` steps.
+#[inline(always)]
+fn place<X: Copy>(
+    out: &mut [u32],
+    width: usize,
+    runs: &[&[X]],
+    steps: usize,
+    lane: impl Fn(X) -> u32,
+) {
+    for (s, out) in out.chunks_exact_mut(width).take(steps).enumerate() {
+        for (o, run) in out[..runs.len()].iter_mut().zip(runs) {
+            *o = lane(run[s]);
         }
     }
 }
