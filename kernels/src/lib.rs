@@ -23,6 +23,8 @@
 //! - [`optim`]: fused, in-place AdamW / Adam / SGD updates (the formulas of Burn's optimizers).
 //! - [`convert`]: branch-free f32 <-> f16/bf16 conversions that vectorise.
 //! - [`cast`]: whole buffers converted between f32, bf16 and f16 in parallel.
+//! - [`add`]: element-wise sums in any element type, rounded once, in parallel (residual
+//!   connections in bf16/f16).
 //! - [`element`]: the element types of the collectives and the reduction operators.
 //! - [`reduce`]: element-wise sum, max and min for f32, f16 and bf16 (halves combined in f32).
 //! - [`schedule`]: ring, recursive-doubling and binomial-tree schedules of the collectives.
