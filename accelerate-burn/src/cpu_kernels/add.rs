@@ -18,9 +18,18 @@ use burn::tensor::{DType, bf16, f16};
 
 use super::{Half, contiguous, half_tensor, half_values};
 
-/// `a + b`: ours for two bf16 or two f16 tensors of one shape, Flex's add otherwise.
+/// `a + b` of one shape: ours for two bf16 or two f16 tensors, Flex's add otherwise.
+///
+/// # Panics
+/// When the shapes differ: the backward node passes the gradient on unchanged, which is
+/// only right without broadcasting (`nn::add` checks the shapes first).
 pub(super) fn forward(a: &FlexTensor, b: &FlexTensor) -> FlexTensor {
-    if a.shape() != b.shape() || a.dtype() != b.dtype() {
+    assert_eq!(
+        a.shape(),
+        b.shape(),
+        "fused_add: the shapes differ (no broadcasting here)"
+    );
+    if a.dtype() != b.dtype() {
         return Flex::float_add(a.clone(), b.clone());
     }
     match a.dtype() {

@@ -130,7 +130,8 @@ pub(crate) trait CpuKernels: Backend {
     /// `x` (f32, bf16 or f16) converted to `dtype`, in parallel; its gradient is cast back.
     fn fused_cast(x: FloatTensor<Self>, dtype: FloatDType) -> FloatTensor<Self>;
 
-    /// `a + b`, two bf16 or f16 tensors of one shape added in parallel (Burn's add otherwise).
+    /// `a + b` of one shape (no broadcasting): two bf16 or f16 tensors added in parallel,
+    /// Burn's add otherwise.
     fn fused_add(a: FloatTensor<Self>, b: FloatTensor<Self>) -> FloatTensor<Self>;
 }
 
