@@ -34,6 +34,12 @@ pub(super) fn forward(x: &FlexTensor, dtype: FloatDType) -> FlexTensor {
     }
 }
 
+/// `x` widened to f32 (itself when it is f32): what a kernel computing half precision in f32
+/// reads.
+pub(super) fn widened(x: &FlexTensor) -> FlexTensor {
+    forward(x, FloatDType::F32)
+}
+
 /// The contiguous `x` of type `S` converted to `to`.
 fn from<S: KernelElement + burn::tensor::Element>(x: &FlexTensor, to: DType) -> FlexTensor {
     let values = x.as_slice::<S>().unwrap_or(&[]);

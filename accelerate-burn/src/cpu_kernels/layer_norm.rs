@@ -17,11 +17,6 @@ use burn::tensor::{DType, FloatDType};
 
 use super::{cast, contiguous, flex_tensor, owned_contiguous, row_shape, values};
 
-/// `tensor` widened to f32 (itself when it is f32).
-fn in_f32(tensor: &FlexTensor) -> FlexTensor {
-    cast::forward(tensor, FloatDType::F32)
-}
-
 /// The forward pass: the output (of `x`'s type), and each row's mean and reciprocal standard
 /// deviation (f32).
 pub(super) fn forward(
@@ -32,7 +27,12 @@ pub(super) fn forward(
 ) -> (FlexTensor, FlexTensor) {
     let dtype = x.dtype();
     if dtype != DType::F32 {
-        let (y, stats) = forward(&in_f32(x), &in_f32(gamma), &in_f32(beta), epsilon);
+        let (y, stats) = forward(
+            &cast::widened(x),
+            &cast::widened(gamma),
+            &cast::widened(beta),
+            epsilon,
+        );
         return (cast::forward(&y, FloatDType::from(dtype)), stats);
     }
     let shape = x.shape();
@@ -66,11 +66,7 @@ impl Backward<Flex, 3> for LayerNormBackward {
         let (x, gamma, stats) = ops.state;
         // Gradients of the input's type; a half-precision input is computed in f32.
         let dtype = FloatDType::from(x.dtype());
-        let (x, gamma, dy) = if dtype == FloatDType::F32 {
-            (x, gamma, dy)
-        } else {
-            (in_f32(&x), in_f32(&gamma), in_f32(&dy))
-        };
+        let (x, gamma, dy) = (cast::widened(&x), cast::widened(&gamma), cast::widened(&dy));
         let typed = |t: FlexTensor| cast::forward(&t, dtype);
         let shape = x.shape();
         let rows = row_shape(&shape);

@@ -69,7 +69,7 @@ pub(super) fn forward(
 ) -> (FlexTensor, Vec<f32>) {
     let dtype = qkv.dtype();
     if dtype != DType::F32 {
-        let (context, stats) = forward(&cast::forward(qkv, FloatDType::F32), mask, settings);
+        let (context, stats) = forward(&cast::widened(qkv), mask, settings);
         return (cast::forward(&context, FloatDType::from(dtype)), stats);
     }
     let shape = qkv.shape();
@@ -98,7 +98,7 @@ impl Backward<Flex, 1> for SelfAttentionBackward {
         let call = settings.describe(shape.as_slice(), mask.as_deref());
         // The gradient of the QKV tensor's type; half precision computed in f32.
         let dtype = FloatDType::from(qkv.dtype());
-        let in_f32 = |t: &FlexTensor| contiguous(&cast::forward(t, FloatDType::F32));
+        let in_f32 = |t: &FlexTensor| contiguous(&cast::widened(t));
         let (qkv, dcontext) = (in_f32(&qkv), in_f32(&dcontext));
         let dqkv = attention::backward(&call, values(&qkv), &stats, values(&dcontext));
         let dqkv = cast::forward(&flex_tensor(dqkv, shape), dtype);

@@ -50,38 +50,24 @@ pub const BLOCK_ROWS: usize = 2 * MR;
 /// Products below this many multiply-adds run on the calling thread (as the f32 products do).
 const PARALLEL_FROM: usize = 192 * 192 * 192;
 
-/// The half-precision element types the products take: bf16 and f16.
+/// The half-precision element types the products take: bf16 and f16 (widened exactly by
+/// [`Element::to_f32`]).
 pub trait HalfElement: Element {
-    /// Zero.
-    const ZERO: Self;
     /// The value's bits.
     fn bits(self) -> u16;
-    /// The value widened to f32 (exact), as f32 bits.
-    fn widened_bits(self) -> u32;
 }
 
 impl HalfElement for bf16 {
-    const ZERO: Self = bf16::ZERO;
     #[inline(always)]
     fn bits(self) -> u16 {
         self.to_bits()
-    }
-    // Widening bf16 is exact: its bits are the f32's upper half.
-    #[inline(always)]
-    fn widened_bits(self) -> u32 {
-        u32::from(self.to_bits()) << 16
     }
 }
 
 impl HalfElement for f16 {
-    const ZERO: Self = f16::ZERO;
     #[inline(always)]
     fn bits(self) -> u16 {
         self.to_bits()
-    }
-    #[inline(always)]
-    fn widened_bits(self) -> u32 {
-        crate::convert::f16_bits_to_f32(self.to_bits()).to_bits()
     }
 }
 
@@ -357,7 +343,7 @@ fn widen<T: HalfElement>(x: HalfMat<'_, T>) -> (Vec<f32>, bool) {
                     }
                     None => {
                         for (c, o) in row.iter_mut().enumerate() {
-                            o.write(f32::from_bits(stored.at(r, c).widened_bits()));
+                            o.write(stored.at(r, c).to_f32());
                         }
                     }
                 },
@@ -450,7 +436,7 @@ mod tests {
             for col in 0..n {
                 let (mut exact, mut magnitude) = (0.0f64, 0.0f64);
                 for i in 0..k {
-                    let wide = |v: T| f64::from(f32::from_bits(v.widened_bits()));
+                    let wide = |v: T| f64::from(v.to_f32());
                     let term = wide(a.at(r, i)) * wide(b.at(i, col));
                     exact += term;
                     magnitude += term.abs();

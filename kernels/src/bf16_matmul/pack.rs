@@ -25,9 +25,13 @@ pub(super) fn per_lane(path: Bf16Path) -> usize {
 fn lane<T: HalfElement>(value: impl Fn(usize) -> T, k: usize, len: usize, per_lane: usize) -> u32 {
     let lo = value(k);
     if per_lane == 1 {
-        return lo.widened_bits();
+        return lo.to_f32().to_bits();
     }
-    let hi = if k + 1 < len { value(k + 1) } else { T::ZERO };
+    let hi = if k + 1 < len {
+        value(k + 1)
+    } else {
+        <T as bytemuck::Zeroable>::zeroed()
+    };
     u32::from(lo.bits()) | (u32::from(hi.bits()) << 16)
 }
 
@@ -63,7 +67,7 @@ pub(super) fn run<'a, T: HalfElement>(
 fn put_lanes<T: HalfElement>(out: &mut [u32], lo: &[T], hi: Option<&[T]>, per_lane: usize) {
     let slots = out.iter_mut();
     match (per_lane, hi) {
-        (1, _) => slots.zip(lo).for_each(|(o, v)| *o = v.widened_bits()),
+        (1, _) => slots.zip(lo).for_each(|(o, v)| *o = v.to_f32().to_bits()),
         (_, Some(hi)) => slots
             .zip(lo.iter().zip(hi))
             .for_each(|(o, (l, h))| *o = u32::from(l.bits()) | (u32::from(h.bits()) << 16)),
@@ -96,7 +100,7 @@ fn put_runs<T: HalfElement>(
             let wide: Vec<&[f32]> = wide.chunks_exact(k_len).collect();
             place(out, width, &wide, steps, f32::to_bits);
         } else {
-            place(out, width, runs, steps, T::widened_bits);
+            place(out, width, runs, steps, |v| v.to_f32().to_bits());
         }
         return;
     }
