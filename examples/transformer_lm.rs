@@ -293,7 +293,8 @@ fn run<L: Unit<TransformerEncoderLayer>>(
             if args.clip > 0.0 {
                 acc.clip_grad_norm(&model, &mut grads, args.clip)?;
             }
-            let lr = learning_rate(args, optim.updates());
+            let before = optim.updates();
+            let lr = learning_rate(args, before);
             model = optim.step(lr, model, grads)?;
             ema = acc.ema_update(ema, &model, args.ema_decay)?;
             interval_loss += f64::from(loss_sum.into_scalar::<f32>());
@@ -304,6 +305,12 @@ fn run<L: Unit<TransformerEncoderLayer>>(
                 timed_updates += 1;
             }
             let updates = optim.updates();
+            // A step fp16's loss scaler skipped (overflow) is no update: nothing to log,
+            // evaluate or save again for the update before it (the first ones of an fp16 run
+            // are skipped while the scale backs off, each repeating update 0's evaluation).
+            if updates == before {
+                continue;
+            }
             bar.set_position(updates);
             if updates % args.log_every == 0 || updates == last {
                 train_loss = interval_loss / interval_tokens;

@@ -80,7 +80,12 @@ fn matmul_bf16(c: &mut Criterion) {
     let mut group = c.benchmark_group("matmul_bf16_linear_256_768_4096");
     group.sample_size(20);
     group.throughput(Throughput::Elements((2 * tokens * d_in * d_out) as u64));
-    for path in [Bf16Path::Avx512Bf16, Bf16Path::Avx512, Bf16Path::Widened] {
+    for path in [
+        Bf16Path::Avx512Bf16,
+        Bf16Path::Avx512,
+        Bf16Path::Avx2,
+        Bf16Path::Widened,
+    ] {
         if !path.available() {
             continue;
         }

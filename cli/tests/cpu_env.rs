@@ -33,6 +33,7 @@ fn env_names_the_cpu_kernels_and_a_cap_takes_the_fallback_path() {
     let expected = match Bf16Path::detect() {
         Bf16Path::Avx512Bf16 => "vdpbf16ps",
         Bf16Path::Avx512 => "AVX-512 FMAs",
+        Bf16Path::Avx2 => "AVX2 FMAs",
         Bf16Path::Widened => "widened to f32",
     };
     assert!(line.contains(expected), "{line}");
@@ -40,6 +41,14 @@ fn env_names_the_cpu_kernels_and_a_cap_takes_the_fallback_path() {
         let capped = cpu_line(Some("avx2"));
         assert!(
             capped.contains("capped to avx2 by ACCELERATE_CPU_ISA")
+                && capped.contains("bf16 products: AVX2 FMAs"),
+            "{capped}"
+        );
+    }
+    if detected > Isa::Portable {
+        let capped = cpu_line(Some("portable"));
+        assert!(
+            capped.contains("capped to portable by ACCELERATE_CPU_ISA")
                 && capped.contains("bf16 products: widened to f32"),
             "{capped}"
         );

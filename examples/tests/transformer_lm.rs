@@ -134,6 +134,40 @@ fn a_run_resumed_from_its_project_directory_ends_bit_identical() {
     assert!(tmp.path().join("logs/metrics.csv").exists());
 }
 
+/// fp16's first steps overflow while the loss scale backs off, and a skipped step is no
+/// update: the run logs and evaluates each update once (it used to evaluate, log and save
+/// update 0 again after every skipped step).
+#[test]
+fn skipped_fp16_steps_log_and_evaluate_nothing() {
+    let tmp = tempfile::tempdir().unwrap();
+    let dir = tmp.path().to_str().unwrap();
+    let args = [
+        "--steps",
+        "6",
+        "--eval-every",
+        "3",
+        "--log-every",
+        "1",
+        "--mixed-precision",
+        "fp16",
+        "--project-dir",
+        dir,
+    ];
+    let report = train(&small(&args)).unwrap();
+    assert_eq!(report.updates, 6);
+    let csv = std::fs::read_to_string(tmp.path().join("logs/metrics.csv")).unwrap();
+    let steps = |metric: &str| -> Vec<u64> {
+        csv.lines()
+            .filter_map(|row| {
+                let fields: Vec<&str> = row.split(',').collect();
+                (fields.get(1) == Some(&metric)).then(|| fields[0].parse().unwrap())
+            })
+            .collect()
+    };
+    assert_eq!(steps("validation/loss"), [3, 6], "{csv}");
+    assert_eq!(steps("train/loss"), [1, 2, 3, 4, 5, 6], "{csv}");
+}
+
 /// A rank of the multi-process test: 8 updates of the small model, `TEST_BATCH` sequences per
 /// process; prints the parameters and the validation loss.
 #[test]

@@ -75,8 +75,12 @@ pub fn store_sum<O: Element>(out: &mut [MaybeUninit<O>], values: &[f32], plus: O
 /// layer's activations over every thread.
 const CAST_BLOCK: usize = 1 << 15;
 
+/// Values one step of [`cast`] widens into f32 on the stack before storing them.
+const CAST_RUN: usize = 256;
+
 /// `src` converted to `D` (widening exact, narrowing rounded to nearest, ties to even), in
-/// parallel blocks on the current rayon pool.
+/// parallel blocks on the current rayon pool: each run of values widened by [`widen_into`]
+/// and stored by [`store_sum`], so f16 takes F16C both ways where the CPU has it.
 ///
 /// ```
 /// use accelerate_kernels::cast::cast;
@@ -92,13 +96,16 @@ pub fn cast<S: Element, D: Element>(src: &[S]) -> Vec<D> {
         dst.par_chunks_mut(CAST_BLOCK)
             .zip(src.par_chunks(CAST_BLOCK))
             .for_each(|(dst, src)| {
-                for (d, &s) in dst.iter_mut().zip(src) {
-                    d.write(D::from_f32(s.to_f32()));
+                let mut wide = [0.0f32; CAST_RUN];
+                for (dst, src) in dst.chunks_mut(CAST_RUN).zip(src.chunks(CAST_RUN)) {
+                    let wide = &mut wide[..src.len()];
+                    widen_into(src, wide);
+                    store_sum(dst, wide, None);
                 }
             });
     };
-    // SAFETY: `fill` receives `src.len()` values, cut in the same blocks as `src`, so each
-    // block's zip writes every value of its block.
+    // SAFETY: `fill` receives `src.len()` values, cut in the same blocks and runs as `src`,
+    // and `store_sum` writes every value of its run.
     unsafe { written_by(src.len(), fill) }
 }
 

@@ -27,7 +27,7 @@
 
 use rayon::prelude::*;
 
-use crate::element::Element;
+use crate::element::{DType, Element};
 use crate::matmul::{self, Mat};
 
 /// Rows of `dy` per bias-gradient task: enough to pay for a task, few enough that a step's
@@ -174,11 +174,17 @@ pub fn bias_grad<E: Element>(dy: &[E], d_out: usize) -> Vec<f32> {
     let partials: Vec<Vec<f32>> = dy
         .par_chunks(BIAS_ROWS_PER_TASK * d_out)
         .map(|block| {
-            let mut sums = vec![0.0; d_out];
+            let (mut sums, mut wide) = (vec![0.0; d_out], vec![0.0f32; d_out]);
             for row in block.chunks_exact(d_out) {
-                sums.iter_mut()
-                    .zip(row)
-                    .for_each(|(sum, v)| *sum += v.to_f32());
+                // Half precision widened first (f16 with F16C), then summed: the same values.
+                let row: &[f32] = match bytemuck::try_cast_slice::<E, f32>(row) {
+                    Ok(row) if E::DTYPE == DType::F32 => row,
+                    _ => {
+                        crate::cast::widen_into(row, &mut wide);
+                        &wide
+                    }
+                };
+                sums.iter_mut().zip(row).for_each(|(sum, v)| *sum += v);
             }
             sums
         })

@@ -12,9 +12,12 @@
 //!   microkernel of AVX-512 FMAs. Taken on Intel CPUs with AVX-512: there (Sapphire and
 //!   Emerald Rapids) `vdpbf16ps` issues at half the rate of two FMA ports (measured: RESULTS,
 //!   issue 60), and the `gemm` crate's f32 kernels use 256-bit registers on stable Rust.
-//! - [`Bf16Path::Widened`] (every other CPU, or forced with `ACCELERATE_CPU_ISA`, see
-//!   [`crate::isa`]): both operands widened to f32 and the f32 product of
-//!   [`linear`](crate::linear) run.
+//! - [`Bf16Path::Avx2`]: the same packing and tile, computed in four bands of 6 rows with
+//!   256-bit FMAs: x86 CPUs with AVX2, FMA and F16C but no AVX-512 (or forced with
+//!   `ACCELERATE_CPU_ISA=avx2`, see [`crate::isa`]). The same FMAs in the same order as the
+//!   AVX-512 path: the same bits.
+//! - [`Bf16Path::Widened`] (every other CPU, or forced with `ACCELERATE_CPU_ISA=portable`):
+//!   both operands widened to f32 and the f32 product of [`linear`](crate::linear) run.
 //!
 //! Rows are split among threads in fixed blocks of [`BLOCK_ROWS`], and every element is
 //! summed in the same order in any block, so the bits do not depend on the number of threads.
@@ -35,6 +38,8 @@ use rayon::prelude::*;
 use crate::element::Element;
 use crate::fresh::written_by;
 
+#[cfg(target_arch = "x86_64")]
+mod avx2;
 #[cfg(target_arch = "x86_64")]
 mod avx512;
 mod pack;
@@ -152,6 +157,8 @@ pub enum Bf16Path {
     Avx512Bf16,
     /// AVX-512 FMAs on operands widened to f32 as they are packed.
     Avx512,
+    /// AVX2 FMAs on operands widened to f32 as they are packed (the same bits as `Avx512`).
+    Avx2,
     /// Operands widened to f32, then the f32 product.
     Widened,
 }
@@ -163,7 +170,8 @@ impl Bf16Path {
         match current() {
             Isa::Avx512Bf16 if dot_products_at_fma_rate() => Self::Avx512Bf16,
             Isa::Avx512Bf16 | Isa::Avx512 => Self::Avx512,
-            _ => Self::Widened,
+            Isa::Avx2 => Self::Avx2,
+            Isa::Portable => Self::Widened,
         }
     }
 
@@ -172,6 +180,7 @@ impl Bf16Path {
         use crate::isa::{Isa, detected};
         match self {
             Self::Widened => true,
+            Self::Avx2 => detected() >= Isa::Avx2,
             Self::Avx512 => detected() >= Isa::Avx512,
             Self::Avx512Bf16 => detected() >= Isa::Avx512Bf16,
         }
@@ -187,9 +196,8 @@ pub fn matmul_bf16(a: Bf16Mat<'_>, b: Bf16Mat<'_>) -> Vec<f32> {
     matmul_bf16_on(Bf16Path::detect(), a, b)
 }
 
-/// `a b` for f16 operands, as [`matmul_bf16`]: on AVX-512 FMAs over operands widened as they
-/// are packed where the CPU has AVX-512 (there is no f16 pair product), else widened then the
-/// f32 product.
+/// `a b` for f16 operands, as [`matmul_bf16`]: FMAs over operands widened as they are packed
+/// (AVX-512 or AVX2: there is no f16 pair product), else widened then the f32 product.
 ///
 /// # Panics
 /// As [`matmul_bf16`].
@@ -280,7 +288,7 @@ pub fn matmul_half_to<T: HalfElement, O: Element>(
     }
     match path {
         #[cfg(target_arch = "x86_64")]
-        Bf16Path::Avx512Bf16 | Bf16Path::Avx512 if path.available() => {
+        Bf16Path::Avx512Bf16 | Bf16Path::Avx512 | Bf16Path::Avx2 if path.available() => {
             let fill = |c: &mut [MaybeUninit<O>]| packed(a, b, path, bias, c);
             // SAFETY: `packed` writes every element of `c` (see there).
             unsafe { written_by(len, fill) }
@@ -382,12 +390,20 @@ fn packed<T: HalfElement, O: Element>(
             let cols = p * NR..((p + 1) * NR).min(n);
             let bias = bias.map(|bias| &bias[cols.clone()]);
             for (t, a_panel) in packed_a.chunks(steps * MR).enumerate() {
-                avx512::tile(path, a_panel, b_panel, steps, &mut tile);
+                if path == Bf16Path::Avx2 {
+                    avx2::tile(a_panel, b_panel, steps, &mut tile);
+                } else {
+                    avx512::tile(path, a_panel, b_panel, steps, &mut tile);
+                }
                 let first = t * MR;
                 let count = MR.min(rows.len() - first);
                 if count == MR && cols.len() == NR {
                     let at = first * n + cols.start;
-                    avx512::store_tile(&tile, &mut rows_out[at..], n, bias);
+                    if path == Bf16Path::Avx2 {
+                        avx2::store_tile(&tile, &mut rows_out[at..], n, bias);
+                    } else {
+                        avx512::store_tile(&tile, &mut rows_out[at..], n, bias);
+                    }
                     continue;
                 }
                 for i in 0..count {
@@ -452,10 +468,15 @@ mod tests {
     }
 
     fn paths() -> Vec<Bf16Path> {
-        [Bf16Path::Avx512Bf16, Bf16Path::Avx512, Bf16Path::Widened]
-            .into_iter()
-            .filter(|p| p.available())
-            .collect()
+        [
+            Bf16Path::Avx512Bf16,
+            Bf16Path::Avx512,
+            Bf16Path::Avx2,
+            Bf16Path::Widened,
+        ]
+        .into_iter()
+        .filter(|p| p.available())
+        .collect()
     }
 
     /// Odd sizes, `k` odd and not a multiple of 32, single rows and columns, tiles cut at
@@ -551,6 +572,35 @@ mod tests {
             assert_eq!(one, on(2), "{path:?}");
             assert_eq!(one, on(3), "{path:?}");
         }
+    }
+
+    /// The AVX2 and AVX-512 FMA paths give the same bits (the same FMAs along `k`, in the
+    /// same order), for bf16 and f16 operands, across tile, block and chunk edges, transposed
+    /// too.
+    #[test]
+    fn the_avx2_and_avx512_paths_give_the_same_bits() {
+        if !Bf16Path::Avx512.available() {
+            return;
+        }
+        let (m, n, k) = (101, 37, 300);
+        let a = values(m * k, 14);
+        let b = values(n * k, 15);
+        let bits = |c: Vec<f32>| c.iter().map(|v| v.to_bits()).collect::<Vec<_>>();
+        let (a, b) = (
+            Bf16Mat::row_major(&a, m, k),
+            Bf16Mat::row_major(&b, n, k).t(),
+        );
+        let on = |path| bits(matmul_half_on(path, a, b));
+        assert_eq!(on(Bf16Path::Avx2), on(Bf16Path::Avx512), "bf16");
+        let f16s =
+            |x: &[bf16]| -> Vec<f16> { x.iter().map(|v| f16::from_f32(v.to_f32())).collect() };
+        let (a16, b16) = (f16s(a.data), f16s(b.data));
+        let (a, b) = (
+            HalfMat::row_major(&a16, m, k),
+            HalfMat::row_major(&b16, n, k).t(),
+        );
+        let on = |path| bits(matmul_half_on(path, a, b));
+        assert_eq!(on(Bf16Path::Avx2), on(Bf16Path::Avx512), "f16");
     }
 
     /// A result written in bf16 or f16 with a bias is, bit for bit, the f32 result plus the

@@ -113,14 +113,12 @@ pub fn forward_half<T: Element>(x: &[T]) -> Vec<T> {
             .zip(x.par_chunks(CHUNK))
             .for_each(|(y, x)| {
                 // One chunk: `forward` computes it on this thread.
-                let out = forward(&widened(x));
-                for (y, &v) in y.iter_mut().zip(&out) {
-                    y.write(T::from_f32(v));
-                }
+                crate::cast::store_sum(y, &forward(&widened(x)), None);
             });
     };
-    // SAFETY: the chunks of `y` and `x` pair up one to one with equal lengths, and `out` is
-    // as long as its chunk of `x`, so each loop writes every element of its chunk of `y`.
+    // SAFETY: the chunks of `y` and `x` pair up one to one with equal lengths, `forward`'s
+    // result is as long as its chunk of `x`, and `store_sum` writes every element of its
+    // chunk of `y` (it asserts equal lengths).
     unsafe { written_by(x.len(), fill) }
 }
 
@@ -135,19 +133,18 @@ pub fn backward_half<T: Element>(x: &[T], dy: &[T]) -> Vec<T> {
         dx.par_chunks_mut(CHUNK)
             .zip(x.par_chunks(CHUNK).zip(dy.par_chunks(CHUNK)))
             .for_each(|(dx, (x, dy))| {
-                let out = backward(&widened(x), &widened(dy));
-                for (dx, &v) in dx.iter_mut().zip(&out) {
-                    dx.write(T::from_f32(v));
-                }
+                crate::cast::store_sum(dx, &backward(&widened(x), &widened(dy)), None);
             });
     };
     // SAFETY: as in `forward_half`: equal chunks, each written in full.
     unsafe { written_by(x.len(), fill) }
 }
 
-/// One chunk widened to f32.
+/// One chunk widened to f32 (f16 with F16C where the CPU has it).
 fn widened<T: Element>(values: &[T]) -> Vec<f32> {
-    values.iter().map(|v| v.to_f32()).collect()
+    let mut wide = vec![0.0f32; values.len()];
+    crate::cast::widen_into(values, &mut wide);
+    wide
 }
 
 #[cfg(test)]
