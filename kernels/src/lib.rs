@@ -8,8 +8,9 @@
 //! - [`norm`]: sum of squares and global L2 norm, f32 lanes with f64 block totals.
 //! - [`layer_norm`]: layer normalisation forward and backward, one parallel pass each,
 //!   the same bits on any number of threads.
-//! - [`bf16_matmul`]: products of bf16 matrices with f32 accumulation (`vdpbf16ps` where the
-//!   CPU has AVX512_BF16, else widened to the f32 product); [`isa`] says which path runs.
+//! - [`bf16_matmul`]: products of bf16 and f16 matrices with f32 accumulation (`vdpbf16ps`,
+//!   or AVX-512 or AVX2 FMAs on operands widened as they are packed, else the f32 product of
+//!   widened operands); [`isa`] says which path runs.
 //! - [`linear`]: a linear layer's product with its bias, and its three gradients, without the
 //!   zero-fill and alignment copy around Burn's products.
 //! - [`softmax`]: attention's scaled, masked softmax, forward and backward.
