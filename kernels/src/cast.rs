@@ -75,12 +75,33 @@ pub fn store_sum<O: Element>(out: &mut [MaybeUninit<O>], values: &[f32], plus: O
 /// layer's activations over every thread.
 const CAST_BLOCK: usize = 1 << 15;
 
-/// Values one step of [`cast`] widens into f32 on the stack before storing them.
+/// Values one step of [`cast_into`] widens into f32 on the stack before storing them.
 const CAST_RUN: usize = 256;
 
+/// `src` converted to `D` into `dst` (as long, every slot written) on the calling thread: runs
+/// of values widened by [`widen_into`] and stored by [`store_sum`], so f16 takes F16C both
+/// ways where the CPU has it.
+///
+/// # Panics
+/// When `dst` and `src` differ in length.
+pub fn cast_into<S: Element, D: Element>(src: &[S], dst: &mut [MaybeUninit<D>]) {
+    assert_eq!(
+        src.len(),
+        dst.len(),
+        "cast_into: {} values into {} slots",
+        src.len(),
+        dst.len()
+    );
+    let mut wide = [0.0f32; CAST_RUN];
+    for (dst, src) in dst.chunks_mut(CAST_RUN).zip(src.chunks(CAST_RUN)) {
+        let wide = &mut wide[..src.len()];
+        widen_into(src, wide);
+        store_sum(dst, wide, None);
+    }
+}
+
 /// `src` converted to `D` (widening exact, narrowing rounded to nearest, ties to even), in
-/// parallel blocks on the current rayon pool: each run of values widened by [`widen_into`]
-/// and stored by [`store_sum`], so f16 takes F16C both ways where the CPU has it.
+/// parallel blocks on the current rayon pool, each converted by [`cast_into`].
 ///
 /// ```
 /// use accelerate_kernels::cast::cast;
@@ -95,17 +116,10 @@ pub fn cast<S: Element, D: Element>(src: &[S]) -> Vec<D> {
     let fill = |dst: &mut [MaybeUninit<D>]| {
         dst.par_chunks_mut(CAST_BLOCK)
             .zip(src.par_chunks(CAST_BLOCK))
-            .for_each(|(dst, src)| {
-                let mut wide = [0.0f32; CAST_RUN];
-                for (dst, src) in dst.chunks_mut(CAST_RUN).zip(src.chunks(CAST_RUN)) {
-                    let wide = &mut wide[..src.len()];
-                    widen_into(src, wide);
-                    store_sum(dst, wide, None);
-                }
-            });
+            .for_each(|(dst, src)| cast_into(src, dst));
     };
-    // SAFETY: `fill` receives `src.len()` values, cut in the same blocks and runs as `src`,
-    // and `store_sum` writes every value of its run.
+    // SAFETY: `fill` receives `src.len()` values, cut in the same blocks as `src`, and
+    // `cast_into` writes every value of its block.
     unsafe { written_by(src.len(), fill) }
 }
 

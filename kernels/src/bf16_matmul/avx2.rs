@@ -7,8 +7,9 @@
 //! chunk of `b`'s panel in L1 (a long `k`, as in a weight gradient's `X^T dY`, put the whole
 //! panel out of it: 4 reads from L2 per step, measured 1.6x slower); an accumulator stored at
 //! the end of a chunk and loaded back at the start of the next keeps its bits.
-//! The crate's unsafe code for this path: the pointer loads and stores, after the lengths were
-//! asserted, and the calls into the feature-gated functions after the CPU was checked.
+//! The crate's unsafe code for this path: the tile's stores (their contract checked by
+//! `super::store_tile`), and the calls into the feature-gated functions after the CPU was
+//! checked.
 
 #![allow(unsafe_code)]
 
@@ -134,62 +135,33 @@ fn band<const FIRST: usize>(
 }
 
 /// A whole tile (`MR x NR`, row-major f32) plus `bias` (its `NR` columns' values) rounded once
-/// to `O` into `rows` (row `i` at `rows[i * stride..][..NR]`), 8 values an instruction: f16 by
-/// `vcvtps2ph`, bf16 by integer rounding to nearest even, as the AVX-512 store rounds.
-///
-/// # Panics
-/// When `rows` is shorter than `(MR - 1) * stride + NR`, `bias` shorter than `NR`, or the CPU
-/// has no AVX2, FMA and F16C.
-pub(super) fn store_tile<O: Element>(
-    tile: &[f32; MR * NR],
-    rows: &mut [MaybeUninit<O>],
-    stride: usize,
-    bias: Option<&[f32]>,
-) {
-    let needed = (MR - 1).checked_mul(stride).and_then(|r| r.checked_add(NR));
-    assert!(
-        needed.is_some_and(|needed| rows.len() >= needed),
-        "a tile reaches past `c`"
-    );
-    assert!(
-        bias.is_none_or(|bias| bias.len() >= NR),
-        "a tile's bias is short"
-    );
-    assert!(
-        Bf16Path::Avx2.available(),
-        "an AVX2 tile store on a CPU without it"
-    );
-    // SAFETY: the CPU has AVX2 and F16C, `rows` holds every row's NR values and `bias` NR
-    // values (all asserted above).
-    unsafe { store_tile_avx2(tile, rows.as_mut_ptr(), stride, bias) }
-}
-
-/// [`store_tile`]'s loop.
+/// to `O` into `rows` (row `i` at `rows.add(i * stride)`, `NR` values), 8 values an
+/// instruction: f16 by `vcvtps2ph`, bf16 by integer rounding to nearest even, as the AVX-512
+/// store rounds. Reached through `super::store_tile`, which checks the contract.
 ///
 /// # Safety
 /// The CPU must have AVX2 and F16C; `rows` must be valid for writes of
 /// `(MR - 1) * stride + NR` values of `O`, and `bias` hold at least `NR` values.
 #[target_feature(enable = "avx2,f16c")]
-unsafe fn store_tile_avx2<O: Element>(
+pub(super) unsafe fn store_tile<O: Element>(
     tile: &[f32; MR * NR],
     rows: *mut MaybeUninit<O>,
     stride: usize,
     bias: Option<&[f32]>,
 ) {
+    let bias = bias.map(|bias| bias[..NR].as_chunks::<8>().0);
     let is = |t: TypeId| TypeId::of::<O>() == t;
-    for (i, row) in tile.chunks_exact(NR).enumerate() {
-        for half in [0, 8] {
-            // SAFETY: 8 values at `half` of a row of 16, and of `bias` (16 values, the
-            // caller's contract).
-            let mut v = unsafe { _mm256_loadu_ps(row.as_ptr().add(half)) };
+    for (i, row) in tile.as_chunks::<8>().0.chunks_exact(2).enumerate() {
+        for (h, values) in row.iter().enumerate() {
+            let mut v = f32x8(values);
             if let Some(bias) = bias {
-                v = _mm256_add_ps(v, unsafe { _mm256_loadu_ps(bias.as_ptr().add(half)) });
+                v = _mm256_add_ps(v, f32x8(&bias[h]));
             }
             // SAFETY (the stores): row `i < MR` of `rows` starts at `i * stride` and holds
-            // NR values of `O` (the caller's contract); `O` is the type its id says, whose
-            // size is the store's: 32 bytes of f32, 16 of f16 or bf16.
+            // NR values of `O` (the caller's contract), 8 of them from `8 * h`; `O` is the
+            // type its id says, whose size is the store's: 32 bytes of f32, 16 of f16 or bf16.
             unsafe {
-                let out = rows.add(i * stride + half);
+                let out = rows.add(i * stride + 8 * h);
                 if is(TypeId::of::<f32>()) {
                     _mm256_storeu_ps(out.cast(), v);
                 } else if is(TypeId::of::<f16>()) {
@@ -197,9 +169,7 @@ unsafe fn store_tile_avx2<O: Element>(
                 } else if is(TypeId::of::<bf16>()) {
                     _mm_storeu_si128(out.cast(), crate::x86::bf16_narrow(v));
                 } else {
-                    let mut wide = [0.0f32; 8];
-                    _mm256_storeu_ps(wide.as_mut_ptr(), v);
-                    for (j, w) in wide.into_iter().enumerate() {
+                    for (j, w) in f32s(v).into_iter().enumerate() {
                         (*out.add(j)).write(O::from_f32(w));
                     }
                 }

@@ -4,9 +4,9 @@
 //! into 24 f32 accumulators that stay in registers (of 32) for the whole `k`.
 //! The panels are read one step at a time as arrays (`[u32; 24]` of `a`, `[u32; 16]` of `b`),
 //! so the loops hold no index checks and no asserted pointer arithmetic, in the dev profile
-//! too. The crate's unsafe code for this path: the tiles' stores, after the lengths were
-//! asserted, a register transmuted from an array of its size, and the calls into the
-//! feature-gated functions after the CPU was checked.
+//! too. The crate's unsafe code for this path: the tiles' stores (their contract checked by
+//! `super::store_tile`), a register transmuted from an array of its size, and the calls into
+//! the feature-gated functions after the CPU was checked.
 
 #![allow(unsafe_code)]
 
@@ -43,57 +43,25 @@ pub(super) fn tile(
 }
 
 /// A whole tile (`MR x NR`, row-major f32) plus `bias` (its `NR` columns' values) rounded once
-/// to `O` into `rows`: row `i` at `rows[i * stride..][..NR]`. One vector load, add, conversion
-/// and store per row (f16 by `vcvtps2ph`, bf16 by integer rounding to nearest even, NaN kept
-/// quiet), where rounding value by value cost the fp16 step 9 % of its time (measured).
-///
-/// # Panics
-/// When `rows` is shorter than `(MR - 1) * stride + NR`, `bias` shorter than `NR`, or the CPU
-/// has no AVX-512F (the callers only store tiles of the AVX-512 paths).
-pub(super) fn store_tile<O: Element>(
-    tile: &[f32; MR * NR],
-    rows: &mut [MaybeUninit<O>],
-    stride: usize,
-    bias: Option<&[f32]>,
-) {
-    let needed = (MR - 1).checked_mul(stride).and_then(|r| r.checked_add(NR));
-    assert!(
-        needed.is_some_and(|needed| rows.len() >= needed),
-        "a tile reaches past `c`"
-    );
-    assert!(
-        bias.is_none_or(|bias| bias.len() >= NR),
-        "a tile's bias is short"
-    );
-    assert!(
-        Bf16Path::Avx512.available(),
-        "an AVX-512 tile store on a CPU without it"
-    );
-    // SAFETY: the CPU has AVX-512F, `rows` holds every row's NR values and `bias` NR values
-    // (all asserted above).
-    unsafe { store_tile_avx512(tile, rows.as_mut_ptr(), stride, bias) }
-}
-
-/// [`store_tile`]'s loop.
+/// to `O` into `rows`: row `i` at `rows.add(i * stride)`, `NR` values. One vector load, add,
+/// conversion and store per row (f16 by `vcvtps2ph`, bf16 by integer rounding to nearest
+/// even, NaN kept quiet), where rounding value by value cost the fp16 step 9 % of its time
+/// (measured). Reached through `super::store_tile`, which checks the contract.
 ///
 /// # Safety
-/// `rows` must be valid for writes of `(MR - 1) * stride + NR` values of `O`, and `bias` hold
-/// at least `NR` values.
+/// The CPU must have AVX-512F; `rows` must be valid for writes of `(MR - 1) * stride + NR`
+/// values of `O`, and `bias` hold at least `NR` values.
 #[target_feature(enable = "avx512f")]
-unsafe fn store_tile_avx512<O: Element>(
+pub(super) unsafe fn store_tile<O: Element>(
     tile: &[f32; MR * NR],
     rows: *mut MaybeUninit<O>,
     stride: usize,
     bias: Option<&[f32]>,
 ) {
-    let bias = bias.map(|bias| {
-        // SAFETY: `bias` holds at least NR = 16 values (the caller's contract).
-        unsafe { _mm512_loadu_ps(bias.as_ptr()) }
-    });
+    let bias = bias.map(|bias| f32x16(&bias[..NR].as_chunks::<NR>().0[0]));
     let is = |t: TypeId| TypeId::of::<O>() == t;
-    for (i, row) in tile.chunks_exact(NR).enumerate() {
-        // SAFETY: a chunk of NR = 16 values.
-        let mut v = unsafe { _mm512_loadu_ps(row.as_ptr()) };
+    for (i, row) in tile.as_chunks::<NR>().0.iter().enumerate() {
+        let mut v = f32x16(row);
         if let Some(bias) = bias {
             v = _mm512_add_ps(v, bias);
         }
@@ -316,6 +284,14 @@ fn tile_fma(a_panel: &[u32], b_panel: &[u32], steps: usize, tile: &mut [f32; MR 
 fn load_bits(lanes: &[u32; 16]) -> __m512i {
     // SAFETY: both are 64 bytes of plain bits; every bit pattern is valid for both.
     unsafe { std::mem::transmute::<[u32; 16], __m512i>(*lanes) }
+}
+
+/// 16 f32 as one register, as [`load_bits`] loads lanes.
+#[inline]
+#[target_feature(enable = "avx512f")]
+fn f32x16(values: &[f32; 16]) -> __m512 {
+    // SAFETY: both are 64 bytes of f32 values; every bit pattern is valid for both.
+    unsafe { std::mem::transmute::<[f32; 16], __m512>(*values) }
 }
 
 /// The same 512 bits seen as 32 bf16 values.

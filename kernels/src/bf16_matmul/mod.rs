@@ -307,9 +307,6 @@ pub fn matmul_half_to<T: HalfElement, O: Element>(
     }
 }
 
-/// Values the widened path widens at a time (on the stack).
-const WIDEN_RUN: usize = 256;
-
 /// The widened path: both operands widened to f32 (in parallel, in their own memory order),
 /// then the f32 product.
 fn widened<T: HalfElement>(a: HalfMat<'_, T>, b: HalfMat<'_, T>) -> Vec<f32> {
@@ -338,17 +335,7 @@ fn widen<T: HalfElement>(x: HalfMat<'_, T>) -> (Vec<f32>, bool) {
         |out: &mut [MaybeUninit<f32>]| {
             out.par_chunks_mut(stored.cols.max(1)).enumerate().for_each(
                 |(r, row)| match pack::run(&stored, true, r, 0, stored.cols) {
-                    Some(values) => {
-                        let mut wide = [0.0f32; WIDEN_RUN];
-                        for (out, values) in row.chunks_mut(WIDEN_RUN).zip(values.chunks(WIDEN_RUN))
-                        {
-                            let wide = &mut wide[..values.len()];
-                            crate::cast::widen_into(values, wide);
-                            for (o, &v) in out.iter_mut().zip(wide.iter()) {
-                                o.write(v);
-                            }
-                        }
-                    }
+                    Some(values) => crate::cast::cast_into(values, row),
                     None => {
                         for (c, o) in row.iter_mut().enumerate() {
                             o.write(stored.at(r, c).to_f32());
@@ -390,20 +377,17 @@ fn packed<T: HalfElement, O: Element>(
             let cols = p * NR..((p + 1) * NR).min(n);
             let bias = bias.map(|bias| &bias[cols.clone()]);
             for (t, a_panel) in packed_a.chunks(steps * MR).enumerate() {
-                if path == Bf16Path::Avx2 {
-                    avx2::tile(a_panel, b_panel, steps, &mut tile);
-                } else {
-                    avx512::tile(path, a_panel, b_panel, steps, &mut tile);
-                }
+                compute_tile(path, a_panel, b_panel, steps, &mut tile);
                 let first = t * MR;
                 let count = MR.min(rows.len() - first);
                 if count == MR && cols.len() == NR {
-                    let at = first * n + cols.start;
-                    if path == Bf16Path::Avx2 {
-                        avx2::store_tile(&tile, &mut rows_out[at..], n, bias);
-                    } else {
-                        avx512::store_tile(&tile, &mut rows_out[at..], n, bias);
-                    }
+                    store_tile(
+                        path,
+                        &tile,
+                        &mut rows_out[first * n + cols.start..],
+                        n,
+                        bias,
+                    );
                     continue;
                 }
                 for i in 0..count {
@@ -417,6 +401,64 @@ fn packed<T: HalfElement, O: Element>(
         c.par_chunks_mut(BLOCK_ROWS * n).enumerate().for_each(block);
     } else {
         c.chunks_mut(BLOCK_ROWS * n).enumerate().for_each(block);
+    }
+}
+
+/// The tile `a_panel b_panel` (`steps` steps along `k`) into `tile` (row-major, `MR x NR`),
+/// with `path`'s microkernel.
+///
+/// # Panics
+/// When a panel is shorter than `steps` steps, or the CPU cannot run the path.
+#[cfg(target_arch = "x86_64")]
+fn compute_tile(
+    path: Bf16Path,
+    a_panel: &[u32],
+    b_panel: &[u32],
+    steps: usize,
+    tile: &mut [f32; MR * NR],
+) {
+    match path {
+        Bf16Path::Avx2 => avx2::tile(a_panel, b_panel, steps, tile),
+        _ => avx512::tile(path, a_panel, b_panel, steps, tile),
+    }
+}
+
+/// A whole tile (`MR x NR`, row-major f32) plus `bias` (its `NR` columns' values) rounded once
+/// to `O` into `rows` (row `i` at `rows[i * stride..][..NR]`), with `path`'s registers:
+/// 256-bit on the AVX2 path, 512-bit on the AVX-512 ones.
+///
+/// # Panics
+/// When `rows` is shorter than `(MR - 1) * stride + NR`, `bias` shorter than `NR`, or the CPU
+/// cannot run the path (the packed paths are only chosen where it can).
+#[cfg(target_arch = "x86_64")]
+fn store_tile<O: Element>(
+    path: Bf16Path,
+    tile: &[f32; MR * NR],
+    rows: &mut [MaybeUninit<O>],
+    stride: usize,
+    bias: Option<&[f32]>,
+) {
+    let needed = (MR - 1).checked_mul(stride).and_then(|r| r.checked_add(NR));
+    assert!(
+        needed.is_some_and(|needed| rows.len() >= needed),
+        "a tile reaches past `c`"
+    );
+    assert!(
+        bias.is_none_or(|bias| bias.len() >= NR),
+        "a tile's bias is short"
+    );
+    assert!(
+        path != Bf16Path::Widened && path.available(),
+        "a {path:?} tile store on a CPU without it"
+    );
+    let rows = rows.as_mut_ptr();
+    // SAFETY: the CPU runs `path` (AVX2 and F16C, or AVX-512F), `rows` holds every row's NR
+    // values and `bias` NR values (all asserted above).
+    unsafe {
+        match path {
+            Bf16Path::Avx2 => avx2::store_tile(tile, rows, stride, bias),
+            _ => avx512::store_tile(tile, rows, stride, bias),
+        }
     }
 }
 
