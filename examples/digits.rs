@@ -117,6 +117,8 @@ pub fn train(
             acc.save_checkpoint(&Checkpoint::new(&model, &optim))?;
         }
     }
+    // With ACCELERATE_ASYNC_CHECKPOINTS the last checkpoint is committed (or fails) here.
+    acc.wait_for_checkpoint()?;
     bar.finish_and_clear();
     let elapsed = started.elapsed();
 

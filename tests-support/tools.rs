@@ -53,6 +53,20 @@ pub fn skip(what: &str) -> bool {
     false
 }
 
+/// A `python3` on `PATH` that imports `module`, when this machine has one (`.ci/run` puts
+/// its virtual environment first on `PATH`).
+pub fn python_with(module: &str) -> Option<PathBuf> {
+    let python = on_path("python3")?;
+    let imports = std::process::Command::new(&python)
+        .args(["-c", &format!("import {module}")])
+        .output()
+        .is_ok_and(|out| out.status.success());
+    match imports || skip(&format!("python3 with {module} (pip install {module})")) {
+        true => Some(python),
+        false => None,
+    }
+}
+
 /// torchrun, when this machine has it.
 pub fn torchrun() -> Option<PathBuf> {
     if ready(&["torchrun"], false, "pip install torch") {

@@ -113,7 +113,7 @@ mod training_loop;
 pub use accelerator::{Accelerator, AcceleratorBuilder, MODEL_FILE};
 pub use accelerator::{OptimizerSource, Prepare};
 pub use backend::{AcceleratorBackend, DefaultBackend, enabled_backends};
-pub use checkpoint::{Checkpoint, CheckpointInfo, Restored};
+pub use checkpoint::{Checkpoint, CheckpointInfo, CheckpointSnapshot, Restored};
 pub use data::{BatchIter, DEFAULT_PREFETCH, DataLoader, DataLoaderBuilder, PreparedDataLoader};
 pub use error::AccelerateError;
 pub use fused::{FusedOptimizer, HeldBytes};

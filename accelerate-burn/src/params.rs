@@ -218,6 +218,19 @@ pub(crate) fn into_f32(data: TensorData) -> TensorData {
     }
 }
 
+/// Appends `values` to `out` as little-endian f32 bytes (one copy on a little-endian CPU,
+/// where checkpoints' flat state and shards are serialised on the training thread).
+pub(crate) fn extend_le_bytes(out: &mut Vec<u8>, values: &[f32]) {
+    if cfg!(target_endian = "little") {
+        out.extend_from_slice(bytemuck::cast_slice(values));
+    } else {
+        out.reserve(values.len().saturating_mul(4));
+        for v in values {
+            out.extend_from_slice(&v.to_le_bytes());
+        }
+    }
+}
+
 /// A tensor's values as f32 on the host.
 pub(crate) fn to_host_f32(tensor: Tensor<1>) -> Vec<f32> {
     let mut out = vec![0.0; tensor.shape().num_elements()];

@@ -10,7 +10,10 @@ use burn::module::{Module, Param, ParamId};
 use burn::nn::{BatchNorm, BatchNormConfig, Initializer, Linear, LinearConfig, Relu};
 use burn::optim::AdamWConfig;
 use burn::store::{ModuleSnapshot, SafetensorsStore};
-use burn::tensor::{Bool, Device, Int, Tensor, TensorData};
+use burn::tensor::{Bool, DType, Device, Int, Tensor, TensorData};
+
+#[path = "../../tests-support/tools.rs"]
+mod tools;
 
 const FEATURES: usize = 6;
 const HIDDEN: usize = 16;
@@ -591,5 +594,130 @@ fn a_sharded_model_keeps_its_int_and_bool_parameters_in_every_file() {
             "{}",
             source.display()
         );
+    }
+}
+
+/// Every float value of `net` rounded once to `dtype` (BF16 or F16) and back, in `bits`'s
+/// order.
+fn rounded(net: &Net, dtype: DType) -> Vec<f32> {
+    bits(net)
+        .into_iter()
+        .map(|b| {
+            let v = f32::from_bits(b);
+            match dtype {
+                DType::BF16 => half::bf16::from_f32(v).to_f32(),
+                _ => half::f16::from_f32(v).to_f32(),
+            }
+        })
+        .collect()
+}
+
+/// The safetensors dtype of every tensor in the file at `path`.
+fn file_dtypes(path: &std::path::Path) -> Vec<String> {
+    let header = accelerate_core::weights::read_header(path).unwrap();
+    header.tensors.values().map(|t| t.dtype.clone()).collect()
+}
+
+/// `export_dtype(BF16 | F16)`: `save_model`, `save_model_sharded` (and `merge-weights` of its
+/// shards) and the whole save of a model with sharded units write every float tensor in that
+/// dtype, each value the f32 one rounded to nearest even once: half the bytes. Plain Burn
+/// loads the file into its f32 model, `load_model` reads it back, and Python's safetensors
+/// reads the same values.
+#[test]
+fn models_export_in_half_precision_that_plain_burn_and_python_read() {
+    for (dtype, name) in [(DType::BF16, "BF16"), (DType::F16, "F16")] {
+        let acc = Accelerator::<DefaultBackend>::builder()
+            .process_state(ProcessState::single())
+            .zero_stage(3)
+            .export_dtype(dtype)
+            .build()
+            .unwrap();
+        let device = acc.device();
+        let net = Net::new(&device);
+        let expected = rounded(&net, dtype);
+        let dir = tempfile::tempdir().unwrap();
+        let sharded_net = ShardedNet::new(&acc, Net::new(&device)).unwrap();
+        let sharded_expected = rounded(&sharded_net.whole(), dtype);
+
+        let whole = acc.save_model(&net, dir.path().join("whole")).unwrap();
+        let shards = dir.path().join("shards");
+        let shard_files = acc.save_model_sharded(&net, &shards, 256).unwrap();
+        assert!(shard_files.len() > 2, "{shard_files:?}");
+        let merged = dir.path().join("merged");
+        accelerate_core::weights::merge_sharded(&shards, &merged).unwrap();
+        let zero3 = acc
+            .save_model(&sharded_net, dir.path().join("zero3"))
+            .unwrap();
+        let f32_bytes = (bits(&net).len() * 4) as u64;
+        for file in [&whole, &merged.join("model.safetensors"), &zero3] {
+            let dtypes = file_dtypes(file);
+            assert!(dtypes.iter().all(|d| d == name), "{file:?}: {dtypes:?}");
+            let size = std::fs::metadata(file).unwrap().len();
+            assert!(size < f32_bytes / 2 + 1024, "{file:?}: {size} bytes");
+        }
+        for file in shard_files
+            .iter()
+            .filter(|f| f.extension().is_some_and(|e| e == "safetensors"))
+        {
+            assert!(file_dtypes(file).iter().all(|d| d == name), "{file:?}");
+        }
+        // Plain Burn, into its f32 model.
+        let merged = merged.join("model.safetensors");
+        for (file, want) in [
+            (&whole, &expected),
+            (&merged, &expected),
+            (&zero3, &sharded_expected),
+        ] {
+            let mut plain = Net::zeros(&Device::default());
+            plain
+                .load_from(&mut SafetensorsStore::from_file(file))
+                .unwrap();
+            let got: Vec<f32> = bits(&plain).into_iter().map(f32::from_bits).collect();
+            assert_eq!(&got, want, "{name} {file:?}");
+        }
+        // Ours, whole and into sharded units, from the file and from the shards.
+        for source in [&whole, &shards] {
+            let loaded = acc.load_model(Net::zeros(&device), source).unwrap();
+            let got: Vec<f32> = bits(&loaded).into_iter().map(f32::from_bits).collect();
+            assert_eq!(got, expected, "{name} {source:?}");
+            let fresh = ShardedNet::new(&acc, Net::zeros(&device)).unwrap();
+            let loaded = acc.load_model(fresh, source).unwrap();
+            let got: Vec<f32> = bits(&loaded.whole())
+                .into_iter()
+                .map(f32::from_bits)
+                .collect();
+            assert_eq!(got, expected, "{name} {source:?} into sharded units");
+        }
+        // Python's safetensors: the tensors in order of `bits` (weights, biases).
+        if let Some(python) = tools::python_with("safetensors") {
+            let script = "import sys, torch\nfrom safetensors import safe_open\n\
+                with safe_open(sys.argv[1], framework='pt') as f:\n\
+                \tfor k in ['hidden.weight', 'hidden.bias', 'out.weight', 'out.bias']:\n\
+                \t\tt = f.get_tensor(k)\n\
+                \t\tprint(k, t.dtype, ' '.join(repr(v) for v in t.float().flatten().tolist()))\n";
+            let out = std::process::Command::new(python)
+                .args(["-c", script])
+                .arg(&whole)
+                .output()
+                .unwrap();
+            let text = String::from_utf8_lossy(&out.stdout);
+            assert!(
+                out.status.success(),
+                "{}",
+                String::from_utf8_lossy(&out.stderr)
+            );
+            let torch_dtype = match dtype {
+                DType::BF16 => "torch.bfloat16",
+                _ => "torch.float16",
+            };
+            let mut values = Vec::new();
+            for line in text.lines() {
+                let mut parts = line.split_whitespace();
+                let (_, got_dtype) = (parts.next(), parts.next());
+                assert_eq!(got_dtype, Some(torch_dtype), "{line}");
+                values.extend(parts.map(|v| v.parse::<f32>().unwrap()));
+            }
+            assert_eq!(values, expected, "{name}: Python read other values");
+        }
     }
 }

@@ -26,6 +26,8 @@ pub const ENV_GRADIENT_COMMUNICATION: &str = env_vars::GRADIENT_COMMUNICATION;
 pub const ENV_ZERO_STAGE: &str = env_vars::ZERO_STAGE;
 /// Environment variable for [`AcceleratorConfig::gradient_checkpointing`].
 pub const ENV_GRADIENT_CHECKPOINTING: &str = env_vars::GRADIENT_CHECKPOINTING;
+/// Environment variable for [`AcceleratorConfig::async_checkpoints`].
+pub const ENV_ASYNC_CHECKPOINTS: &str = env_vars::ASYNC_CHECKPOINTS;
 /// Environment variable for [`AcceleratorConfig::fusion`].
 pub const ENV_FUSION: &str = env_vars::FUSION;
 /// Environment variable for [`AcceleratorConfig::nccl`].
@@ -57,6 +59,10 @@ pub struct AcceleratorConfig {
     /// activations instead of keeping them from the forward pass (Burn's balanced strategy on
     /// the prepared device; default off).
     pub gradient_checkpointing: bool,
+    /// Checkpoints saved in the background: `save_state` takes a snapshot of what it saves
+    /// and returns; a thread writes and commits it while training goes on (default off).
+    #[serde(default)]
+    pub async_checkpoints: bool,
     /// Burn's kernel fusion, in a build whose GPU backend has it (`wgpu`, `cuda`; default on,
     /// as a plain Burn user has it). Off, Burn's fused stream stays but runs each operation
     /// as its own kernel: for debugging, and for comparing against fusion. Nothing changes
@@ -79,6 +85,7 @@ impl Default for AcceleratorConfig {
             gradient_communication: MixedPrecision::No,
             zero_stage: 0,
             gradient_checkpointing: false,
+            async_checkpoints: false,
             fusion: true,
             nccl: NcclMode::Auto,
         }
@@ -106,6 +113,8 @@ pub struct ConfigOverrides {
     pub zero_stage: Option<u8>,
     /// See [`AcceleratorConfig::gradient_checkpointing`].
     pub gradient_checkpointing: Option<bool>,
+    /// See [`AcceleratorConfig::async_checkpoints`].
+    pub async_checkpoints: Option<bool>,
     /// See [`AcceleratorConfig::fusion`].
     pub fusion: Option<bool>,
     /// See [`AcceleratorConfig::nccl`].
@@ -189,6 +198,12 @@ impl ConfigOverrides {
                 self.gradient_checkpointing,
                 None,
                 default.gradient_checkpointing,
+            )?,
+            async_checkpoints: settings.get_or(
+                &table::ASYNC_CHECKPOINTS,
+                self.async_checkpoints,
+                file.async_checkpoints,
+                default.async_checkpoints,
             )?,
             fusion: settings.get_or(&table::FUSION, self.fusion, None, default.fusion)?,
             nccl: settings.get_or(&table::NCCL, self.nccl, None, default.nccl)?,

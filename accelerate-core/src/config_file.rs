@@ -64,6 +64,9 @@ pub struct ConfigFile {
     /// or `fsdp_config`'s sharding strategy).
     #[serde(skip_serializing_if = "Option::is_none")]
     pub zero_stage: Option<u8>,
+    /// Checkpoints saved in the background (`async_checkpoints = true`).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub async_checkpoints: Option<bool>,
 }
 
 /// Which format a config file was read as.

@@ -68,6 +68,9 @@ pub const ZERO_STAGE: &str = "ACCELERATE_ZERO_STAGE";
 /// Whether autodiff recomputes memory-bound activations in the backward pass instead of
 /// keeping them (Burn's balanced gradient checkpointing): `true`/`false` (workers).
 pub const GRADIENT_CHECKPOINTING: &str = "ACCELERATE_GRADIENT_CHECKPOINTING";
+/// Whether `save_state` writes and commits checkpoints in the background (workers):
+/// `true`/`false`.
+pub const ASYNC_CHECKPOINTS: &str = "ACCELERATE_ASYNC_CHECKPOINTS";
 /// Whether Burn's kernel fusion runs on a GPU backend built with it: `true`/`false`
 /// (workers; `false` keeps Burn's fused stream but takes out its fusers).
 pub const FUSION: &str = "ACCELERATE_FUSION";

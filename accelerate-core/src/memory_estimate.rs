@@ -28,6 +28,9 @@
 //! micro-batch and keeps the shard of the sum, in a buffer of the shard's length that the
 //! first window of several micro-batches makes and later ones reuse (counted here; a run
 //! without accumulation holds what stage 1 holds).
+//! Checkpoints saved in the background (`async_checkpoints`) hold a snapshot of what the main
+//! process writes while training goes on: its model (4P, or 4P/N at stage 3) and its part of
+//! the optimizer state, counted in the peak ([`MemoryEstimate::checkpoint_snapshot`]).
 //! Activations come on top and depend on the batch. At stage 3 each sharded unit is whole
 //! while it runs, its parameters and, in backward, their gradient (8 bytes per parameter of
 //! the largest unit on top); each parameter is cut on its own, so its shard is padded to whole
@@ -41,6 +44,10 @@
 //! assert_eq!(zero2.optimizer_state, 2_000_000); // 8 bytes per parameter over 4 processes
 //! assert_eq!(zero2.gradients, 1_000_000);
 //! assert_eq!(zero2.held(), 4_000_000 + 1_000_000 + 2_000_000); // model, gradients, state
+//! // Saved in the background: the main process's snapshot (model and its state shard).
+//! let saving = zero2.with_async_checkpoints();
+//! assert_eq!(saving.checkpoint_snapshot, 4_000_000 + 2_000_000);
+//! assert_eq!(saving.peak(), zero2.peak() + 6_000_000);
 //! ```
 
 use std::collections::BTreeMap;
@@ -73,6 +80,11 @@ pub struct MemoryEstimate {
     /// gradients, 8 bytes a parameter ([`with_largest_unit`](Self::with_largest_unit)); 0
     /// at the other stages, or when the units are not known.
     pub largest_unit: u64,
+    /// With checkpoints saved in the background, the snapshot the main process holds while
+    /// its files are written: the model as it writes it (whole, or its shards at stage 3)
+    /// and its part of the optimizer state ([`with_async_checkpoints`](Self::with_async_checkpoints));
+    /// 0 for synchronous saves.
+    pub checkpoint_snapshot: u64,
 }
 
 impl MemoryEstimate {
@@ -105,7 +117,16 @@ impl MemoryEstimate {
             optimizer_state: state_elements.saturating_mul(state_buffers),
             backward_gradients: model,
             largest_unit: 0,
+            checkpoint_snapshot: 0,
         }
+    }
+
+    /// This estimate with checkpoints saved in the background from a snapshot in memory:
+    /// the main process holds a copy of what it writes (the model, its part of the optimizer
+    /// state) until the write ends, while training goes on.
+    pub fn with_async_checkpoints(mut self) -> Self {
+        self.checkpoint_snapshot = self.model_parameters.saturating_add(self.optimizer_state);
+        self
     }
 
     /// This estimate with the largest sharded unit, of `parameters` f32 parameters, whole
@@ -126,11 +147,13 @@ impl MemoryEstimate {
     }
 
     /// The peak over a step, activations aside: what is held plus the gradients of one
-    /// backward pass (and at stage 3 the largest unit, gathered with its gradients).
+    /// backward pass (and at stage 3 the largest unit, gathered with its gradients, and a
+    /// background save's snapshot).
     pub fn peak(&self) -> u64 {
         self.held()
             .saturating_add(self.backward_gradients)
             .saturating_add(self.largest_unit)
+            .saturating_add(self.checkpoint_snapshot)
     }
 }
 

@@ -11,8 +11,8 @@ use std::path::Path;
 
 use accelerate_burn::burn;
 use accelerate_burn::{
-    Accelerator, Checkpoint, DataLoader, DefaultBackend, FusedOptimizer, MixedPrecision,
-    ScalerConfig,
+    Accelerator, Checkpoint, CheckpointSnapshot, DataLoader, DefaultBackend, FusedOptimizer,
+    MixedPrecision, ScalerConfig,
 };
 use accelerate_core::checkpoint::{CheckpointRotation, partial_dir, read_manifest};
 use accelerate_examples::digits::{self, DigitBatcher};
@@ -49,13 +49,19 @@ impl Serialize for Bomb {
 /// of an automatically named checkpoint; `TEST_LIMIT=n` keeps n checkpoints (default 2);
 /// `TEST_RESAVE=dir` saves into `dir` right after the load and exits. `TEST_OPTIM` picks the
 /// optimizer: `burn`, `fused`, or the fused one at ZeRO stage 1 (`zero`), 2 (`zero2`) or 3
-/// (`zero3`: the MLP is one sharded unit; `zero3burn` with Burn's AdamW).
+/// (`zero3`: the MLP is one sharded unit; `zero3burn` with Burn's AdamW). `TEST_SNAPSHOT=files`
+/// keeps a background save's snapshot in the checkpoint's files instead of memory.
 fn train() -> anyhow::Result<()> {
     let precision = match env("TEST_PRECISION").as_str() {
         "fp16" => MixedPrecision::Fp16,
         _ => MixedPrecision::No,
     };
+    let snapshot = match env("TEST_SNAPSHOT").as_str() {
+        "files" => CheckpointSnapshot::Files,
+        _ => CheckpointSnapshot::Memory,
+    };
     let acc = Accelerator::<DefaultBackend>::builder()
+        .checkpoint_snapshot(snapshot)
         .seed(11)
         .gradient_accumulation_steps(2)
         .mixed_precision(precision)
@@ -233,16 +239,32 @@ fn run_in(dir: &Path, world: usize, extra: &[(&str, &str)]) -> Vec<std::process:
 /// The bit-identical resume contract, for `world` processes: epochs of 30 batches (1 process)
 /// or 15 per rank (2: the last accumulation window of each epoch is short).
 fn resume_is_bit_identical(world: usize, stop: &str, optimizer: &str) {
+    resume_is_bit_identical_with(world, stop, optimizer, &[]);
+}
+
+/// [`resume_is_bit_identical`] with `extra` variables for every run (the stopped run also
+/// saves two updates before `stop`, and goes on training after that save).
+fn resume_is_bit_identical_with(world: usize, stop: &str, optimizer: &str, extra: &[(&str, &str)]) {
     for precision in ["none", "fp16"] {
         let tmp = tempfile::tempdir().unwrap();
-        let common = [("TEST_PRECISION", precision), ("TEST_OPTIM", optimizer)];
+        let mut common = vec![("TEST_PRECISION", precision), ("TEST_OPTIM", optimizer)];
+        common.extend_from_slice(extra);
         let whole = run_in(tmp.path(), world, &common);
         assert_ok(&whole);
 
         let dir = tmp.path().join("resumed");
-        let stopped = run_in(&dir, world, &[common[0], common[1], ("TEST_STOP", stop)]);
+        let earlier = stop
+            .parse::<u64>()
+            .unwrap_or(2)
+            .saturating_sub(2)
+            .to_string();
+        let mut stopping = common.clone();
+        stopping.extend([("TEST_STOP", stop), ("TEST_SAVES", earlier.as_str())]);
+        let stopped = run_in(&dir, world, &stopping);
         assert_ok(&stopped);
-        let resumed = run_in(&dir, world, &[common[0], common[1], ("TEST_RESUME", "1")]);
+        let mut resuming = common.clone();
+        resuming.push(("TEST_RESUME", "1"));
+        let resumed = run_in(&dir, world, &resuming);
         assert_ok(&resumed);
 
         for rank in 0..world {
@@ -443,6 +465,169 @@ fn a_process_killed_mid_save_leaves_the_previous_checkpoint_the_latest() {
     assert!(line(&resumed[0], "RESUMED ").starts_with("3 "));
 }
 
+/// Background saves (`ACCELERATE_ASYNC_CHECKPOINTS`): the snapshot is what the run held at
+/// the save, whatever the training did while it was written, so resuming from it ends
+/// bit-identical to a run that never stopped; the stopped run's last save is committed as the
+/// process ends. With Burn's optimizer (its record serialised to memory):
+#[test]
+fn a_background_save_resumes_bit_identically_with_burns_optimizer() {
+    resume_is_bit_identical_with(2, "6", "burn", &[(ASYNC, "true")]);
+}
+
+/// ... with the fused optimizer (its flat state copied), its snapshot in memory or in the
+/// checkpoint's files:
+#[test]
+fn a_background_save_resumes_bit_identically_with_the_fused_optimizer() {
+    resume_is_bit_identical_with(2, "6", "fused", &[(ASYNC, "true")]);
+    resume_is_bit_identical_with(
+        2,
+        "6",
+        "fused",
+        &[(ASYNC, "true"), ("TEST_SNAPSHOT", "files")],
+    );
+}
+
+/// ... and at ZeRO-3 (every rank writes its shards of the model, the EMA and the state):
+#[test]
+fn a_background_save_resumes_bit_identically_at_zero_3() {
+    resume_is_bit_identical_with(2, "6", "zero3", &[(ASYNC, "true")]);
+}
+
+/// Checkpoints saved in the background.
+const ASYNC: &str = "ACCELERATE_ASYNC_CHECKPOINTS";
+
+/// The fault hook of a background save (`rank:point[:fail]`).
+const FAULT: &str = "ACCELERATE_FAULT_BACKGROUND_SAVE_AT";
+
+/// A process killed at each point of a background save (before each file it writes, before
+/// its marker, before the commit), on either rank, with the snapshot in memory and in the
+/// checkpoint's files: the checkpoint being written never loads, the previous one stays the
+/// latest, and resuming from it ends bit-identical to a run that never stopped.
+#[test]
+fn a_background_save_killed_at_any_point_resumes_from_the_last_committed_checkpoint() {
+    for snapshot in ["memory", "files"] {
+        killed_at_every_point(snapshot);
+    }
+}
+
+fn killed_at_every_point(snapshot: &str) {
+    let tmp = tempfile::tempdir().unwrap();
+    let common = [
+        ("TEST_OPTIM", "fused"),
+        (ASYNC, "true"),
+        ("TEST_SNAPSHOT", snapshot),
+    ];
+    let whole = run_in(&tmp.path().join("whole"), 2, &common);
+    assert_ok(&whole);
+    let rotation = |dir: &Path| CheckpointRotation::new(dir, None);
+    // Rank 0 writes the model, the optimizer state, the scheduler, its loop state and the
+    // training state, then its marker, then commits; rank 1 its loop state and marker.
+    let points = [(0, 7), (1, 2)];
+    let mut killed = 0;
+    for (rank, count) in points {
+        for point in 1..=count {
+            let dir = tmp.path().join(format!("rank{rank}_point{point}"));
+            let first = run_in(
+                &dir,
+                2,
+                &[common[0], common[1], common[2], ("TEST_STOP", "3")],
+            );
+            assert_ok(&first);
+            let fault = format!("{rank}:{point}");
+            let crashed = run_in(
+                &dir,
+                2,
+                &[
+                    common[0],
+                    common[1],
+                    common[2],
+                    ("TEST_RESUME", "1"),
+                    ("TEST_SAVES", "6"),
+                    (FAULT, &fault),
+                ],
+            );
+            let context = format!("{snapshot}: killed at point {point} of rank {rank}");
+            assert!(!crashed[rank].status.success(), "{context}: it survived");
+            assert!(
+                stderr(&crashed[rank]).contains(FAULT),
+                "{context}: {}",
+                stderr(&crashed[rank])
+            );
+            killed += 1;
+            let saving = rotation(&dir).path_for(6);
+            assert!(!saving.exists(), "{context}: the killed save was committed");
+            assert!(read_manifest(&partial_dir(&saving)).is_err(), "{context}");
+            assert_eq!(
+                rotation(&dir).latest(),
+                Some(rotation(&dir).path_for(3)),
+                "{context}"
+            );
+            let resumed = run_in(
+                &dir,
+                2,
+                &[common[0], common[1], common[2], ("TEST_RESUME", "1")],
+            );
+            assert_ok(&resumed);
+            for r in 0..2 {
+                assert_resumed_like(
+                    (&resumed[r], &whole[r]),
+                    "3",
+                    &["UPDATES ", "SEEN "],
+                    false,
+                    &format!("{context}, rank {r}"),
+                );
+            }
+        }
+    }
+    assert_eq!(killed, 9);
+}
+
+/// A background write that fails on one rank is reported by the next call that touches
+/// checkpoints, on every rank, naming the rank and the file; nothing is committed and the
+/// previous checkpoint stays the latest.
+#[test]
+fn a_failed_background_write_is_reported_at_the_next_save_naming_rank_and_file() {
+    let tmp = tempfile::tempdir().unwrap();
+    let common = [("TEST_OPTIM", "fused"), (ASYNC, "true")];
+    assert_ok(&run_in(
+        tmp.path(),
+        2,
+        &[common[0], common[1], ("TEST_STOP", "3")],
+    ));
+    // Rank 1's first point of each save is its loop state: the save after 6 fails there,
+    // and the save after 9 reports it (before starting: it fails too).
+    let failing = [
+        common[0],
+        common[1],
+        ("TEST_RESUME", "1"),
+        ("TEST_SAVES", "6,9"),
+        (FAULT, "1:1:fail"),
+    ];
+    let outputs = run_in(tmp.path(), 2, &failing);
+    for (rank, output) in outputs.iter().enumerate() {
+        let out = String::from_utf8_lossy(&output.stdout);
+        assert!(!output.status.success(), "rank {rank} did not fail: {out}");
+        assert!(
+            out.contains("SAVED") && !out.contains("UPDATES"),
+            "rank {rank}: {out}"
+        );
+        let err = stderr(output);
+        assert!(
+            err.contains("rank 1: ") && err.contains("rank_1.json") && err.contains("injected"),
+            "rank {rank}: {err}"
+        );
+        assert!(
+            err.contains("checkpoint_6: writing the checkpoint in the background failed"),
+            "rank {rank}: {err}"
+        );
+    }
+    let rotation = CheckpointRotation::new(tmp.path(), None);
+    assert!(!rotation.path_for(6).exists());
+    assert!(!partial_dir(&rotation.path_for(6)).exists(), "left behind");
+    assert!(!rotation.path_for(9).exists());
+    assert_eq!(rotation.latest(), Some(rotation.path_for(3)));
+}
+
 #[test]
 fn another_world_size_is_refused_unless_asked_for() {
     let tmp = tempfile::tempdir().unwrap();
@@ -521,12 +706,23 @@ fn a_save_never_replaces_a_users_directory_and_replaces_its_own_checkpoint() {
 
 #[test]
 fn after_a_resume_from_an_older_checkpoint_rotation_keeps_the_new_run() {
+    // Rotation follows the commit, also when the main process commits in the background.
+    for mode in ["false", "true"] {
+        rotation_keeps_the_new_run(mode);
+    }
+}
+
+fn rotation_keeps_the_new_run(asynchronous: &str) {
     let tmp = tempfile::tempdir().unwrap();
     let rotation = CheckpointRotation::new(tmp.path(), None);
     assert_ok(&run_in(
         tmp.path(),
         2,
-        &[("TEST_SAVES", "3"), ("TEST_STOP", "6")],
+        &[
+            ("TEST_SAVES", "3"),
+            ("TEST_STOP", "6"),
+            (ASYNC, asynchronous),
+        ],
     ));
     assert_eq!(rotation.latest(), Some(rotation.path_for(6)));
     // The user goes back to update 3 (the run after it diverged) and saves after update 4,
@@ -539,6 +735,7 @@ fn after_a_resume_from_an_older_checkpoint_rotation_keeps_the_new_run() {
             ("TEST_RESUME_FROM", from.as_str()),
             ("TEST_STOP", "4"),
             ("TEST_LIMIT", "1"),
+            (ASYNC, asynchronous),
         ],
     );
     assert_ok(&resumed);
@@ -546,13 +743,28 @@ fn after_a_resume_from_an_older_checkpoint_rotation_keeps_the_new_run() {
     let kept: Vec<u64> = rotation.list().into_iter().map(|(n, _)| n).collect();
     assert_eq!(kept, vec![4]);
     assert!(!rotation.path_for(6).exists());
-    let latest = run_in(tmp.path(), 2, &[("TEST_RESUME", "1"), ("TEST_STOP", "5")]);
+    let latest = run_in(
+        tmp.path(),
+        2,
+        &[
+            ("TEST_RESUME", "1"),
+            ("TEST_STOP", "5"),
+            (ASYNC, asynchronous),
+        ],
+    );
     assert_ok(&latest);
     assert!(line(&latest[0], "RESUMED ").starts_with("4 "));
 }
 
 #[test]
 fn a_save_killed_between_its_two_renames_resumes_the_previous_checkpoint() {
+    // The next save's commit and rotation tidy up, also in the background.
+    for mode in ["false", "true"] {
+        killed_between_renames(mode);
+    }
+}
+
+fn killed_between_renames(asynchronous: &str) {
     let tmp = tempfile::tempdir().unwrap();
     let rotation = CheckpointRotation::new(tmp.path(), None);
     assert_ok(&run_in(tmp.path(), 2, &[("TEST_STOP", "3")]));
@@ -579,6 +791,7 @@ fn a_save_killed_between_its_two_renames_resumes_the_previous_checkpoint() {
             ("TEST_RESUME", "1"),
             ("TEST_SAVES", "5"),
             ("TEST_LIMIT", "1"),
+            (ASYNC, asynchronous),
         ],
     );
     assert_ok(&resumed);

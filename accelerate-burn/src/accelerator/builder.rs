@@ -178,6 +178,35 @@ impl<B: AcceleratorBackend> AcceleratorBuilder<B> {
         self
     }
 
+    /// Saves checkpoints in the background (also `ACCELERATE_ASYNC_CHECKPOINTS`, or
+    /// `async_checkpoints` in the config file; off by default): `save_state` and
+    /// `save_checkpoint` take a snapshot of what they save and return; a thread writes it,
+    /// and the main process commits it once every rank's part is on disk. At most one save is
+    /// in flight: the next save, a load, [`wait_for_checkpoint`](Accelerator::wait_for_checkpoint)
+    /// or the end of the accelerator waits for it; its errors are reported by the next of
+    /// those calls. The crash-safe commit, rotation and bit-identical resume are those of a
+    /// synchronous save.
+    pub fn async_checkpoints(mut self, on: bool) -> Self {
+        self.overrides.async_checkpoints = Some(on);
+        self
+    }
+
+    /// Where a background save keeps its snapshot (default: memory; see
+    /// [`CheckpointSnapshot`](crate::CheckpointSnapshot)).
+    pub fn checkpoint_snapshot(mut self, snapshot: crate::CheckpointSnapshot) -> Self {
+        self.checkpoints.snapshot = snapshot;
+        self
+    }
+
+    /// The dtype [`save_model`](Accelerator::save_model), [`save_model_sharded`](Accelerator::save_model_sharded)
+    /// and the whole saves of a model with sharded units write float parameters in: `F32`
+    /// (the default), `BF16` or `F16` (half the bytes, for inference; each value rounded to
+    /// nearest even once). Checkpoints (`save_state`) always keep the training's own dtypes.
+    pub fn export_dtype(mut self, dtype: DType) -> Self {
+        self.checkpoints.export_dtype = dtype;
+        self
+    }
+
     /// Allows loading a checkpoint saved by another number of processes: the training loader
     /// then continues the saved epoch's order from the global position the saved run reached
     /// (batch composition differs from an uninterrupted run, the samples do not).
@@ -219,6 +248,19 @@ impl<B: AcceleratorBackend> AcceleratorBuilder<B> {
                 rank,
                 what: "log_with needs a directory for the logs".into(),
                 hint: "also call .project_dir(path); metrics go to <path>/logs",
+            });
+        }
+        if !matches!(
+            self.checkpoints.export_dtype,
+            DType::F32 | DType::BF16 | DType::F16
+        ) {
+            return Err(AccelerateError::Misuse {
+                rank,
+                what: format!(
+                    "export_dtype({:?}): models are exported in F32, BF16 or F16",
+                    self.checkpoints.export_dtype
+                ),
+                hint: "pass DType::BF16 or DType::F16 for half the bytes, or leave it unset",
             });
         }
         if self.checkpoint_limit_zero {
@@ -294,6 +336,7 @@ impl<B: AcceleratorBackend> AcceleratorBuilder<B> {
             shards: Arc::new(ShardGroup::new(comm.clone())),
             comm,
             trigger: AtomicBool::new(false),
+            background_save: Mutex::new(None),
             checkpoints: self.checkpoints,
             sync_buffers: self.sync_buffers,
             metrics: Metrics {

@@ -8,6 +8,7 @@ use burn::module::Module;
 
 use super::Accelerator;
 use crate::backend::AcceleratorBackend;
+use crate::checkpoint::save::SaveMode;
 use crate::checkpoint::{self, Checkpoint, CheckpointInfo, Context, Restored};
 use crate::error::AccelerateError;
 use crate::optim::{PreparedOptimizer, PreparedScheduler};
@@ -39,12 +40,60 @@ impl<B: AcceleratorBackend> Accelerator<B> {
     /// writes into the directory; we refuse rather than mix or delete files).
     /// Saving in the middle of an accumulation window is an error (its partial gradient sum is
     /// not saved).
+    ///
+    /// With [`async_checkpoints`](crate::AcceleratorBuilder::async_checkpoints) the call
+    /// returns once the snapshot is taken; the checkpoint appears at `dir` when the
+    /// background write is committed (see [`wait_for_checkpoint`](Self::wait_for_checkpoint)).
     pub fn save_state<M: Module>(
         &self,
         dir: impl AsRef<Path>,
         checkpoint: &Checkpoint<'_, M>,
     ) -> Result<PathBuf, AccelerateError> {
-        checkpoint::save::save_state(&self.checkpoint_context(), dir.as_ref(), checkpoint)
+        self.save_into(dir.as_ref(), checkpoint, None)?;
+        Ok(dir.as_ref().to_path_buf())
+    }
+
+    /// Saves `checkpoint` into `dir`, after the save in flight; `rotation` (automatically
+    /// named checkpoints) is applied after the commit of a background save. Returns whether
+    /// the save went to the background.
+    fn save_into<M: Module>(
+        &self,
+        dir: &Path,
+        checkpoint: &Checkpoint<'_, M>,
+        rotation: Option<CheckpointRotation>,
+    ) -> Result<bool, AccelerateError> {
+        self.wait_for_checkpoint()?;
+        let mode = match self.config.async_checkpoints {
+            true => SaveMode::Background {
+                snapshot: self.checkpoints.snapshot,
+                rotation,
+            },
+            false => SaveMode::Now,
+        };
+        let save = checkpoint::save::save_state(&self.checkpoint_context(), dir, checkpoint, mode)?;
+        let background = save.is_some();
+        *self.lock_background_save() = save;
+        Ok(background)
+    }
+
+    /// Waits for the checkpoint being saved in the background, if any, and reports how it
+    /// went: an error names the ranks whose part failed and why. Every process must call it
+    /// at the same point (the next save or load calls it too). Does nothing without
+    /// [`async_checkpoints`](crate::AcceleratorBuilder::async_checkpoints).
+    pub fn wait_for_checkpoint(&self) -> Result<(), AccelerateError> {
+        let in_flight = self.lock_background_save().take();
+        match in_flight {
+            Some(save) => save.finish(&self.checkpoint_context()),
+            None => Ok(()),
+        }
+    }
+
+    fn lock_background_save(
+        &self,
+    ) -> std::sync::MutexGuard<'_, Option<crate::checkpoint::BackgroundSave>> {
+        self.background_save
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
     }
 
     /// Restores the state saved by [`save_state`](Self::save_state) in `dir` (every process
@@ -62,6 +111,7 @@ impl<B: AcceleratorBackend> Accelerator<B> {
         optimizer: &mut PreparedOptimizer,
         scheduler: Option<&mut PreparedScheduler>,
     ) -> Result<Restored<M>, AccelerateError> {
+        self.wait_for_checkpoint()?;
         checkpoint::load::load_state(
             &self.checkpoint_context(),
             dir.as_ref(),
@@ -92,6 +142,7 @@ impl<B: AcceleratorBackend> Accelerator<B> {
         optimizer: &mut PreparedOptimizer,
         scheduler: Option<&mut PreparedScheduler>,
     ) -> Result<M, AccelerateError> {
+        self.wait_for_checkpoint()?;
         match &info.path {
             Some(dir) => checkpoint::load::load_pair(
                 &self.checkpoint_context(),
@@ -126,8 +177,11 @@ impl<B: AcceleratorBackend> Accelerator<B> {
         checkpoint: &Checkpoint<'_, M>,
     ) -> Result<PathBuf, AccelerateError> {
         let rotation = self.rotation()?;
-        let updates = checkpoint.optimizer_updates();
-        let dir = self.save_state(rotation.path_for(updates), checkpoint)?;
+        let dir = rotation.path_for(checkpoint.optimizer_updates());
+        if self.save_into(&dir, checkpoint, Some(rotation.clone()))? {
+            // Rotated by the main process after the background commit.
+            return Ok(dir);
+        }
         let rotated = match self.is_main_process() {
             true => rotation.rotate(&dir).map(|removed| {
                 for path in removed {
@@ -152,6 +206,7 @@ impl<B: AcceleratorBackend> Accelerator<B> {
         optimizer: &mut PreparedOptimizer,
         scheduler: Option<&mut PreparedScheduler>,
     ) -> Result<Restored<M>, AccelerateError> {
+        self.wait_for_checkpoint()?;
         let rotation = self.rotation()?;
         // The main process decides, so that every process loads the same one.
         let latest = rotation.latest();
@@ -166,6 +221,18 @@ impl<B: AcceleratorBackend> Accelerator<B> {
                 model,
                 info: CheckpointInfo::fresh(self.state.rank),
             }),
+        }
+    }
+}
+
+impl<B: AcceleratorBackend> Drop for Accelerator<B> {
+    /// Lets a checkpoint still being saved in the background finish (no collective: what
+    /// fails is logged; call [`wait_for_checkpoint`](Accelerator::wait_for_checkpoint) to see
+    /// it as an error).
+    fn drop(&mut self) {
+        if let Some(save) = self.lock_background_save().take() {
+            let peers_failed = self.comm.is_distributed() && self.comm.lock().has_failed();
+            save.finish_at_exit(peers_failed);
         }
     }
 }

@@ -36,7 +36,11 @@ impl<B: AcceleratorBackend> Accelerator<B> {
             .map(|(entry, whole)| whole.unwrap_or(entry.numel) as u64)
             .sum();
         let world = self.state.world_size as u64;
-        let needed = |stage: u8, world: u64| needed(parameters, state_buffers, world, stage);
+        // A background save's snapshot in memory is held while training goes on.
+        let snapshot = self.config.async_checkpoints
+            && self.checkpoints.snapshot == crate::CheckpointSnapshot::Memory;
+        let needed =
+            |stage: u8, world: u64| needed(parameters, state_buffers, world, stage, snapshot);
         let stage = self.config.zero_stage;
         let need = needed(stage, world);
         if need <= limit.bytes {
@@ -73,14 +77,25 @@ impl<B: AcceleratorBackend> Accelerator<B> {
 }
 
 /// Bytes one process needs at `stage` over `world` processes: what `estimate-memory` says
-/// for the fused optimizer's host path; for Burn's optimizer the model and its gradients.
-fn needed(parameters: u64, state_buffers: Option<u64>, world: u64, stage: u8) -> u64 {
-    let estimate = MemoryEstimate::new(parameters, state_buffers.unwrap_or(0), world, stage);
+/// for the fused optimizer's host path; for Burn's optimizer the model and its gradients
+/// (and with a background save's `snapshot`, its copy of the model).
+fn needed(
+    parameters: u64,
+    state_buffers: Option<u64>,
+    world: u64,
+    stage: u8,
+    snapshot: bool,
+) -> u64 {
+    let mut estimate = MemoryEstimate::new(parameters, state_buffers.unwrap_or(0), world, stage);
+    if snapshot {
+        estimate = estimate.with_async_checkpoints();
+    }
     match state_buffers {
         Some(_) => estimate.peak(),
         None => estimate
             .model_parameters
-            .saturating_add(estimate.backward_gradients),
+            .saturating_add(estimate.backward_gradients)
+            .saturating_add(estimate.checkpoint_snapshot),
     }
 }
 

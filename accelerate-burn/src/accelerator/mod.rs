@@ -75,20 +75,38 @@ pub struct Accelerator<B: AcceleratorBackend> {
     shards: Arc<ShardGroup>,
     trigger: AtomicBool,
     checkpoints: CheckpointSettings,
+    /// The save being written in the background, if any (at most one).
+    background_save: Mutex<Option<crate::checkpoint::BackgroundSave>>,
     metrics: Metrics,
     /// Whether running states (BatchNorm statistics) are averaged at every update.
     sync_buffers: bool,
     _backend: PhantomData<B>,
 }
 
-/// Where automatically named checkpoints go and what may be resumed.
-#[derive(Default, Clone)]
+/// Where automatically named checkpoints go, what may be resumed, and how models are written.
+#[derive(Clone)]
 struct CheckpointSettings {
     project_dir: Option<PathBuf>,
     /// Automatically named checkpoints kept.
     total_limit: Option<usize>,
     /// Whether a checkpoint of another world size may be loaded.
     resume_any_world_size: bool,
+    /// Where a background save keeps its snapshot.
+    snapshot: crate::CheckpointSnapshot,
+    /// The dtype `save_model` writes float parameters in.
+    export_dtype: DType,
+}
+
+impl Default for CheckpointSettings {
+    fn default() -> Self {
+        Self {
+            project_dir: None,
+            total_limit: None,
+            resume_any_world_size: false,
+            snapshot: crate::CheckpointSnapshot::Memory,
+            export_dtype: DType::F32,
+        }
+    }
 }
 
 /// Trackers of [`log`](Accelerator::log), opened at the first call (main process).

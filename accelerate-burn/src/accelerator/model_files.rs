@@ -10,7 +10,9 @@ use accelerate_core::weights::{
     self, INDEX_FILE, SAVED_BY, SAVED_BY_KEY, ShardIndex, ShardedSave, WeightsError, WholeSave,
 };
 use burn::module::Module;
-use burn::store::{ModuleSnapshot, SafetensorsStore};
+use burn::store::burn_pack::Tensor as PackTensor;
+use burn::store::{ModuleAdapter, ModuleContext, ModuleSnapshot, SafetensorsStore, bridge};
+use burn::tensor::DType;
 
 use super::{Accelerator, MODEL_FILE};
 use crate::backend::AcceleratorBackend;
@@ -26,7 +28,8 @@ impl<B: AcceleratorBackend> Accelerator<B> {
     /// program loads it with `burn::store::SafetensorsStore` and `load_from`. A sharded model
     /// that an earlier `save_model_sharded` wrote in `dir` is removed once the file is in
     /// place; a sharded model that accelerate-rs did not write stops the save (an error,
-    /// nothing written).
+    /// nothing written). Float parameters are written in the
+    /// [`export_dtype`](crate::AcceleratorBuilder::export_dtype) (f32 unless set).
     pub fn save_model<M: Module>(
         &self,
         model: &M,
@@ -43,10 +46,10 @@ impl<B: AcceleratorBackend> Accelerator<B> {
         }
         let save = WholeSave::begin(dir).map_err(|e| self.weights_error(e))?;
         accelerate_core::checkpoint::replace_file(&path, |temporary| {
-            let mut store = SafetensorsStore::from_file(temporary)
+            let store = SafetensorsStore::from_file(temporary)
                 .overwrite(true)
                 .metadata(SAVED_BY_KEY, SAVED_BY);
-            model.save_into(&mut store)
+            model.save_into(&mut self.exporting(store))
         })
         .map_err(|e| AccelerateError::Io {
             rank: self.state.rank,
@@ -81,7 +84,14 @@ impl<B: AcceleratorBackend> Accelerator<B> {
             return self.save_sharded_units(model, dir, Some(max_shard_size));
         }
         let tensors = model.collect(None, None, false);
-        let sizes: Vec<u64> = tensors.iter().map(|t| t.byte_len() as u64).collect();
+        let dtype = self.checkpoints.export_dtype;
+        let sizes: Vec<u64> = tensors
+            .iter()
+            .map(|t| match t.dtype.is_float() {
+                true => (t.shape.iter().product::<usize>() * dtype.size()) as u64,
+                false => t.byte_len() as u64,
+            })
+            .collect();
         let names: Vec<String> = tensors.into_iter().map(|t| t.name).collect();
         let plan = weights::plan_shards(&sizes, max_shard_size);
         if plan.len() <= 1 {
@@ -96,9 +106,10 @@ impl<B: AcceleratorBackend> Accelerator<B> {
             let file = weights::shard_file_name(i, plan.len());
             let path = save.shard_path(&file);
             let in_shard = names.get(range.clone()).unwrap_or_default();
-            let mut store = SafetensorsStore::from_file(&path)
+            let store = SafetensorsStore::from_file(&path)
                 .with_full_paths(in_shard.iter().cloned())
                 .metadata(SAVED_BY_KEY, SAVED_BY);
+            let mut store = self.exporting(store);
             model
                 .save_into(&mut store)
                 .map_err(|e| AccelerateError::Io {
@@ -206,10 +217,40 @@ impl<B: AcceleratorBackend> Accelerator<B> {
         Ok(model)
     }
 
+    /// `store` writing float tensors in the export dtype.
+    fn exporting(&self, store: SafetensorsStore) -> SafetensorsStore {
+        match self.checkpoints.export_dtype {
+            DType::F32 => store,
+            dtype => store.with_to_adapter(ExportDtype(dtype)),
+        }
+    }
+
     pub(super) fn weights_error(&self, source: WeightsError) -> AccelerateError {
         AccelerateError::Weights {
             rank: self.state.rank,
             source,
         }
+    }
+}
+
+/// Writes float tensors in one dtype (`save_model` with an export dtype), each value rounded
+/// to nearest even once; other tensors pass unchanged.
+#[derive(Debug, Clone, Copy)]
+struct ExportDtype(DType);
+
+impl ModuleAdapter for ExportDtype {
+    fn adapt(&self, tensor: PackTensor, _: ModuleContext<'_>) -> PackTensor {
+        let target = self.0;
+        if !tensor.dtype.is_float() || tensor.dtype == target {
+            return tensor;
+        }
+        let (name, shape) = (tensor.name.clone(), tensor.shape.clone());
+        bridge::map_data(tensor, name, target, shape, move |data| {
+            data.convert_dtype(target)
+        })
+    }
+
+    fn clone_box(&self) -> Box<dyn ModuleAdapter> {
+        Box::new(*self)
     }
 }

@@ -19,9 +19,11 @@
 //! window boundary from `(seed, rank, windows)`, so dropout after a resume draws what it would
 //! have drawn without one.
 
+mod background;
 pub(crate) mod load;
 pub(crate) mod save;
 mod stage_error;
+mod staging;
 
 use std::collections::BTreeMap;
 use std::path::PathBuf;
@@ -41,7 +43,9 @@ use crate::optim::{PreparedOptimizer, PreparedScheduler};
 use crate::sharded::ShardGroup;
 
 pub use crate::reducer::bucketed::OPTIMIZER_FILE;
+pub(crate) use background::BackgroundSave;
 pub(crate) use stage_error::StageError;
+pub use staging::CheckpointSnapshot;
 
 /// The model's weights in a checkpoint (and what `save_model` writes).
 pub const MODEL_FILE: &str = "model.safetensors";
@@ -119,15 +123,13 @@ pub(crate) struct PairPart<'a> {
 }
 
 type ObjectWriter<'a> = Box<dyn Fn() -> Result<serde_json::Value, serde_json::Error> + 'a>;
-type ModuleWriter<'a> =
-    Box<dyn Fn(&std::path::Path) -> Result<(), burn::store::SafetensorsStoreError> + 'a>;
+/// Saves a module's weights into a safetensors store (a file, or memory).
+pub(crate) type ModuleWriter<'a> =
+    Box<dyn Fn(&mut SafetensorsStore) -> Result<(), burn::store::SafetensorsStoreError> + 'a>;
 
-/// Writes `module`'s weights to a safetensors file when the save runs.
+/// Saves `module`'s weights into a store when the save runs.
 fn module_writer<N: Module>(module: &N) -> ModuleWriter<'_> {
-    Box::new(move |path| {
-        let mut store = SafetensorsStore::from_file(path).overwrite(true);
-        module.save_into(&mut store)
-    })
+    Box::new(move |store| module.save_into(store))
 }
 
 impl<'a, M: Module> Checkpoint<'a, M> {

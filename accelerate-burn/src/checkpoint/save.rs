@@ -1,14 +1,17 @@
-//! Saving: every rank writes its part into `<dir>.partial`, the file lists are gathered, every
-//! rank's outcome is agreed, and only then the main process writes the manifest and renames
-//! the directory into place.
+//! Saving: every rank stages its part of `<dir>.partial` (written now, or snapshotted for the
+//! background thread), the file lists are gathered, every rank's outcome is agreed, and only
+//! then the main process writes the manifest and renames the directory into place (at once,
+//! or in the background once every rank's files are on disk: see [`super::background`]).
 
 use std::collections::BTreeMap;
-use std::path::{Path, PathBuf};
+use std::path::Path;
 
-use accelerate_core::checkpoint::{self, Manifest, ManifestFile, RankState};
+use accelerate_core::checkpoint::{self, CheckpointRotation, Manifest, ManifestFile, RankState};
 use burn::module::Module;
-use burn::store::{ModuleSnapshot, SafetensorsStore};
+use serde::Serialize;
 
+use super::background::{self, BackgroundSave, CommitJob};
+use super::staging::{CheckpointSnapshot, StageMode, Staging};
 use super::{
     Checkpoint, Context, MODEL_FILE, PairState, SCHEDULER_FILE, StageError, TRAINING_STATE_FILE,
     TrainingState, rank_file,
@@ -16,15 +19,29 @@ use super::{
 use crate::error::AccelerateError;
 use crate::optim::PreparedScheduler;
 use crate::params::{self, ParamLayout};
-use crate::reducer::SaveRole;
 use crate::reducer::sharded_files;
+use crate::reducer::{SaveRole, SavedFile};
 
-/// Saves the whole training state into `dir` (see [`crate::Accelerator::save_state`]).
+/// How a save runs: synchronously, or staged for the background thread (with the rotation
+/// that follows an automatically named checkpoint).
+pub(crate) enum SaveMode {
+    /// Every file written and committed before the call returns.
+    Now,
+    /// A snapshot taken here, written and committed in the background.
+    Background {
+        snapshot: CheckpointSnapshot,
+        rotation: Option<CheckpointRotation>,
+    },
+}
+
+/// Saves the whole training state into `dir` (see [`crate::Accelerator::save_state`]); in the
+/// background, returns the save in flight.
 pub(crate) fn save_state<M: Module>(
     ctx: &Context<'_>,
     dir: &Path,
     checkpoint: &Checkpoint<'_, M>,
-) -> Result<PathBuf, AccelerateError> {
+    mode: SaveMode,
+) -> Result<Option<BackgroundSave>, AccelerateError> {
     let rank = ctx.state.rank;
     let (pending, steps) = (ctx.slots.pending(), ctx.slots.accumulation_steps());
     if pending > 0 {
@@ -45,58 +62,85 @@ pub(crate) fn save_state<M: Module>(
     };
     ctx.agree(dir, "starting the save", begun)?;
 
-    let written = write_own_files(ctx, &partial, checkpoint);
-    let files = match &written {
-        Ok(files) => files.clone(),
-        Err(_) => Vec::new(),
+    let stage_mode = match &mode {
+        SaveMode::Now => StageMode::Now,
+        SaveMode::Background { snapshot, .. } => StageMode::Snapshot(*snapshot),
     };
+    let mut staging = Staging::new(&partial, stage_mode);
+    let written = write_own_files(ctx, &mut staging, checkpoint);
+    let (files, pending) = staging.finish();
+    // Synchronous: the files are synced; their directories are synced here.
+    let (written, pending) = match stage_mode {
+        StageMode::Now => (
+            written.and_then(|()| pending.make_durable(|_| Ok(()))),
+            None,
+        ),
+        StageMode::Snapshot(_) => (written, Some(pending)),
+    };
+    let files = if written.is_ok() { files } else { Vec::new() };
     let all_files: Vec<Vec<ManifestFile>> = if ctx.comm.is_distributed() {
         ctx.comm.lock().all_gather_object(&files)?
     } else {
         vec![files]
     };
-    let outcome = ctx.agree(dir, "writing the checkpoint", written.map(drop));
+    let stage = match mode {
+        SaveMode::Now => "writing the checkpoint",
+        SaveMode::Background { .. } => "taking the checkpoint's snapshot",
+    };
+    let outcome = ctx.agree(dir, stage, written);
     if outcome.is_err() && ctx.state.is_main_process() {
         // Leave nothing half-written behind; the previous checkpoint stays the latest.
         let _ = std::fs::remove_dir_all(&partial);
     }
     outcome?;
 
-    let committed = match ctx.state.is_main_process() {
-        true => {
-            let manifest = Manifest {
-                format_version: checkpoint::FORMAT_VERSION,
-                library_version: env!("CARGO_PKG_VERSION").to_string(),
-                world_size: ctx.state.world_size,
-                updates: checkpoint.optimizer.slot().lock().windows.updates(),
-                sequence: 0,
-                files: all_files.into_iter().flatten().collect(),
-            };
-            checkpoint::commit(dir, &partial, manifest)
+    let manifest = Manifest {
+        format_version: checkpoint::FORMAT_VERSION,
+        library_version: env!("CARGO_PKG_VERSION").to_string(),
+        world_size: ctx.state.world_size,
+        updates: checkpoint.optimizer.slot().lock().windows.updates(),
+        sequence: 0,
+        files: all_files.into_iter().flatten().collect(),
+    };
+    if let (SaveMode::Background { rotation, .. }, Some(pending)) = (mode, pending) {
+        let commit = ctx.state.is_main_process().then(|| CommitJob {
+            dir: dir.to_path_buf(),
+            partial: partial.clone(),
+            manifest,
+            world_size: ctx.state.world_size,
+            rotation,
+        });
+        let started = background::start(rank, dir.to_path_buf(), partial.clone(), pending, commit);
+        // A rank that could not start its writer fails every rank's save now.
+        let (save, mine) = match started {
+            Ok(save) => (Some(save), Ok(())),
+            Err(e) => (None, Err(format!("{}: {e}", partial.display()))),
+        };
+        if let Err(e) = ctx.agree(dir, "starting the background writer", mine) {
+            if let Some(save) = save {
+                save.abandon();
+            }
+            return Err(e);
         }
+        return Ok(save);
+    }
+    let committed = match ctx.state.is_main_process() {
+        true => checkpoint::commit(dir, &partial, manifest),
         false => Ok(()),
     };
     ctx.agree(dir, "committing the checkpoint", committed)?;
-    Ok(dir.to_path_buf())
+    Ok(None)
 }
 
-/// Writes this rank's files into `partial` and describes them for the manifest.
+/// Stages this rank's files (their manifest entries come from `staging`).
 fn write_own_files<M: Module>(
     ctx: &Context<'_>,
-    partial: &Path,
+    staging: &mut Staging,
     checkpoint: &Checkpoint<'_, M>,
-) -> Result<Vec<ManifestFile>, StageError> {
+) -> Result<(), StageError> {
     let rank = ctx.state.rank;
     let main = ctx.state.is_main_process();
-    let mut files = Vec::new();
-    let mut add = |name: &str, contents: &str, rank: Option<usize>, bytes: u64| {
-        files.push(ManifestFile {
-            name: name.to_string(),
-            contents: contents.to_string(),
-            rank,
-            bytes,
-        });
-    };
+    let job = (rank, ctx.state.world_size);
     let names: Vec<&str> = checkpoint.pairs.iter().map(|p| p.name.as_str()).collect();
     if let Some(name) = names
         .iter()
@@ -118,15 +162,9 @@ fn write_own_files<M: Module>(
         }
         let values = (part.values)();
         let prefix = sharded_files::module_prefix(&part.name);
-        let job = (rank, ctx.state.world_size);
-        let file =
-            sharded_files::write_model(partial, &prefix, job, &part.layout, values, &numels)?;
-        add(
-            &file.name,
-            "one rank's shards of a module saved beside the model",
-            file.rank,
-            file.bytes,
-        );
+        let mut file = sharded_files::model_file(&prefix, job, &part.layout, values, &numels)?;
+        file.contents = "one rank's shards of a module saved beside the model";
+        staging.put(file)?;
         sharded_modules.push(part.name.as_str());
     }
     let snapshot = checkpoint.optimizer.slot().lock().windows.snapshot();
@@ -149,9 +187,12 @@ fn write_own_files<M: Module>(
         loader: ctx.links.saved_state(),
         models,
     };
-    let name = rank_file(rank);
-    let bytes = checkpoint::write_json(&partial.join(&name), &state)?;
-    add(&name, "loop state of one process (JSON)", Some(rank), bytes);
+    staging.put(json_file(
+        rank_file(rank),
+        "loop state of one process (JSON)",
+        Some(rank),
+        &state,
+    )?)?;
 
     let role = SaveRole {
         rank,
@@ -160,8 +201,8 @@ fn write_own_files<M: Module>(
     };
     let (kind, shard_numels) = {
         let mut slot = checkpoint.optimizer.slot().lock();
-        for file in slot.reducer.save(partial, role)? {
-            add(&file.name, file.contents, file.rank, file.bytes);
+        for file in slot.reducer.save(role)? {
+            staging.put(file)?;
         }
         let numels = slot.reducer.shard_numels().map(<[_]>::to_vec);
         (slot.reducer.kind(), numels)
@@ -170,58 +211,40 @@ fn write_own_files<M: Module>(
     if let Some(numels) = &shard_numels {
         let layout = ParamLayout::of(checkpoint.model);
         let values = params::values(checkpoint.model);
-        let job = (rank, ctx.state.world_size);
         let prefix = sharded_files::MODEL_PREFIX;
-        let file = sharded_files::write_model(partial, prefix, job, &layout, values, numels)?;
-        add(&file.name, file.contents, file.rank, file.bytes);
+        staging.put(sharded_files::model_file(
+            prefix, job, &layout, values, numels,
+        )?)?;
     }
     let mut pairs = BTreeMap::new();
     for pair in &checkpoint.pairs {
-        let dir = partial.join(&pair.name);
-        std::fs::create_dir_all(&dir).map_err(|source| StageError::Io {
-            path: dir.clone(),
-            source,
-        })?;
+        let in_pair = |mut file: SavedFile| {
+            file.name = format!("{}/{}", pair.name, file.name);
+            file
+        };
         let mut slot = pair.optimizer.slot().lock();
-        for file in slot.reducer.save(&dir, role)? {
-            let name = format!("{}/{}", pair.name, file.name);
-            add(&name, file.contents, file.rank, file.bytes);
+        for file in slot.reducer.save(role)? {
+            staging.put(in_pair(file))?;
         }
         // With sharded units every rank writes its shards of the pair's model.
         let shard_numels = slot.reducer.shard_numels().map(<[_]>::to_vec);
         if let Some(numels) = &shard_numels {
             let values = (pair.values)();
             let prefix = sharded_files::MODEL_PREFIX;
-            let job = (rank, ctx.state.world_size);
-            let file = sharded_files::write_model(&dir, prefix, job, &pair.layout, values, numels)?;
-            let name = format!("{}/{}", pair.name, file.name);
-            add(&name, file.contents, file.rank, file.bytes);
+            let file = sharded_files::model_file(prefix, job, &pair.layout, values, numels)?;
+            staging.put(in_pair(file))?;
         }
         if main && shard_numels.is_none() {
-            let path = dir.join(MODEL_FILE);
-            (pair.write_model)(&path).map_err(|e| StageError::Burn {
-                what: format!("{} weights", pair.name),
-                detail: e.to_string(),
-            })?;
-            let name = format!("{}/{MODEL_FILE}", pair.name);
-            add(
-                &name,
+            staging.put_safetensors(
+                &format!("{}/{MODEL_FILE}", pair.name),
                 "weights of a model trained beside the main one",
-                None,
-                synced(&path)?,
-            );
+                &pair.write_model,
+            )?;
         }
         if main {
             if let Some(scheduler) = pair.scheduler {
                 let updates = state.models.get(&pair.name).map_or(0, |m| m.updates);
-                let path = save_scheduler(scheduler, updates, &dir)?;
-                let name = format!("{}/{SCHEDULER_FILE}", pair.name);
-                add(
-                    &name,
-                    "learning-rate scheduler record (burnpack)",
-                    None,
-                    synced(&path)?,
-                );
+                staging.put(in_pair(scheduler_file(scheduler, updates)?))?;
             }
             let saved = PairState {
                 param_ids: pair.param_ids.clone(),
@@ -230,28 +253,14 @@ fn write_own_files<M: Module>(
             };
             pairs.insert(pair.name.clone(), saved);
         }
-        checkpoint::sync_dir(&dir)?;
     }
     if !main {
-        return Ok(files);
+        return Ok(());
     }
 
     if shard_numels.is_none() {
-        let path = partial.join(MODEL_FILE);
-        let mut store = SafetensorsStore::from_file(&path).overwrite(true);
-        checkpoint
-            .model
-            .save_into(&mut store)
-            .map_err(|e| StageError::Burn {
-                what: "model weights".into(),
-                detail: e.to_string(),
-            })?;
-        add(
-            MODEL_FILE,
-            "model weights (safetensors)",
-            None,
-            synced(&path)?,
-        );
+        let model = super::module_writer(checkpoint.model);
+        staging.put_safetensors(MODEL_FILE, "model weights (safetensors)", &model)?;
     }
 
     for part in &checkpoint.modules {
@@ -262,28 +271,15 @@ fn write_own_files<M: Module>(
         if !super::valid_module_name(name) {
             return Err(StageError::ModuleName(name.clone()));
         }
-        let file = super::module_file(name);
-        let path = partial.join(&file);
-        write(&path).map_err(|e| StageError::Burn {
-            what: format!("module {name:?}"),
-            detail: e.to_string(),
-        })?;
-        add(
-            &file,
+        staging.put_safetensors(
+            &super::module_file(name),
             "weights of a module saved beside the model (safetensors)",
-            None,
-            synced(&path)?,
-        );
+            write,
+        )?;
     }
 
     if let Some(scheduler) = checkpoint.scheduler {
-        let path = save_scheduler(scheduler, updates, partial)?;
-        add(
-            SCHEDULER_FILE,
-            "learning-rate scheduler record (burnpack)",
-            None,
-            synced(&path)?,
-        );
+        staging.put(scheduler_file(scheduler, updates)?)?;
     }
 
     let mut objects = BTreeMap::new();
@@ -301,35 +297,46 @@ fn write_own_files<M: Module>(
         objects,
         pairs,
     };
-    let path = partial.join(TRAINING_STATE_FILE);
-    let bytes = checkpoint::write_json(&path, &training)?;
-    add(
-        TRAINING_STATE_FILE,
+    staging.put(json_file(
+        TRAINING_STATE_FILE.into(),
         "parameter ids, optimizer kind and user objects (JSON)",
         None,
-        bytes,
-    );
-    Ok(files)
+        &training,
+    )?)
 }
 
-/// Syncs a file Burn wrote and returns its size.
-fn synced(path: &Path) -> Result<u64, StageError> {
-    Ok(checkpoint::sync_file(path)?)
+/// `value` as a JSON file of the checkpoint.
+fn json_file<T: Serialize>(
+    name: String,
+    contents: &'static str,
+    rank: Option<usize>,
+    value: &T,
+) -> Result<SavedFile, StageError> {
+    let data = serde_json::to_vec_pretty(value).map_err(|e| StageError::Burn {
+        what: name.clone(),
+        detail: e.to_string(),
+    })?;
+    Ok(SavedFile {
+        name,
+        contents,
+        rank,
+        data,
+    })
 }
 
-/// Writes `scheduler`'s record after `updates` updates into `dir`; returns the file's path.
-fn save_scheduler(
-    scheduler: &PreparedScheduler,
-    updates: u64,
-    dir: &Path,
-) -> Result<PathBuf, StageError> {
+/// `scheduler`'s record after `updates` updates, as its file.
+fn scheduler_file(scheduler: &PreparedScheduler, updates: u64) -> Result<SavedFile, StageError> {
     let record = scheduler
         .record_at(updates)
         .ok_or(StageError::SchedulerAhead)?;
-    let path = dir.join(SCHEDULER_FILE);
-    record.save(&path).map_err(|e| StageError::Burn {
+    let data = record.into_bytes().map_err(|e| StageError::Burn {
         what: "scheduler record".into(),
         detail: e.to_string(),
     })?;
-    Ok(path)
+    Ok(SavedFile {
+        name: SCHEDULER_FILE.into(),
+        contents: "learning-rate scheduler record (burnpack)",
+        rank: None,
+        data: data.to_vec(),
+    })
 }

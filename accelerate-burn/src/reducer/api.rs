@@ -119,12 +119,17 @@ pub(crate) struct SaveRole {
     pub distributed: bool,
 }
 
-/// One file a reducer wrote into a checkpoint.
+/// One file of a checkpoint, serialised (the checkpoint writes it: at once, or in the
+/// background for an asynchronous save).
 pub(crate) struct SavedFile {
+    /// Its name in the checkpoint directory (`sub/name` inside a directory of its own).
     pub name: String,
+    /// What it holds, as the manifest says.
     pub contents: &'static str,
+    /// The rank that wrote it, for files of one rank.
     pub rank: Option<usize>,
-    pub bytes: u64,
+    /// Its bytes.
+    pub data: Vec<u8>,
 }
 
 /// What a reducer gets back from a checkpoint.
@@ -232,8 +237,9 @@ pub(crate) trait GradientReducer: Send {
         comm: &Comm,
     ) -> Result<(), AccelerateError>;
 
-    /// Writes this rank's part of the optimizer state into `dir`.
-    fn save(&mut self, dir: &Path, role: SaveRole) -> Result<Vec<SavedFile>, StageError>;
+    /// This rank's part of the optimizer state, serialised (no file is written here: the
+    /// checkpoint writes them, possibly on its background thread).
+    fn save(&mut self, role: SaveRole) -> Result<Vec<SavedFile>, StageError>;
 
     /// Continues from a checkpoint: optimizer state, and the loaded model's parameters.
     fn load(&mut self, source: LoadSource<'_>) -> Result<(), StageError>;

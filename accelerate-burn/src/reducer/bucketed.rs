@@ -7,11 +7,9 @@
 //! state.
 
 use std::ops::Range;
-use std::path::Path;
 use std::sync::Arc;
 
 use accelerate_core::MixedPrecision;
-use accelerate_core::checkpoint;
 use burn::lr_scheduler::module_lr_scheduler::ModuleLearningRate;
 use burn::optim::{ModuleOptimizer, OptimizerRecord};
 use burn::tensor::{DType, Tensor};
@@ -255,24 +253,22 @@ impl GradientReducer for BucketedReducer {
         Ok(())
     }
 
-    fn save(&mut self, dir: &Path, role: SaveRole) -> Result<Vec<SavedFile>, StageError> {
+    fn save(&mut self, role: SaveRole) -> Result<Vec<SavedFile>, StageError> {
         let Some(optimizer) = self.optimizer.as_ref().filter(|_| role.main) else {
             return Ok(Vec::new());
         };
-        let path = dir.join(OPTIMIZER_FILE);
-        optimizer
+        let data = optimizer
             .to_record()
-            .save(&path)
+            .into_bytes()
             .map_err(|e| StageError::Burn {
                 what: "optimizer record".into(),
                 detail: e.to_string(),
             })?;
-        let bytes = checkpoint::sync_file(&path)?;
         Ok(vec![SavedFile {
             name: OPTIMIZER_FILE.into(),
             contents: "optimizer record (burnpack)",
             rank: None,
-            bytes,
+            data: data.to_vec(),
         }])
     }
 

@@ -31,7 +31,8 @@ use crate::fused::FusedOptimizer;
 use crate::group::Comm;
 use crate::params::{self, ParamLayout, ParamList, ParamUpdate, Replacement};
 pub(crate) use api::{
-    GradientReducer, LoadSource, ModelUpdate, Outcome, ReducerKind, SaveRole, global_norm,
+    GradientReducer, LoadSource, ModelUpdate, Outcome, ReducerKind, SaveRole, SavedFile,
+    global_norm,
 };
 use bucketed::BucketedReducer;
 use flat::{FlatOptions, FlatReducer};

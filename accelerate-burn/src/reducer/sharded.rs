@@ -7,7 +7,6 @@
 //! elementwise).
 
 use std::collections::HashMap;
-use std::path::Path;
 use std::sync::Arc;
 
 use accelerate_core::{ProcessGroup, Reduction};
@@ -171,38 +170,27 @@ impl GradientReducer for ShardedReducer {
         self.inner.step(lr, outcome, model, &self.local)
     }
 
-    /// Every rank writes its shards' optimizer state (the model's shards are written beside
-    /// it by the checkpoint, which holds the model).
-    fn save(&mut self, dir: &Path, role: SaveRole) -> Result<Vec<SavedFile>, StageError> {
+    /// Every rank saves its shards' optimizer state (the model's shards are saved beside it
+    /// by the checkpoint, which holds the model).
+    fn save(&mut self, role: SaveRole) -> Result<Vec<SavedFile>, StageError> {
         let own = SaveRole {
             main: true,
             distributed: false,
             ..role
         };
-        if self.inner.kind() != ReducerKind::Fused {
-            // Burn's record of this rank's shards, in a directory of the rank's own.
-            let sub = sharded_files::burn_record_dir(role.rank);
-            let path = dir.join(&sub);
-            std::fs::create_dir_all(&path).map_err(|source| StageError::Io {
-                path: path.clone(),
-                source,
-            })?;
-            let mut files = self.inner.save(&path, own)?;
-            accelerate_core::checkpoint::sync_dir(&path)?;
-            for file in &mut files {
-                file.name = format!("{sub}/{}", file.name);
-                file.rank = Some(role.rank);
-                file.contents = "one rank's Burn optimizer record over its ZeRO-3 shards";
-            }
-            return Ok(files);
-        }
-        let mut files = self.inner.save(dir, own)?;
+        let burn_record = self.inner.kind() != ReducerKind::Fused;
+        let mut files = self.inner.save(own)?;
         for file in &mut files {
-            let name = sharded_files::state_file_name(role.rank);
-            let (from, to) = (dir.join(&file.name), dir.join(&name));
-            std::fs::rename(&from, &to).map_err(|source| StageError::Io { path: to, source })?;
-            file.name = name;
-            file.contents = "one rank's fused optimizer state over its ZeRO-3 shards";
+            file.rank = Some(role.rank);
+            if burn_record {
+                // Burn's record of this rank's shards, in a directory of the rank's own.
+                let sub = sharded_files::burn_record_dir(role.rank);
+                file.name = format!("{sub}/{}", file.name);
+                file.contents = "one rank's Burn optimizer record over its ZeRO-3 shards";
+            } else {
+                file.name = sharded_files::state_file_name(role.rank);
+                file.contents = "one rank's fused optimizer state over its ZeRO-3 shards";
+            }
         }
         Ok(files)
     }

@@ -10,7 +10,7 @@
 
 use std::path::Path;
 
-use accelerate_core::checkpoint::{self, ManifestFile};
+use accelerate_core::checkpoint::ManifestFile;
 use burn::tensor::Tensor;
 use serde::{Deserialize, Serialize};
 
@@ -48,13 +48,12 @@ pub(crate) fn shard_len(numel: usize, world: usize) -> usize {
     numel.div_ceil(world.max(1)).max(1)
 }
 
-/// Writes this rank's model file (`<prefix><rank>.bin`: [`MODEL_PREFIX`] for the model,
-/// [`module_prefix`] for a module saved beside it): `values` (layout order, flat: this rank's
-/// shards and the whole parameters), `numels` saying which are shards (of how many elements).
-/// Each stored value is read from the device in turn into the file's bytes; parameters left
-/// whole are stored (and read) by rank 0 only.
-pub(crate) fn write_model(
-    dir: &Path,
+/// This rank's model file (`<prefix><rank>.bin`: [`MODEL_PREFIX`] for the model,
+/// [`module_prefix`] for a module saved beside it), serialised: `values` (layout order, flat:
+/// this rank's shards and the whole parameters), `numels` saying which are shards (of how many
+/// elements). Each stored value is read from the device in turn into the file's bytes;
+/// parameters left whole are stored (and read) by rank 0 only.
+pub(crate) fn model_file(
     prefix: &str,
     (rank, world): (usize, usize),
     layout: &ParamLayout,
@@ -89,19 +88,13 @@ pub(crate) fn write_model(
     })?;
     bytes.push(b'\n');
     for value in stored.into_iter().flatten() {
-        bytes.extend(
-            params::to_host_f32(value)
-                .iter()
-                .flat_map(|v| v.to_le_bytes()),
-        );
+        params::extend_le_bytes(&mut bytes, &params::to_host_f32(value));
     }
-    let name = format!("{prefix}{rank}.bin");
-    let written = checkpoint::write_synced(&dir.join(&name), &bytes)?;
     Ok(SavedFile {
-        name,
+        name: format!("{prefix}{rank}.bin"),
         contents: "one rank's shards of a ZeRO-3 model (JSON header, f32 data)",
         rank: Some(rank),
-        bytes: written,
+        data: bytes,
     })
 }
 

@@ -69,6 +69,11 @@ pub struct EstimateMemoryArgs {
     /// names, each numbered block (`model.layers.12.*`) a unit; none with --parameters].
     #[arg(long)]
     largest_unit: Option<u64>,
+
+    /// Checkpoints saved in the background (`async_checkpoints`): the main process's snapshot
+    /// of what it writes is counted in the peak.
+    #[arg(long)]
+    async_checkpoints: bool,
 }
 
 /// Prints the table on stdout.
@@ -102,19 +107,21 @@ pub fn run(args: EstimateMemoryArgs) -> anyhow::Result<ExitCode> {
             args.num_processes.max(1),
             args.optimizer,
             unit.as_ref().map(|(name, count)| (name.as_str(), *count)),
+            args.async_checkpoints,
         )
     );
     Ok(ExitCode::SUCCESS)
 }
 
 /// The table for `parameters` over `world` processes; `unit` names the largest unit ZeRO-3
-/// gathers and its parameters.
+/// gathers and its parameters; `snapshot` counts a background save's snapshot.
 fn table(
     source: &str,
     parameters: u64,
     world: u64,
     optimizer: OptimizerKind,
     unit: Option<(&str, u64)>,
+    snapshot: bool,
 ) -> String {
     let mut out = String::new();
     let _ = writeln!(
@@ -123,22 +130,36 @@ fn table(
         if world == 1 { "" } else { "es" },
         optimizer.name()
     );
+    let snapshot_column = |text: &str| match snapshot {
+        true => format!(" {text:>11}"),
+        false => String::new(),
+    };
     let _ = writeln!(
         out,
-        "{:<6} {:>11} {:>11} {:>11} {:>11} {:>11}",
-        "stage", "model", "gradients", "optimizer", "held", "peak"
+        "{:<6} {:>11} {:>11} {:>11} {:>11}{} {:>11}",
+        "stage",
+        "model",
+        "gradients",
+        "optimizer",
+        "held",
+        snapshot_column("snapshot"),
+        "peak"
     );
     for stage in 0..=3u8 {
-        let e = MemoryEstimate::new(parameters, optimizer.state_buffers(), world, stage)
+        let mut e = MemoryEstimate::new(parameters, optimizer.state_buffers(), world, stage)
             .with_largest_unit(unit.map_or(0, |(_, count)| count));
+        if snapshot {
+            e = e.with_async_checkpoints();
+        }
         let _ = writeln!(
             out,
-            "{:<6} {:>11} {:>11} {:>11} {:>11} {:>11}",
+            "{:<6} {:>11} {:>11} {:>11} {:>11}{} {:>11}",
             format!("ZeRO-{stage}"),
             human(e.model_parameters),
             human(e.gradients),
             human(e.optimizer_state),
             human(e.held()),
+            snapshot_column(&human(e.checkpoint_snapshot)),
             human(e.peak()),
         );
     }
@@ -148,7 +169,7 @@ fn table(
          master copy; ZeRO-2's gradients are its shard of an accumulation window's sum, none\n\
          without accumulation); peak: held plus the gradients of one backward pass, which Burn\n\
          returns all at once, and at ZeRO-3 the largest sharded unit whole while it runs,\n\
-         with its gradient ({}).{}",
+         with its gradient ({}).{}{}",
         match unit {
             Some((name, count)) => format!(
                 "{name}: {count} parameters, {}",
@@ -158,6 +179,13 @@ fn table(
         },
         if world == 1 {
             " One process shards nothing: give --num-processes."
+        } else {
+            ""
+        },
+        if snapshot {
+            "\nsnapshot: what the main process holds while a background save writes (its model\n\
+             and its part of the optimizer state; modules saved beside the model add theirs);\n\
+             counted in the peak."
         } else {
             ""
         }
@@ -195,8 +223,8 @@ mod tests {
     #[test]
     fn the_table_gives_each_stage_its_bytes_in_binary_units() {
         // 2^28 parameters (1 GiB in f32), AdamW, 4 processes.
-        let text = table("m", 1 << 28, 4, OptimizerKind::Adamw, None);
-        let row = |stage: &str| {
+        let text = table("m", 1 << 28, 4, OptimizerKind::Adamw, None, false);
+        let row = |text: &str, stage: &str| {
             text.lines()
                 .find(|l| l.starts_with(stage))
                 .unwrap()
@@ -204,13 +232,30 @@ mod tests {
                 .collect::<Vec<_>>()
                 .join(" ")
         };
-        assert_eq!(row("ZeRO-0"), "ZeRO-0 1 GiB 1 GiB 2 GiB 4 GiB 5 GiB");
-        assert_eq!(row("ZeRO-1"), "ZeRO-1 1 GiB 0 B 512 MiB 1.5 GiB 2.5 GiB");
+        assert_eq!(row(&text, "ZeRO-0"), "ZeRO-0 1 GiB 1 GiB 2 GiB 4 GiB 5 GiB");
         assert_eq!(
-            row("ZeRO-2"),
+            row(&text, "ZeRO-1"),
+            "ZeRO-1 1 GiB 0 B 512 MiB 1.5 GiB 2.5 GiB"
+        );
+        assert_eq!(
+            row(&text, "ZeRO-2"),
             "ZeRO-2 1 GiB 256 MiB 512 MiB 1.75 GiB 2.75 GiB"
         );
-        assert_eq!(row("ZeRO-3"), "ZeRO-3 256 MiB 0 B 512 MiB 768 MiB 1 GiB");
+        assert_eq!(
+            row(&text, "ZeRO-3"),
+            "ZeRO-3 256 MiB 0 B 512 MiB 768 MiB 1 GiB"
+        );
+        // Background saves: the main process's model and optimizer part, in the peak.
+        let saving = table("m", 1 << 28, 4, OptimizerKind::Adamw, None, true);
+        assert_eq!(
+            row(&saving, "ZeRO-0"),
+            "ZeRO-0 1 GiB 1 GiB 2 GiB 4 GiB 3 GiB 8 GiB"
+        );
+        assert_eq!(
+            row(&saving, "ZeRO-3"),
+            "ZeRO-3 256 MiB 0 B 512 MiB 768 MiB 768 MiB 1.75 GiB"
+        );
+        assert!(saving.contains("snapshot: what the main process holds"));
         assert!(text.contains("not counted: give --largest-unit"), "{text}");
         // A unit of 2^24 parameters adds 128 MiB to ZeRO-3's peak.
         let text = table(
@@ -219,6 +264,7 @@ mod tests {
             4,
             OptimizerKind::Adamw,
             Some(("layers.0", 1 << 24)),
+            false,
         );
         assert!(text.contains("ZeRO-3     256 MiB"), "{text}");
         assert!(text.contains("1.12 GiB"), "{text}");

@@ -4,11 +4,9 @@
 //! device (`device`); `state_file` is its part of a checkpoint. (What the buffers are is
 //! described in [`crate::fused`].)
 
-use std::path::Path;
 use std::sync::Arc;
 
 use accelerate_core::MixedPrecision;
-use accelerate_core::checkpoint;
 use burn::lr_scheduler::module_lr_scheduler::ModuleLearningRate;
 use burn::tensor::Tensor;
 
@@ -339,18 +337,16 @@ impl GradientReducer for FlatReducer {
         Ok(())
     }
 
-    fn save(&mut self, dir: &Path, role: SaveRole) -> Result<Vec<SavedFile>, StageError> {
+    fn save(&mut self, role: SaveRole) -> Result<Vec<SavedFile>, StageError> {
         // Every rank's shard with ZeRO, else the main process's (all hold the same state).
         if !(role.main || self.sharding.splits() && role.distributed) {
             return Ok(Vec::new());
         }
-        let name = format!("{FUSED_PREFIX}{}.bin", role.rank);
-        let bytes = checkpoint::write_synced(&dir.join(&name), &self.state_file().to_bytes())?;
         Ok(vec![SavedFile {
-            name,
+            name: format!("{FUSED_PREFIX}{}.bin", role.rank),
             contents: "fused optimizer state of one shard (JSON header, f32 data)",
             rank: Some(role.rank),
-            bytes,
+            data: self.state_file().to_bytes(),
         }])
     }
 

@@ -52,10 +52,10 @@ impl FusedStateFile {
         };
         let mut out = serde_json::to_vec(&header).unwrap_or_default();
         out.push(b'\n');
+        let values: usize = self.buffers.values().map(Vec::len).sum();
+        out.reserve(values.saturating_mul(4));
         for values in self.buffers.values() {
-            for v in values {
-                out.extend_from_slice(&v.to_le_bytes());
-            }
+            crate::params::extend_le_bytes(&mut out, values);
         }
         out
     }

@@ -99,6 +99,12 @@ impl ProcessGroup {
         }
     }
 
+    /// True once a collective failed (a peer is gone, timed out or disagreed): every later
+    /// call fails with that error.
+    pub fn has_failed(&self) -> bool {
+        self.failed.is_some()
+    }
+
     /// Runs `f` on the engine; the first error poisons the group and is told to the peers.
     fn run(
         &mut self,
