@@ -92,6 +92,7 @@ mod data;
 #[cfg(feature = "device-kernels")]
 mod device_kernels;
 mod error;
+mod file_dtypes;
 pub mod fused;
 mod group;
 #[cfg(feature = "train")]

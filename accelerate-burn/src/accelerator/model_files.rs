@@ -10,8 +10,7 @@ use accelerate_core::weights::{
     self, INDEX_FILE, SAVED_BY, SAVED_BY_KEY, ShardIndex, ShardedSave, WeightsError, WholeSave,
 };
 use burn::module::Module;
-use burn::store::burn_pack::Tensor as PackTensor;
-use burn::store::{ModuleAdapter, ModuleContext, ModuleSnapshot, SafetensorsStore, bridge};
+use burn::store::{ModuleSnapshot, SafetensorsStore};
 use burn::tensor::DType;
 
 use super::{Accelerator, MODEL_FILE};
@@ -178,6 +177,7 @@ impl<B: AcceleratorBackend> Accelerator<B> {
             path: path.to_path_buf(),
             detail,
         };
+        let dtypes = crate::file_dtypes::ModelDtypes::of(&model);
         let mut model = model;
         let mut loaded = BTreeSet::new();
         for file in index.files() {
@@ -192,7 +192,9 @@ impl<B: AcceleratorBackend> Accelerator<B> {
                     ),
                 }));
             }
-            let mut store = SafetensorsStore::from_file(&shard).allow_partial(true);
+            let mut store = SafetensorsStore::from_file(&shard)
+                .allow_partial(true)
+                .with_from_adapter(dtypes.clone());
             let applied = model
                 .load_from(&mut store)
                 .map_err(|e| mismatch(format!("{file}: {}", first_line(&e.to_string()))))?;
@@ -221,7 +223,7 @@ impl<B: AcceleratorBackend> Accelerator<B> {
     fn exporting(&self, store: SafetensorsStore) -> SafetensorsStore {
         match self.checkpoints.export_dtype {
             DType::F32 => store,
-            dtype => store.with_to_adapter(ExportDtype(dtype)),
+            dtype => store.with_to_adapter(crate::file_dtypes::ExportDtype(dtype)),
         }
     }
 
@@ -230,27 +232,5 @@ impl<B: AcceleratorBackend> Accelerator<B> {
             rank: self.state.rank,
             source,
         }
-    }
-}
-
-/// Writes float tensors in one dtype (`save_model` with an export dtype), each value rounded
-/// to nearest even once; other tensors pass unchanged.
-#[derive(Debug, Clone, Copy)]
-struct ExportDtype(DType);
-
-impl ModuleAdapter for ExportDtype {
-    fn adapt(&self, tensor: PackTensor, _: ModuleContext<'_>) -> PackTensor {
-        let target = self.0;
-        if !tensor.dtype.is_float() || tensor.dtype == target {
-            return tensor;
-        }
-        let (name, shape) = (tensor.name.clone(), tensor.shape.clone());
-        bridge::map_data(tensor, name, target, shape, move |data| {
-            data.convert_dtype(target)
-        })
-    }
-
-    fn clone_box(&self) -> Box<dyn ModuleAdapter> {
-        Box::new(*self)
     }
 }

@@ -370,7 +370,10 @@ pub(crate) fn load_weights<M: Module>(
     let name = path
         .file_name()
         .map_or_else(String::new, |n| n.to_string_lossy().into_owned());
-    let mut store = SafetensorsStore::from_file(path);
+    // Each float tensor in the dtype of the module's own parameter (a bf16 export into an
+    // f32 model).
+    let dtypes = crate::file_dtypes::ModelDtypes::of(&module);
+    let mut store = SafetensorsStore::from_file(path).with_from_adapter(dtypes);
     let applied = module
         .load_from(&mut store)
         .map_err(|e| StageError::DoesNotFit {
