@@ -27,8 +27,6 @@ use crate::error::AccelerateError;
 const WAIT_FOR_RANKS: Duration = Duration::from_secs(600);
 /// How often it looks.
 const POLL: Duration = Duration::from_millis(20);
-/// How long the end of a process waits for a save still in flight.
-const AT_EXIT: Duration = Duration::from_secs(120);
 /// Fault injection for tests: `<rank>:<n>` aborts rank `<rank>` at the n-th point of a
 /// background save (counting from 1: before each file, before its marker, before the commit);
 /// `<rank>:<n>:fail` makes that point fail as a write would.
@@ -151,7 +149,9 @@ pub(crate) fn start(
                 Ok(()) => (marker(&partial, rank, true), String::new()),
                 Err(e) => (marker(&partial, rank, false), e.to_string()),
             };
-            let marked = checkpoint::write_synced(&path, text.as_bytes());
+            // Whole when it appears (the main process reads a failure's text).
+            let marked =
+                checkpoint::create_file(&path, |temporary| std::fs::write(temporary, &text));
             if let (Ok(()), Err(e)) = (&mine, marked) {
                 mine = Err(e.into());
             }
@@ -261,28 +261,20 @@ impl BackgroundSave {
         self.abandon.store(true, Ordering::Relaxed);
     }
 
-    /// At the end of the process: lets the save finish (for at most [`AT_EXIT`]; not at all
-    /// when `peers_failed`, as the main process would wait for parts that never come), with
-    /// no collective; what fails is logged.
+    /// At the end of the process: lets the save finish, with no collective (the main
+    /// process waits at most [`WAIT_FOR_RANKS`] for the other ranks' parts, and not at all when
+    /// `peers_failed`: a failed peer's part never comes); what fails is logged.
     pub(crate) fn finish_at_exit(self, peers_failed: bool) {
         if peers_failed {
             self.abandon.store(true, Ordering::Relaxed);
         }
-        let started = Instant::now();
-        while !self.thread.is_finished() && started.elapsed() < AT_EXIT {
-            std::thread::sleep(POLL);
-        }
-        if !self.thread.is_finished() {
-            self.abandon.store(true, Ordering::Relaxed);
-            tracing::warn!(
-                "a background checkpoint save did not finish within {} s of the end; the \
-                 previous checkpoint stays the latest",
-                AT_EXIT.as_secs()
-            );
-            return;
-        }
-        if let Ok(Err(e)) = self.thread.join() {
-            tracing::error!("background checkpoint save failed: {e}");
+        match self.thread.join() {
+            Ok(Ok(())) => {}
+            Ok(Err(e)) => tracing::error!(
+                dir = %self.dir.display(),
+                "background checkpoint save failed; the previous checkpoint stays the latest: {e}"
+            ),
+            Err(_) => tracing::error!(dir = %self.dir.display(), "the checkpoint writer panicked"),
         }
     }
 }
