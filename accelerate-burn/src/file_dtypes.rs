@@ -24,6 +24,27 @@ fn cast_float(tensor: PackTensor, target: DType) -> PackTensor {
     })
 }
 
+/// `values` as the little-endian bytes of `dtype` in a file: F32 as they are, BF16 and F16
+/// each rounded to nearest even once, as [`ExportDtype`] writes them (a model with sharded
+/// units, whose gathered parameters are streamed as bytes).
+pub(crate) fn f32_bytes_as(values: &[f32], dtype: DType) -> Vec<u8> {
+    match dtype {
+        DType::BF16 => values
+            .iter()
+            .flat_map(|&v| half::bf16::from_f32(v).to_le_bytes())
+            .collect(),
+        DType::F16 => values
+            .iter()
+            .flat_map(|&v| half::f16::from_f32(v).to_le_bytes())
+            .collect(),
+        _ => {
+            let mut bytes = Vec::new();
+            crate::params::extend_le_bytes(&mut bytes, values);
+            bytes
+        }
+    }
+}
+
 /// Writes every float tensor in one dtype; other tensors pass unchanged.
 #[derive(Debug, Clone, Copy)]
 pub(crate) struct ExportDtype(pub DType);

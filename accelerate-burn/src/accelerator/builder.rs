@@ -199,11 +199,12 @@ impl<B: AcceleratorBackend> AcceleratorBuilder<B> {
     }
 
     /// The dtype [`save_model`](Accelerator::save_model), [`save_model_sharded`](Accelerator::save_model_sharded)
-    /// and the whole saves of a model with sharded units write float parameters in: `F32`
-    /// (the default), `BF16` or `F16` (half the bytes, for inference; each value rounded to
-    /// nearest even once). Checkpoints (`save_state`) always keep the training's own dtypes.
+    /// and the whole saves of a model with sharded units write float parameters in: `F32`,
+    /// `BF16` or `F16` (half the bytes, for inference; each value rounded to nearest even
+    /// once). Unset, each is written as the model holds it (a model with sharded units, in
+    /// f32). Checkpoints (`save_state`) always keep the training's own dtypes.
     pub fn export_dtype(mut self, dtype: DType) -> Self {
-        self.checkpoints.export_dtype = dtype;
+        self.checkpoints.export_dtype = Some(dtype);
         self
     }
 
@@ -250,16 +251,12 @@ impl<B: AcceleratorBackend> AcceleratorBuilder<B> {
                 hint: "also call .project_dir(path); metrics go to <path>/logs",
             });
         }
-        if !matches!(
-            self.checkpoints.export_dtype,
-            DType::F32 | DType::BF16 | DType::F16
-        ) {
+        if let Some(dtype) = self.checkpoints.export_dtype
+            && !matches!(dtype, DType::F32 | DType::BF16 | DType::F16)
+        {
             return Err(AccelerateError::Misuse {
                 rank,
-                what: format!(
-                    "export_dtype({:?}): models are exported in F32, BF16 or F16",
-                    self.checkpoints.export_dtype
-                ),
+                what: format!("export_dtype({dtype:?}): models are exported in F32, BF16 or F16"),
                 hint: "pass DType::BF16 or DType::F16 for half the bytes, or leave it unset",
             });
         }

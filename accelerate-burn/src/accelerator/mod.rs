@@ -84,7 +84,7 @@ pub struct Accelerator<B: AcceleratorBackend> {
 }
 
 /// Where automatically named checkpoints go, what may be resumed, and how models are written.
-#[derive(Clone)]
+#[derive(Default, Clone)]
 struct CheckpointSettings {
     project_dir: Option<PathBuf>,
     /// Automatically named checkpoints kept.
@@ -93,20 +93,8 @@ struct CheckpointSettings {
     resume_any_world_size: bool,
     /// Where a background save keeps its snapshot.
     snapshot: crate::CheckpointSnapshot,
-    /// The dtype `save_model` writes float parameters in.
-    export_dtype: DType,
-}
-
-impl Default for CheckpointSettings {
-    fn default() -> Self {
-        Self {
-            project_dir: None,
-            total_limit: None,
-            resume_any_world_size: false,
-            snapshot: crate::CheckpointSnapshot::Memory,
-            export_dtype: DType::F32,
-        }
-    }
+    /// The dtype `save_model` writes float parameters in (`None`: as the model holds them).
+    export_dtype: Option<DType>,
 }
 
 /// Trackers of [`log`](Accelerator::log), opened at the first call (main process).

@@ -11,7 +11,6 @@ use accelerate_core::weights::{
 };
 use burn::module::Module;
 use burn::store::{ModuleSnapshot, SafetensorsStore};
-use burn::tensor::DType;
 
 use super::{Accelerator, MODEL_FILE};
 use crate::backend::AcceleratorBackend;
@@ -28,7 +27,7 @@ impl<B: AcceleratorBackend> Accelerator<B> {
     /// that an earlier `save_model_sharded` wrote in `dir` is removed once the file is in
     /// place; a sharded model that accelerate-rs did not write stops the save (an error,
     /// nothing written). Float parameters are written in the
-    /// [`export_dtype`](crate::AcceleratorBuilder::export_dtype) (f32 unless set).
+    /// [`export_dtype`](crate::AcceleratorBuilder::export_dtype), if one is set.
     pub fn save_model<M: Module>(
         &self,
         model: &M,
@@ -83,12 +82,13 @@ impl<B: AcceleratorBackend> Accelerator<B> {
             return self.save_sharded_units(model, dir, Some(max_shard_size));
         }
         let tensors = model.collect(None, None, false);
-        let dtype = self.checkpoints.export_dtype;
+        // Each tensor's bytes in the file: float ones in the export dtype, if one is set.
+        let export = self.checkpoints.export_dtype;
         let sizes: Vec<u64> = tensors
             .iter()
-            .map(|t| match t.dtype.is_float() {
-                true => (t.shape.iter().product::<usize>() * dtype.size()) as u64,
-                false => t.byte_len() as u64,
+            .map(|t| match export.filter(|_| t.dtype.is_float()) {
+                Some(dtype) => (t.shape.iter().product::<usize>() * dtype.size()) as u64,
+                None => t.byte_len() as u64,
             })
             .collect();
         let names: Vec<String> = tensors.into_iter().map(|t| t.name).collect();
@@ -219,11 +219,11 @@ impl<B: AcceleratorBackend> Accelerator<B> {
         Ok(model)
     }
 
-    /// `store` writing float tensors in the export dtype.
+    /// `store` writing float tensors in the export dtype, if one is set.
     fn exporting(&self, store: SafetensorsStore) -> SafetensorsStore {
         match self.checkpoints.export_dtype {
-            DType::F32 => store,
-            dtype => store.with_to_adapter(crate::file_dtypes::ExportDtype(dtype)),
+            Some(dtype) => store.with_to_adapter(crate::file_dtypes::ExportDtype(dtype)),
+            None => store,
         }
     }
 

@@ -48,7 +48,7 @@ impl<B: AcceleratorBackend> Accelerator<B> {
         // sharded, written in the export dtype) and the rest (Int and Bool parameters, never
         // sharded) written as the model holds them, so the file is what plain Burn's save
         // writes.
-        let export = self.checkpoints.export_dtype;
+        let export = self.checkpoints.export_dtype.unwrap_or(DType::F32);
         let export_name = safetensors_dtype(export).unwrap_or("F32");
         let float_index: BTreeMap<&str, usize> = layout
             .entries
@@ -134,7 +134,7 @@ impl<B: AcceleratorBackend> Accelerator<B> {
                 all.truncate(shape.iter().product());
                 value = all;
             }
-            Ok(exported_bytes(&value, export))
+            Ok(crate::file_dtypes::f32_bytes_as(&value, export))
         };
         let metadata = BTreeMap::from([(SAVED_BY_KEY.to_string(), SAVED_BY.to_string())]);
         let written = if main {
@@ -360,25 +360,6 @@ enum Saved {
     Float(usize),
     /// Any other tensor (an Int or Bool parameter), as the model holds it.
     Other(PackTensor),
-}
-
-/// `values` as little-endian bytes of `dtype` (F32, or BF16/F16 rounded to nearest even).
-fn exported_bytes(values: &[f32], dtype: DType) -> Vec<u8> {
-    match dtype {
-        DType::BF16 => values
-            .iter()
-            .flat_map(|&v| half::bf16::from_f32(v).to_le_bytes())
-            .collect(),
-        DType::F16 => values
-            .iter()
-            .flat_map(|&v| half::f16::from_f32(v).to_le_bytes())
-            .collect(),
-        _ => {
-            let mut bytes = Vec::new();
-            params::extend_le_bytes(&mut bytes, values);
-            bytes
-        }
-    }
 }
 
 /// The safetensors name of `dtype`, as Burn's own safetensors writer names it; `None` for one
