@@ -670,12 +670,23 @@ fn another_world_size_is_refused_unless_asked_for() {
 
 #[test]
 fn a_save_never_replaces_a_users_directory_and_replaces_its_own_checkpoint() {
+    // The same rule when the save is written and committed in the background.
+    for mode in ["false", "true"] {
+        never_replaces_a_users_directory(mode);
+    }
+}
+
+fn never_replaces_a_users_directory(asynchronous: &str) {
     let tmp = tempfile::tempdir().unwrap();
     let output = tmp.path().join("output");
     std::fs::create_dir(&output).unwrap();
     std::fs::write(output.join("train.log"), "the user's log").unwrap();
     let into = ("TEST_SAVE_INTO", output.to_str().unwrap());
-    let refused = run_in(tmp.path(), 2, &[("TEST_STOP", "3"), into]);
+    let refused = run_in(
+        tmp.path(),
+        2,
+        &[("TEST_STOP", "3"), into, (ASYNC, asynchronous)],
+    );
     for (rank, result) in refused.iter().enumerate() {
         assert!(!result.status.success(), "rank {rank} saved");
         let err = stderr(result);
@@ -696,9 +707,17 @@ fn a_save_never_replaces_a_users_directory_and_replaces_its_own_checkpoint() {
     // Into a directory of its own: saved, then replaced by a later save of the same name.
     let ckpt = tmp.path().join("ckpt");
     let into = ("TEST_SAVE_INTO", ckpt.to_str().unwrap());
-    assert_ok(&run_in(tmp.path(), 2, &[("TEST_STOP", "3"), into]));
+    assert_ok(&run_in(
+        tmp.path(),
+        2,
+        &[("TEST_STOP", "3"), into, (ASYNC, asynchronous)],
+    ));
     assert_eq!(read_manifest(&ckpt).unwrap().updates, 3);
-    assert_ok(&run_in(tmp.path(), 2, &[("TEST_STOP", "5"), into]));
+    assert_ok(&run_in(
+        tmp.path(),
+        2,
+        &[("TEST_STOP", "5"), into, (ASYNC, asynchronous)],
+    ));
     assert_eq!(read_manifest(&ckpt).unwrap().updates, 5);
     let old = accelerate_core::checkpoint::old_dir(&ckpt);
     assert!(!old.exists() && !partial_dir(&ckpt).exists());
