@@ -58,13 +58,19 @@ pub fn train(
     if let Some(precision) = precision {
         builder = builder.mixed_precision(precision);
     }
+    let mut trackers = Vec::new();
     if let Some(dir) = &project {
-        builder = builder
-            .project_dir(dir)
-            .checkpoint_total_limit(2)
-            .log_with(&[Tracker::Csv, Tracker::TensorBoard]);
+        builder = builder.project_dir(dir).checkpoint_total_limit(2);
+        trackers.extend([Tracker::Csv, Tracker::TensorBoard]);
     }
-    let acc = builder.build()?;
+    if Tracker::MLflow.is_configured() {
+        trackers.push(Tracker::MLflow);
+    }
+    let acc = builder.log_with(&trackers).build()?;
+    acc.init_trackers(
+        "digits",
+        &serde_json::json!({ "epochs": epochs, "hidden": 128 }),
+    )?;
     let device = acc.device();
     let model = MlpConfig::new(digits::PIXELS, vec![128], digits::CLASSES).init(&device);
     let optim = AdamWConfig::new();

@@ -29,6 +29,7 @@ use accelerate_burn::{
     Tracker,
 };
 use accelerate_core::sampler::SplitMix64;
+use accelerate_core::throughput::{ThroughputMeter, transformer_flops_per_token};
 use accelerate_examples::text::{self, SharedText, TextBatch, TextBatcher, TextWindows};
 use accelerate_examples::transformer::{TransformerLm, TransformerLmConfig};
 use burn::module::Module;
@@ -42,7 +43,7 @@ use indicatif::{ProgressBar, ProgressStyle};
 const WARM_UP_UPDATES: u64 = 3;
 
 /// The example's settings (each one a flag).
-#[derive(Parser, Debug, Clone)]
+#[derive(Parser, Debug, Clone, serde::Serialize)]
 #[command(
     about = "Trains a byte-level transformer language model on Shakespeare's plays",
     args_override_self = true
@@ -193,13 +194,16 @@ pub fn train(args: &Args) -> anyhow::Result<Report> {
     if args.async_checkpoints {
         builder = builder.async_checkpoints(true);
     }
+    let mut trackers = Vec::new();
     if let Some(dir) = &args.project_dir {
-        builder = builder
-            .project_dir(dir)
-            .checkpoint_total_limit(2)
-            .log_with(&[Tracker::Csv, Tracker::TensorBoard]);
+        builder = builder.project_dir(dir).checkpoint_total_limit(2);
+        trackers.extend([Tracker::Csv, Tracker::TensorBoard]);
     }
-    let acc = builder.build()?;
+    if Tracker::MLflow.is_configured() {
+        trackers.push(Tracker::MLflow);
+    }
+    let acc = builder.log_with(&trackers).build()?;
+    acc.init_trackers("transformer_lm", &args)?;
 
     let config = TransformerLmConfig::new(
         text::VOCAB,
@@ -279,6 +283,15 @@ fn run<L: Unit<TransformerEncoderLayer>>(
     )?);
     bar.set_position(optim.updates());
     let tokens_per_update = (args.batch * args.context * acc.num_processes()) as f64;
+    // The trackers' throughput figures (tokens/s, model FLOPs/s, MFU with
+    // ACCELERATE_PEAK_FLOPS, peak memory), over each logging interval.
+    let mut meter =
+        ThroughputMeter::new(acc.num_processes()).flops_per_token(transformer_flops_per_token(
+            config.parameters() as u64,
+            args.layers as u64,
+            args.d_model as u64,
+            args.context as u64,
+        ));
     let (mut timed, mut waited, mut timed_updates) = (Duration::ZERO, Duration::ZERO, 0u64);
     let (mut interval_loss, mut interval_tokens, mut train_loss) = (0.0, 0.0, f64::NAN);
     let mut validation_value = None;
@@ -313,6 +326,10 @@ fn run<L: Unit<TransformerEncoderLayer>>(
             ema = acc.ema_update(ema, &model, args.ema_decay)?;
             interval_loss += f64::from(loss_sum.into_scalar::<f32>());
             interval_tokens += tokens as f64;
+            meter.record(tokens, args.batch as u64);
+            if optim.updates() == WARM_UP_UPDATES {
+                meter.restart();
+            }
             if optim.updates() > WARM_UP_UPDATES {
                 timed += started.elapsed();
                 waited += got_batch;
@@ -336,10 +353,10 @@ fn run<L: Unit<TransformerEncoderLayer>>(
                 );
                 bar.set_message(format!("loss {train_loss:.3}, {speed:.0} tokens/s"));
                 bar.suspend(|| acc.print(&line));
-                acc.log(
-                    &[("train/loss", train_loss), ("train/tokens_per_s", speed)],
-                    updates,
-                )?;
+                let mut metrics = vec![("train/loss", train_loss), ("train/tokens_per_s", speed)];
+                metrics.extend(meter.metrics());
+                metrics.extend(acc.device_memory_metrics());
+                acc.log(&metrics, updates)?;
             }
             if updates % args.eval_every == 0 || updates == last {
                 let value = evaluate(acc, &model, &validation)?;
@@ -362,6 +379,8 @@ fn run<L: Unit<TransformerEncoderLayer>>(
                     updates,
                 )?;
                 validation_value = Some((value, averaged));
+                // Evaluation is not training throughput.
+                meter.restart();
             }
             if args.project_dir.is_some() && (updates % checkpoint_every == 0 || updates == last) {
                 let started = Instant::now();

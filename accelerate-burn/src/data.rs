@@ -439,6 +439,8 @@ impl<I: 'static, O: Send + 'static> Iterator for BatchIter<'_, I, O> {
     type Item = Result<O, AccelerateError>;
 
     fn next(&mut self) -> Option<Self::Item> {
+        let training = matches!(self.prepared.role, LoaderRole::Train);
+        let wait = crate::phases::data_wait(if training { "train" } else { "eval" });
         let Some(batch) = self.batches.next() else {
             // The epoch is over: later gathers belong to no last batch.
             self.prepared.links.set_last_batch_padding(None);
@@ -469,6 +471,10 @@ impl<I: 'static, O: Send + 'static> Iterator for BatchIter<'_, I, O> {
                 &self.device,
             ),
         };
+        drop(wait);
+        if training {
+            crate::phases::batch_ready();
+        }
         Some(built.map_err(|source| AccelerateError::Data {
             rank,
             epoch: self.epoch,

@@ -196,6 +196,16 @@ pub enum AccelerateError {
         source: std::io::Error,
     },
 
+    /// A tracker failed (only returned with `tracker_errors_fatal(true)`; else a warning).
+    #[error("rank {rank}: {source}")]
+    Tracker {
+        /// This process's rank.
+        rank: usize,
+        /// Which tracker, and what happened.
+        #[source]
+        source: accelerate_core::TrackerError,
+    },
+
     /// A model's weight files could not be saved, read or merged.
     #[error("rank {rank}: {source}")]
     Weights {

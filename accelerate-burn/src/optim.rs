@@ -70,8 +70,11 @@ impl PreparedOptimizer {
                     return Err(AccelerateError::UnexpectedGradients { rank });
                 }
                 let mut cell = ModelCell(Some(model));
+                let phase = crate::phases::optimizer();
                 slot.reducer
                     .step(lr.into(), outcome, &mut cell, &self.comm)?;
+                drop(phase);
+                crate::phases::step_done(slot.windows.updates());
                 drop(slot);
                 cell.0
                     .ok_or(AccelerateError::UnexpectedGradients { rank })?

@@ -69,6 +69,8 @@ pub mod scaler;
 pub mod setting_table;
 pub mod settings;
 pub mod state;
+pub mod throughput;
+pub mod trace;
 pub mod tracking;
 pub mod wait;
 pub mod weights;
@@ -85,7 +87,7 @@ pub use error::{CommError, ConfigError, RendezvousWait, StateError};
 pub use launch_settings::{DeviceSelection, LaunchFlags, LaunchSettings};
 pub use scaler::{DynamicLossScaler, ScaledStep, ScalerConfig, ScalerState};
 pub use state::{EnvSource, Launcher, ProcessEnv, ProcessState};
-pub use tracking::{MetricsLogger, Tracker, TrackingError};
+pub use tracking::{GeneralTracker, RunInfo, RunStatus, Tracker, TrackerError, Trackers};
 
 /// The crate's README, whose examples run as doctests so that what crates.io shows compiles.
 #[cfg(doctest)]

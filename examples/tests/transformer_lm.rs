@@ -4,6 +4,10 @@
 //! train what burn-nn's do.
 
 mod common;
+#[path = "../../tests-support/mlflow.rs"]
+mod mlflow;
+#[path = "../../tests-support/tools.rs"]
+mod tools;
 #[allow(dead_code)]
 #[path = "../transformer_lm.rs"]
 mod transformer_example;
@@ -219,6 +223,135 @@ fn child() {
 fn two_processes_train_the_transformer_like_one_with_the_same_global_batches() {
     let single = run("transformer", 1, &[("TEST_BATCH", "16".to_string())]);
     assert_ranks_train_like(&single[0], 2, "0", &[]);
+}
+
+/// `ACCELERATE_TRACE` on two processes: a timeline per rank holding the last 4 steps, whose
+/// phases (waiting for data, forward, backward with its collectives, optimizer, the moving
+/// average) cover at least
+/// 95 % of each step's time (what they leave is the example's own bookkeeping between steps),
+/// and whose gradient collectives carry their bytes.
+#[test]
+fn two_ranks_write_timelines_whose_phases_add_up_to_each_step() {
+    let dir = tempfile::tempdir().unwrap();
+    let env = [
+        // Steps of tens of milliseconds: a scheduler's pause between two phases stays small.
+        ("TEST_BATCH", "32".to_string()),
+        ("ACCELERATE_TRACE", dir.path().display().to_string()),
+        ("ACCELERATE_TRACE_STEPS", "4".to_string()),
+    ];
+    for output in run("transformer", 2, &env) {
+        assert!(output.status.success(), "{output:?}");
+    }
+    for rank in 0..2 {
+        let path = dir.path().join(format!("trace_rank_{rank}.json"));
+        let trace: serde_json::Value =
+            serde_json::from_slice(&std::fs::read(&path).unwrap()).unwrap();
+        let events: Vec<&serde_json::Value> = trace["traceEvents"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .filter(|e| e["ph"] == "X")
+            .collect();
+        assert!(events.iter().all(|e| e["pid"] == rank));
+        let steps: Vec<&&serde_json::Value> =
+            events.iter().filter(|e| e["name"] == "step").collect();
+        let updates: Vec<u64> = steps
+            .iter()
+            .map(|s| s["args"]["update"].as_u64().unwrap())
+            .collect();
+        assert_eq!(updates, [5, 6, 7, 8], "rank {rank}");
+        for step in steps {
+            let (start, dur) = (step["ts"].as_f64().unwrap(), step["dur"].as_f64().unwrap());
+            let inside = |e: &&&serde_json::Value| {
+                let ts = e["ts"].as_f64().unwrap();
+                ts >= start && ts + e["dur"].as_f64().unwrap() <= start + dur + 1.0
+            };
+            let phases: f64 = events
+                .iter()
+                .filter(|e| {
+                    ["data_wait", "forward", "backward", "optimizer", "ema"]
+                        .contains(&e["name"].as_str().unwrap())
+                })
+                .filter(inside)
+                .map(|e| e["dur"].as_f64().unwrap())
+                .sum();
+            assert!(
+                phases <= dur + 1.0 && phases >= 0.95 * dur,
+                "rank {rank}: phases {phases} µs of a step of {dur} µs"
+            );
+            let gradient_bytes: u64 = events
+                .iter()
+                .filter(inside)
+                .filter(|e| {
+                    e["name"]
+                        .as_str()
+                        .is_some_and(|n| n.starts_with("all_reduce"))
+                })
+                .map(|e| e["args"]["bytes"].as_u64().unwrap())
+                .sum();
+            assert!(
+                gradient_bytes > 10_000,
+                "rank {rank}: {gradient_bytes} bytes reduced"
+            );
+        }
+    }
+}
+
+/// With `MLFLOW_TRACKING_URI` set, the example logs to a real MLflow server from two
+/// processes: one run (the main process's), its arguments and the accelerator's settings as
+/// params, the training loss and throughput at the logged updates, status FINISHED.
+#[test]
+fn the_example_logs_to_a_real_mlflow_server_from_two_processes() {
+    let dir = tempfile::tempdir().unwrap();
+    let Some(server) = mlflow::MlflowServer::start(dir.path()) else {
+        return;
+    };
+    let env = [
+        ("TEST_BATCH", "8".to_string()),
+        ("MLFLOW_TRACKING_URI", server.uri()),
+        ("MLFLOW_EXPERIMENT_NAME", "transformer".to_string()),
+    ];
+    for output in run("transformer", 2, &env) {
+        assert!(output.status.success(), "{output:?}");
+    }
+    let seen: serde_json::Value = serde_json::from_str(&server.python(
+        r#"
+import json
+from mlflow.tracking import MlflowClient
+c = MlflowClient()
+e = c.get_experiment_by_name("transformer")
+runs = c.search_runs([e.experiment_id])
+print(json.dumps([{
+    "params": r.data.params, "status": r.info.status,
+    "loss": [m.step for m in c.get_metric_history(r.info.run_id, "train/loss")],
+    "metrics": sorted(r.data.metrics),
+} for r in runs]))
+"#,
+    ))
+    .unwrap();
+    let runs = seen.as_array().unwrap();
+    assert_eq!(runs.len(), 1, "{seen}");
+    let run = &runs[0];
+    assert_eq!(run["status"], "FINISHED");
+    assert_eq!(run["params"]["accelerate.num_processes"], "2");
+    assert_eq!(run["params"]["steps"], "8");
+    assert_eq!(run["params"]["d_model"], "32");
+    assert_eq!(run["loss"], serde_json::json!([8]));
+    for metric in [
+        "perf/tokens_per_s",
+        "perf/model_flops_per_s",
+        "memory/peak_resident_bytes",
+        "validation/loss",
+    ] {
+        assert!(
+            run["metrics"]
+                .as_array()
+                .unwrap()
+                .iter()
+                .any(|m| m == metric),
+            "{metric}: {run}"
+        );
+    }
 }
 
 /// ZeRO-2 (each rank holds 1/N of the gradients, master parameters and AdamW state) on 2 and 4

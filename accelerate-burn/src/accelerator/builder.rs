@@ -7,13 +7,15 @@ use std::sync::atomic::AtomicBool;
 use std::sync::{Arc, Mutex};
 
 use accelerate_core::comm::{GroupOptions, ProcessGroup};
+use accelerate_core::tracking::GeneralTracker;
 use accelerate_core::{
     ConfigOverrides, DynamicLossScaler, MixedPrecision, NcclMode, ProcessState, ScalerConfig,
     Tracker,
 };
 use burn::tensor::DType;
 
-use super::{Accelerator, CheckpointSettings, Metrics};
+use super::tracking::Metrics;
+use super::{Accelerator, CheckpointSettings};
 use crate::backend::AcceleratorBackend;
 use crate::error::AccelerateError;
 use crate::group::Comm;
@@ -33,6 +35,8 @@ pub struct AcceleratorBuilder<B: AcceleratorBackend> {
     checkpoints: CheckpointSettings,
     checkpoint_limit_zero: bool,
     trackers: Vec<Tracker>,
+    custom_trackers: Vec<Box<dyn GeneralTracker>>,
+    tracker_errors_fatal: bool,
     keep_freed_memory: bool,
     sync_buffers: bool,
     _backend: PhantomData<B>,
@@ -49,6 +53,8 @@ impl<B: AcceleratorBackend> Default for AcceleratorBuilder<B> {
             checkpoints: CheckpointSettings::default(),
             checkpoint_limit_zero: false,
             trackers: Vec::new(),
+            custom_trackers: Vec::new(),
+            tracker_errors_fatal: false,
             keep_freed_memory: true,
             sync_buffers: true,
             _backend: PhantomData,
@@ -217,9 +223,25 @@ impl<B: AcceleratorBackend> AcceleratorBuilder<B> {
     }
 
     /// Where [`log`](Accelerator::log) writes metrics: a CSV file and/or TensorBoard event
-    /// files in `<project_dir>/logs` (needs [`project_dir`](Self::project_dir)).
+    /// files in `<project_dir>/logs` (these need [`project_dir`](Self::project_dir)), an
+    /// MLflow server (at `MLFLOW_TRACKING_URI`). On the main process only.
     pub fn log_with(mut self, trackers: &[Tracker]) -> Self {
         self.trackers = trackers.to_vec();
+        self
+    }
+
+    /// Adds a tracker of the user's own (a [`GeneralTracker`] impl), beside those of
+    /// [`log_with`](Self::log_with); it runs on the main process unless its
+    /// `main_process_only` says `false`.
+    pub fn add_tracker(mut self, tracker: impl GeneralTracker + 'static) -> Self {
+        self.custom_trackers.push(Box::new(tracker));
+        self
+    }
+
+    /// Makes a tracker's failure (a full disk, an MLflow server that refuses a value) an
+    /// error of the call that meets it; by default it is a warning and training goes on.
+    pub fn tracker_errors_fatal(mut self, fatal: bool) -> Self {
+        self.tracker_errors_fatal = fatal;
         self
     }
 
@@ -244,13 +266,23 @@ impl<B: AcceleratorBackend> AcceleratorBuilder<B> {
             None => ProcessState::from_env()?,
         };
         let rank = state.rank;
-        if !self.trackers.is_empty() && self.checkpoints.project_dir.is_none() {
+        if let Some(kind) = self.trackers.iter().find(|t| t.needs_log_dir())
+            && self.checkpoints.project_dir.is_none()
+        {
             return Err(AccelerateError::Misuse {
                 rank,
-                what: "log_with needs a directory for the logs".into(),
+                what: format!("log_with: the {kind} tracker needs a directory for the logs"),
                 hint: "also call .project_dir(path); metrics go to <path>/logs",
             });
         }
+        let metrics = Metrics::open(
+            &self.trackers,
+            self.custom_trackers,
+            self.tracker_errors_fatal,
+            self.checkpoints.project_dir.as_deref(),
+            state.is_main_process(),
+        )
+        .map_err(|source| AccelerateError::Tracker { rank, source })?;
         if let Some(dtype) = self.checkpoints.export_dtype
             && !matches!(dtype, DType::F32 | DType::BF16 | DType::F16)
         {
@@ -267,6 +299,7 @@ impl<B: AcceleratorBackend> AcceleratorBuilder<B> {
                 hint: "keep at least 1, or leave the limit unset to keep them all",
             });
         }
+        accelerate_core::trace::install_from_env(rank)?;
         let config = self.overrides.resolve()?;
         accelerate_core::malloc_tuning::keep_freed_memory(
             self.keep_freed_memory,
@@ -336,10 +369,7 @@ impl<B: AcceleratorBackend> AcceleratorBuilder<B> {
             background_save: Mutex::new(None),
             checkpoints: self.checkpoints,
             sync_buffers: self.sync_buffers,
-            metrics: Metrics {
-                trackers: self.trackers,
-                logger: Mutex::new(None),
-            },
+            metrics,
             state,
             config,
             device,

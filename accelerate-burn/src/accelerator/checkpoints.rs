@@ -62,6 +62,7 @@ impl<B: AcceleratorBackend> Accelerator<B> {
         checkpoint: &Checkpoint<'_, M>,
         rotation: Option<CheckpointRotation>,
     ) -> Result<bool, AccelerateError> {
+        let _phase = crate::phases::checkpoint("save");
         self.wait_for_checkpoint()?;
         let mode = match self.config.async_checkpoints {
             true => SaveMode::Background {
@@ -111,6 +112,7 @@ impl<B: AcceleratorBackend> Accelerator<B> {
         optimizer: &mut PreparedOptimizer,
         scheduler: Option<&mut PreparedScheduler>,
     ) -> Result<Restored<M>, AccelerateError> {
+        let _phase = crate::phases::checkpoint("load");
         self.wait_for_checkpoint()?;
         checkpoint::load::load_state(
             &self.checkpoint_context(),
@@ -228,11 +230,18 @@ impl<B: AcceleratorBackend> Accelerator<B> {
 impl<B: AcceleratorBackend> Drop for Accelerator<B> {
     /// Lets a checkpoint still being saved in the background finish (no collective: what
     /// fails is logged; call [`wait_for_checkpoint`](Accelerator::wait_for_checkpoint) to see
-    /// it as an error).
+    /// it as an error), and ends the run on the trackers.
     fn drop(&mut self) {
         if let Some(save) = self.lock_background_save().take() {
             let peers_failed = self.comm.is_distributed() && self.comm.lock().has_failed();
             save.finish_at_exit(peers_failed);
+        }
+        self.finish_trackers_at_exit();
+        if let Some(Err(err)) = accelerate_core::trace::write_installed() {
+            tracing::warn!(
+                rank = self.state.rank,
+                "the trace could not be written: {err}"
+            );
         }
     }
 }

@@ -13,14 +13,15 @@ mod prepare;
 mod sharded_weights;
 mod sharding;
 mod step;
+mod tracking;
 
 use std::fmt::Display;
 use std::marker::PhantomData;
 use std::path::PathBuf;
 use std::sync::atomic::AtomicBool;
-use std::sync::{Arc, Mutex, PoisonError};
+use std::sync::{Arc, Mutex};
 
-use accelerate_core::{AcceleratorConfig, MetricsLogger, ProcessState, Tracker};
+use accelerate_core::{AcceleratorConfig, ProcessState};
 use burn::lr_scheduler::module_lr_scheduler::ModuleLrScheduler;
 use burn::module::Module;
 use burn::optim::ModuleOptimizer;
@@ -77,7 +78,8 @@ pub struct Accelerator<B: AcceleratorBackend> {
     checkpoints: CheckpointSettings,
     /// The save being written in the background, if any (at most one).
     background_save: Mutex<Option<crate::checkpoint::BackgroundSave>>,
-    metrics: Metrics,
+    /// The run's trackers.
+    metrics: tracking::Metrics,
     /// Whether running states (BatchNorm statistics) are averaged at every update.
     sync_buffers: bool,
     _backend: PhantomData<B>,
@@ -95,12 +97,6 @@ struct CheckpointSettings {
     snapshot: crate::CheckpointSnapshot,
     /// The dtype `save_model` writes float parameters in (`None`: as the model holds them).
     export_dtype: Option<DType>,
-}
-
-/// Trackers of [`log`](Accelerator::log), opened at the first call (main process).
-struct Metrics {
-    trackers: Vec<Tracker>,
-    logger: Mutex<Option<MetricsLogger>>,
 }
 
 impl<B: AcceleratorBackend> Accelerator<B> {
@@ -394,40 +390,6 @@ impl<B: AcceleratorBackend> Accelerator<B> {
             (self.clock.clone(), self.links.clone()),
             (self.state.rank, self.state.world_size),
         )
-    }
-
-    /// Records `metrics` (name, value) at `step` in the trackers chosen with
-    /// [`log_with`](AcceleratorBuilder::log_with), on the main process only (others return at
-    /// once). Files are flushed at every call, so `tensorboard --logdir <project>/logs` shows
-    /// the run as it trains.
-    pub fn log(&self, metrics: &[(&str, f64)], step: u64) -> Result<(), AccelerateError> {
-        if !self.is_main_process() || self.metrics.trackers.is_empty() {
-            return Ok(());
-        }
-        let mut logger = self
-            .metrics
-            .logger
-            .lock()
-            .unwrap_or_else(PoisonError::into_inner);
-        let dir = self
-            .checkpoints
-            .project_dir
-            .clone()
-            .unwrap_or_default()
-            .join("logs");
-        let failed = |e: accelerate_core::TrackingError| AccelerateError::Io {
-            rank: self.state.rank,
-            action: "logging metrics",
-            path: e.path,
-            source: e.source,
-        };
-        if logger.is_none() {
-            *logger = Some(MetricsLogger::create(&dir, &self.metrics.trackers).map_err(failed)?);
-        }
-        match logger.as_mut() {
-            Some(logger) => logger.log(metrics, step).map_err(failed),
-            None => Ok(()),
-        }
     }
 
     /// The user's model as prepared. Prepared models are the user's own module type with no

@@ -68,6 +68,7 @@ impl<B: AcceleratorBackend> Accelerator<B> {
         kind: LossKind,
         model: &M,
     ) -> Result<Gradients, AccelerateError> {
+        let _phase = crate::phases::backward();
         let slot = self.slot_for(model)?;
         self.slots.set_latest(&slot);
         let mut state = slot.lock();
@@ -236,6 +237,7 @@ impl<B: AcceleratorBackend> Accelerator<B> {
         model: &M,
         decay: f64,
     ) -> Result<M, AccelerateError> {
+        let _phase = crate::phases::ema();
         if !(0.0..=1.0).contains(&decay) {
             return Err(AccelerateError::Misuse {
                 rank: self.state.rank,

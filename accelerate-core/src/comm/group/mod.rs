@@ -105,11 +105,19 @@ impl ProcessGroup {
         self.failed.is_some()
     }
 
-    /// Runs `f` on the engine; the first error poisons the group and is told to the peers.
+    /// Runs `f` on the engine for `call`; the first error poisons the group and is told to
+    /// the peers. A `collective` span (the operation, its bytes per rank, its sequence number)
+    /// covers it, for per-rank timelines (`crate::trace`).
     fn run(
         &mut self,
+        call: &CallDesc,
         f: impl FnOnce(&mut dyn Engine) -> Result<(), CommError>,
     ) -> Result<(), CommError> {
+        let bytes = call
+            .count
+            .saturating_mul(call.dtype.map_or(1, |d| d.size() as u64));
+        let _span =
+            tracing::info_span!("collective", op = call.op.name(), bytes, seq = call.seq).entered();
         if let Some(err) = &self.failed {
             return Err(err.clone());
         }
@@ -136,7 +144,9 @@ impl ProcessGroup {
         call.dtype = Some(T::DTYPE);
         call.reduce = Some(reduction.op());
         let scale = (reduction == Reduction::Mean).then(|| 1.0 / self.world_size as f32);
-        self.run(|e| e.all_reduce(&call, bytemuck::cast_slice_mut(buf), scale))
+        self.run(&call, |e| {
+            e.all_reduce(&call, bytemuck::cast_slice_mut(buf), scale)
+        })
     }
 
     /// Copies `root`'s `buf` into every rank's `buf`.
@@ -165,7 +175,7 @@ impl ProcessGroup {
         call.count = count as u64;
         call.dtype = dtype;
         call.root = Some(root as u32);
-        self.run(|e| e.broadcast(&call, buf, root))
+        self.run(&call, |e| e.broadcast(&call, buf, root))
     }
 
     /// Concatenates every rank's `input`, in rank order, into `output`, which must be
@@ -224,7 +234,7 @@ impl ProcessGroup {
         if self.engine.is_none() {
             output.copy_from_slice(input);
         }
-        self.run(|e| e.all_gather(&call, input, output))
+        self.run(&call, |e| e.all_gather(&call, input, output))
     }
 
     /// Reduces `input` across ranks and leaves this rank's chunk of the result in `output`:
@@ -255,7 +265,7 @@ impl ProcessGroup {
             output.copy_from_slice(input);
         }
         let n = self.world_size;
-        self.run(|e| {
+        self.run(&call, |e| {
             let out = bytemuck::cast_slice_mut(output);
             e.reduce_scatter(&call, bytemuck::cast_slice(input), out)?;
             if reduction == Reduction::Mean {
@@ -285,7 +295,7 @@ impl ProcessGroup {
         call.dtype = Some(T::DTYPE);
         call.buffer = Some(id);
         let mut mapped = None;
-        self.run(|e| {
+        self.run(&call, |e| {
             mapped = e.create_shared(&call, bytes)?;
             Ok(())
         })?;
@@ -315,7 +325,7 @@ impl ProcessGroup {
         call.buffer = Some(buf.id());
         let scale = (reduction == Reduction::Mean).then(|| 1.0 / self.world_size as f32);
         let in_place = buf.is_shared_memory();
-        self.run(|e| {
+        self.run(&call, |e| {
             let bytes = bytemuck::cast_slice_mut(&mut buf[..]);
             if in_place {
                 e.all_reduce_shared(&call, bytes, scale)
@@ -333,7 +343,7 @@ impl ProcessGroup {
     /// Returns once every rank has called it.
     pub fn barrier(&mut self) -> Result<(), CommError> {
         let call = self.call(OpKind::Barrier);
-        self.run(|e| e.barrier(&call))
+        self.run(&call, |e| e.barrier(&call))
     }
 
     /// `root`'s value on every rank. `value` is required on the root and ignored elsewhere.
