@@ -204,6 +204,7 @@ pub fn train(args: &Args) -> anyhow::Result<Report> {
     }
     let acc = builder.log_with(&trackers).build()?;
     acc.init_trackers("transformer_lm", &args)?;
+    acc.set_total_steps(args.stop_at.unwrap_or(args.steps).min(args.steps));
 
     let config = TransformerLmConfig::new(
         text::VOCAB,

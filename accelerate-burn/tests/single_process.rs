@@ -1271,3 +1271,103 @@ fn rebuilt_models_are_found_by_backward_after_a_load() {
     assert_eq!((optim_a.updates(), optim_b.updates()), (2, 2));
     assert_eq!((a.bits(), b.bits()), saved_run);
 }
+
+/// A tracker of the user's own, registered on the builder: it gets the run's configuration
+/// (the script's and the accelerator's `accelerate.*`), every value and text, and the end of
+/// the run with the status the accelerator's end gives it; its failure is a warning unless
+/// asked to be an error.
+#[test]
+fn a_users_tracker_gets_the_run_and_its_failures_are_fatal_only_when_asked() {
+    use accelerate_burn::{GeneralTracker, RunInfo, RunStatus, TrackerError};
+    use std::sync::{Arc, Mutex};
+
+    struct Recorder(Arc<Mutex<Vec<String>>>, bool);
+    impl GeneralTracker for Recorder {
+        fn name(&self) -> &str {
+            "recorder"
+        }
+        fn start(&mut self, run: &RunInfo) -> Result<(), TrackerError> {
+            let keys: Vec<String> = run.config.iter().map(|(k, v)| format!("{k}={v}")).collect();
+            self.0
+                .lock()
+                .unwrap()
+                .push(format!("start {} {}", run.project, keys.join(" ")));
+            Ok(())
+        }
+        fn log(&mut self, step: u64, metrics: &[(&str, f64)]) -> Result<(), TrackerError> {
+            self.0
+                .lock()
+                .unwrap()
+                .push(format!("log {step} {metrics:?}"));
+            match self.1 {
+                true => Err(TrackerError::Other {
+                    tracker: "recorder".into(),
+                    message: "disk full".into(),
+                }),
+                false => Ok(()),
+            }
+        }
+        fn log_text(&mut self, step: u64, name: &str, text: &str) -> Result<(), TrackerError> {
+            self.0
+                .lock()
+                .unwrap()
+                .push(format!("text {step} {name} {text}"));
+            Ok(())
+        }
+        fn finish(&mut self, status: RunStatus) -> Result<(), TrackerError> {
+            self.0.lock().unwrap().push(format!("finish {status:?}"));
+            Ok(())
+        }
+    }
+
+    for (failing, fatal) in [(false, false), (true, false), (true, true)] {
+        let calls = Arc::new(Mutex::new(Vec::new()));
+        let acc = Accelerator::<DefaultBackend>::builder()
+            .process_state(ProcessState::single())
+            .gradient_accumulation_steps(2)
+            .add_tracker(Recorder(calls.clone(), failing))
+            .tracker_errors_fatal(fatal)
+            .build()
+            .unwrap();
+        acc.init_trackers("demo", &serde_json::json!({"lr": 0.5}))
+            .unwrap();
+        let logged = acc.log(&[("loss", 1.5)], 3);
+        assert_eq!(logged.is_err(), fatal);
+        if let Err(err) = logged {
+            assert!(
+                err.to_string()
+                    .contains("rank 0: recorder tracker: disk full"),
+                "{err}"
+            );
+        }
+        acc.log_text("sample", "to be", 3).unwrap();
+        drop(acc);
+        let calls = calls.lock().unwrap();
+        assert_eq!(calls.len(), 4, "{calls:?}");
+        assert!(calls[0].starts_with("start demo "), "{}", calls[0]);
+        for key in [
+            "lr=0.5",
+            "accelerate.num_processes=1",
+            "accelerate.config.gradient_accumulation_steps=2",
+        ] {
+            assert!(calls[0].contains(key), "{key}: {}", calls[0]);
+        }
+        assert_eq!(calls[1], "log 3 [(\"loss\", 1.5)]");
+        assert_eq!(calls[2], "text 3 sample to be");
+        assert_eq!(calls[3], "finish Finished");
+    }
+
+    // MLflow without a server to talk to is an error at build, saying what to set.
+    if std::env::var_os("MLFLOW_TRACKING_URI").is_none() {
+        let err = Accelerator::<DefaultBackend>::builder()
+            .process_state(ProcessState::single())
+            .log_with(&[accelerate_burn::Tracker::MLflow])
+            .build()
+            .err()
+            .unwrap();
+        assert!(
+            err.to_string().contains("MLFLOW_TRACKING_URI is not set"),
+            "{err}"
+        );
+    }
+}

@@ -102,6 +102,16 @@ pub const NCCL_LIBRARY: &str = "ACCELERATE_NCCL_LIBRARY";
 /// Whether the accelerator keeps freed memory in the process (glibc's malloc thresholds):
 /// `true`/`false` (default true).
 pub const MALLOC_TUNING: &str = "ACCELERATE_MALLOC_TUNING";
+/// A directory: each rank writes its timeline there (`trace_rank_<r>.json`).
+pub const TRACE: &str = "ACCELERATE_TRACE";
+/// Which steps a timeline keeps: `N` (the last N) or `K..M`.
+pub const TRACE_STEPS: &str = "ACCELERATE_TRACE_STEPS";
+/// Where the main process writes its progress for `accelerate-rs launch` (set by the launcher).
+pub const PROGRESS_FILE: &str = "ACCELERATE_PROGRESS_FILE";
+/// Seconds between the launcher's progress lines when its output is not a terminal.
+pub const PROGRESS_EVERY: &str = "ACCELERATE_PROGRESS_EVERY";
+/// One process's peak FLOPs per second, for MFU.
+pub const PEAK_FLOPS: &str = "ACCELERATE_PEAK_FLOPS";
 
 /// Reads a boolean setting: `true`/`false`, `1`/`0`, `yes`/`no` (any case). Anything else is
 /// `None`, for the caller to report.

@@ -37,7 +37,7 @@ pub fn peak_resident_bytes() -> Option<u64> {
 /// The peak FLOPs per second of one process's hardware, from `ACCELERATE_PEAK_FLOPS` (e.g.
 /// `989e12` for an H100's dense bf16), when set to a positive number.
 pub fn peak_flops_from_env() -> Option<f64> {
-    std::env::var("ACCELERATE_PEAK_FLOPS")
+    std::env::var(crate::env_vars::PEAK_FLOPS)
         .ok()?
         .trim()
         .parse::<f64>()

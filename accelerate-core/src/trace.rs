@@ -68,10 +68,10 @@ impl StepWindow {
 /// `ACCELERATE_TRACE` and `ACCELERATE_TRACE_STEPS`, read: the directory and the window, or
 /// `None` when tracing is off.
 pub fn settings_from_env() -> Result<Option<(PathBuf, StepWindow)>, crate::ConfigError> {
-    let Some(dir) = std::env::var_os("ACCELERATE_TRACE").filter(|d| !d.is_empty()) else {
+    let Some(dir) = std::env::var_os(crate::env_vars::TRACE).filter(|d| !d.is_empty()) else {
         return Ok(None);
     };
-    let window = match std::env::var("ACCELERATE_TRACE_STEPS") {
+    let window = match std::env::var(crate::env_vars::TRACE_STEPS) {
         Ok(text) => StepWindow::parse(&text).ok_or_else(|| crate::ConfigError::Invalid {
             key: "ACCELERATE_TRACE_STEPS",
             source_name: "env".into(),

@@ -1,5 +1,8 @@
 //! `accelerate-rs launch` supervising real worker processes (small shell scripts as workers).
 
+#[path = "../../tests-support/built_example.rs"]
+mod built_example;
+
 use std::net::TcpListener;
 use std::process::{Command, Output};
 use std::time::{Duration, Instant};
@@ -341,4 +344,70 @@ fn a_process_started_by_a_worker_runs_as_any_program() {
             "{stdout}\n{stderr}"
         );
     }
+}
+
+/// Out of a terminal, the launcher prints the main process's progress as lines (here at
+/// every change): the update of the total, the loss and tokens/s; the last one at the end,
+/// with the validation loss; and the progress file is gone afterwards.
+#[test]
+fn the_launcher_prints_the_main_process_progress() {
+    let example = built_example::built_example("transformer_lm");
+    let tiny = [
+        "--steps",
+        "6",
+        "--log-every",
+        "2",
+        "--eval-every",
+        "100",
+        "--batch",
+        "4",
+        "--context",
+        "16",
+        "--layers",
+        "1",
+        "--d-model",
+        "16",
+        "--heads",
+        "2",
+        "--mlp",
+        "32",
+        "--eval-sequences",
+        "8",
+        "--sample-bytes",
+        "0",
+    ];
+    let output = Command::new(env!("CARGO_BIN_EXE_accelerate-rs"))
+        .args(["launch", "-n", "2"])
+        .arg(&example)
+        .args(tiny)
+        .env("ACCELERATE_PROGRESS_EVERY", "0")
+        .env("RAYON_NUM_THREADS", "1")
+        .output()
+        .unwrap();
+    let stderr = text(&output.stderr);
+    assert!(output.status.success(), "{stderr}");
+    let progress: Vec<&str> = stderr
+        .lines()
+        .filter(|l| l.starts_with("[progress] "))
+        .collect();
+    let last = progress
+        .last()
+        .unwrap_or_else(|| panic!("no progress line: {stderr}"));
+    assert!(
+        last.starts_with("[progress] update 6/6 (100 %): train/loss ")
+            && last.contains(", validation/loss ")
+            && last.contains(" tokens/s"),
+        "{last}"
+    );
+    assert!(progress.iter().all(|l| l.contains("/6 (")), "{progress:?}");
+    // With --no-progress, nothing is shown.
+    let quiet = Command::new(env!("CARGO_BIN_EXE_accelerate-rs"))
+        .args(["launch", "--no-progress", "-n", "2"])
+        .arg(&example)
+        .args(tiny)
+        .env("ACCELERATE_PROGRESS_EVERY", "0")
+        .output()
+        .unwrap();
+    assert!(quiet.status.success());
+    assert!(!text(&quiet.stderr).contains("[progress]"));
 }

@@ -4,11 +4,13 @@
 //! `accelerate-rs launch`, and a job that `scancel` ends. Needs root and the packages; skipped
 //! with a message without them, except in CI, which installs them.
 
-use std::path::{Path, PathBuf};
+use std::path::PathBuf;
 use std::process::{Command, Output};
 use std::sync::Mutex;
 use std::time::{Duration, Instant};
 
+#[path = "../../tests-support/built_example.rs"]
+mod built_example;
 #[path = "../../tests-support/slurm.rs"]
 mod slurm_cluster;
 #[path = "../../tests-support/tools.rs"]
@@ -26,16 +28,7 @@ fn cluster() -> Option<SlurmCluster> {
 
 /// The digits example, built beside this test by `cargo test --workspace`.
 fn digits() -> PathBuf {
-    let exe = std::env::current_exe().unwrap();
-    let profile_dir = exe.parent().and_then(Path::parent).unwrap();
-    let digits = profile_dir.join("examples").join("digits");
-    assert!(
-        digits.is_file(),
-        "{} is missing: run the workspace's tests (cargo test --workspace), or build it first \
-         (cargo build --example digits)",
-        digits.display()
-    );
-    digits
+    built_example::built_example("digits")
 }
 
 fn text(out: &Output) -> String {

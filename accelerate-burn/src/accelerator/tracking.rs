@@ -6,6 +6,7 @@
 
 use std::sync::{Mutex, MutexGuard, PoisonError};
 
+use accelerate_core::launch::progress::{self, Progress};
 use accelerate_core::tracking::{GeneralTracker, RunInfo, RunStatus, Tracker, Trackers};
 use serde::Serialize;
 
@@ -13,9 +14,11 @@ use super::Accelerator;
 use crate::backend::AcceleratorBackend;
 use crate::error::AccelerateError;
 
-/// The trackers of this process (none on other ranks for main-process-only ones).
+/// The trackers of this process (none on other ranks for main-process-only ones), and what
+/// the main process reports to `accelerate-rs launch`'s progress line.
 pub(super) struct Metrics {
     trackers: Mutex<Trackers>,
+    progress: Mutex<Progress>,
 }
 
 impl Metrics {
@@ -42,11 +45,29 @@ impl Metrics {
         }
         Ok(Self {
             trackers: Mutex::new(trackers),
+            progress: Mutex::new(Progress {
+                step: 0,
+                total: None,
+                metrics: Default::default(),
+            }),
         })
     }
 }
 
 impl<B: AcceleratorBackend> Accelerator<B> {
+    /// The number of updates the run trains for, for `accelerate-rs launch`'s progress line
+    /// (its percentage and time left).
+    pub fn set_total_steps(&self, total: u64) {
+        self.lock_progress().total = Some(total);
+    }
+
+    fn lock_progress(&self) -> MutexGuard<'_, Progress> {
+        self.metrics
+            .progress
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+    }
+
     fn trackers(&self) -> MutexGuard<'_, Trackers> {
         self.metrics
             .trackers
@@ -110,7 +131,18 @@ impl<B: AcceleratorBackend> Accelerator<B> {
     /// on the main process; other ranks return at once). File trackers flush at every call,
     /// so `tensorboard --logdir <project>/logs` shows the run as it trains; MLflow's values
     /// are sent from a thread of the tracker's own, never waited for here.
+    ///
+    /// Under `accelerate-rs launch`, the main process's values also feed the launcher's
+    /// progress line (with [`set_total_steps`](Self::set_total_steps) for the time left).
     pub fn log(&self, metrics: &[(&str, f64)], step: u64) -> Result<(), AccelerateError> {
+        if self.is_main_process() {
+            let mut shown = self.lock_progress();
+            shown.step = step;
+            for (name, value) in metrics {
+                shown.metrics.insert((*name).to_string(), *value);
+            }
+            progress::report(&shown);
+        }
         let mut trackers = self.trackers();
         if trackers.is_empty() {
             return Ok(());

@@ -25,8 +25,10 @@ use crate::state::contract::{DEFAULT_MASTER_PORT, WorkerIdentity};
 #[doc(inline)]
 pub use crate::state::follow_launcher;
 
+pub mod progress;
 mod relay;
 
+use progress::ProgressDisplay;
 use relay::relay;
 
 /// What to start, and how. Its `Debug` output hides the values of variables whose names say
@@ -47,6 +49,10 @@ pub struct LaunchConfig {
     pub env: Vec<(String, String)>,
     /// How long stopped workers get between SIGTERM and SIGKILL.
     pub grace: Duration,
+    /// Whether the launcher of the main process shows the run's progress (a bar on a
+    /// terminal, else a line every `ACCELERATE_PROGRESS_EVERY` seconds) from what the main
+    /// process logs.
+    pub progress: bool,
 }
 
 impl std::fmt::Debug for LaunchConfig {
@@ -76,6 +82,7 @@ impl std::fmt::Debug for LaunchConfig {
             .field("log_dir", &self.log_dir)
             .field("env", &env)
             .field("grace", &self.grace)
+            .field("progress", &self.progress)
             .finish()
     }
 }
@@ -92,6 +99,7 @@ impl Default for LaunchConfig {
             log_dir: None,
             env: Vec::new(),
             grace: Duration::from_secs(5),
+            progress: true,
         }
     }
 }
@@ -294,7 +302,13 @@ impl LaunchConfig {
         Ok(self.settings.main_process_port)
     }
 
-    fn spawn(&self, local_rank: usize, port: u16, token: &str) -> Result<Worker, LaunchError> {
+    fn spawn(
+        &self,
+        local_rank: usize,
+        port: u16,
+        token: &str,
+        progress: Option<&ProgressDisplay>,
+    ) -> Result<Worker, LaunchError> {
         use std::os::unix::process::CommandExt;
         let rank = self.settings.machine_rank * self.settings.num_processes + local_rank;
         let identity = WorkerIdentity {
@@ -317,6 +331,9 @@ impl LaunchConfig {
             // Its own process group: what the worker starts is stopped with it, and a
             // terminal's Ctrl-C reaches the launcher, which forwards it.
             .process_group(0);
+        if let Some(progress) = progress.filter(|_| rank == 0) {
+            cmd.env(crate::env_vars::PROGRESS_FILE, progress.file());
+        }
         cmd.env(crate::env_vars::JOB_TOKEN, token).env(
             crate::env_vars::LAUNCHER_PID,
             std::process::id().to_string(),
@@ -337,12 +354,13 @@ impl LaunchConfig {
             None => None,
         };
         let prefix = format!("[rank {rank}] ");
+        let bar = progress.map_or_else(indicatif::ProgressBar::hidden, ProgressDisplay::bar);
         let mut relays = Vec::new();
         if let Some(out) = child.stdout.take() {
-            relays.push(relay(out, prefix.clone(), false, log.clone()));
+            relays.push(relay(out, prefix.clone(), false, log.clone(), bar.clone()));
         }
         if let Some(err) = child.stderr.take() {
-            relays.push(relay(err, prefix, true, log));
+            relays.push(relay(err, prefix, true, log, bar));
         }
         Ok(Worker {
             rank,
@@ -361,9 +379,18 @@ impl LaunchConfig {
             Some(token) if self.settings.num_machines > 1 => token,
             _ => fresh_token()?,
         };
+        // The launcher of the main process shows its progress.
+        let mut progress = None;
+        if self.progress && self.settings.machine_rank == 0 {
+            use std::io::IsTerminal;
+            match ProgressDisplay::new(std::io::stderr().is_terminal()) {
+                Ok(display) => progress = Some(display),
+                Err(err) => tracing::debug!("no progress display: {err}"),
+            }
+        }
         let mut workers = Vec::with_capacity(self.settings.num_processes);
         for local_rank in 0..self.settings.num_processes {
-            match self.spawn(local_rank, port, &token) {
+            match self.spawn(local_rank, port, &token, progress.as_ref()) {
                 Ok(worker) => workers.push(worker),
                 Err(e) => {
                     self.stop(&mut workers, nix::sys::signal::Signal::SIGTERM);
@@ -400,8 +427,14 @@ impl LaunchConfig {
             if running.iter().all(|r| !r) {
                 break Ok(());
             }
+            if let Some(progress) = progress.as_mut() {
+                progress.poll();
+            }
             std::thread::sleep(Duration::from_millis(20));
         };
+        if let Some(progress) = progress {
+            progress.finish();
+        }
         // A signal to the launcher is passed on as itself; a failure stops the others politely.
         let signal = match &outcome {
             Err(LaunchError::Interrupted { signal }) => nix::sys::signal::Signal::try_from(*signal)

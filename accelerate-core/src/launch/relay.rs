@@ -1,6 +1,7 @@
 //! A worker's output, relayed line by line with its `[rank N]` prefix: whole lines under the
 //! terminal stream's lock, so the lines of several workers never interleave, and the same
-//! lines (without the prefix) into the rank's log file when there is one.
+//! lines (without the prefix) into the rank's log file when there is one; printed around the
+//! launcher's progress bar when it draws one.
 
 use std::fs::File;
 use std::io::{BufRead, BufReader, Read, Write};
@@ -13,6 +14,7 @@ pub(super) fn relay(
     prefix: String,
     to_stderr: bool,
     log: Option<Arc<Mutex<File>>>,
+    bar: indicatif::ProgressBar,
 ) -> JoinHandle<()> {
     std::thread::spawn(move || {
         let mut reader = BufReader::new(stream);
@@ -30,11 +32,14 @@ pub(super) fn relay(
             out.extend_from_slice(prefix.as_bytes());
             out.extend_from_slice(&line);
             // One write of a whole line under the stream's lock: lines never interleave.
-            let _ = if to_stderr {
-                std::io::stderr().lock().write_all(&out)
-            } else {
-                std::io::stdout().lock().write_all(&out)
-            };
+            // Around the launcher's progress bar, when it draws one.
+            let _ = bar.suspend(|| {
+                if to_stderr {
+                    std::io::stderr().lock().write_all(&out)
+                } else {
+                    std::io::stdout().lock().write_all(&out)
+                }
+            });
             if let Some(log) = &log {
                 let _ = log
                     .lock()

@@ -85,6 +85,12 @@ pub struct LaunchArgs {
     #[arg(long, default_value_t = 5.0)]
     grace_period: f64,
 
+    /// Do not show the run's progress (by default the main process's updates, loss, tokens/s
+    /// and time left: a bar on a terminal, else a line every ACCELERATE_PROGRESS_EVERY
+    /// seconds, default 30).
+    #[arg(long)]
+    no_progress: bool,
+
     /// Build this cargo example of the current workspace and launch it.
     #[arg(long, conflicts_with = "bin")]
     example: Option<String>,
@@ -180,6 +186,7 @@ pub fn run(args: LaunchArgs) -> anyhow::Result<ExitCode> {
         log_dir: args.log_dir,
         env,
         grace,
+        progress: !args.no_progress,
     };
     // Ctrl-C, and what `timeout`, systemd, Slurm's scancel, Kubernetes (SIGTERM) and a closed
     // terminal (SIGHUP) send: each stops the workers with the same signal.

@@ -56,6 +56,8 @@ pub fn run(args: TestArgs) -> anyhow::Result<ExitCode> {
             num_processes,
             ..LaunchSettings::default()
         },
+        // The check logs no progress.
+        progress: false,
         ..LaunchConfig::default()
     };
     println!(
