@@ -71,6 +71,8 @@ pub fn train(
         "digits",
         &serde_json::json!({ "epochs": epochs, "hidden": 128 }),
     )?;
+    // The loss is logged once per epoch: the launcher's progress line counts epochs.
+    acc.set_total_steps(epochs);
     let device = acc.device();
     let model = MlpConfig::new(digits::PIXELS, vec![128], digits::CLASSES).init(&device);
     let optim = AdamWConfig::new();
@@ -118,8 +120,9 @@ pub fn train(
             bar.inc(1);
         }
         final_loss = epoch_loss / train.len() as f32;
+        // To the trackers chosen above (none without a project directory or an MLflow server).
+        acc.log(&[("train/loss", f64::from(final_loss))], epoch + 1)?;
         if project.is_some() {
-            acc.log(&[("train/loss", f64::from(final_loss))], epoch + 1)?;
             acc.save_checkpoint(&Checkpoint::new(&model, &optim))?;
         }
     }

@@ -294,6 +294,7 @@ impl<I: 'static, O: Send + 'static> PreparedDataLoader<I, O> {
             )
         });
         BatchIter {
+            _evaluation: matches!(self.role, LoaderRole::Eval).then(crate::phases::evaluation),
             prepared: self,
             batches: batches.into_iter(),
             epoch,
@@ -433,6 +434,8 @@ pub struct BatchIter<'a, I, O> {
     prefetch: Option<Prefetcher<O>>,
     /// Where batches are built.
     device: Device,
+    /// An evaluation loader's pass, as a timeline phase (until the iterator is dropped).
+    _evaluation: Option<tracing::Span>,
 }
 
 impl<I: 'static, O: Send + 'static> Iterator for BatchIter<'_, I, O> {

@@ -2,7 +2,7 @@
 //! (`ACCELERATE_TRACE`, see `accelerate_core::trace`): `step` (from the end of one update to
 //! the end of the next), `data_wait` (a prepared loader's `next`), `forward` (from the batch
 //! to `backward`: the user's forward pass and loss), `backward` (with the gradient
-//! collectives inside it), `optimizer`, `ema` (a moving average of the weights), `checkpoint`. Without a subscriber every call here is a
+//! collectives inside it), `optimizer`, `ema` (a moving average of the weights), `evaluation` (a pass over an evaluation loader), `checkpoint`. Without a subscriber every call here is a
 //! check of a cached flag.
 //!
 //! The spans of a step outlive the calls that open them, so they are kept per thread: the
@@ -74,6 +74,12 @@ pub(crate) fn step_done(update: u64) {
 /// Updating a moving average of the weights (`ema_update`).
 pub(crate) fn ema() -> EnteredSpan {
     tracing::info_span!("ema").entered()
+}
+
+/// A pass over an evaluation loader (its batches and what the loop does with them), kept by
+/// the loader's iterator until it is dropped.
+pub(crate) fn evaluation() -> Span {
+    tracing::info_span!("evaluation")
 }
 
 /// Saving or loading a checkpoint (`action`: "save", "load").

@@ -4,8 +4,9 @@
 //! bounded window of steps, and writes `trace_rank_<r>.json` into a directory (open it in
 //! <https://ui.perfetto.dev> or `chrome://tracing`; several ranks' files load side by side).
 //!
-//! `ACCELERATE_TRACE=<dir>` turns it on (the accelerator installs the layer at build, unless
-//! the program has its own subscriber: then add [`TraceLayer`] to it);
+//! `ACCELERATE_TRACE=<dir>` or the accelerator builder's `trace(dir, window)` turns it on (the
+//! accelerator installs the layer at build, unless the program has its own subscriber: then
+//! add [`TraceLayer`] to it);
 //! `ACCELERATE_TRACE_STEPS` chooses the window: `N` (the last N steps, default 20) or `K..M`
 //! (steps K to M, counted from 1).
 //!
@@ -330,20 +331,26 @@ where
 /// The timeline installed by [`install_from_env`], written by [`write_installed`].
 static INSTALLED: Mutex<Option<Arc<Timeline>>> = Mutex::new(None);
 
-/// With `ACCELERATE_TRACE` set, installs a subscriber with the trace layer for rank `rank`
-/// (and warnings to stderr, as `RUST_LOG` says) as the process's default. A program that has
-/// a subscriber of its own keeps it, and is told to add [`TraceLayer`] to it.
+/// With `ACCELERATE_TRACE` set, installs the trace layer for rank `rank` (see [`install`]).
 pub fn install_from_env(rank: usize) -> Result<(), crate::ConfigError> {
+    if let Some((dir, window)) = settings_from_env()? {
+        install(&dir, window, rank);
+    }
+    Ok(())
+}
+
+/// Installs a subscriber with the trace layer for rank `rank` (writing into `dir`, keeping
+/// `window`) and warnings to stderr (as `RUST_LOG` says) as the process's default. A program
+/// that has a subscriber of its own keeps it, and is told to add [`TraceLayer`] to it. A
+/// second call does nothing.
+pub fn install(dir: &Path, window: StepWindow, rank: usize) {
     use tracing_subscriber::layer::SubscriberExt;
     use tracing_subscriber::{EnvFilter, Layer};
-    let Some((dir, window)) = settings_from_env()? else {
-        return Ok(());
-    };
     let mut installed = INSTALLED.lock().unwrap_or_else(PoisonError::into_inner);
     if installed.is_some() {
-        return Ok(());
+        return;
     }
-    let layer = TraceLayer::new(&dir, rank, window);
+    let layer = TraceLayer::new(dir, rank, window);
     let timeline = layer.timeline();
     let filter = EnvFilter::try_from_default_env().unwrap_or_else(|_| EnvFilter::new("warn"));
     let subscriber = tracing_subscriber::registry()
@@ -355,13 +362,12 @@ pub fn install_from_env(rank: usize) -> Result<(), crate::ConfigError> {
         );
     if tracing::subscriber::set_global_default(subscriber).is_err() {
         eprintln!(
-            "accelerate-rs: ACCELERATE_TRACE is set but this program installed a tracing \
+            "accelerate-rs: a trace was asked for but this program installed a tracing \
              subscriber of its own: add accelerate_core::trace::TraceLayer to it to get a trace"
         );
-        return Ok(());
+        return;
     }
     *installed = Some(timeline);
-    Ok(())
 }
 
 /// Writes the installed timeline's file, if one is installed (the accelerator does at its

@@ -2,6 +2,10 @@
 
 #[path = "../../tests-support/built_example.rs"]
 mod built_example;
+#[path = "../../tests-support/mlflow.rs"]
+mod mlflow;
+#[path = "../../tests-support/tools.rs"]
+mod tools;
 
 use std::net::TcpListener;
 use std::process::{Command, Output};
@@ -410,4 +414,91 @@ fn the_launcher_prints_the_main_process_progress() {
         .unwrap();
     assert!(quiet.status.success());
     assert!(!text(&quiet.stderr).contains("[progress]"));
+}
+
+/// With `MLFLOW_TRACKING_URI` set, both examples log to a real MLflow server under
+/// `accelerate-rs launch -n 2`: one run each (the main process's), with the script's
+/// arguments and the accelerator's settings as params, the logged metrics, status FINISHED.
+#[test]
+fn the_examples_log_to_a_real_mlflow_server_under_launch() {
+    let dir = tempfile::tempdir().unwrap();
+    let Some(server) = mlflow::MlflowServer::start(dir.path()) else {
+        return;
+    };
+    let tiny_lm = [
+        "--steps",
+        "6",
+        "--log-every",
+        "3",
+        "--eval-every",
+        "6",
+        "--batch",
+        "4",
+        "--context",
+        "16",
+        "--layers",
+        "1",
+        "--d-model",
+        "16",
+        "--heads",
+        "2",
+        "--mlp",
+        "32",
+        "--eval-sequences",
+        "8",
+        "--sample-bytes",
+        "0",
+    ];
+    for (example, args, experiment) in [
+        ("transformer_lm", &tiny_lm[..], "transformer"),
+        ("digits", &["--epochs", "2"][..], "digits"),
+    ] {
+        let output = Command::new(env!("CARGO_BIN_EXE_accelerate-rs"))
+            .args(["launch", "--no-progress", "-n", "2"])
+            .arg(built_example::built_example(example))
+            .args(args)
+            .env("MLFLOW_TRACKING_URI", server.uri())
+            .env("MLFLOW_EXPERIMENT_NAME", experiment)
+            .env("RAYON_NUM_THREADS", "1")
+            .output()
+            .unwrap();
+        assert!(output.status.success(), "{}", text(&output.stderr));
+    }
+    let seen: serde_json::Value = serde_json::from_str(&server.python(
+        r#"
+import json
+from mlflow.tracking import MlflowClient
+c = MlflowClient()
+out = {}
+for name, metric in [("transformer", "train/loss"), ("digits", "train/loss")]:
+    e = c.get_experiment_by_name(name)
+    out[name] = [{
+        "params": r.data.params, "status": r.info.status, "metrics": sorted(r.data.metrics),
+        "steps": [m.step for m in c.get_metric_history(r.info.run_id, metric)],
+    } for r in c.search_runs([e.experiment_id])]
+print(json.dumps(out))
+"#,
+    ))
+    .unwrap();
+    let lm = seen["transformer"].as_array().unwrap();
+    assert_eq!(lm.len(), 1, "one run, the main process's: {seen}");
+    assert_eq!(lm[0]["status"], "FINISHED");
+    assert_eq!(lm[0]["params"]["accelerate.num_processes"], "2");
+    assert_eq!(lm[0]["params"]["steps"], "6");
+    assert_eq!(lm[0]["params"]["d_model"], "16");
+    assert_eq!(lm[0]["steps"], serde_json::json!([3, 6]));
+    let metrics = lm[0]["metrics"].as_array().unwrap();
+    for metric in [
+        "perf/tokens_per_s",
+        "perf/model_flops_per_s",
+        "memory/peak_resident_bytes",
+        "validation/loss",
+    ] {
+        assert!(metrics.iter().any(|m| m == metric), "{metric}: {seen}");
+    }
+    let digits = seen["digits"].as_array().unwrap();
+    assert_eq!(digits.len(), 1, "{seen}");
+    assert_eq!(digits[0]["status"], "FINISHED");
+    assert_eq!(digits[0]["params"]["epochs"], "2");
+    assert_eq!(digits[0]["steps"], serde_json::json!([1, 2]));
 }

@@ -4,10 +4,6 @@
 //! train what burn-nn's do.
 
 mod common;
-#[path = "../../tests-support/mlflow.rs"]
-mod mlflow;
-#[path = "../../tests-support/tools.rs"]
-mod tools;
 #[allow(dead_code)]
 #[path = "../transformer_lm.rs"]
 mod transformer_example;
@@ -294,63 +290,6 @@ fn two_ranks_write_timelines_whose_phases_add_up_to_each_step() {
                 "rank {rank}: {gradient_bytes} bytes reduced"
             );
         }
-    }
-}
-
-/// With `MLFLOW_TRACKING_URI` set, the example logs to a real MLflow server from two
-/// processes: one run (the main process's), its arguments and the accelerator's settings as
-/// params, the training loss and throughput at the logged updates, status FINISHED.
-#[test]
-fn the_example_logs_to_a_real_mlflow_server_from_two_processes() {
-    let dir = tempfile::tempdir().unwrap();
-    let Some(server) = mlflow::MlflowServer::start(dir.path()) else {
-        return;
-    };
-    let env = [
-        ("TEST_BATCH", "8".to_string()),
-        ("MLFLOW_TRACKING_URI", server.uri()),
-        ("MLFLOW_EXPERIMENT_NAME", "transformer".to_string()),
-    ];
-    for output in run("transformer", 2, &env) {
-        assert!(output.status.success(), "{output:?}");
-    }
-    let seen: serde_json::Value = serde_json::from_str(&server.python(
-        r#"
-import json
-from mlflow.tracking import MlflowClient
-c = MlflowClient()
-e = c.get_experiment_by_name("transformer")
-runs = c.search_runs([e.experiment_id])
-print(json.dumps([{
-    "params": r.data.params, "status": r.info.status,
-    "loss": [m.step for m in c.get_metric_history(r.info.run_id, "train/loss")],
-    "metrics": sorted(r.data.metrics),
-} for r in runs]))
-"#,
-    ))
-    .unwrap();
-    let runs = seen.as_array().unwrap();
-    assert_eq!(runs.len(), 1, "{seen}");
-    let run = &runs[0];
-    assert_eq!(run["status"], "FINISHED");
-    assert_eq!(run["params"]["accelerate.num_processes"], "2");
-    assert_eq!(run["params"]["steps"], "8");
-    assert_eq!(run["params"]["d_model"], "32");
-    assert_eq!(run["loss"], serde_json::json!([8]));
-    for metric in [
-        "perf/tokens_per_s",
-        "perf/model_flops_per_s",
-        "memory/peak_resident_bytes",
-        "validation/loss",
-    ] {
-        assert!(
-            run["metrics"]
-                .as_array()
-                .unwrap()
-                .iter()
-                .any(|m| m == metric),
-            "{metric}: {run}"
-        );
     }
 }
 

@@ -7,6 +7,7 @@ use std::sync::atomic::AtomicBool;
 use std::sync::{Arc, Mutex};
 
 use accelerate_core::comm::{GroupOptions, ProcessGroup};
+use accelerate_core::trace::StepWindow;
 use accelerate_core::tracking::GeneralTracker;
 use accelerate_core::{
     ConfigOverrides, DynamicLossScaler, MixedPrecision, NcclMode, ProcessState, ScalerConfig,
@@ -37,6 +38,7 @@ pub struct AcceleratorBuilder<B: AcceleratorBackend> {
     trackers: Vec<Tracker>,
     custom_trackers: Vec<Box<dyn GeneralTracker>>,
     tracker_errors_fatal: bool,
+    trace: Option<(PathBuf, StepWindow)>,
     keep_freed_memory: bool,
     sync_buffers: bool,
     _backend: PhantomData<B>,
@@ -55,6 +57,7 @@ impl<B: AcceleratorBackend> Default for AcceleratorBuilder<B> {
             trackers: Vec::new(),
             custom_trackers: Vec::new(),
             tracker_errors_fatal: false,
+            trace: None,
             keep_freed_memory: true,
             sync_buffers: true,
             _backend: PhantomData,
@@ -245,6 +248,15 @@ impl<B: AcceleratorBackend> AcceleratorBuilder<B> {
         self
     }
 
+    /// Writes this rank's timeline (`trace_rank_<r>.json`: every step's phases and
+    /// collectives, see `accelerate_core::trace`) into `dir` when the accelerator ends,
+    /// keeping `window` (`StepWindow::Last(20)`, or `Range(k, m)`); wins over
+    /// `ACCELERATE_TRACE`.
+    pub fn trace(mut self, dir: impl Into<PathBuf>, window: StepWindow) -> Self {
+        self.trace = Some((dir.into(), window));
+        self
+    }
+
     /// Uses `state` instead of reading the launcher environment.
     pub fn process_state(mut self, state: ProcessState) -> Self {
         self.state = Some(state);
@@ -299,7 +311,10 @@ impl<B: AcceleratorBackend> AcceleratorBuilder<B> {
                 hint: "keep at least 1, or leave the limit unset to keep them all",
             });
         }
-        accelerate_core::trace::install_from_env(rank)?;
+        match &self.trace {
+            Some((dir, window)) => accelerate_core::trace::install(dir, *window, rank),
+            None => accelerate_core::trace::install_from_env(rank)?,
+        }
         let config = self.overrides.resolve()?;
         accelerate_core::malloc_tuning::keep_freed_memory(
             self.keep_freed_memory,
