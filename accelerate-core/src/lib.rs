@@ -39,8 +39,12 @@
 //! - `nccl` (Unix): finding libnccl, and agreeing whether a job reduces with it (no GPU needed).
 //! - [`input_file`]: config files and manifests, read up to a size limit.
 //! - [`output_file`]: logs and metrics files, never written through a symbolic link.
-//! - [`tracking`]: metrics to CSV and TensorBoard event files (main process).
-//! - `launch` (Unix): starting and supervising the workers of one machine.
+//! - [`tracking`]: trackers ([`GeneralTracker`]): CSV, TensorBoard (with hparams), MLflow's
+//!   REST API, and users' own, fanned out by [`Trackers`].
+//! - [`trace`]: per-rank Chrome/Perfetto timelines from `tracing` spans (`ACCELERATE_TRACE`).
+//! - [`throughput`]: tokens/s, model FLOPs/s, MFU and peak memory as tracker metrics.
+//! - `launch` (Unix): starting and supervising the workers of one machine, and its progress
+//!   line.
 //! - [`wait`]: configured waits, bounded, and deadlines that cannot overflow.
 //! - [`weights`]: safetensors headers, the Hugging Face sharded layout, merging shards.
 //! - [`memory_estimate`]: what each ZeRO stage holds per process.

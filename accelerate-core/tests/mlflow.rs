@@ -92,6 +92,38 @@ fn params_metrics_texts_and_status_reach_a_real_server() {
         "import mlflow; print(mlflow.artifacts.load_text('runs:/{id}/sample/step_3.txt'))"
     ));
     assert_eq!(text.trim_end(), "to be or not to be");
+
+    // An experiment the server does not have: the run cannot be created. The failure reaches
+    // the training thread as an error naming the request (a warning through the accelerator),
+    // and finishing waits no longer than the flush timeout.
+    let vars = |name: &str| match name {
+        "MLFLOW_TRACKING_URI" => Some(server.uri()),
+        "MLFLOW_EXPERIMENT_ID" => Some("987654321".to_string()),
+        "ACCELERATE_MLFLOW_FLUSH_TIMEOUT" => Some("2".to_string()),
+        _ => None,
+    };
+    let mut refused = MlflowTracker::new(MlflowConfig::from_vars(vars).unwrap());
+    refused.start(&RunInfo::new("nowhere")).unwrap();
+    let deadline = Instant::now() + Duration::from_secs(30);
+    let err = loop {
+        if let Err(err) = refused.log(1, &[("loss", 1.0)]) {
+            break err;
+        }
+        assert!(Instant::now() < deadline, "no failure was reported");
+        std::thread::sleep(Duration::from_millis(100));
+    };
+    assert!(
+        err.to_string().contains("the run could not be created"),
+        "{err}"
+    );
+    let started = Instant::now();
+    let finished = refused.finish(RunStatus::Finished);
+    assert!(started.elapsed() < Duration::from_secs(10));
+    let err = finished.unwrap_err().to_string();
+    assert!(
+        err.contains("still queued when the flush timeout ran out"),
+        "{err}"
+    );
 }
 
 #[test]

@@ -350,19 +350,16 @@ fn a_process_started_by_a_worker_runs_as_any_program() {
     }
 }
 
-/// Out of a terminal, the launcher prints the main process's progress as lines (here at
-/// every change): the update of the total, the loss and tokens/s; the last one at the end,
-/// with the validation loss; and the progress file is gone afterwards.
-#[test]
-fn the_launcher_prints_the_main_process_progress() {
-    let example = built_example::built_example("transformer_lm");
-    let tiny = [
+/// The transformer example's arguments for a model that trains 6 updates in a moment, logging
+/// every `log_every` and evaluating at `eval_every`.
+fn tiny_transformer<'a>(log_every: &'a str, eval_every: &'a str) -> Vec<&'a str> {
+    vec![
         "--steps",
         "6",
         "--log-every",
-        "2",
+        log_every,
         "--eval-every",
-        "100",
+        eval_every,
         "--batch",
         "4",
         "--context",
@@ -379,11 +376,20 @@ fn the_launcher_prints_the_main_process_progress() {
         "8",
         "--sample-bytes",
         "0",
-    ];
+    ]
+}
+
+/// Out of a terminal, the launcher prints the main process's progress as lines (here at
+/// every change): the update of the total, the loss and tokens/s; the last one at the end,
+/// with the validation loss; and the progress file is gone afterwards.
+#[test]
+fn the_launcher_prints_the_main_process_progress() {
+    let example = built_example::built_example("transformer_lm");
+    let tiny = tiny_transformer("2", "100");
     let output = Command::new(env!("CARGO_BIN_EXE_accelerate-rs"))
         .args(["launch", "-n", "2"])
         .arg(&example)
-        .args(tiny)
+        .args(&tiny)
         .env("ACCELERATE_PROGRESS_EVERY", "0")
         .env("RAYON_NUM_THREADS", "1")
         .output()
@@ -408,7 +414,7 @@ fn the_launcher_prints_the_main_process_progress() {
     let quiet = Command::new(env!("CARGO_BIN_EXE_accelerate-rs"))
         .args(["launch", "--no-progress", "-n", "2"])
         .arg(&example)
-        .args(tiny)
+        .args(&tiny)
         .env("ACCELERATE_PROGRESS_EVERY", "0")
         .output()
         .unwrap();
@@ -425,32 +431,12 @@ fn the_examples_log_to_a_real_mlflow_server_under_launch() {
     let Some(server) = mlflow::MlflowServer::start(dir.path()) else {
         return;
     };
-    let tiny_lm = [
-        "--steps",
-        "6",
-        "--log-every",
-        "3",
-        "--eval-every",
-        "6",
-        "--batch",
-        "4",
-        "--context",
-        "16",
-        "--layers",
-        "1",
-        "--d-model",
-        "16",
-        "--heads",
-        "2",
-        "--mlp",
-        "32",
-        "--eval-sequences",
-        "8",
-        "--sample-bytes",
-        "0",
-    ];
     for (example, args, experiment) in [
-        ("transformer_lm", &tiny_lm[..], "transformer"),
+        (
+            "transformer_lm",
+            &tiny_transformer("3", "6")[..],
+            "transformer",
+        ),
         ("digits", &["--epochs", "2"][..], "digits"),
     ] {
         let output = Command::new(env!("CARGO_BIN_EXE_accelerate-rs"))

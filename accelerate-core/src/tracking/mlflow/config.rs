@@ -6,7 +6,8 @@ use std::time::Duration;
 use crate::tracking::TrackerError;
 
 /// Where and how to reach the MLflow server.
-#[derive(Debug, Clone, PartialEq)]
+/// Its `Debug` output hides the `Authorization` value (a token or a password).
+#[derive(Clone, PartialEq)]
 pub struct MlflowConfig {
     /// The server's base URL (`http://127.0.0.1:5000`), without a trailing slash.
     pub tracking_uri: String,
@@ -24,6 +25,25 @@ pub struct MlflowConfig {
     pub buffer: usize,
     /// How long `finish` waits for queued values to reach the server.
     pub flush_timeout: Duration,
+}
+
+impl std::fmt::Debug for MlflowConfig {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let authorization = self
+            .authorization
+            .as_ref()
+            .map(|_| crate::comm::secret::REDACTED);
+        f.debug_struct("MlflowConfig")
+            .field("tracking_uri", &self.tracking_uri)
+            .field("experiment_name", &self.experiment_name)
+            .field("experiment_id", &self.experiment_id)
+            .field("run_id", &self.run_id)
+            .field("authorization", &authorization)
+            .field("tags", &self.tags)
+            .field("buffer", &self.buffer)
+            .field("flush_timeout", &self.flush_timeout)
+            .finish()
+    }
 }
 
 impl MlflowConfig {
@@ -158,6 +178,7 @@ mod tests {
         ]))
         .unwrap();
         assert_eq!(token.authorization.as_deref(), Some("Bearer t0k"));
+        assert!(!format!("{token:?}").contains("t0k"));
 
         for (bad, says) in [
             (vec![], "MLFLOW_TRACKING_URI is not set"),

@@ -208,7 +208,15 @@ impl Sender {
                 ));
                 self.backoff = (self.backoff * 2).min(LONGEST_RETRY);
             }
-            Err(Failure::Reject(detail)) => self.report(detail),
+            // A refused batch was dropped: the rest goes on at once. A refused run leaves
+            // nothing to send to: ask again later (the server's settings may change), never
+            // in a tight loop.
+            Err(Failure::Reject(detail)) if self.run_id.is_some() => self.report(detail),
+            Err(Failure::Reject(detail)) => {
+                self.retry_at = Instant::now() + self.backoff;
+                self.report(detail);
+                self.backoff = (self.backoff * 2).min(LONGEST_RETRY);
+            }
         }
         if self.dropped > 0 {
             let dropped = std::mem::take(&mut self.dropped);
@@ -388,9 +396,18 @@ impl Sender {
     fn end(&mut self, status: RunStatus) {
         let lost = self.metrics.len() + self.params.len() + self.texts.len();
         if lost > 0 {
+            // What is lost matters most at the end: it replaces an unreported failure, whose
+            // words it keeps.
+            let last = match self.lock_state().take_news() {
+                Some(TrackerError::Server { detail, .. }) => {
+                    format!("; the last failure: {detail}")
+                }
+                Some(other) => format!("; the last failure: {other}"),
+                None => String::new(),
+            };
             self.report(format!(
                 "{lost} values were still queued when the flush timeout ran out (raise \
-                 ACCELERATE_MLFLOW_FLUSH_TIMEOUT, or check that the server is up)"
+                 ACCELERATE_MLFLOW_FLUSH_TIMEOUT, or check that the server is up){last}"
             ));
         }
         let Some(run_id) = self.run_id.clone() else {
