@@ -404,7 +404,7 @@ fn the_launcher_prints_the_main_process_progress() {
         .last()
         .unwrap_or_else(|| panic!("no progress line: {stderr}"));
     assert!(
-        last.starts_with("[progress] update 6/6 (100 %): train/loss ")
+        last.starts_with("[progress] step 6/6 (100 %): train/loss ")
             && last.contains(", validation/loss ")
             && last.contains(" tokens/s"),
         "{last}"

@@ -76,7 +76,7 @@ impl ProgressDisplay {
         });
         let bar = if is_terminal {
             let bar = ProgressBar::with_draw_target(None, ProgressDrawTarget::stderr());
-            if let Ok(style) = ProgressStyle::with_template("{bar:30} {pos}/{len} updates {msg}") {
+            if let Ok(style) = ProgressStyle::with_template("{bar:30} {msg}") {
                 bar.set_style(style);
             }
             bar
@@ -167,13 +167,14 @@ fn read(path: &Path) -> Option<Progress> {
     serde_json::from_slice(&std::fs::read(path).ok()?).ok()
 }
 
-/// "update 40/100 (40 %): train/loss 2.3100, 4,100 tokens/s, 1 minute left".
+/// "step 40/100 (40 %): train/loss 2.3100, 4100 tokens/s, 1 minute left" (the step `acc.log`
+/// was given: updates in the transformer example, epochs in digits).
 fn describe(progress: &Progress, left: Option<Duration>) -> String {
     let mut parts = Vec::new();
-    let mut head = format!("update {}", progress.step);
+    let mut head = format!("step {}", progress.step);
     if let Some(total) = progress.total.filter(|t| *t > 0) {
         let percent = progress.step.saturating_mul(100) / total;
-        head = format!("update {}/{total} ({percent} %)", progress.step);
+        head = format!("step {}/{total} ({percent} %)", progress.step);
     }
     // Losses by that name first ("train/loss", "validation/loss"), then any other loss.
     let is_loss = |n: &str| n.rsplit('/').next() == Some("loss");
@@ -231,7 +232,7 @@ mod tests {
         };
         assert_eq!(
             describe(&progress, Some(Duration::from_secs(90))),
-            "update 40/100 (40 %): train/loss 2.3100, validation/loss 2.4000, 4100 tokens/s, 2 \
+            "step 40/100 (40 %): train/loss 2.3100, validation/loss 2.4000, 4100 tokens/s, 2 \
              minutes left"
         );
         let bare = Progress {
@@ -239,6 +240,6 @@ mod tests {
             total: None,
             metrics: BTreeMap::new(),
         };
-        assert_eq!(describe(&bare, None), "update 3");
+        assert_eq!(describe(&bare, None), "step 3");
     }
 }
