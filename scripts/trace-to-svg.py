@@ -53,9 +53,11 @@ def main():
         sys.exit(__doc__)
     folder, out = pathlib.Path(args[0]), pathlib.Path(args[1])
     ranks = {}
-    for path in sorted(folder.glob("trace_rank_*.json")):
+    # trace_rank_<r>.json, or trace_rank_<r>_<k>.json beside an earlier run's: the newest.
+    for path in sorted(folder.glob("trace_rank_*.json"), key=lambda p: p.stat().st_mtime):
         events = json.loads(path.read_text())["traceEvents"]
-        ranks[int(path.stem.rsplit("_", 1)[1])] = [e for e in events if e.get("ph") == "X"]
+        rank = int(path.stem[len("trace_rank_"):].split("_")[0])
+        ranks[rank] = [e for e in events if e.get("ph") == "X"]
     if not ranks:
         sys.exit(f"no trace_rank_*.json in {folder}")
     first = ranks[min(ranks)]

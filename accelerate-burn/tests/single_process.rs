@@ -1357,6 +1357,17 @@ fn a_users_tracker_gets_the_run_and_its_failures_are_fatal_only_when_asked() {
         assert_eq!(calls[3], "finish Finished");
     }
 
+    // A build refused for its settings leaves no log file behind.
+    let dir = tempfile::tempdir().unwrap();
+    let refused = Accelerator::<DefaultBackend>::builder()
+        .process_state(ProcessState::single())
+        .project_dir(dir.path())
+        .log_with(&[accelerate_burn::Tracker::Csv])
+        .checkpoint_total_limit(0)
+        .build();
+    assert!(refused.is_err());
+    assert!(!dir.path().join("logs").exists());
+
     // MLflow without a server to talk to is an error at build, saying what to set.
     if std::env::var_os("MLFLOW_TRACKING_URI").is_none() {
         let err = Accelerator::<DefaultBackend>::builder()

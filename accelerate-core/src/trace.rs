@@ -1,7 +1,8 @@
 //! Per-rank timelines: a `tracing` layer that turns every closed span (ours: `step`,
 //! `data_wait`, `forward`, `backward`, each collective with its bytes, `optimizer`,
 //! `checkpoint`; and a user's own) into a Chrome/Perfetto trace event, keeps those of a
-//! bounded window of steps, and writes `trace_rank_<r>.json` into a directory (open it in
+//! bounded window of steps, and writes `trace_rank_<r>.json` into a directory (beside an
+//! earlier run's, as `trace_rank_<r>_<k>.json`) (open it in
 //! <https://ui.perfetto.dev> or `chrome://tracing`; several ranks' files load side by side).
 //!
 //! `ACCELERATE_TRACE=<dir>` or the accelerator builder's `trace(dir, window)` turns it on (the
@@ -105,6 +106,8 @@ pub struct Timeline {
     window: StepWindow,
     origin: Instant,
     state: Mutex<Kept>,
+    /// The file this timeline writes, chosen at its first write (see [`Timeline::write`]).
+    path: Mutex<Option<PathBuf>>,
 }
 
 #[derive(Default)]
@@ -165,7 +168,8 @@ impl Timeline {
         }
     }
 
-    /// Writes `trace_rank_<r>.json` (replacing the one this timeline wrote before) and
+    /// Writes `trace_rank_<r>.json` (`trace_rank_<r>_<k>.json` when that name is taken; only
+    /// the file this timeline wrote before is ever replaced) and
     /// returns its path.
     pub fn write(&self) -> std::io::Result<PathBuf> {
         let kept = self.lock();
@@ -187,13 +191,52 @@ impl Timeline {
         }
         drop(kept);
         std::fs::create_dir_all(&self.dir)?;
-        let path = self.dir.join(format!("trace_rank_{}.json", self.rank));
-        let tmp = self.dir.join(format!(".trace_rank_{}.json.tmp", self.rank));
+        let mut chosen = self.path.lock().unwrap_or_else(PoisonError::into_inner);
+        let path = match &*chosen {
+            Some(path) => path.clone(),
+            None => self.free_path()?,
+        };
+        // A temporary file of this process's own name, created new (never one found there).
+        let tmp = self.dir.join(format!(
+            ".trace_rank_{}.{}.tmp",
+            self.rank,
+            std::process::id()
+        ));
+        let file = std::fs::OpenOptions::new()
+            .write(true)
+            .create_new(true)
+            .open(&tmp)?;
         let body = json!({"traceEvents": events, "displayTimeUnit": "ms"});
-        let file = crate::output_file::create(&tmp)?;
-        serde_json::to_writer(std::io::BufWriter::new(file), &body)?;
-        std::fs::rename(&tmp, &path)?;
+        let written = serde_json::to_writer(std::io::BufWriter::new(file), &body)
+            .map_err(std::io::Error::from)
+            .and_then(|()| std::fs::rename(&tmp, &path));
+        if let Err(err) = written {
+            let _ = std::fs::remove_file(&tmp);
+            return Err(err);
+        }
+        *chosen = Some(path.clone());
         Ok(path)
+    }
+
+    /// `trace_rank_<r>.json`, or when a file of that name is there already (an earlier run's,
+    /// or anybody's), `trace_rank_<r>_<k>.json` with the first free `k`: a timeline replaces
+    /// only the file it wrote itself.
+    fn free_path(&self) -> std::io::Result<PathBuf> {
+        let first = self.dir.join(format!("trace_rank_{}.json", self.rank));
+        if !first.exists() {
+            return Ok(first);
+        }
+        (1..=10_000u32)
+            .map(|k| self.dir.join(format!("trace_rank_{}_{k}.json", self.rank)))
+            .find(|p| !p.exists())
+            .ok_or_else(|| {
+                std::io::Error::other(format!(
+                    "{} holds 10,000 traces of rank {} already: give ACCELERATE_TRACE another \
+                     directory",
+                    self.dir.display(),
+                    self.rank
+                ))
+            })
     }
 }
 
@@ -212,6 +255,7 @@ impl TraceLayer {
                 window,
                 origin: Instant::now(),
                 state: Mutex::new(Kept::default()),
+                path: Mutex::new(None),
             }),
         }
     }
@@ -399,8 +443,18 @@ mod tests {
                     tracing::info_span!("collective", op = "all_reduce", bytes = 64 * i).entered();
             }
         });
+        // A file of that name that this timeline did not write stays as it is.
+        std::fs::write(dir.path().join("trace_rank_3.json"), "mine").unwrap();
         let path = timeline.write().unwrap();
-        assert_eq!(path.file_name().unwrap(), "trace_rank_3.json");
+        assert_eq!(path.file_name().unwrap(), "trace_rank_3_1.json");
+        assert_eq!(timeline.write().unwrap(), path, "its own file, replaced");
+        let kept = std::fs::read_to_string(dir.path().join("trace_rank_3.json")).unwrap();
+        assert_eq!(kept, "mine");
+        let names: Vec<_> = std::fs::read_dir(dir.path())
+            .unwrap()
+            .map(|e| e.unwrap().file_name())
+            .collect();
+        assert_eq!(names.len(), 2, "no temporary file left: {names:?}");
         let trace: Value = serde_json::from_slice(&std::fs::read(path).unwrap()).unwrap();
         let events = trace["traceEvents"].as_array().unwrap();
         let named =

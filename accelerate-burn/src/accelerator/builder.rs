@@ -287,14 +287,6 @@ impl<B: AcceleratorBackend> AcceleratorBuilder<B> {
                 hint: "also call .project_dir(path); metrics go to <path>/logs",
             });
         }
-        let metrics = Metrics::open(
-            &self.trackers,
-            self.custom_trackers,
-            self.tracker_errors_fatal,
-            self.checkpoints.project_dir.as_deref(),
-            state.is_main_process(),
-        )
-        .map_err(|source| AccelerateError::Tracker { rank, source })?;
         if let Some(dtype) = self.checkpoints.export_dtype
             && !matches!(dtype, DType::F32 | DType::BF16 | DType::F16)
         {
@@ -311,11 +303,20 @@ impl<B: AcceleratorBackend> AcceleratorBuilder<B> {
                 hint: "keep at least 1, or leave the limit unset to keep them all",
             });
         }
+        let config = self.overrides.resolve()?;
+        // After every check of the settings: a refused build leaves no log file behind.
+        let metrics = Metrics::open(
+            &self.trackers,
+            self.custom_trackers,
+            self.tracker_errors_fatal,
+            self.checkpoints.project_dir.as_deref(),
+            state.is_main_process(),
+        )
+        .map_err(|source| AccelerateError::Tracker { rank, source })?;
         match &self.trace {
             Some((dir, window)) => accelerate_core::trace::install(dir, *window, rank),
             None => accelerate_core::trace::install_from_env(rank)?,
         }
-        let config = self.overrides.resolve()?;
         accelerate_core::malloc_tuning::keep_freed_memory(
             self.keep_freed_memory,
             &accelerate_core::state::ProcessEnv,
