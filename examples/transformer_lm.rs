@@ -16,8 +16,13 @@
 //! With `--project-dir DIR`: CSV and TensorBoard logs in `DIR/logs`, a checkpoint at every
 //! evaluation or every `--checkpoint-every` updates (the last 2 kept; in the background with
 //! `--async-checkpoints`), and a second start resumes from the latest one.
+//! With `--data DIR`: trains on `DIR/train*` and validates on `DIR/val*` instead of the
+//! embedded text: token files (byte tokens in llm.c's `.bin` or numpy's `.npy`) or Parquet
+//! files with a `text` column (each process reads its own row groups); `--example
+//! prepare_data` writes either.
 
 use std::path::PathBuf;
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use accelerate_burn::Unit;
@@ -30,8 +35,12 @@ use accelerate_burn::{
 };
 use accelerate_core::sampler::SplitMix64;
 use accelerate_core::throughput::{ThroughputMeter, transformer_flops_per_token};
-use accelerate_examples::text::{self, SharedText, TextBatch, TextBatcher, TextWindows};
+use accelerate_examples::text::{
+    self, ByteWindows, ParquetWindows, TextBatch, TextBatcher, TextWindows,
+};
 use accelerate_examples::transformer::{TransformerLm, TransformerLmConfig};
+use anyhow::Context;
+use burn::data::dataset::Dataset;
 use burn::module::Module;
 use burn::optim::AdamWConfig;
 use burn::tensor::activation::softmax;
@@ -133,6 +142,11 @@ pub struct Args {
     /// The text the sample continues.
     #[arg(long, default_value = "HAMLET.\n")]
     pub prompt: String,
+    /// Train on DIR/train* and validate on DIR/val* instead of the embedded text: token files
+    /// (byte tokens), or Parquet files whose `text` rows are windows of --context + 1 bytes
+    /// (read by row group), as `--example prepare_data` writes them.
+    #[arg(long, value_name = "DIR")]
+    pub data: Option<PathBuf>,
     /// Seed of the initial weights, the data order and the sample.
     #[arg(long, default_value_t = 0)]
     pub seed: u64,
@@ -180,7 +194,7 @@ pub fn learning_rate(args: &Args, update: u64) -> f64 {
 
 /// Trains as `args` say, prints progress, and returns the [`Report`].
 pub fn train(args: &Args) -> anyhow::Result<Report> {
-    let (train_text, validation_text) = text::train_validation_split()?;
+    let data = datasets(args)?;
     let mut builder = Accelerator::<DefaultBackend>::builder().seed(args.seed);
     if let Some(precision) = &args.mixed_precision {
         let precision: MixedPrecision = precision
@@ -216,13 +230,64 @@ pub fn train(args: &Args) -> anyhow::Result<Report> {
     )
     .with_fused(!args.burn_nn_modules);
     let model = config.init(&acc.device());
-    let texts = (train_text, validation_text);
     if acc.config().zero_stage == 3 {
         // ZeRO-3: each transformer layer is a sharded unit.
-        run(args, &acc, &config, model.shard_layers(&acc)?, texts)
+        run(args, &acc, &config, model.shard_layers(&acc)?, data)
     } else {
-        run(args, &acc, &config, model, texts)
+        run(args, &acc, &config, model, data)
     }
+}
+
+/// Windows of `context + 1` bytes to train on and to validate on.
+type Windows = Arc<dyn Dataset<Vec<u8>>>;
+
+/// The training and validation windows, and the training data's pieces when it is read in
+/// pieces (Parquet's row groups).
+struct Corpus {
+    train: Windows,
+    validation: Windows,
+    train_pieces: Option<Vec<usize>>,
+}
+
+/// The training and validation windows: of the embedded text, or of `--data`'s token files or
+/// Parquet files.
+fn datasets(args: &Args) -> anyhow::Result<Corpus> {
+    let validation_limit = Some(args.eval_sequences);
+    let Some(dir) = &args.data else {
+        let (train, validation) = text::train_validation_split()?;
+        return Ok(Corpus {
+            train: Arc::new(TextWindows::new(train, args.context, None)),
+            validation: Arc::new(TextWindows::new(validation, args.context, validation_limit)),
+            train_pieces: None,
+        });
+    };
+    let parquet = std::fs::read_dir(dir)
+        .with_context(|| format!("--data {}", dir.display()))?
+        .any(|f| f.is_ok_and(|f| f.path().extension().is_some_and(|e| e == "parquet")));
+    Ok(if parquet {
+        let train = ParquetWindows::open(dir, "train", args.context, None)?;
+        Corpus {
+            train_pieces: Some(train.pieces()),
+            train: Arc::new(train),
+            validation: Arc::new(ParquetWindows::open(
+                dir,
+                "val",
+                args.context,
+                validation_limit,
+            )?),
+        }
+    } else {
+        Corpus {
+            train: Arc::new(ByteWindows::open(dir, "train", args.context, None)?),
+            validation: Arc::new(ByteWindows::open(
+                dir,
+                "val",
+                args.context,
+                validation_limit,
+            )?),
+            train_pieces: None,
+        }
+    })
 }
 
 /// The training of [`train`] for a model whose layers are `L` (whole, or sharded).
@@ -231,21 +296,21 @@ fn run<L: Unit<TransformerEncoderLayer>>(
     acc: &Accelerator<DefaultBackend>,
     config: &TransformerLmConfig,
     model: TransformerLm<L>,
-    (train_text, validation_text): (SharedText, SharedText),
+    corpus: Corpus,
 ) -> anyhow::Result<Report> {
-    let train = DataLoader::builder(TextBatcher)
+    let mut train = DataLoader::builder(TextBatcher)
         .batch_size(args.batch)
         .shuffle(args.seed)
-        .num_workers(args.num_workers)
-        .build(TextWindows::new(train_text, args.context, None));
+        .num_workers(args.num_workers);
+    if let Some(pieces) = corpus.train_pieces {
+        // Parquet: each process reads its own row groups, shuffled in blocks of 8,192 rows.
+        train = train.pieces(pieces, 8192);
+    }
+    let train = train.build(corpus.train);
     let validation = DataLoader::builder(TextBatcher)
         .batch_size(args.batch)
         .num_workers(args.num_workers)
-        .build(TextWindows::new(
-            validation_text,
-            args.context,
-            Some(args.eval_sequences),
-        ));
+        .build(corpus.validation);
     let adamw = AdamWConfig::new()
         .with_beta_1(args.beta1)
         .with_beta_2(args.beta2)

@@ -29,7 +29,7 @@ import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-CRATES = ["accelerate-core", "kernels", "accelerate-burn", "cli"]
+CRATES = ["accelerate-core", "kernels", "accelerate-burn", "accelerate-data", "cli"]
 MAX_LINES = 500
 
 # Top-level modules of a crate, and the top-level modules each may import (itself aside).

@@ -9,16 +9,15 @@
 
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::mpsc::Receiver;
-use std::thread::JoinHandle;
 
-use accelerate_core::{BatchPosition, DistributedSampler, RankBatch, SamplerConfig};
+use accelerate_core::{BatchPosition, DistributedSampler, PieceLayout, RankBatch, SamplerConfig};
 use burn::data::dataloader::batcher::Batcher;
-use burn::data::dataset::{Dataset, DatasetError};
+use burn::data::dataset::Dataset;
 use burn::tensor::Device;
 
 use crate::error::AccelerateError;
 use crate::loader_link::{LoaderLinks, Skip};
+use crate::prefetch::{Prefetcher, build_batch};
 use crate::training_loop::LoopClock;
 
 /// A data set, a batcher and how to cut the data into batches; give it to
@@ -136,6 +135,17 @@ impl<I, O> DataLoaderBuilder<I, O> {
     /// that every process gets the same number of full batches (default: true).
     pub fn even_batches(mut self, even_batches: bool) -> Self {
         self.sampling.even_batches = even_batches;
+        self
+    }
+
+    /// Reads the data set in pieces of these lengths (in data-set order: Parquet row groups,
+    /// files), shuffling items only within blocks of consecutive pieces of at least
+    /// `shuffle_rows` items: each process then reads a contiguous stretch of the epoch's piece
+    /// order, that is mostly its own pieces, instead of every piece. Exact resume holds, on the
+    /// same and on another number of processes (see `accelerate_core::piece_order`). The
+    /// pieces must add up to the data set's length (checked at `prepare`).
+    pub fn pieces(mut self, lens: impl Into<Arc<[usize]>>, shuffle_rows: usize) -> Self {
+        self.sampling.pieces = Some(PieceLayout::new(lens, shuffle_rows));
         self
     }
 
@@ -272,6 +282,15 @@ impl<I: 'static, O: Send + 'static> PreparedDataLoader<I, O> {
                 sampler.len_from_sample(start),
                 sampler.last_round_padding_from_sample(start),
             ),
+            Some(Skip::Pieces { consumed, batches }) => {
+                let len = sampler.len_after(&consumed);
+                (
+                    sampler.batches_after(&consumed, batches),
+                    batches.min(len),
+                    len,
+                    sampler.last_round_padding_after(&consumed),
+                )
+            }
             skip => {
                 let skip = match skip {
                     Some(Skip::Batches(n)) => n,
@@ -287,8 +306,11 @@ impl<I: 'static, O: Send + 'static> PreparedDataLoader<I, O> {
             }
         };
         let prefetch = (self.loader.prefetch_or(DEFAULT_PREFETCH) > 0).then(|| {
+            let loader = &self.loader;
+            let source = (Arc::clone(&loader.dataset), Arc::clone(&loader.batcher));
             Prefetcher::start(
-                &self.loader,
+                source,
+                (loader.workers, loader.prefetch_or(DEFAULT_PREFETCH)),
                 device.clone(),
                 batches.iter().map(|b| b.indices.clone()).collect(),
             )
@@ -312,102 +334,6 @@ impl<I: 'static, O: Send + 'static> PreparedDataLoader<I, O> {
         match self.role {
             LoaderRole::Train => self.links.begin_epoch(epoch),
             LoaderRole::Eval => None,
-        }
-    }
-}
-
-/// Loads the items of `indices` and runs the batcher.
-fn build_batch<I, O>(
-    dataset: &dyn Dataset<I>,
-    batcher: &dyn Batcher<I, O>,
-    indices: &[usize],
-    device: &Device,
-) -> Result<O, DatasetError> {
-    let items = indices
-        .iter()
-        .map(|&i| dataset.get(i))
-        .collect::<Result<Vec<I>, _>>()?;
-    Ok(batcher.batch(items, device))
-}
-
-/// Threads building an epoch's batches, a bounded number ahead of the loop: worker `w` builds
-/// batches `w`, `w + workers`, ... into its own channel, and the loop reads the channels in
-/// turn, so batches arrive in the epoch's order.
-struct Prefetcher<O> {
-    built: Vec<Receiver<Result<O, DatasetError>>>,
-    threads: Vec<Option<JoinHandle<()>>>,
-    next: usize,
-}
-
-impl<O: Send + 'static> Prefetcher<O> {
-    fn start<I: 'static>(
-        loader: &DataLoader<I, O>,
-        device: Device,
-        batches: Vec<Vec<usize>>,
-    ) -> Self {
-        let workers = loader.workers.clamp(1, batches.len().max(1));
-        let ahead = loader
-            .prefetch_or(DEFAULT_PREFETCH)
-            .div_ceil(workers)
-            .max(1);
-        let batches = Arc::new(batches);
-        let (mut built, mut threads) = (Vec::new(), Vec::new());
-        for worker in 0..workers {
-            let (send, receive) = std::sync::mpsc::sync_channel(ahead);
-            let dataset = Arc::clone(&loader.dataset);
-            let batcher = Arc::clone(&loader.batcher);
-            let (batches, device) = (Arc::clone(&batches), device.clone());
-            let thread = std::thread::Builder::new()
-                .name(format!("accelerate-loader-{worker}"))
-                .spawn(move || {
-                    for indices in batches.iter().skip(worker).step_by(workers) {
-                        let batch =
-                            build_batch(dataset.as_ref(), batcher.as_ref(), indices, &device);
-                        // The loop stopped early (the iterator was dropped): stop too.
-                        if send.send(batch).is_err() {
-                            return;
-                        }
-                    }
-                })
-                .ok();
-            built.push(receive);
-            threads.push(thread);
-        }
-        Self {
-            built,
-            threads,
-            next: 0,
-        }
-    }
-
-    fn next(&mut self) -> Result<O, DatasetError> {
-        let worker = self.next % self.built.len();
-        self.next += 1;
-        match self.built[worker].recv() {
-            Ok(batch) => batch,
-            Err(_) => {
-                // The thread ended early: a panic in the data set or batcher is re-raised
-                // here, in the training loop, as if it had happened there.
-                if let Some(Err(panic)) = self.threads[worker].take().map(JoinHandle::join) {
-                    std::panic::resume_unwind(panic);
-                }
-                Err(DatasetError::new(std::io::Error::other(
-                    "a loader thread could not be started or stopped early",
-                )))
-            }
-        }
-    }
-}
-
-impl<O> Drop for Prefetcher<O> {
-    fn drop(&mut self) {
-        // Closing the channels first lets threads blocked on a full channel finish.
-        for built in &mut self.built {
-            let (_, closed) = std::sync::mpsc::sync_channel(0);
-            drop(std::mem::replace(built, closed));
-        }
-        for thread in self.threads.iter_mut().filter_map(Option::take) {
-            let _ = thread.join();
         }
     }
 }

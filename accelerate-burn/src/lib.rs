@@ -106,6 +106,7 @@ mod optim;
 mod params;
 mod phases;
 mod precision;
+mod prefetch;
 mod reducer;
 mod replicate;
 pub mod selftest;

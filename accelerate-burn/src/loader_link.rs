@@ -9,7 +9,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
 
 use accelerate_core::checkpoint::LoaderState;
-use accelerate_core::{DistributedSampler, SamplerConfig, SamplerCursor};
+use accelerate_core::{ConsumedShares, DistributedSampler, SamplerConfig, SamplerCursor};
 
 use crate::error::AccelerateError;
 
@@ -48,6 +48,9 @@ struct TrainCursor {
     /// Samples of the epoch order, over all ranks, consumed before this epoch's iteration
     /// started (non-zero only when resumed with another world size).
     start_sample: usize,
+    /// Data read in pieces: what runs of other world sizes consumed of this epoch before this
+    /// iteration started (oldest first).
+    consumed: Vec<ConsumedShares>,
 }
 
 /// Where a resumed training loader continues.
@@ -64,12 +67,20 @@ pub(crate) struct ResumePoint {
 }
 
 /// The part of a resumed epoch that was already consumed.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[derive(Debug, Clone, PartialEq, Eq)]
 pub(crate) enum Skip {
     /// This rank's first batches (same world size: exactly the batches it would have had).
     Batches(usize),
     /// The first samples of the epoch order over all ranks (another world size).
     Samples(usize),
+    /// Data read in pieces: the shares earlier runs consumed (oldest first), then this rank's
+    /// first `batches` batches of what they left.
+    Pieces {
+        /// What runs of other world sizes consumed.
+        consumed: Vec<ConsumedShares>,
+        /// This rank's batches to skip after that.
+        batches: usize,
+    },
 }
 
 impl TrainCursor {
@@ -111,6 +122,7 @@ impl LoaderLinks {
             cursor_epoch: 0,
             batches: 0,
             start_sample: 0,
+            consumed: Vec::new(),
         };
         let mut links = self.lock();
         if let Some(point) = links.resume.as_ref() {
@@ -125,7 +137,7 @@ impl LoaderLinks {
     pub fn begin_epoch(&self, epoch: u64) -> Option<Skip> {
         let mut links = self.lock();
         let skip = match links.resume.take() {
-            Some(point) if point.epoch == epoch => Some(point.skip),
+            Some(point) if point.epoch == epoch => Some(point.skip.clone()),
             Some(point) => {
                 tracing::warn!(
                     resumed = point.epoch,
@@ -140,10 +152,11 @@ impl LoaderLinks {
         };
         if let Some(cursor) = links.train.as_mut() {
             cursor.cursor_epoch = epoch;
-            (cursor.batches, cursor.start_sample) = match skip {
-                Some(Skip::Batches(n)) => (n, 0),
-                Some(Skip::Samples(start)) => (0, start),
-                None => (0, 0),
+            (cursor.batches, cursor.start_sample, cursor.consumed) = match &skip {
+                Some(Skip::Batches(n)) => (*n, 0, Vec::new()),
+                Some(Skip::Samples(start)) => (0, *start, Vec::new()),
+                Some(Skip::Pieces { consumed, batches }) => (*batches, 0, consumed.clone()),
+                None => (0, 0, Vec::new()),
             };
         }
         skip
@@ -208,9 +221,20 @@ impl LoaderLinks {
         let cursor = links.train.as_ref()?;
         let sampler = &cursor.sampler;
         if let Some(point) = &links.resume {
-            let (batches, start_sample, consumed) = match point.skip {
-                Skip::Batches(n) => (n, 0, n.saturating_mul(sampler.global_batch_size())),
-                Skip::Samples(start) => (0, start, start),
+            let (batches, start_sample, consumed, shares) = match &point.skip {
+                Skip::Batches(n) => (
+                    *n,
+                    0,
+                    n.saturating_mul(sampler.global_batch_size()),
+                    Vec::new(),
+                ),
+                Skip::Samples(start) => (0, *start, *start, Vec::new()),
+                Skip::Pieces { consumed, batches } => (
+                    *batches,
+                    0,
+                    batches.saturating_mul(sampler.global_batch_size()),
+                    consumed.clone(),
+                ),
             };
             return Some(LoaderState {
                 cursor: SamplerCursor {
@@ -220,14 +244,24 @@ impl LoaderLinks {
                 start_sample,
                 samples_consumed: consumed.min(point.sampler.len),
                 sampler: point.sampler.clone(),
+                consumed_shares: shares,
             });
         }
-        let epoch_len = sampler.len_from_sample(cursor.start_sample);
-        // A finished epoch resumes at the start of the next one.
-        let (epoch, batches, start_sample) = if cursor.batches >= epoch_len {
-            (cursor.cursor_epoch + 1, 0, 0)
+        let epoch_len = if cursor.consumed.is_empty() {
+            sampler.len_from_sample(cursor.start_sample)
         } else {
-            (cursor.cursor_epoch, cursor.batches, cursor.start_sample)
+            sampler.len_after(&cursor.consumed)
+        };
+        // A finished epoch resumes at the start of the next one.
+        let (epoch, batches, start_sample, shares) = if cursor.batches >= epoch_len {
+            (cursor.cursor_epoch + 1, 0, 0, Vec::new())
+        } else {
+            (
+                cursor.cursor_epoch,
+                cursor.batches,
+                cursor.start_sample,
+                cursor.consumed.clone(),
+            )
         };
         Some(LoaderState {
             cursor: SamplerCursor {
@@ -238,21 +272,43 @@ impl LoaderLinks {
             samples_consumed: (start_sample + batches * sampler.global_batch_size())
                 .min(sampler.config().len),
             sampler: sampler.config().clone(),
+            consumed_shares: shares,
         })
     }
 
     /// Continues from a checkpoint's `saved` loader state: the training loader (prepared now
-    /// or later) moves to its epoch and skips what was consumed. `same_world` says whether the
-    /// checkpoint was saved by as many processes as this job has.
+    /// or later) moves to its epoch and skips what was consumed. `(saved_world, world)`: the
+    /// processes that saved the checkpoint and this job's.
     pub fn restore(
         &self,
         saved: LoaderState,
-        same_world: bool,
+        (saved_world, world): (usize, usize),
         checkpoint: PathBuf,
         rank: usize,
     ) -> Result<(), AccelerateError> {
-        let skip = if same_world && saved.start_sample == 0 {
-            Skip::Batches(saved.cursor.batches_consumed)
+        let batches = saved.cursor.batches_consumed;
+        let skip = if saved.sampler.pieces.is_some() {
+            let mut consumed = saved.consumed_shares;
+            if saved_world == world {
+                Skip::Pieces { consumed, batches }
+            } else {
+                let rank_batch_size = if saved.sampler.split_batches {
+                    saved.sampler.batch_size / saved_world.max(1)
+                } else {
+                    saved.sampler.batch_size
+                };
+                consumed.push(ConsumedShares {
+                    world_size: saved_world,
+                    rank_batch_size,
+                    batches,
+                });
+                Skip::Pieces {
+                    consumed,
+                    batches: 0,
+                }
+            }
+        } else if saved_world == world && saved.start_sample == 0 {
+            Skip::Batches(batches)
         } else {
             Skip::Samples(saved.samples_consumed)
         };

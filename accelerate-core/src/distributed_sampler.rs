@@ -17,9 +17,19 @@
 //! many of a batch's samples are such repeats; without `even_batches` (or with one rank, which
 //! needs no evening out) it is cut in batch-sized pieces, so some ranks get a short batch or
 //! none.
+//!
+//! Data read in pieces ([`SamplerConfig::pieces`]: Parquet row groups, files) follows the
+//! [piece order](crate::piece_order) instead, and each rank reads a contiguous stretch of it:
+//! of the epoch's `full` complete rounds, rank `r` takes the `full` batches starting at item
+//! `r * full * batch`, so it reads its own pieces; the last round is dealt as above. The
+//! number of batches, the padding and the last round are those of the round-robin order, but
+//! a gathered round is no longer a stretch of the epoch order (every sample still comes once).
+//! Resumed on another number of processes, such a loader continues with what the saved ranks
+//! left ([`ConsumedShares::remainder`]), cut in the same way.
 
 use serde::{Deserialize, Serialize};
 
+use crate::piece_order::{ConsumedShares, PieceLayout};
 use crate::sampler::epoch_order;
 
 /// How the data is cut and shared.
@@ -39,6 +49,10 @@ pub struct SamplerConfig {
     pub even_batches: bool,
     /// `batch_size` is the global batch, split across ranks.
     pub split_batches: bool,
+    /// The data is read in these pieces: each rank reads a contiguous stretch of the piece
+    /// order (see the module).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub pieces: Option<PieceLayout>,
 }
 
 impl SamplerConfig {
@@ -52,6 +66,7 @@ impl SamplerConfig {
             drop_last: false,
             even_batches: true,
             split_batches: false,
+            pieces: None,
         }
     }
 }
@@ -80,6 +95,17 @@ pub enum SamplerError {
         rank: usize,
         /// Ranks.
         world_size: usize,
+    },
+    /// Pieces that do not add up to the data set.
+    #[error(
+        "the pieces hold {pieces} items in all but the data set has {len}. hint: give the \
+         data set's own pieces (for example its row groups' lengths)"
+    )]
+    Pieces {
+        /// Items in all pieces (saturated).
+        pieces: usize,
+        /// Items in the data set.
+        len: usize,
     },
 }
 
@@ -132,6 +158,15 @@ impl DistributedSampler {
                 world_size,
             });
         }
+        if let Some(pieces) = &config.pieces {
+            let total = pieces.total().unwrap_or(usize::MAX);
+            if total != config.len {
+                return Err(SamplerError::Pieces {
+                    pieces: total,
+                    len: config.len,
+                });
+            }
+        }
         Ok(Self {
             config,
             rank,
@@ -157,11 +192,7 @@ impl DistributedSampler {
 
     /// Samples in one rank's full batch.
     pub fn rank_batch_size(&self) -> usize {
-        if self.config.split_batches {
-            self.config.batch_size / self.world_size
-        } else {
-            self.config.batch_size
-        }
+        self.rank_batch_size_at(self.world_size)
     }
 
     /// Samples in a round (one batch of every rank).
@@ -214,18 +245,42 @@ impl DistributedSampler {
     /// samples are cut in rounds as a whole epoch is, and a short last round is padded from
     /// the epoch's start.
     pub fn batches_from_sample(&self, start: usize) -> Vec<RankBatch> {
-        let order = epoch_order(
-            self.config.len,
-            self.config.shuffle,
-            self.config.seed,
-            self.epoch,
-        );
+        let order = self.epoch_order();
         let rest = &order[start.min(order.len())..];
+        self.batches_of(rest, &order)
+    }
+
+    /// The epoch's order of items: [`epoch_order`], or the [piece order](crate::piece_order).
+    fn epoch_order(&self) -> Vec<usize> {
+        let (shuffle, seed) = (self.config.shuffle, self.config.seed);
+        match &self.config.pieces {
+            Some(pieces) => pieces.epoch_order(shuffle, seed, self.epoch),
+            None => epoch_order(self.config.len, shuffle, seed, self.epoch),
+        }
+    }
+
+    /// What the epoch order has left after the runs of `consumed` (oldest first) read their
+    /// shares, and the whole order.
+    fn remainder(&self, consumed: &[ConsumedShares]) -> (Vec<usize>, Vec<usize>) {
+        let order = self.epoch_order();
+        let rest = consumed
+            .iter()
+            .fold(order.clone(), |rest, run| run.remainder(&rest));
+        (rest, order)
+    }
+
+    /// This rank's batches over `rest`, the part of the epoch's `order` still to read.
+    fn batches_of(&self, rest: &[usize], order: &[usize]) -> Vec<RankBatch> {
         let (b, round) = (self.rank_batch_size(), self.global_batch_size());
         let count = self.len_of(rest.len());
+        let full = rest.len() / round;
         (0..count)
             .map(|k| {
-                let start = k * round + self.rank * b;
+                let start = match self.config.pieces {
+                    // A contiguous share of the complete rounds, then the last round.
+                    Some(_) if k < full => self.rank * full * b + k * b,
+                    _ => k * round + self.rank * b,
+                };
                 let end = start + b;
                 let (indices, padding) = if end <= rest.len() {
                     (rest[start..end].to_vec(), 0)
@@ -251,6 +306,42 @@ impl DistributedSampler {
             .collect()
     }
 
+    /// For data read in pieces: this rank's batches after the runs of `consumed` read their
+    /// shares (oldest first), without its first `skip` batches.
+    pub fn batches_after(&self, consumed: &[ConsumedShares], skip: usize) -> Vec<RankBatch> {
+        let (rest, order) = self.remainder(consumed);
+        let mut batches = self.batches_of(&rest, &order);
+        batches.drain(..skip.min(batches.len()));
+        batches
+    }
+
+    /// Batches per rank of [`batches_after`](Self::batches_after) with no skip.
+    pub fn len_after(&self, consumed: &[ConsumedShares]) -> usize {
+        self.len_of(self.remainder_len(consumed))
+    }
+
+    /// Padding of the last round of [`batches_after`](Self::batches_after), over all ranks.
+    pub fn last_round_padding_after(&self, consumed: &[ConsumedShares]) -> usize {
+        self.padding_of(self.remainder_len(consumed))
+    }
+
+    /// Items left after `consumed`: their count follows from the lengths alone.
+    fn remainder_len(&self, consumed: &[ConsumedShares]) -> usize {
+        consumed.iter().fold(self.config.len, |len, run| {
+            let (world, b) = (run.world_size.max(1), run.rank_batch_size.max(1));
+            len - world * run.batches.min(len / (world * b)) * b
+        })
+    }
+
+    /// Items per batch on each rank of a run of `world_size` ranks with this configuration.
+    pub fn rank_batch_size_at(&self, world_size: usize) -> usize {
+        if self.config.split_batches {
+            self.config.batch_size / world_size.max(1)
+        } else {
+            self.config.batch_size
+        }
+    }
+
     /// Batches this rank gets from the rest of the epoch once `start` samples were consumed.
     pub fn len_from_sample(&self, start: usize) -> usize {
         self.len_of(self.config.len.saturating_sub(start))
@@ -259,7 +350,12 @@ impl DistributedSampler {
     /// Padding samples in the last round after a start at sample `start` (see
     /// [`last_round_padding`](Self::last_round_padding)).
     pub fn last_round_padding_from_sample(&self, start: usize) -> usize {
-        let rest = self.config.len.saturating_sub(start) % self.global_batch_size();
+        self.padding_of(self.config.len.saturating_sub(start))
+    }
+
+    /// Padding of the last round over `samples` samples, over all ranks.
+    fn padding_of(&self, samples: usize) -> usize {
+        let rest = samples % self.global_batch_size();
         if rest == 0 || !self.pads() {
             0
         } else {
@@ -301,6 +397,7 @@ mod tests {
                             drop_last: bits & 2 != 0,
                             even_batches: bits & 4 != 0,
                             split_batches: bits & 8 != 0,
+                            pieces: None,
                         };
                         (config, world)
                     })
@@ -504,6 +601,131 @@ mod tests {
                     } else {
                         assert_eq!(seen, rest, "{config:?} {world} -> {new_world} at {start}");
                     }
+                }
+            }
+        }
+    }
+
+    /// Pieces of uneven lengths adding up to `len`.
+    fn pieces_of(len: usize) -> PieceLayout {
+        let mut lens = Vec::new();
+        let (mut left, mut i) = (len, 0usize);
+        while left > 0 {
+            let piece = (1 + (i * 5) % 7).min(left);
+            lens.push(piece);
+            left -= piece;
+            i += 1;
+        }
+        PieceLayout::new(lens, 6)
+    }
+
+    /// The real (non-padding) samples of each rank's batches, all ranks together, sorted.
+    fn real_samples(batches: &[Vec<RankBatch>]) -> Vec<usize> {
+        let mut real: Vec<usize> = batches
+            .iter()
+            .flatten()
+            .flat_map(|b| b.indices[..b.indices.len() - b.padding].iter().copied())
+            .collect();
+        real.sort_unstable();
+        real
+    }
+
+    #[test]
+    fn data_read_in_pieces_gives_every_sample_once_from_contiguous_shares() {
+        let mut checked = 0;
+        for (mut config, world) in all_configs() {
+            config.pieces = Some(pieces_of(config.len));
+            let Some(ranks) = samplers(&config, world, 2) else {
+                continue;
+            };
+            checked += 1;
+            let per_rank: Vec<Vec<RankBatch>> = ranks.iter().map(|s| s.batches()).collect();
+            let round_robin = |rank| {
+                let config = SamplerConfig {
+                    pieces: None,
+                    ..config.clone()
+                };
+                DistributedSampler::new(config, rank, world).unwrap()
+            };
+            for (rank, (s, batches)) in ranks.iter().zip(&per_rank).enumerate() {
+                // As many batches and as much padding as the round-robin order.
+                assert_eq!(
+                    batches.len(),
+                    round_robin(rank).len(),
+                    "{config:?} world {world}"
+                );
+                assert_eq!(s.len(), batches.len());
+            }
+            let reported: usize = per_rank.iter().flatten().map(|b| b.padding).sum();
+            assert_eq!(reported, round_robin(0).last_round_padding(), "{config:?}");
+            let expected_len = if config.drop_last {
+                config.len - config.len % ranks[0].global_batch_size()
+            } else {
+                config.len
+            };
+            let real = real_samples(&per_rank);
+            if !config.drop_last {
+                assert_eq!(
+                    real,
+                    (0..config.len).collect::<Vec<_>>(),
+                    "{config:?} world {world}"
+                );
+            }
+            assert_eq!(real.len(), expected_len, "{config:?} world {world}");
+            // A rank's complete rounds are one stretch of the piece order.
+            let order = config
+                .pieces
+                .as_ref()
+                .unwrap()
+                .epoch_order(config.shuffle, 5, 2);
+            let full = config.len / ranks[0].global_batch_size();
+            for (rank, batches) in per_rank.iter().enumerate() {
+                let share: Vec<usize> = batches[..full]
+                    .iter()
+                    .flat_map(|b| b.indices.clone())
+                    .collect();
+                let b = ranks[0].rank_batch_size();
+                assert_eq!(share, order[rank * full * b..(rank + 1) * full * b]);
+            }
+        }
+        assert!(checked > 2000, "{checked} combinations checked");
+    }
+
+    #[test]
+    fn data_read_in_pieces_resumed_on_another_world_size_reads_what_was_left_once() {
+        for (mut config, old_world) in all_configs().filter(|(c, _)| !c.drop_last) {
+            config.pieces = Some(pieces_of(config.len));
+            let Some(old) = samplers(&config, old_world, 1) else {
+                continue;
+            };
+            let old_batches: Vec<Vec<RankBatch>> = old.iter().map(|s| s.batches()).collect();
+            for consumed in 0..old[0].len() {
+                for new_world in 1..=4 {
+                    let Some(new) = samplers(&config, new_world, 1) else {
+                        continue;
+                    };
+                    let run = [ConsumedShares {
+                        world_size: old_world,
+                        rank_batch_size: old[0].rank_batch_size(),
+                        batches: consumed,
+                    }];
+                    let read: Vec<Vec<RankBatch>> =
+                        old_batches.iter().map(|b| b[..consumed].to_vec()).collect();
+                    let after: Vec<Vec<RankBatch>> =
+                        new.iter().map(|s| s.batches_after(&run, 0)).collect();
+                    for (s, batches) in new.iter().zip(&after) {
+                        assert_eq!(s.len_after(&run), batches.len());
+                    }
+                    let mut all = real_samples(&read);
+                    all.extend(real_samples(&after));
+                    all.sort_unstable();
+                    assert_eq!(
+                        all,
+                        (0..config.len).collect::<Vec<_>>(),
+                        "{config:?}: {old_world} ranks read {consumed} batches, then {new_world}"
+                    );
+                    let padding: usize = after.iter().flatten().map(|b| b.padding).sum();
+                    assert_eq!(padding, new[0].last_round_padding_after(&run));
                 }
             }
         }

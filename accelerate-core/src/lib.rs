@@ -34,6 +34,7 @@
 //! - [`sampler`]: the per-epoch data order.
 //! - [`scaler`]: the dynamic loss scaler of fp16 training (state machine, no tensors).
 //! - [`distributed_sampler`]: each rank's batches of an epoch, padding and resume cursor.
+//! - [`piece_order`]: the epoch order of data read in pieces (Parquet row groups, files).
 //! - [`checkpoint`]: checkpoint directories: manifest, per-rank state, atomic commit, rotation.
 //! - [`comm`]: the process group and its collectives (rendezvous, shared memory, TCP).
 //! - `nccl` (Unix): finding libnccl, and agreeing whether a job reduces with it (no GPU needed).
@@ -67,6 +68,7 @@ pub mod memory_limit;
 #[cfg(unix)]
 pub mod nccl;
 pub mod output_file;
+pub mod piece_order;
 pub mod process;
 pub mod sampler;
 pub mod scaler;
@@ -89,6 +91,7 @@ pub use distributed_sampler::{
 };
 pub use error::{CommError, ConfigError, RendezvousWait, StateError};
 pub use launch_settings::{DeviceSelection, LaunchFlags, LaunchSettings};
+pub use piece_order::{ConsumedShares, PieceLayout};
 pub use scaler::{DynamicLossScaler, ScaledStep, ScalerConfig, ScalerState};
 pub use state::{EnvSource, Launcher, ProcessEnv, ProcessState};
 pub use tracking::{GeneralTracker, RunInfo, RunStatus, Tracker, TrackerError, Trackers};

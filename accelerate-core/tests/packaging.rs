@@ -104,6 +104,7 @@ fn published_crates_have_what_crates_io_and_docs_rs_show() {
             "accelerate-burn",
             "accelerate-cli",
             "accelerate-core",
+            "accelerate-data",
             "accelerate-kernels"
         ]
     );

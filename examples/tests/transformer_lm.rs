@@ -134,6 +134,67 @@ fn a_run_resumed_from_its_project_directory_ends_bit_identical() {
     assert!(tmp.path().join("logs/metrics.csv").exists());
 }
 
+/// The corpus read from token files on disk (llm.c's format, as `--example prepare_data`
+/// writes it) trains bit for bit what the embedded text trains: the windows, their order and
+/// so every update are the same. Several files per split train too (windows never cross a
+/// file, so there are a few fewer of them).
+#[test]
+fn training_from_token_files_equals_training_from_the_embedded_text() {
+    let tmp = tempfile::tempdir().unwrap();
+    let one_file = tmp.path().join("one");
+    let many_files = tmp.path().join("many");
+    for dir in [&one_file, &many_files] {
+        std::fs::create_dir(dir).unwrap();
+    }
+    accelerate_examples::text::write_token_files(&one_file, usize::MAX).unwrap();
+    let files = accelerate_examples::text::write_token_files(&many_files, 1 << 20).unwrap();
+    assert_eq!(files.len(), 6, "{files:?}");
+    let steps = ["--steps", "8", "--eval-every", "4"];
+    let embedded = train(&small(&steps)).unwrap();
+    let mut from_files = steps.to_vec();
+    from_files.extend(["--data", one_file.to_str().unwrap()]);
+    let from_files = train(&small(&from_files)).unwrap();
+    assert!(
+        from_files.parameters == embedded.parameters,
+        "parameters differ"
+    );
+    assert_eq!(
+        from_files.validation.value.to_bits(),
+        embedded.validation.value.to_bits()
+    );
+    let mut sharded = steps.to_vec();
+    sharded.extend(["--data", many_files.to_str().unwrap()]);
+    let sharded = train(&small(&sharded)).unwrap();
+    assert_eq!(sharded.updates, 8);
+    assert!(sharded.validation.value.is_finite());
+}
+
+/// The corpus as Parquet files (a `text` column, 3 files of row groups of 2,000 rows), read in
+/// pieces: it trains, and a run stopped and resumed from its project directory ends bit
+/// for bit where the run that never stopped ends.
+#[test]
+fn training_from_parquet_files_resumes_bit_identically() {
+    let tmp = tempfile::tempdir().unwrap();
+    let data = tmp.path().join("parquet");
+    std::fs::create_dir(&data).unwrap();
+    let files = accelerate_examples::text::write_parquet_files(&data, 33, 60_000, 2_000).unwrap();
+    assert_eq!(files.len(), 4, "{files:?}");
+    let data = data.to_str().unwrap();
+    let project = tmp.path().join("project");
+    let project = project.to_str().unwrap();
+    let steps = ["--steps", "12", "--eval-every", "6", "--data", data];
+    let whole = train(&small(&steps)).unwrap();
+    assert!(whole.validation.value < 5.0, "{}", whole.validation.value);
+    let mut first = steps.to_vec();
+    first.extend(["--stop-at", "6", "--project-dir", project]);
+    assert_eq!(train(&small(&first)).unwrap().updates, 6);
+    let mut resumed = steps.to_vec();
+    resumed.extend(["--project-dir", project]);
+    let resumed = train(&small(&resumed)).unwrap();
+    assert_eq!(resumed.updates, 12);
+    assert!(resumed.parameters == whole.parameters, "parameters differ");
+}
+
 /// fp16's first steps overflow while the loss scale backs off, and a skipped step is no
 /// update: the run logs and evaluates each update once (it used to evaluate, log and save
 /// update 0 again after every skipped step).
@@ -194,6 +255,10 @@ fn child() {
     if !mixed.is_empty() {
         flags.extend(["--mixed-precision", mixed.as_str()]);
     }
+    let data = std::env::var("TEST_DATA").unwrap_or_default();
+    if !data.is_empty() {
+        flags.extend(["--data", data.as_str()]);
+    }
     match train(&small(&flags)) {
         Ok(report) => {
             let bits: Vec<String> = report
@@ -219,6 +284,17 @@ fn child() {
 fn two_processes_train_the_transformer_like_one_with_the_same_global_batches() {
     let single = run("transformer", 1, &[("TEST_BATCH", "16".to_string())]);
     assert_ranks_train_like(&single[0], 2, "0", &[]);
+}
+
+/// Two processes reading the corpus from token files (`--data`) train what one process
+/// trains from the embedded text: each reads its share of the windows from the files.
+#[test]
+fn two_processes_train_from_token_files_like_one_from_the_embedded_text() {
+    let tmp = tempfile::tempdir().unwrap();
+    accelerate_examples::text::write_token_files(tmp.path(), usize::MAX).unwrap();
+    let single = run("transformer", 1, &[("TEST_BATCH", "16".to_string())]);
+    let data = ("TEST_DATA", tmp.path().to_str().unwrap().to_string());
+    assert_ranks_train_like(&single[0], 2, "0", &[data]);
 }
 
 /// `ACCELERATE_TRACE` on two processes: a timeline per rank holding the last 4 steps, whose

@@ -97,8 +97,12 @@ fn load_own_part<M: Module>(
         ctx.device,
     );
     if let Some(loader) = saved.loader {
-        ctx.links
-            .restore(loader, same_world, dir.to_path_buf(), rank)?;
+        ctx.links.restore(
+            loader,
+            (manifest.world_size, ctx.state.world_size),
+            dir.to_path_buf(),
+            rank,
+        )?;
     }
     tracing::info!(rank, path = %dir.display(), updates = saved.updates, "checkpoint loaded");
     let mut info = CheckpointInfo::fresh(rank);

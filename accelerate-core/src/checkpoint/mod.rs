@@ -57,6 +57,7 @@ use std::path::{Path, PathBuf};
 use serde::{Deserialize, Serialize};
 
 use crate::distributed_sampler::{SamplerConfig, SamplerCursor};
+use crate::piece_order::ConsumedShares;
 use crate::scaler::ScalerState;
 
 /// Version of the checkpoint layout this build writes and reads.
@@ -155,6 +156,10 @@ pub struct LoaderState {
     pub samples_consumed: usize,
     /// How the loader cuts its data.
     pub sampler: SamplerConfig,
+    /// For data read in pieces: what earlier runs of other world sizes consumed of this
+    /// epoch before the run that saved (oldest first), which the cursor counts from.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub consumed_shares: Vec<ConsumedShares>,
 }
 
 /// A checkpoint could not be written, found or read.

@@ -1,0 +1,43 @@
+#!/usr/bin/env bash
+# What a corpus's size costs a training process: the transformer example trains from token
+# files of two sizes on 2 processes (`accelerate-rs launch -n 2`), inside a memory cgroup whose
+# limit is a quarter of the larger corpus, and each rank's peak resident memory is printed.
+#
+#   bash benches/data-memory.sh [SMALL_REPEATS] [LARGE_REPEATS] [LIMIT_MB]
+#
+# Defaults: the training text once (8.7 MB of 16-bit tokens) and 240 times (2.1 GB), a limit
+# of 512 MiB for the two processes together. Needs root (cgroup v1 `memory` at
+# /sys/fs/cgroup/memory, or cgroup v2); removes what it made, even when it fails.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+small=${1:-1}
+large=${2:-240}
+limit_mb=${3:-512}
+target="${CARGO_TARGET_DIR:-target}"
+cargo build --release -p accelerate-examples --example transformer_lm --example prepare_data
+cargo build --release -p accelerate-cli
+work="$(mktemp -d /var/tmp/accelerate-data-memory.XXXXXX)"
+cgroup=/sys/fs/cgroup/memory/accelerate-data-memory-$$
+cleanup() {
+  [ -d "$cgroup" ] && { cat "$cgroup/cgroup.procs" > /dev/null; rmdir "$cgroup" 2>/dev/null || true; }
+  rm -rf "$work"
+}
+trap cleanup EXIT
+for repeats in "$small" "$large"; do
+  "$target/release/examples/prepare_data" --out "$work/x$repeats" --repeat "$repeats" \
+    --tokens-per-file 100000000 > /dev/null
+done
+mkdir "$cgroup"
+echo $((limit_mb * 1024 * 1024)) > "$cgroup/memory.limit_in_bytes"
+for repeats in "$small" "$large"; do
+  size=$(du -sb "$work/x$repeats" | cut -f1)
+  echo "== corpus $repeats x the text: $((size / 1024 / 1024)) MiB, limit ${limit_mb} MiB for both processes"
+  echo 0 > "$cgroup/memory.max_usage_in_bytes"
+  (
+    echo $BASHPID > "$cgroup/cgroup.procs"
+    exec "$target/release/accelerate-rs" launch -n 2 --no-progress \
+      "$target/release/examples/transformer_lm" --data "$work/x$repeats" --steps 40 \
+      --eval-every 40 --sample-bytes 0 --num-workers 1
+  ) 2>&1 | grep -E "peak|tokens/s|validation" || true
+  echo "cgroup peak: $(( $(cat "$cgroup/memory.max_usage_in_bytes") / 1024 / 1024 )) MiB"
+done

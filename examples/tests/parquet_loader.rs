@@ -1,0 +1,314 @@
+//! A Parquet corpus read in pieces (its row groups) by real processes on 127.0.0.1: every row
+//! read once per epoch by 1, 2 and 3 processes, each process reading mostly its own row
+//! groups; a job SIGKILLed at a random batch and resumed ends bit-identical to one that never
+//! stopped, having read exactly the rows it had left; resumed on another number of processes,
+//! it reads what the saved job left, once.
+
+mod common;
+#[path = "../../tests-support/tools.rs"]
+mod tools;
+
+use std::collections::{BTreeMap, BTreeSet};
+use std::path::Path;
+use std::process::Output;
+
+use accelerate_burn::burn;
+use accelerate_burn::{Accelerator, Checkpoint, DataLoader, DefaultBackend};
+use accelerate_data::{ArrowRow, ParquetDataset};
+use accelerate_examples::MlpConfig;
+use burn::data::dataloader::batcher::Batcher;
+use burn::optim::AdamWConfig;
+use burn::tensor::{Device, Int, Tensor, TensorData};
+use common::{env_number, lines, param_bits, print_params, run, run_child};
+
+/// Rows of the corpus, in row groups of 50 over two files (7 and 5 groups).
+const ROWS: usize = 600;
+const ROWS_PER_GROUP: usize = 50;
+const FEATURES: usize = 8;
+const CLASSES: usize = 5;
+const EPOCHS: u64 = 2;
+
+/// The corpus, written by pyarrow: `id`, `features` (8 floats), `label`.
+const WRITE_CORPUS: &str = r#"
+import sys
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+out = sys.argv[1]
+ids = np.arange(600)
+rng = np.random.default_rng(0)
+table = pa.table({
+    "id": ids,
+    "features": list(rng.standard_normal((600, 8)).astype(np.float32)),
+    "label": ids % 5,
+})
+pq.write_table(table.slice(0, 350), f"{out}/train-00000-of-00002.parquet", row_group_size=50)
+pq.write_table(table.slice(350), f"{out}/train-00001-of-00002.parquet", row_group_size=50)
+"#;
+
+/// The corpus in a temporary folder, or `None` without pyarrow (skipped).
+fn corpus() -> Option<tempfile::TempDir> {
+    let python = tools::python_with("pyarrow")?;
+    let dir = tempfile::tempdir().unwrap();
+    let out = std::process::Command::new(python)
+        .args(["-c", WRITE_CORPUS])
+        .arg(dir.path())
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    Some(dir)
+}
+
+/// A batch: features, labels and the rows' ids.
+#[derive(Clone, Debug)]
+struct RowBatch {
+    features: Tensor<2>,
+    labels: Tensor<1, Int>,
+    ids: Vec<i64>,
+}
+
+#[derive(Clone, Copy)]
+struct RowBatcher;
+
+impl Batcher<ArrowRow, RowBatch> for RowBatcher {
+    fn batch(&self, rows: Vec<ArrowRow>, device: &Device) -> RowBatch {
+        let n = rows.len();
+        let mut features = Vec::with_capacity(n * FEATURES);
+        let (mut labels, mut ids) = (Vec::with_capacity(n), Vec::with_capacity(n));
+        for row in &rows {
+            features.extend(row.floats("features").unwrap());
+            labels.push(row.int("label").unwrap());
+            ids.push(row.int("id").unwrap());
+        }
+        RowBatch {
+            features: Tensor::from_data(TensorData::new(features, [n, FEATURES]), device),
+            labels: Tensor::from_data(TensorData::new(labels, [n]), device),
+            ids,
+        }
+    }
+}
+
+fn env(key: &str) -> String {
+    std::env::var(key).unwrap_or_default()
+}
+
+/// One rank of a job training an MLP on the corpus: prints the real rows of every batch
+/// (`IDS <epoch> ...`), checkpoints after every update, stops after update `TEST_STOP`,
+/// SIGKILLs itself on reaching batch `TEST_KILL_AT` (every rank: the whole job dies), and
+/// resumes from the latest checkpoint with `TEST_RESUME=1`.
+fn train() -> anyhow::Result<()> {
+    let acc = Accelerator::<DefaultBackend>::builder()
+        .seed(5)
+        .project_dir(env("TEST_DIR"))
+        .checkpoint_total_limit(2)
+        .resume_with_different_world_size(env("TEST_ANY_WORLD") == "1")
+        .build()?;
+    let corpus = ParquetDataset::open_prefixed(env("TEST_DATA"), "train")?;
+    let loader = DataLoader::builder(RowBatcher)
+        .batch_size(8)
+        .shuffle(9)
+        .pieces(corpus.pieces(), 64)
+        .build(corpus);
+    let model = MlpConfig::new(FEATURES, vec![16], CLASSES).init(&acc.device());
+    let (mut model, mut optim, train) = acc.prepare((model, AdamWConfig::new().init(), loader))?;
+    if env("TEST_RESUME") == "1" {
+        let restored = acc.load_latest_checkpoint(model, &mut optim, None)?;
+        model = restored.model;
+        println!("RESUMED {}", restored.info.updates);
+    }
+    let (stop, kill_at) = (
+        env_number::<u64>("TEST_STOP"),
+        env_number::<u64>("TEST_KILL_AT"),
+    );
+    let mut batches = 0u64;
+    for epoch in train.epoch()..EPOCHS {
+        train.set_epoch(epoch);
+        for batch in train.iter() {
+            let batch = batch?;
+            batches += 1;
+            if batches == kill_at {
+                // Mid-step, after the batch was read: as a node failure or a preemption.
+                nix::sys::signal::raise(nix::sys::signal::Signal::SIGKILL)?;
+            }
+            let real = acc.rows_for_metrics(batch.ids.len());
+            let ids: Vec<String> = batch.ids[..real].iter().map(i64::to_string).collect();
+            println!("IDS {epoch} {}", ids.join(","));
+            let loss = model.forward_loss(batch.features, batch.labels).loss;
+            let grads = acc.backward(loss, &model)?;
+            model = optim.step(1e-2, model, grads)?;
+            acc.save_checkpoint(&Checkpoint::new(&model, &optim))?;
+            if optim.updates() == stop {
+                return Ok(());
+            }
+        }
+    }
+    print_params(&model);
+    Ok(())
+}
+
+#[test]
+fn child() {
+    run_child(|scenario| match scenario {
+        "parquet" => train(),
+        other => anyhow::bail!("unknown scenario {other}"),
+    });
+}
+
+fn job(data: &Path, dir: &Path, world: usize, extra: &[(&str, &str)]) -> Vec<Output> {
+    let mut vars = vec![
+        ("TEST_DATA", data.display().to_string()),
+        ("TEST_DIR", dir.display().to_string()),
+    ];
+    vars.extend(extra.iter().map(|(k, v)| (*k, v.to_string())));
+    run("parquet", world, &vars)
+}
+
+fn assert_ok(outputs: &[Output], what: &str) {
+    for (rank, output) in outputs.iter().enumerate() {
+        assert!(
+            output.status.success(),
+            "{what}, rank {rank}: {}",
+            String::from_utf8_lossy(&output.stderr)
+        );
+    }
+}
+
+/// Every rank's rows per epoch, in the order each read them.
+fn rows_read(outputs: &[Output]) -> BTreeMap<u64, Vec<Vec<usize>>> {
+    let mut epochs: BTreeMap<u64, Vec<Vec<usize>>> = BTreeMap::new();
+    for (rank, output) in outputs.iter().enumerate() {
+        for line in lines(output, "IDS ") {
+            let (epoch, ids) = line.split_once(' ').unwrap_or((line.as_str(), ""));
+            let ranks = epochs.entry(epoch.parse().unwrap()).or_default();
+            ranks.resize(outputs.len(), Vec::new());
+            ranks[rank].extend(
+                ids.split(',')
+                    .filter(|s| !s.is_empty())
+                    .map(|s| s.parse::<usize>().unwrap()),
+            );
+        }
+    }
+    epochs
+}
+
+fn sorted(mut ids: Vec<usize>) -> Vec<usize> {
+    ids.sort_unstable();
+    ids
+}
+
+#[test]
+fn every_row_is_read_once_per_epoch_by_one_two_and_three_processes() {
+    let Some(data) = corpus() else { return };
+    for world in 1..=3 {
+        let dir = tempfile::tempdir().unwrap();
+        let outputs = job(data.path(), dir.path(), world, &[]);
+        assert_ok(&outputs, &format!("{world} processes"));
+        let epochs = rows_read(&outputs);
+        assert_eq!(epochs.len(), EPOCHS as usize);
+        for (epoch, ranks) in &epochs {
+            let all = sorted(ranks.concat());
+            assert_eq!(
+                all,
+                (0..ROWS).collect::<Vec<_>>(),
+                "{world} processes, epoch {epoch}"
+            );
+            if world > 1 {
+                // Each process reads its own row groups (its share, the ones it shares with a
+                // neighbour, the last round's), not all 12.
+                for (rank, ids) in ranks.iter().enumerate() {
+                    let groups: BTreeSet<usize> =
+                        ids.iter().map(|id| id / ROWS_PER_GROUP).collect();
+                    assert!(
+                        groups.len() < ROWS / ROWS_PER_GROUP,
+                        "{world} processes, rank {rank} read row groups {groups:?}"
+                    );
+                }
+            }
+        }
+    }
+}
+
+#[test]
+fn a_job_killed_at_a_random_batch_resumes_bit_identically() {
+    let Some(data) = corpus() else { return };
+    let tmp = tempfile::tempdir().unwrap();
+    let whole = job(data.path(), &tmp.path().join("whole"), 2, &[]);
+    assert_ok(&whole, "the uninterrupted job");
+    // 38 batches per epoch and rank: anywhere in the two epochs but the first batch.
+    let nanos = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .unwrap()
+        .subsec_nanos() as u64;
+    let kill_at = 2 + nanos % 74;
+    eprintln!("killing the job at batch {kill_at}");
+    let dir = tmp.path().join("killed");
+    let killed = job(
+        data.path(),
+        &dir,
+        2,
+        &[("TEST_KILL_AT", &kill_at.to_string())],
+    );
+    assert!(
+        killed.iter().all(|o| !o.status.success()),
+        "the job was not killed"
+    );
+    let resumed = job(data.path(), &dir, 2, &[("TEST_RESUME", "1")]);
+    assert_ok(
+        &resumed,
+        &format!("the job resumed after a kill at batch {kill_at}"),
+    );
+    for rank in 0..2 {
+        assert!(
+            param_bits(&resumed[rank]) == param_bits(&whole[rank]),
+            "rank {rank}: the parameters differ after a kill at batch {kill_at}"
+        );
+        // What the resumed job read is the tail of what the uninterrupted one read.
+        let whole_rows: Vec<String> = lines(&whole[rank], "IDS ");
+        let resumed_rows: Vec<String> = lines(&resumed[rank], "IDS ");
+        assert!(!resumed_rows.is_empty() || kill_at > 74);
+        assert_eq!(
+            resumed_rows[..],
+            whole_rows[whole_rows.len() - resumed_rows.len()..],
+            "rank {rank}, kill at batch {kill_at}"
+        );
+        // And before the kill it had read the head, so nothing was lost or read twice.
+        let updates: usize = common::line(&resumed[rank], "RESUMED ").parse().unwrap();
+        assert_eq!(
+            updates + resumed_rows.len(),
+            whole_rows.len(),
+            "rank {rank}"
+        );
+    }
+}
+
+#[test]
+fn resumed_on_another_number_of_processes_it_reads_what_was_left_once() {
+    let Some(data) = corpus() else { return };
+    for world in [1, 3] {
+        let tmp = tempfile::tempdir().unwrap();
+        let stopped = job(data.path(), tmp.path(), 2, &[("TEST_STOP", "13")]);
+        assert_ok(&stopped, "the stopped job");
+        let resumed = job(
+            data.path(),
+            tmp.path(),
+            world,
+            &[("TEST_RESUME", "1"), ("TEST_ANY_WORLD", "1")],
+        );
+        assert_ok(&resumed, &format!("resumed on {world}"));
+        let before = rows_read(&stopped);
+        let after = rows_read(&resumed);
+        let mut first_epoch = before[&0].concat();
+        first_epoch.extend(after[&0].concat());
+        assert_eq!(
+            sorted(first_epoch),
+            (0..ROWS).collect::<Vec<_>>(),
+            "2 processes read 13 batches each, then {world}"
+        );
+        assert_eq!(sorted(after[&1].concat()), (0..ROWS).collect::<Vec<_>>());
+    }
+}
