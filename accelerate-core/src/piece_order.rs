@@ -6,7 +6,7 @@
 //! among themselves. With [`DistributedSampler`](crate::DistributedSampler) each rank then
 //! reads a contiguous stretch of this order, so it reads its own pieces (and at most the two
 //! it shares with its neighbours) instead of every piece. A pure function, like
-//! [`epoch_order`](crate::sampler::epoch_order): part of the resume contract.
+//! [`epoch_order`]: part of the resume contract.
 
 use std::sync::Arc;
 

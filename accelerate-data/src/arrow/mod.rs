@@ -29,7 +29,9 @@ struct Part {
     starts: Vec<usize>,
 }
 
-/// Rows of Arrow IPC files, in file order then row order; see the [module](self).
+/// Rows of Arrow IPC files, in file order then row order. The files are memory-mapped and
+/// decoded in place; the process holds one small record per record batch and the pages the
+/// rows it reads bring in.
 ///
 /// ```no_run
 /// use accelerate_data::ArrowDataset;

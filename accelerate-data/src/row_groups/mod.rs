@@ -42,7 +42,11 @@ struct Piece {
     first_row_in_file: usize,
 }
 
-/// Rows of Parquet files, in file order then row order; see the [module](self).
+/// Rows of Parquet files, in file order then row order, decoded a row group at a time: only
+/// the footers are read at open, a row group is decoded whole when one of its rows is first
+/// asked for and kept in a small cache ([`cache_row_groups`](Self::cache_row_groups)). Give
+/// [`pieces`](Self::pieces) to the loader (`DataLoaderBuilder::pieces`) so that each process
+/// reads its own row groups.
 ///
 /// ```no_run
 /// use accelerate_data::ParquetDataset;
