@@ -28,6 +28,7 @@
 
 mod arrow;
 mod error;
+mod files;
 mod row_groups;
 mod tokens;
 

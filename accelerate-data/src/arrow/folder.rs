@@ -68,19 +68,12 @@ pub(super) fn data_files(path: &Path) -> Result<Vec<PathBuf>, DataError> {
             ),
         });
     }
-    let mut files: Vec<PathBuf> = std::fs::read_dir(path)
-        .map_err(|e| DataError::io(path, e))?
-        .filter_map(|entry| entry.ok().map(|e| e.path()))
-        .filter(|p| p.extension().is_some_and(|e| e == "arrow") && p.is_file())
-        .collect();
-    if files.is_empty() {
-        return Err(DataError::NoFiles {
-            path: path.to_path_buf(),
-            what: "Arrow files (*.arrow) and no state.json or dataset_dict.json",
-        });
-    }
-    files.sort();
-    Ok(files)
+    crate::files::files_in(
+        path,
+        "",
+        &["arrow"],
+        "Arrow files (*.arrow) and no state.json or dataset_dict.json",
+    )
 }
 
 /// The folder of split `split` of the `DatasetDict` saved at `path`.

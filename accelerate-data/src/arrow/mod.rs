@@ -141,22 +141,8 @@ impl ArrowDataset {
     /// Keeps only `columns` in the rows; a name the files do not have is an error naming the
     /// file and the columns it has.
     pub fn select(mut self, columns: &[&str]) -> Result<Self, DataError> {
-        let indices = columns
-            .iter()
-            .map(|&name| {
-                self.schema
-                    .index_of(name)
-                    .map_err(|_| DataError::MissingColumn {
-                        path: self
-                            .parts
-                            .first()
-                            .map(|p| p.path.to_path_buf())
-                            .unwrap_or_default(),
-                        column: name.to_string(),
-                        available: names(&self.schema),
-                    })
-            })
-            .collect::<Result<Vec<_>, _>>()?;
+        let first = self.parts.first().map(|p| p.path.to_path_buf());
+        let indices = column_indices(&self.schema, columns, first.unwrap_or_default())?;
         self.projection = Some(indices.into());
         Ok(self)
     }
@@ -198,6 +184,25 @@ impl Dataset<ArrowRow> for ArrowDataset {
     fn len(&self) -> usize {
         self.starts.last().copied().unwrap_or(0)
     }
+}
+
+/// The indices of `columns` in `schema`; a name it lacks is an error naming `path` (the first
+/// file) and the columns it has.
+pub(crate) fn column_indices(
+    schema: &SchemaRef,
+    columns: &[&str],
+    path: PathBuf,
+) -> Result<Vec<usize>, DataError> {
+    columns
+        .iter()
+        .map(|&name| {
+            schema.index_of(name).map_err(|_| DataError::MissingColumn {
+                path: path.clone(),
+                column: name.to_string(),
+                available: names(schema),
+            })
+        })
+        .collect()
 }
 
 /// A schema's column names, comma-separated.

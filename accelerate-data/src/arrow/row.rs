@@ -104,19 +104,7 @@ impl ArrowRow {
     /// A list of integers (`list<int32>` as Hugging Face stores `input_ids`, any list type and
     /// integer width); a null element is an error.
     pub fn ints(&self, name: &str) -> Result<Vec<i64>, DataError> {
-        let array = self.present(name)?;
-        let values = if let Some(a) = array.as_list_opt::<i32>() {
-            a.value(self.row)
-        } else if let Some(a) = array.as_list_opt::<i64>() {
-            a.value(self.row)
-        } else if let Some(a) = array.as_fixed_size_list_opt() {
-            a.value(self.row)
-        } else {
-            return Err(self.wrong_type(name, array.as_ref(), "a list of integers"));
-        };
-        if values.null_count() > 0 {
-            return Err(self.null(name));
-        }
+        let (array, values) = self.list(name, "a list of integers")?;
         match ints(values.as_ref()) {
             Some(Some(values)) => Ok(values),
             Some(None) => Err(DataError::Content {
@@ -133,19 +121,7 @@ impl ArrowRow {
     /// A list of floats (16, 32 or 64 bits, or integers) as `f32`: feature vectors, embeddings;
     /// a null element is an error.
     pub fn floats(&self, name: &str) -> Result<Vec<f32>, DataError> {
-        let array = self.present(name)?;
-        let values = if let Some(a) = array.as_list_opt::<i32>() {
-            a.value(self.row)
-        } else if let Some(a) = array.as_list_opt::<i64>() {
-            a.value(self.row)
-        } else if let Some(a) = array.as_fixed_size_list_opt() {
-            a.value(self.row)
-        } else {
-            return Err(self.wrong_type(name, array.as_ref(), "a list of numbers"));
-        };
-        if values.null_count() > 0 {
-            return Err(self.null(name));
-        }
+        let (array, values) = self.list(name, "a list of numbers")?;
         if let Some(a) = values.as_primitive_opt::<Float32Type>() {
             Ok(a.values().to_vec())
         } else if let Some(a) = values.as_primitive_opt::<Float64Type>() {
@@ -157,6 +133,25 @@ impl ArrowRow {
         } else {
             Err(self.wrong_type(name, array.as_ref(), "a list of numbers"))
         }
+    }
+
+    /// The column and the row's list in it (any list type), with an error naming `expected`
+    /// when the column holds no lists, and one when the list or an element is null.
+    fn list(&self, name: &str, expected: &'static str) -> Result<(&ArrayRef, ArrayRef), DataError> {
+        let array = self.present(name)?;
+        let values = if let Some(a) = array.as_list_opt::<i32>() {
+            a.value(self.row)
+        } else if let Some(a) = array.as_list_opt::<i64>() {
+            a.value(self.row)
+        } else if let Some(a) = array.as_fixed_size_list_opt() {
+            a.value(self.row)
+        } else {
+            return Err(self.wrong_type(name, array.as_ref(), expected));
+        };
+        if values.null_count() > 0 {
+            return Err(self.null(name));
+        }
+        Ok((array, values))
     }
 
     /// The column, with an error when the row's value is null.

@@ -154,22 +154,9 @@ impl ParquetDataset {
     /// Decodes only `columns`; a name the files do not have is an error naming the first
     /// file and the columns it has.
     pub fn select(mut self, columns: &[&str]) -> Result<Self, DataError> {
-        let indices = columns
-            .iter()
-            .map(|&name| {
-                self.schema
-                    .index_of(name)
-                    .map_err(|_| DataError::MissingColumn {
-                        path: self
-                            .files
-                            .first()
-                            .map(|f| f.path.to_path_buf())
-                            .unwrap_or_default(),
-                        column: name.to_string(),
-                        available: crate::arrow::names(&self.schema),
-                    })
-            })
-            .collect::<Result<Vec<_>, _>>()?;
+        let first = self.files.first().map(|f| f.path.to_path_buf());
+        let indices =
+            crate::arrow::column_indices(&self.schema, columns, first.unwrap_or_default())?;
         self.projection = Some(indices.into());
         self.cache = Arc::new(RowGroupCache::new(self.cache.capacity()));
         Ok(self)
@@ -308,23 +295,10 @@ fn parquet_error(
 
 /// The `.parquet` files of `folder` whose names start with `prefix`, sorted.
 fn parquet_files(folder: &Path, prefix: &str) -> Result<Vec<PathBuf>, DataError> {
-    let mut files: Vec<PathBuf> = std::fs::read_dir(folder)
-        .map_err(|e| DataError::io(folder, e))?
-        .filter_map(|entry| entry.ok().map(|e| e.path()))
-        .filter(|p| {
-            p.extension().is_some_and(|e| e == "parquet")
-                && p.file_name()
-                    .and_then(|n| n.to_str())
-                    .is_some_and(|n| n.starts_with(prefix))
-                && p.is_file()
-        })
-        .collect();
-    if files.is_empty() {
-        return Err(DataError::NoFiles {
-            path: folder.to_path_buf(),
-            what: "Parquet files (*.parquet) with the prefix asked for",
-        });
-    }
-    files.sort();
-    Ok(files)
+    crate::files::files_in(
+        folder,
+        prefix,
+        &["parquet"],
+        "Parquet files (*.parquet) with the prefix asked for",
+    )
 }

@@ -185,33 +185,12 @@ impl TokenShards {
 
 /// The files of `folder` with a token extension whose names start with `prefix`, sorted.
 fn token_files(folder: &Path, prefix: &str) -> Result<Vec<PathBuf>, DataError> {
-    let mut files = Vec::new();
-    for entry in std::fs::read_dir(folder).map_err(|e| DataError::io(folder, e))? {
-        let path = entry.map_err(|e| DataError::io(folder, e))?.path();
-        let named = path
-            .file_name()
-            .and_then(|n| n.to_str())
-            .is_some_and(|n| n.starts_with(prefix));
-        let token_file = path
-            .extension()
-            .and_then(|e| e.to_str())
-            .is_some_and(|e| TOKEN_EXTENSIONS.contains(&e));
-        if named && token_file && path.is_file() {
-            files.push(path);
-        }
-    }
-    if files.is_empty() {
-        return Err(DataError::NoFiles {
-            path: folder.to_path_buf(),
-            what: if prefix.is_empty() {
-                "token files (*.bin, *.npy)"
-            } else {
-                "token files (*.bin, *.npy) with the prefix asked for"
-            },
-        });
-    }
-    files.sort();
-    Ok(files)
+    let what = if prefix.is_empty() {
+        "token files (*.bin, *.npy)"
+    } else {
+        "token files (*.bin, *.npy) with the prefix asked for"
+    };
+    crate::files::files_in(folder, prefix, &TOKEN_EXTENSIONS, what)
 }
 
 /// A map-style data set of windows: item `i` is `context + 1` consecutive tokens, windows
