@@ -376,6 +376,21 @@ mod tests {
     }
 
     #[test]
+    fn the_files_written_never_replace_a_users_file() {
+        let dir = tempfile::tempdir().unwrap();
+        let parquet = dir.path().join("train-00000-of-00001.parquet");
+        let tokens = dir.path().join("train_000000.bin");
+        for path in [&parquet, &tokens] {
+            std::fs::write(path, b"the user's").unwrap();
+        }
+        assert!(write_parquet_files(dir.path(), 129, usize::MAX, 4096).is_err());
+        assert!(write_token_files(dir.path(), usize::MAX).is_err());
+        for path in [&parquet, &tokens] {
+            assert_eq!(std::fs::read(path).unwrap(), b"the user's");
+        }
+    }
+
+    #[test]
     fn token_files_of_the_text_give_back_its_windows() {
         let dir = tempfile::tempdir().unwrap();
         let files = write_token_files(dir.path(), usize::MAX).unwrap();

@@ -308,6 +308,16 @@ mod tests {
     }
 
     #[test]
+    fn the_writer_never_replaces_a_file() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("mine.bin");
+        std::fs::write(&path, b"the user's").unwrap();
+        let error = TokenShardWriter::create(&path, TokenType::U16).unwrap_err();
+        assert!(matches!(error, DataError::Exists { .. }), "{error}");
+        assert_eq!(std::fs::read(&path).unwrap(), b"the user's");
+    }
+
+    #[test]
     fn an_empty_folder_says_what_it_looked_for() {
         let dir = tempfile::tempdir().unwrap();
         let error = TokenShards::open(dir.path()).unwrap_err();
