@@ -17,15 +17,15 @@
 //! evaluation or every `--checkpoint-every` updates (the last 2 kept; in the background with
 //! `--async-checkpoints`), and a second start resumes from the latest one.
 //! With `--data DIR`: trains on `DIR/train*` and validates on `DIR/val*` instead of the
-//! embedded text: token files (byte tokens in llm.c's `.bin` or numpy's `.npy`) or Parquet
-//! files with a `text` column (each process reads its own row groups); `--example
-//! prepare_data` writes either.
+//! embedded text: token files (byte tokens in llm.c's `.bin` or numpy's `.npy`), Parquet
+//! files with a `text` column (each process reads its own row groups) or Arrow IPC files with
+//! one; `--example prepare_data` writes each. `--keyed-order` shuffles in an order computed at
+//! each position, whose memory does not grow with the corpus.
 
 use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use accelerate_burn::Unit;
 use accelerate_burn::burn;
 use accelerate_burn::metrics::{MeanMetric, MetricValue};
 use accelerate_burn::nn::TransformerEncoderLayer;
@@ -33,10 +33,11 @@ use accelerate_burn::{
     Accelerator, Checkpoint, DataLoader, DefaultBackend, MixedPrecision, PreparedDataLoader,
     Tracker,
 };
+use accelerate_burn::{ShuffleOrder, Unit};
 use accelerate_core::sampler::SplitMix64;
 use accelerate_core::throughput::{ThroughputMeter, transformer_flops_per_token};
 use accelerate_examples::text::{
-    self, ByteWindows, ParquetWindows, TextBatch, TextBatcher, TextWindows,
+    self, ByteWindows, RowFormat, RowWindows, TextBatch, TextBatcher, TextWindows,
 };
 use accelerate_examples::transformer::{TransformerLm, TransformerLmConfig};
 use anyhow::Context;
@@ -107,6 +108,10 @@ pub struct Args {
     /// Burn's AdamW (`AdamWConfig::init()`) instead of the fused update.
     #[arg(long)]
     pub burn_optimizer: bool,
+    /// Shuffles the training windows in an order computed at each position (constant memory,
+    /// for corpora larger than memory) instead of one drawn whole each epoch.
+    #[arg(long)]
+    pub keyed_order: bool,
     /// Decay of the exponential moving average of the weights, evaluated beside the model.
     #[arg(long, default_value_t = 0.99)]
     pub ema_decay: f64,
@@ -143,8 +148,8 @@ pub struct Args {
     #[arg(long, default_value = "HAMLET.\n")]
     pub prompt: String,
     /// Train on DIR/train* and validate on DIR/val* instead of the embedded text: token files
-    /// (byte tokens), or Parquet files whose `text` rows are windows of --context + 1 bytes
-    /// (read by row group), as `--example prepare_data` writes them.
+    /// (byte tokens), or Parquet (read by row group) or Arrow files whose `text` rows are
+    /// windows of --context + 1 bytes, as `--example prepare_data` writes them.
     #[arg(long, value_name = "DIR")]
     pub data: Option<PathBuf>,
     /// Seed of the initial weights, the data order and the sample.
@@ -249,8 +254,8 @@ struct Corpus {
     train_pieces: Option<Vec<usize>>,
 }
 
-/// The training and validation windows: of the embedded text, or of `--data`'s token files or
-/// Parquet files.
+/// The training and validation windows: of the embedded text, or of `--data`'s token files,
+/// Parquet files or Arrow files.
 fn datasets(args: &Args) -> anyhow::Result<Corpus> {
     let validation_limit = Some(args.eval_sequences);
     let Some(dir) = &args.data else {
@@ -261,23 +266,29 @@ fn datasets(args: &Args) -> anyhow::Result<Corpus> {
             train_pieces: None,
         });
     };
-    let parquet = std::fs::read_dir(dir)
-        .with_context(|| format!("--data {}", dir.display()))?
-        .any(|f| f.is_ok_and(|f| f.path().extension().is_some_and(|e| e == "parquet")));
-    Ok(if parquet {
-        let train = ParquetWindows::open(dir, "train", args.context, None)?;
-        Corpus {
-            train_pieces: Some(train.pieces()),
-            train: Arc::new(train),
-            validation: Arc::new(ParquetWindows::open(
-                dir,
-                "val",
-                args.context,
-                validation_limit,
-            )?),
-        }
+    let has = |extension: &str| -> anyhow::Result<bool> {
+        let mut files =
+            std::fs::read_dir(dir).with_context(|| format!("--data {}", dir.display()))?;
+        Ok(files.any(|f| f.is_ok_and(|f| f.path().extension().is_some_and(|e| e == extension))))
+    };
+    let rows = if has("parquet")? {
+        Some(RowFormat::Parquet)
+    } else if has("arrow")? {
+        Some(RowFormat::Arrow)
     } else {
-        Corpus {
+        None
+    };
+    Ok(match rows {
+        Some(format) => {
+            let train = RowWindows::open(dir, "train", format, (args.context, None))?;
+            let validation = (args.context, validation_limit);
+            Corpus {
+                train_pieces: train.pieces(),
+                train: Arc::new(train),
+                validation: Arc::new(RowWindows::open(dir, "val", format, validation)?),
+            }
+        }
+        None => Corpus {
             train: Arc::new(ByteWindows::open(dir, "train", args.context, None)?),
             validation: Arc::new(ByteWindows::open(
                 dir,
@@ -286,7 +297,7 @@ fn datasets(args: &Args) -> anyhow::Result<Corpus> {
                 validation_limit,
             )?),
             train_pieces: None,
-        }
+        },
     })
 }
 
@@ -302,6 +313,9 @@ fn run<L: Unit<TransformerEncoderLayer>>(
         .batch_size(args.batch)
         .shuffle(args.seed)
         .num_workers(args.num_workers);
+    if args.keyed_order {
+        train = train.shuffle_order(ShuffleOrder::Keyed);
+    }
     if let Some(pieces) = corpus.train_pieces {
         // Parquet: each process reads its own row groups, shuffled in blocks of 8,192 rows.
         train = train.pieces(pieces, 8192);

@@ -10,7 +10,8 @@
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 
-use accelerate_core::{BatchPosition, DistributedSampler, PieceLayout, RankBatch, SamplerConfig};
+use accelerate_core::sampler::ShuffleOrder;
+use accelerate_core::{BatchPosition, DistributedSampler, PieceLayout, RankBatches, SamplerConfig};
 use burn::data::dataloader::batcher::Batcher;
 use burn::data::dataset::Dataset;
 use burn::tensor::Device;
@@ -102,11 +103,7 @@ impl<I, O> DataLoader<I, O> {
             return Vec::new();
         };
         single.set_epoch(epoch);
-        single
-            .batches()
-            .into_iter()
-            .flat_map(|b| b.indices)
-            .collect()
+        single.batches().flat_map(|b| b.indices).collect()
     }
 }
 
@@ -122,6 +119,15 @@ impl<I, O> DataLoaderBuilder<I, O> {
     pub fn shuffle(mut self, seed: u64) -> Self {
         self.sampling.shuffle = true;
         self.sampling.seed = seed;
+        self
+    }
+
+    /// How a shuffled order is made: [`ShuffleOrder::Drawn`] (the default, 8 bytes per item
+    /// while an epoch runs) or [`ShuffleOrder::Keyed`] (computed at each position, no memory
+    /// per item: for data sets larger than memory read at random, such as token windows).
+    /// Part of what a checkpoint's loader state must match to resume.
+    pub fn shuffle_order(mut self, order: ShuffleOrder) -> Self {
+        self.sampling.order = order;
         self
     }
 
@@ -312,13 +318,13 @@ impl<I: 'static, O: Send + 'static> PreparedDataLoader<I, O> {
                 source,
                 (loader.workers, loader.prefetch_or(DEFAULT_PREFETCH)),
                 device.clone(),
-                batches.iter().map(|b| b.indices.clone()).collect(),
+                batches.clone().map(|b| b.indices),
             )
         });
         BatchIter {
             _evaluation: matches!(self.role, LoaderRole::Eval).then(crate::phases::evaluation),
             prepared: self,
-            batches: batches.into_iter(),
+            batches,
             epoch,
             next_batch: first_index,
             epoch_len,
@@ -350,7 +356,7 @@ impl<'a, I: 'static, O: Send + 'static> IntoIterator for &'a PreparedDataLoader<
 /// The batches of one epoch of a [`PreparedDataLoader`].
 pub struct BatchIter<'a, I, O> {
     prepared: &'a PreparedDataLoader<I, O>,
-    batches: std::vec::IntoIter<RankBatch>,
+    batches: RankBatches,
     epoch: u64,
     next_batch: usize,
     /// Batches of the epoch as its accumulation windows count them.

@@ -126,6 +126,7 @@ pub use reducer::{Gradients, GradientsStatus};
 pub use sharded::{Sharded, Unit};
 
 pub use accelerate_core::comm::Reduction;
+pub use accelerate_core::sampler::ShuffleOrder;
 pub use accelerate_core::trace::StepWindow;
 pub use accelerate_core::tracking::{GeneralTracker, RunInfo, RunStatus, TrackerError};
 pub use accelerate_core::{

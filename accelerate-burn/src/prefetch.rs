@@ -36,29 +36,30 @@ pub(crate) struct Prefetcher<O> {
 }
 
 impl<O: Send + 'static> Prefetcher<O> {
-    /// Starts `workers` threads building `batches` (data-set indices) from `source`, up to
-    /// `prefetch` batches ahead in all.
+    /// Starts `workers` threads building `batches` (data-set indices, made as they are
+    /// needed) from `source`, up to `prefetch` batches ahead in all.
     pub fn start<I: 'static>(
         source: BatchSource<I, O>,
         (workers, prefetch): (usize, usize),
         device: Device,
-        batches: Vec<Vec<usize>>,
+        batches: impl ExactSizeIterator<Item = Vec<usize>> + Clone + Send + 'static,
     ) -> Self {
         let workers = workers.clamp(1, batches.len().max(1));
         let ahead = prefetch.div_ceil(workers).max(1);
-        let batches = Arc::new(batches);
         let (mut built, mut threads) = (Vec::new(), Vec::new());
         for worker in 0..workers {
             let (send, receive) = std::sync::mpsc::sync_channel(ahead);
             let dataset = Arc::clone(&source.0);
             let batcher = Arc::clone(&source.1);
-            let (batches, device) = (Arc::clone(&batches), device.clone());
+            let (batches, device) = (batches.clone(), device.clone());
             let thread = std::thread::Builder::new()
                 .name(format!("accelerate-loader-{worker}"))
                 .spawn(move || {
-                    for indices in batches.iter().skip(worker).step_by(workers) {
+                    // Each thread walks the batches (their indices are cheap to make) and
+                    // builds its own.
+                    for indices in batches.skip(worker).step_by(workers) {
                         let batch =
-                            build_batch(dataset.as_ref(), batcher.as_ref(), indices, &device);
+                            build_batch(dataset.as_ref(), batcher.as_ref(), &indices, &device);
                         // The loop stopped early (the iterator was dropped): stop too.
                         if send.send(batch).is_err() {
                             return;

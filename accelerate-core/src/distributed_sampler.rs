@@ -29,8 +29,10 @@
 
 use serde::{Deserialize, Serialize};
 
-use crate::piece_order::{ConsumedShares, PieceLayout};
-use crate::sampler::epoch_order;
+use crate::piece_order::{ConsumedShares, PieceLayout, Positions};
+use crate::rank_batches::{Cut, EpochItems};
+pub use crate::rank_batches::{RankBatch, RankBatches};
+use crate::sampler::{KeyedOrder, ShuffleOrder, epoch_order};
 
 /// How the data is cut and shared.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
@@ -53,6 +55,16 @@ pub struct SamplerConfig {
     /// order (see the module).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub pieces: Option<PieceLayout>,
+    /// How a shuffled order is made (for the pieces' items: the [piece order] instead).
+    ///
+    /// [piece order]: crate::piece_order
+    #[serde(default, skip_serializing_if = "is_drawn")]
+    pub order: ShuffleOrder,
+}
+
+/// Checkpoints of runs from before [`ShuffleOrder`] read as [`ShuffleOrder::Drawn`].
+fn is_drawn(order: &ShuffleOrder) -> bool {
+    *order == ShuffleOrder::Drawn
 }
 
 impl SamplerConfig {
@@ -67,6 +79,7 @@ impl SamplerConfig {
             even_batches: true,
             split_batches: false,
             pieces: None,
+            order: ShuffleOrder::Drawn,
         }
     }
 }
@@ -107,18 +120,6 @@ pub enum SamplerError {
         /// Items in the data set.
         len: usize,
     },
-}
-
-/// One batch of one rank.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct RankBatch {
-    /// Data-set indices, in order.
-    pub indices: Vec<usize>,
-    /// How many of the trailing indices repeat earlier samples to even out the last round
-    /// (`gather_for_metrics` drops them).
-    pub padding: usize,
-    /// True for this rank's last batch of the epoch.
-    pub last: bool,
 }
 
 /// Where a rank is in the data: the epoch, and how many of its batches it consumed.
@@ -229,90 +230,66 @@ impl DistributedSampler {
     }
 
     /// This rank's batches of the selected epoch, from the start.
-    pub fn batches(&self) -> Vec<RankBatch> {
+    pub fn batches(&self) -> RankBatches {
         self.batches_from(0)
     }
 
     /// This rank's batches of the selected epoch, skipping the first `skip` (resume).
-    pub fn batches_from(&self, skip: usize) -> Vec<RankBatch> {
-        let mut batches = self.batches_from_sample(0);
-        batches.drain(..skip.min(batches.len()));
-        batches
+    pub fn batches_from(&self, skip: usize) -> RankBatches {
+        self.batches_of(Positions::range(0..self.config.len))
+            .skipping(skip)
     }
 
     /// This rank's batches of the rest of the selected epoch once `start` samples of its order
     /// were consumed, over all ranks (resume with a different world size): the remaining
     /// samples are cut in rounds as a whole epoch is, and a short last round is padded from
     /// the epoch's start.
-    pub fn batches_from_sample(&self, start: usize) -> Vec<RankBatch> {
-        let order = self.epoch_order();
-        let rest = &order[start.min(order.len())..];
-        self.batches_of(rest, &order)
+    pub fn batches_from_sample(&self, start: usize) -> RankBatches {
+        self.batches_of(Positions::range(
+            start.min(self.config.len)..self.config.len,
+        ))
     }
 
-    /// The epoch's order of items: [`epoch_order`], or the [piece order](crate::piece_order).
-    fn epoch_order(&self) -> Vec<usize> {
+    /// The epoch's order of items: [`epoch_order`], or the [piece order](crate::piece_order),
+    /// which is made as it is read.
+    fn epoch_items(&self) -> EpochItems {
         let (shuffle, seed) = (self.config.shuffle, self.config.seed);
         match &self.config.pieces {
-            Some(pieces) => pieces.epoch_order(shuffle, seed, self.epoch),
-            None => epoch_order(self.config.len, shuffle, seed, self.epoch),
+            Some(pieces) => EpochItems::Pieces(pieces.cursor(shuffle, seed, self.epoch)),
+            None if !shuffle => EpochItems::InOrder,
+            None => match self.config.order {
+                ShuffleOrder::Drawn => {
+                    EpochItems::Listed(epoch_order(self.config.len, true, seed, self.epoch).into())
+                }
+                ShuffleOrder::Keyed => {
+                    EpochItems::Keyed(KeyedOrder::new(self.config.len, seed, self.epoch))
+                }
+            },
         }
     }
 
-    /// What the epoch order has left after the runs of `consumed` (oldest first) read their
-    /// shares, and the whole order.
-    fn remainder(&self, consumed: &[ConsumedShares]) -> (Vec<usize>, Vec<usize>) {
-        let order = self.epoch_order();
-        let rest = consumed
-            .iter()
-            .fold(order.clone(), |rest, run| run.remainder(&rest));
-        (rest, order)
-    }
-
-    /// This rank's batches over `rest`, the part of the epoch's `order` still to read.
-    fn batches_of(&self, rest: &[usize], order: &[usize]) -> Vec<RankBatch> {
-        let (b, round) = (self.rank_batch_size(), self.global_batch_size());
-        let count = self.len_of(rest.len());
-        let full = rest.len() / round;
-        (0..count)
-            .map(|k| {
-                let start = match self.config.pieces {
-                    // A contiguous share of the complete rounds, then the last round.
-                    Some(_) if k < full => self.rank * full * b + k * b,
-                    _ => k * round + self.rank * b,
-                };
-                let end = start + b;
-                let (indices, padding) = if end <= rest.len() {
-                    (rest[start..end].to_vec(), 0)
-                } else if self.pads() && !order.is_empty() {
-                    // Cycle from the epoch's start (several times if the data is tiny).
-                    let indices: Vec<usize> = (start..end)
-                        .map(|i| match rest.get(i) {
-                            Some(&index) => index,
-                            None => order[(i - rest.len()) % order.len()],
-                        })
-                        .collect();
-                    let real = rest.len().saturating_sub(start).min(b);
-                    (indices, b - real)
-                } else {
-                    (rest[start.min(rest.len())..].to_vec(), 0)
-                };
-                RankBatch {
-                    indices,
-                    padding,
-                    last: k + 1 == count,
-                }
-            })
-            .collect()
+    /// This rank's batches over `rest`, the positions of the epoch's order still to read.
+    fn batches_of(&self, rest: Positions) -> RankBatches {
+        let cut = Cut {
+            rank: self.rank,
+            batch: self.rank_batch_size(),
+            world: self.world_size,
+            count: self.len_of(rest.len()),
+            contiguous: self.config.pieces.is_some(),
+            pads: self.pads(),
+        };
+        RankBatches::new(cut, self.epoch_items(), rest, self.config.len)
     }
 
     /// For data read in pieces: this rank's batches after the runs of `consumed` read their
     /// shares (oldest first), without its first `skip` batches.
-    pub fn batches_after(&self, consumed: &[ConsumedShares], skip: usize) -> Vec<RankBatch> {
-        let (rest, order) = self.remainder(consumed);
-        let mut batches = self.batches_of(&rest, &order);
-        batches.drain(..skip.min(batches.len()));
-        batches
+    pub fn batches_after(&self, consumed: &[ConsumedShares], skip: usize) -> RankBatches {
+        let rest = consumed
+            .iter()
+            .fold(Positions::range(0..self.config.len), |rest, run| {
+                run.remainder(&rest)
+            });
+        self.batches_of(rest).skipping(skip)
     }
 
     /// Batches per rank of [`batches_after`](Self::batches_after) with no skip.
@@ -388,7 +365,7 @@ mod tests {
         lens.into_iter().flat_map(move |len| {
             batches.into_iter().flat_map(move |batch_size| {
                 (1..=5usize).flat_map(move |world| {
-                    (0..16u32).map(move |bits| {
+                    (0..32u32).map(move |bits| {
                         let config = SamplerConfig {
                             len,
                             batch_size,
@@ -398,12 +375,27 @@ mod tests {
                             even_batches: bits & 4 != 0,
                             split_batches: bits & 8 != 0,
                             pieces: None,
+                            order: if bits & 16 != 0 {
+                                ShuffleOrder::Keyed
+                            } else {
+                                ShuffleOrder::Drawn
+                            },
                         };
                         (config, world)
                     })
                 })
             })
         })
+    }
+
+    /// The epoch order `config` draws (without pieces).
+    fn order_of(config: &SamplerConfig, epoch: u64) -> Vec<usize> {
+        if config.shuffle && config.order == ShuffleOrder::Keyed {
+            let keyed = KeyedOrder::new(config.len, config.seed, epoch);
+            (0..config.len).map(|p| keyed.at(p)).collect()
+        } else {
+            epoch_order(config.len, config.shuffle, config.seed, epoch)
+        }
     }
 
     fn samplers(
@@ -429,8 +421,9 @@ mod tests {
                 continue;
             };
             checked += 1;
-            let order = epoch_order(config.len, config.shuffle, config.seed, 3);
-            let per_rank: Vec<Vec<RankBatch>> = ranks.iter().map(|s| s.batches()).collect();
+            let order = order_of(&config, 3);
+            let per_rank: Vec<Vec<RankBatch>> =
+                ranks.iter().map(|s| s.batches().collect()).collect();
             for (s, batches) in ranks.iter().zip(&per_rank) {
                 assert_eq!(s.len(), batches.len(), "{config:?} world {world}");
                 assert!(batches.last().is_none_or(|b| b.last));
@@ -487,21 +480,25 @@ mod tests {
         let a = samplers(&config, 4, 7).unwrap();
         let b = samplers(&config, 4, 7).unwrap();
         for (x, y) in a.iter().zip(&b) {
-            assert_eq!(x.batches(), y.batches());
+            assert!(x.batches().eq(y.batches()));
         }
         let other_epoch = samplers(&config, 4, 8).unwrap();
-        assert_ne!(a[0].batches(), other_epoch[0].batches());
+        assert!(a[0].batches().ne(other_epoch[0].batches()));
     }
 
     #[test]
     fn resuming_from_a_cursor_continues_the_same_batches() {
         let mut s = DistributedSampler::new(SamplerConfig::new(103, 4, 1), 1, 3).unwrap();
         s.set_epoch(2);
-        let all = s.batches();
+        let all: Vec<RankBatch> = s.batches().collect();
         let cursor = s.cursor(5);
         let mut resumed = DistributedSampler::new(SamplerConfig::new(103, 4, 1), 1, 3).unwrap();
         resumed.set_epoch(cursor.epoch);
-        assert_eq!(resumed.batches_from(cursor.batches_consumed), all[5..]);
+        assert!(
+            resumed
+                .batches_from(cursor.batches_consumed)
+                .eq(all[5..].to_vec())
+        );
     }
 
     #[test]
@@ -512,8 +509,8 @@ mod tests {
             ..SamplerConfig::new(16, 8, 0)
         };
         let ranks = samplers(&config, 2, 0).unwrap();
-        assert_eq!(ranks[0].batches()[0].indices, [0, 1, 2, 3]);
-        assert_eq!(ranks[1].batches()[0].indices, [4, 5, 6, 7]);
+        assert_eq!(ranks[0].batches().next().unwrap().indices, [0, 1, 2, 3]);
+        assert_eq!(ranks[1].batches().next().unwrap().indices, [4, 5, 6, 7]);
         let err = DistributedSampler::new(
             SamplerConfig {
                 batch_size: 9,
@@ -539,7 +536,7 @@ mod tests {
         let ranks = samplers(&config, 2, 0).unwrap();
         // Rounds of 4: [0 1 | 2 3], then [4 0 | 1 2] with 3 samples of padding.
         assert_eq!(
-            ranks[0].batches()[1],
+            ranks[0].batches().nth(1).unwrap(),
             RankBatch {
                 indices: vec![4, 0],
                 padding: 1,
@@ -547,7 +544,7 @@ mod tests {
             }
         );
         assert_eq!(
-            ranks[1].batches()[1],
+            ranks[1].batches().nth(1).unwrap(),
             RankBatch {
                 indices: vec![1, 2],
                 padding: 2,
@@ -568,9 +565,8 @@ mod tests {
                 let start = (consumed * before[0].global_batch_size()).min(config.len);
                 // Same world size: the same batches as skipping whole batches.
                 for s in &before {
-                    assert_eq!(
-                        s.batches_from_sample(start),
-                        s.batches_from(consumed),
+                    assert!(
+                        s.batches_from_sample(start).eq(s.batches_from(consumed)),
                         "{config:?} world {world} consumed {consumed}"
                     );
                 }
@@ -586,15 +582,14 @@ mod tests {
                                 s.batches_from_sample(start).len(),
                                 s.len_from_sample(start)
                             );
-                            s.batches_from_sample(start).into_iter().flat_map(|b| {
+                            s.batches_from_sample(start).flat_map(|b| {
                                 let real = b.indices.len() - b.padding;
                                 b.indices.into_iter().take(real)
                             })
                         })
                         .collect();
                     seen.sort_unstable();
-                    let mut rest =
-                        epoch_order(config.len, config.shuffle, config.seed, 3)[start..].to_vec();
+                    let mut rest = order_of(&config, 3)[start..].to_vec();
                     rest.sort_unstable();
                     if config.drop_last {
                         assert!(seen.len() <= rest.len());
@@ -639,7 +634,8 @@ mod tests {
                 continue;
             };
             checked += 1;
-            let per_rank: Vec<Vec<RankBatch>> = ranks.iter().map(|s| s.batches()).collect();
+            let per_rank: Vec<Vec<RankBatch>> =
+                ranks.iter().map(|s| s.batches().collect()).collect();
             let round_robin = |rank| {
                 let config = SamplerConfig {
                     pieces: None,
@@ -698,7 +694,8 @@ mod tests {
             let Some(old) = samplers(&config, old_world, 1) else {
                 continue;
             };
-            let old_batches: Vec<Vec<RankBatch>> = old.iter().map(|s| s.batches()).collect();
+            let old_batches: Vec<Vec<RankBatch>> =
+                old.iter().map(|s| s.batches().collect()).collect();
             for consumed in 0..old[0].len() {
                 for new_world in 1..=4 {
                     let Some(new) = samplers(&config, new_world, 1) else {
@@ -711,8 +708,10 @@ mod tests {
                     }];
                     let read: Vec<Vec<RankBatch>> =
                         old_batches.iter().map(|b| b[..consumed].to_vec()).collect();
-                    let after: Vec<Vec<RankBatch>> =
-                        new.iter().map(|s| s.batches_after(&run, 0)).collect();
+                    let after: Vec<Vec<RankBatch>> = new
+                        .iter()
+                        .map(|s| s.batches_after(&run, 0).collect())
+                        .collect();
                     for (s, batches) in new.iter().zip(&after) {
                         assert_eq!(s.len_after(&run), batches.len());
                     }
@@ -729,5 +728,50 @@ mod tests {
                 }
             }
         }
+    }
+
+    /// A digest of every rank's batches over every configuration, plain and in pieces, from
+    /// the start, after a skip, after a sample position and after another run's shares.
+    fn digest_of_all_batches() -> u64 {
+        let mut hash = 0xcbf2_9ce4_8422_2325u64;
+        let mut eat = |x: usize| {
+            for b in (x as u64).to_le_bytes() {
+                hash = (hash ^ u64::from(b)).wrapping_mul(0x0100_0000_01b3);
+            }
+        };
+        for (mut config, world) in all_configs().filter(|(c, _)| c.order == ShuffleOrder::Drawn) {
+            for pieces in [false, true] {
+                config.pieces = pieces.then(|| pieces_of(config.len));
+                let Some(ranks) = samplers(&config, world, 4) else {
+                    continue;
+                };
+                let run = [ConsumedShares {
+                    world_size: 3,
+                    rank_batch_size: 2,
+                    batches: 1,
+                }];
+                for s in &ranks {
+                    let all = [
+                        s.batches_from(0),
+                        s.batches_from(1),
+                        s.batches_from_sample(5),
+                        s.batches_after(&run, 1),
+                    ];
+                    for batch in all.into_iter().flatten() {
+                        batch.indices.iter().for_each(|&i| eat(i));
+                        eat(batch.padding);
+                        eat(usize::from(batch.last));
+                        eat(usize::MAX);
+                    }
+                }
+            }
+        }
+        hash
+    }
+
+    #[test]
+    fn batches_are_frozen() {
+        // Part of the resume contract: a change here breaks existing checkpoints' resume.
+        assert_eq!(digest_of_all_batches(), 495_301_839_668_189_603);
     }
 }

@@ -35,6 +35,7 @@
 //! - [`scaler`]: the dynamic loss scaler of fp16 training (state machine, no tensors).
 //! - [`distributed_sampler`]: each rank's batches of an epoch, padding and resume cursor.
 //! - [`piece_order`]: the epoch order of data read in pieces (Parquet row groups, files).
+//! - [`rank_batches`]: one rank's batches of an epoch, made as they are asked for.
 //! - [`checkpoint`]: checkpoint directories: manifest, per-rank state, atomic commit, rotation.
 //! - [`comm`]: the process group and its collectives (rendezvous, shared memory, TCP).
 //! - `nccl` (Unix): finding libnccl, and agreeing whether a job reduces with it (no GPU needed).
@@ -70,6 +71,7 @@ pub mod nccl;
 pub mod output_file;
 pub mod piece_order;
 pub mod process;
+pub mod rank_batches;
 pub mod sampler;
 pub mod scaler;
 pub mod setting_table;
@@ -87,11 +89,12 @@ pub use comm::{GroupOptions, ProcessGroup, Reduction};
 pub use config::{AcceleratorConfig, ConfigOverrides, MixedPrecision, NcclMode};
 pub use config_file::{ConfigFile, ConfigFileError, LoadedConfig};
 pub use distributed_sampler::{
-    DistributedSampler, RankBatch, SamplerConfig, SamplerCursor, SamplerError,
+    DistributedSampler, RankBatch, RankBatches, SamplerConfig, SamplerCursor, SamplerError,
 };
 pub use error::{CommError, ConfigError, RendezvousWait, StateError};
 pub use launch_settings::{DeviceSelection, LaunchFlags, LaunchSettings};
-pub use piece_order::{ConsumedShares, PieceLayout};
+pub use piece_order::{ConsumedShares, PieceCursor, PieceLayout, Positions};
+pub use sampler::{KeyedOrder, ShuffleOrder};
 pub use scaler::{DynamicLossScaler, ScaledStep, ScalerConfig, ScalerState};
 pub use state::{EnvSource, Launcher, ProcessEnv, ProcessState};
 pub use tracking::{GeneralTracker, RunInfo, RunStatus, Tracker, TrackerError, Trackers};

@@ -8,6 +8,7 @@
 //! it shares with its neighbours) instead of every piece. A pure function, like
 //! [`epoch_order`]: part of the resume contract.
 
+use std::ops::Range;
 use std::sync::Arc;
 
 use serde::{Deserialize, Serialize};
@@ -70,30 +71,114 @@ impl PieceLayout {
 
     /// The items of epoch `epoch` in the order the pieces give them: pieces shuffled, items
     /// shuffled within blocks of consecutive pieces; all in data-set order without `shuffle`.
+    /// The whole epoch in memory: loaders read it through [`cursor`](Self::cursor) instead.
     pub fn epoch_order(&self, shuffle: bool, seed: u64, epoch: u64) -> Vec<usize> {
+        let mut cursor = self.cursor(shuffle, seed, epoch);
+        let total = self.total().unwrap_or(0);
+        (0..total).map(|position| cursor.at(position)).collect()
+    }
+
+    /// The order of [`epoch_order`](Self::epoch_order), made one block at a time as its
+    /// positions are asked for.
+    pub fn cursor(&self, shuffle: bool, seed: u64, epoch: u64) -> PieceCursor {
         let mut starts = Vec::with_capacity(self.lens.len());
         let mut total = 0usize;
         for &len in self.lens.iter() {
             starts.push(total);
             total = total.saturating_add(len);
         }
-        if !shuffle {
-            return (0..total).collect();
+        PieceCursor {
+            lens: Arc::clone(&self.lens),
+            starts: starts.into(),
+            pieces: epoch_order(self.lens.len(), shuffle, seed, epoch).into(),
+            shuffle,
+            shuffle_rows: self.shuffle_rows,
+            epoch: (seed, epoch),
+            rng: block_rng(seed, epoch),
+            next_piece: 0,
+            block_start: 0,
+            block: Vec::new(),
         }
-        let pieces = epoch_order(self.lens.len(), true, seed, epoch);
-        // A stream of its own: the items' shuffle never changes the pieces' order.
-        let mut rng = epoch_rng(seed ^ 0x5851_F42D_4C95_7F2D, epoch);
-        let mut order = Vec::with_capacity(total);
-        let mut block_start = 0;
-        for piece in pieces {
-            order.extend(starts[piece]..starts[piece] + self.lens[piece]);
-            if order.len() - block_start >= self.shuffle_rows {
-                shuffle_tail(&mut order[block_start..], &mut rng);
-                block_start = order.len();
+    }
+}
+
+/// The items' shuffle draws a stream of its own: it never changes the pieces' order.
+fn block_rng(seed: u64, epoch: u64) -> SplitMix64 {
+    epoch_rng(seed ^ 0x5851_F42D_4C95_7F2D, epoch)
+}
+
+/// One epoch's [piece order](PieceLayout::epoch_order), read by position: it holds the pieces'
+/// order and the block being read, never the epoch, so its memory depends on the number of
+/// pieces and the shuffle buffer, not on the number of items.
+///
+/// Reading forward is the fast way: a block before the one asked for is skipped by drawing
+/// its random numbers without placing its items; reading backward starts the epoch again.
+#[derive(Debug, Clone)]
+pub struct PieceCursor {
+    lens: Arc<[usize]>,
+    /// The data-set index of each piece's first item.
+    starts: Arc<[usize]>,
+    /// The pieces in this epoch's order.
+    pieces: Arc<[usize]>,
+    shuffle: bool,
+    shuffle_rows: usize,
+    /// Seed and epoch, to start again.
+    epoch: (u64, u64),
+    rng: SplitMix64,
+    /// The first piece (in `pieces`) after the current block.
+    next_piece: usize,
+    /// The epoch position of the current block's first item.
+    block_start: usize,
+    /// The current block's items, shuffled.
+    block: Vec<usize>,
+}
+
+impl PieceCursor {
+    /// The data-set index at `position` of the epoch's order (`position` is below the number of
+    /// items; past them, `position` itself).
+    pub fn at(&mut self, position: usize) -> usize {
+        if !self.shuffle {
+            return position;
+        }
+        if position < self.block_start {
+            self.next_piece = 0;
+            self.block_start = 0;
+            self.block.clear();
+            self.rng = block_rng(self.epoch.0, self.epoch.1);
+        }
+        loop {
+            if let Some(&item) = self.block.get(position - self.block_start) {
+                return item;
             }
+            self.block_start += self.block.len();
+            self.block.clear();
+            if self.next_piece >= self.pieces.len() {
+                return position;
+            }
+            // A block: consecutive pieces holding at least `shuffle_rows` items, or the rest.
+            let first = self.next_piece;
+            let mut len = 0usize;
+            while let Some(&piece) = self.pieces.get(self.next_piece) {
+                self.next_piece += 1;
+                len = len.saturating_add(self.lens[piece]);
+                if len >= self.shuffle_rows {
+                    break;
+                }
+            }
+            if position >= self.block_start.saturating_add(len) {
+                // Not asked for: only its draws, so that the next block's are the same.
+                for i in (1..len).rev() {
+                    self.rng.below(i as u64 + 1);
+                }
+                self.block_start += len;
+                continue;
+            }
+            for &piece in &self.pieces[first..self.next_piece] {
+                let start = self.starts[piece];
+                self.block.extend(start..start + self.lens[piece]);
+            }
+            shuffle_tail(&mut self.block, &mut self.rng);
         }
-        shuffle_tail(&mut order[block_start..], &mut rng);
-        order
     }
 }
 
@@ -102,6 +187,70 @@ fn shuffle_tail(items: &mut [usize], rng: &mut SplitMix64) {
     for i in (1..items.len()).rev() {
         let j = rng.below(i as u64 + 1) as usize;
         items.swap(i, j);
+    }
+}
+
+/// Positions of an epoch's order, as increasing ranges that do not touch: what is left of an
+/// epoch to read after a run stopped in it.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct Positions {
+    ranges: Vec<Range<usize>>,
+}
+
+impl Positions {
+    /// The positions `range`.
+    pub fn range(range: Range<usize>) -> Self {
+        let mut positions = Self::default();
+        positions.push(range);
+        positions
+    }
+
+    /// How many positions.
+    pub fn len(&self) -> usize {
+        self.ranges.iter().map(|r| r.len()).sum()
+    }
+
+    /// True when there are none.
+    pub fn is_empty(&self) -> bool {
+        self.ranges.is_empty()
+    }
+
+    /// The positions, in order.
+    pub fn iter(&self) -> impl Iterator<Item = usize> + '_ {
+        self.ranges.iter().flat_map(Range::clone)
+    }
+
+    /// The ranges, in order.
+    pub fn ranges(&self) -> &[Range<usize>] {
+        &self.ranges
+    }
+
+    /// The positions at indices `indices` of this list.
+    pub fn slice(&self, indices: Range<usize>) -> Self {
+        let mut out = Self::default();
+        let mut first = 0;
+        for range in &self.ranges {
+            let (from, to) = (
+                indices.start.max(first),
+                indices.end.min(first + range.len()),
+            );
+            if from < to {
+                out.push(range.start + from - first..range.start + to - first);
+            }
+            first += range.len();
+        }
+        out
+    }
+
+    /// Appends `range` (after every position held).
+    fn push(&mut self, range: Range<usize>) {
+        if range.is_empty() {
+            return;
+        }
+        match self.ranges.last_mut() {
+            Some(last) if last.end == range.start => last.end = range.end,
+            _ => self.ranges.push(range),
+        }
     }
 }
 
@@ -119,20 +268,23 @@ pub struct ConsumedShares {
 }
 
 impl ConsumedShares {
-    /// What `order` has left once the ranks consumed their batches: the unread rest of each
-    /// rank's contiguous share, in rank order, then the last round's items (unread, since a
-    /// run that read its last round finished the epoch).
-    pub fn remainder(&self, order: &[usize]) -> Vec<usize> {
+    /// What the positions `rest` have left once the ranks consumed their batches: the unread
+    /// rest of each rank's contiguous share, in rank order, then the last round's positions
+    /// (unread, since a run that read its last round finished the epoch).
+    pub fn remainder(&self, rest: &Positions) -> Positions {
         let (world, b) = (self.world_size.max(1), self.rank_batch_size.max(1));
-        let full = order.len() / (world * b);
+        let len = rest.len();
+        let full = len / (world * b);
         let share = full * b;
         let read = self.batches.min(full) * b;
-        let mut rest = Vec::with_capacity(order.len() - world * read);
-        for rank in 0..world {
-            rest.extend_from_slice(&order[rank * share + read..(rank + 1) * share]);
+        let mut left = Positions::default();
+        let shares = (0..world).map(|rank| rank * share + read..(rank + 1) * share);
+        for indices in shares.chain(std::iter::once(world * share..len)) {
+            for range in rest.slice(indices).ranges {
+                left.push(range);
+            }
         }
-        rest.extend_from_slice(&order[world * share..]);
-        rest
+        left
     }
 }
 
@@ -186,7 +338,6 @@ mod tests {
 
     #[test]
     fn the_remainder_is_every_unread_item_once() {
-        let order: Vec<usize> = (0..23).collect();
         let consumed = ConsumedShares {
             world_size: 2,
             rank_batch_size: 3,
@@ -194,10 +345,63 @@ mod tests {
         };
         // Shares of 9 (3 full batches each): ranks read 0..6 and 9..15; the last round is
         // 18..23.
+        let rest = consumed.remainder(&Positions::range(0..23));
+        assert_eq!(rest.ranges(), [6..9, 15..23]);
+        // Again over what is left: 11 positions, shares of 3 (1 batch each), both read; the
+        // last round (positions 18..23) is left.
+        let again = ConsumedShares {
+            batches: 1,
+            ..consumed
+        };
         assert_eq!(
-            consumed.remainder(&order),
-            [6, 7, 8, 15, 16, 17, 18, 19, 20, 21, 22]
+            again.remainder(&rest).iter().collect::<Vec<_>>(),
+            [18, 19, 20, 21, 22]
         );
+        assert_eq!(rest.slice(2..5).ranges(), [8..9, 15..17]);
+    }
+
+    /// The epoch order made whole, the way the cursor must reproduce it.
+    fn whole_order(layout: &PieceLayout, seed: u64, epoch: u64) -> Vec<usize> {
+        let lens = layout.lens();
+        let starts: Vec<usize> = lens
+            .iter()
+            .scan(0, |total, &l| {
+                *total += l;
+                Some(*total - l)
+            })
+            .collect();
+        let mut rng = block_rng(seed, epoch);
+        let (mut order, mut block_start) = (Vec::new(), 0);
+        for piece in epoch_order(lens.len(), true, seed, epoch) {
+            order.extend(starts[piece]..starts[piece] + lens[piece]);
+            if order.len() - block_start >= layout.shuffle_rows {
+                shuffle_tail(&mut order[block_start..], &mut rng);
+                block_start = order.len();
+            }
+        }
+        shuffle_tail(&mut order[block_start..], &mut rng);
+        order
+    }
+
+    #[test]
+    fn the_cursor_reads_the_whole_order_at_any_positions() {
+        let mut rng = SplitMix64::new(9);
+        for case in 0..200u64 {
+            let pieces = rng.below(12) as usize;
+            let lens: Vec<usize> = (0..pieces).map(|_| rng.below(7) as usize).collect();
+            let layout = PieceLayout::new(lens, 1 + rng.below(15) as usize);
+            let order = whole_order(&layout, case, 3);
+            let mut cursor = layout.cursor(true, case, 3);
+            // Forward with gaps (skipped blocks), then backward (a new start).
+            let mut position = 0;
+            while position < order.len() {
+                assert_eq!(cursor.at(position), order[position], "case {case}");
+                position += 1 + rng.below(6) as usize;
+            }
+            for position in (0..order.len()).rev().step_by(3) {
+                assert_eq!(cursor.at(position), order[position], "case {case}");
+            }
+        }
     }
 
     #[test]

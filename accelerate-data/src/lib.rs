@@ -1,12 +1,14 @@
-//! Training data larger than memory, in the formats it lives in, for accelerate-rs and any
-//! Burn training loop: tokenized corpora as token files (llm.c and nanoGPT `.bin`, numpy
-//! `.npy`) served as fixed-length windows, Arrow IPC files and Hugging Face `datasets` folders
-//! (`save_to_disk`) served row by row, and Parquet files (the Hugging Face hub's layout) read
-//! by row group. Each is a Burn map-style [`Dataset`], so accelerate-burn's `DataLoader`
-//! shuffles it, splits it across processes and resumes it to the sample exactly as it does an
-//! in-memory one; for Parquet, its `pieces` option makes each process read its own row groups.
-//! A process holds a few samples, a few row groups and an index of the files, never the
-//! corpus.
+//! Training data larger than memory, in the formats it lives in, for accelerate-rs and any Burn
+//! training loop: tokenized corpora as token files (llm.c and nanoGPT `.bin`, numpy `.npy`)
+//! served as fixed-length windows or as documents between end-of-text tokens, Arrow IPC files
+//! and Hugging Face `datasets` folders (`save_to_disk`) served row by row, and Parquet files
+//! (the Hugging Face hub's layout) read by row group. Each is a Burn map-style [`Dataset`], so
+//! accelerate-burn's `DataLoader` shuffles it, splits it across processes and resumes it to the
+//! sample exactly as it does an in-memory one; for Parquet, its `pieces` option makes each
+//! process read its own row groups. A process holds a few samples, a few row groups and an
+//! index of the files, never the corpus; with the loader's keyed shuffle order
+//! (`ShuffleOrder::Keyed`) or its pieces, the loader's own memory does not grow with the corpus
+//! either.
 //!
 //! ```
 //! use accelerate_data::{TokenShardWriter, TokenShards, TokenType};
@@ -35,7 +37,9 @@ mod tokens;
 pub use arrow::{ArrowDataset, ArrowRow};
 pub use error::DataError;
 pub use row_groups::{DEFAULT_CACHED_ROW_GROUPS, ParquetDataset};
-pub use tokens::{TokenShard, TokenShardWriter, TokenShards, TokenType, TokenWindows};
+pub use tokens::{
+    TokenDocuments, TokenShard, TokenShardWriter, TokenShards, TokenType, TokenWindows,
+};
 
 /// Burn, as this crate uses it (the [`Dataset`](burn::data::dataset::Dataset) trait).
 pub use burn;

@@ -11,10 +11,11 @@ use std::sync::Arc;
 
 use accelerate_burn::burn;
 use accelerate_data::{
-    ArrowRow, ParquetDataset, TokenShardWriter, TokenShards, TokenType, TokenWindows,
+    ArrowDataset, ArrowRow, ParquetDataset, TokenShardWriter, TokenShards, TokenType, TokenWindows,
 };
 use anyhow::Context;
 use arrow_array::{RecordBatch, StringArray};
+use arrow_ipc::writer::FileWriter;
 use arrow_schema::{DataType, Field, Schema};
 use burn::data::dataloader::batcher::Batcher;
 use burn::data::dataset::{Dataset, DatasetError};
@@ -212,16 +213,36 @@ impl Dataset<Vec<u8>> for ByteWindows {
     }
 }
 
-/// Writes the fixed split as Parquet files in `dir` (which must exist), the Hugging Face hub's
-/// way: `train-00000-of-0000n.parquet`, ... then `validation-...`, one `text` column whose rows
-/// are the windows of `row_bytes` bytes every `row_bytes - 1` bytes (overlapping by one, as
-/// [`TextWindows`] with context `row_bytes - 1`), `rows_per_file` rows per file in row groups of
-/// `rows_per_group`, snappy-compressed. Returns the files written. Never replaces a file.
-pub fn write_parquet_files(
+/// How [`write_text_rows`] stores its rows.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum RowFormat {
+    /// Parquet files, snappy-compressed, one row group per `rows_per_group` rows.
+    Parquet,
+    /// Arrow IPC files (file format), one record batch per `rows_per_group` rows.
+    Arrow,
+}
+
+impl RowFormat {
+    /// The files' extension.
+    pub fn extension(self) -> &'static str {
+        match self {
+            Self::Parquet => "parquet",
+            Self::Arrow => "arrow",
+        }
+    }
+}
+
+/// Writes the fixed split as row files in `dir` (which must exist), the Hugging Face hub's way:
+/// `train-00000-of-0000n.parquet` (or `.arrow`), ... then `validation-...`, one `text` column
+/// whose rows are the windows of `row_bytes` bytes every `row_bytes - 1` bytes (overlapping by
+/// one, as [`TextWindows`] with context `row_bytes - 1`), `rows_per_file` rows per file in row
+/// groups (record batches) of `rows_per_group`. Returns the files written. Never replaces a
+/// file.
+pub fn write_text_rows(
     dir: &Path,
+    format: RowFormat,
     row_bytes: usize,
-    rows_per_file: usize,
-    rows_per_group: usize,
+    (rows_per_file, rows_per_group): (usize, usize),
 ) -> anyhow::Result<Vec<PathBuf>> {
     let (train, validation) = train_validation_split()?;
     let schema = Arc::new(Schema::new(vec![Field::new("text", DataType::Utf8, false)]));
@@ -237,46 +258,88 @@ pub fn write_parquet_files(
             .collect::<Result<_, _>>()?;
         let files: Vec<&[&str]> = rows.chunks(rows_per_file.max(1)).collect();
         for (index, rows) in files.iter().enumerate() {
-            let path = dir.join(format!("{split}-{index:05}-of-{:05}.parquet", files.len()));
+            let name = format!("{split}-{index:05}-of-{:05}", files.len());
+            let path = dir.join(name).with_extension(format.extension());
             let file = std::fs::File::create_new(&path)
                 .with_context(|| format!("creating {}", path.display()))?;
-            let mut writer =
-                ArrowWriter::try_new(file, Arc::clone(&schema), Some(properties.clone()))?;
-            let column = Arc::new(StringArray::from(rows.to_vec()));
-            writer.write(&RecordBatch::try_new(Arc::clone(&schema), vec![column])?)?;
-            writer.close()?;
+            let batch = |rows: &[&str]| {
+                let column = Arc::new(StringArray::from(rows.to_vec()));
+                RecordBatch::try_new(Arc::clone(&schema), vec![column])
+            };
+            match format {
+                RowFormat::Parquet => {
+                    let mut writer =
+                        ArrowWriter::try_new(file, Arc::clone(&schema), Some(properties.clone()))?;
+                    writer.write(&batch(rows)?)?;
+                    writer.close()?;
+                }
+                RowFormat::Arrow => {
+                    let mut writer = FileWriter::try_new(file, &schema)?;
+                    for group in rows.chunks(rows_per_group.max(1)) {
+                        writer.write(&batch(group)?)?;
+                    }
+                    writer.finish()?;
+                }
+            }
             written.push(path);
         }
     }
     Ok(written)
 }
 
-/// Rows of a Parquet corpus's `text` column as the byte windows [`TextBatcher`] takes: the
-/// first `context + 1` bytes of each row (rows must be that long), the first `limit` rows at
-/// most. Read in pieces (its row groups): give [`pieces`](Self::pieces) to the loader.
-#[derive(Debug, Clone)]
-pub struct ParquetWindows {
-    rows: ParquetDataset,
+/// Rows of a Parquet or Arrow corpus's `text` column as the byte windows [`TextBatcher`]
+/// takes: the first `context + 1` bytes of each row (rows must be that long), the first
+/// `limit` rows at most. Parquet is read in pieces (its row groups): give
+/// [`pieces`](Self::pieces) to the loader; Arrow files are memory-mapped and read at random.
+#[derive(Clone)]
+pub struct RowWindows {
+    rows: Arc<dyn Dataset<ArrowRow>>,
+    pieces: Option<Vec<usize>>,
     context: usize,
     len: usize,
 }
 
-impl ParquetWindows {
-    /// The `.parquet` files of `dir` named `prefix*` (`train`, `validation`).
+impl RowWindows {
+    /// The files of `dir` named `prefix*` (`train`, `validation`) in `format`.
     pub fn open(
         dir: &Path,
         prefix: &str,
-        context: usize,
-        limit: Option<usize>,
+        format: RowFormat,
+        (context, limit): (usize, Option<usize>),
     ) -> anyhow::Result<Self> {
-        let rows = ParquetDataset::open_prefixed(dir, prefix)?.select(&["text"])?;
+        let (rows, pieces): (Arc<dyn Dataset<ArrowRow>>, _) = match format {
+            RowFormat::Parquet => {
+                let rows = ParquetDataset::open_prefixed(dir, prefix)?.select(&["text"])?;
+                let pieces = rows.pieces();
+                (Arc::new(rows), Some(pieces))
+            }
+            RowFormat::Arrow => {
+                let mut files: Vec<PathBuf> = std::fs::read_dir(dir)
+                    .with_context(|| format!("reading {}", dir.display()))?
+                    .map(|entry| entry.map(|e| e.path()))
+                    .collect::<Result<_, _>>()?;
+                files.retain(|f| {
+                    f.extension().is_some_and(|e| e == "arrow")
+                        && f.file_name()
+                            .is_some_and(|n| n.to_string_lossy().starts_with(prefix))
+                });
+                files.sort();
+                let rows = ArrowDataset::from_files(files)?.select(&["text"])?;
+                (Arc::new(rows), None)
+            }
+        };
         let len = limit.map_or(rows.len(), |l| l.min(rows.len()));
-        Ok(Self { rows, context, len })
+        Ok(Self {
+            rows,
+            pieces,
+            context,
+            len,
+        })
     }
 
-    /// Rows per row group, for the loader's `pieces`.
-    pub fn pieces(&self) -> Vec<usize> {
-        self.rows.pieces()
+    /// Rows per row group, for the loader's `pieces` (Parquet; `None` for Arrow).
+    pub fn pieces(&self) -> Option<Vec<usize>> {
+        self.pieces.clone()
     }
 
     fn window(&self, row: &ArrowRow) -> Result<Vec<u8>, DatasetError> {
@@ -294,7 +357,7 @@ impl ParquetWindows {
     }
 }
 
-impl Dataset<Vec<u8>> for ParquetWindows {
+impl Dataset<Vec<u8>> for RowWindows {
     fn get(&self, index: usize) -> Result<Vec<u8>, DatasetError> {
         assert!(index < self.len, "row {index} of {}", self.len);
         self.window(&self.rows.get(index)?)
@@ -359,19 +422,24 @@ mod tests {
     }
 
     #[test]
-    fn parquet_files_of_the_text_give_back_its_windows_in_row_groups() {
+    fn parquet_and_arrow_files_of_the_text_give_back_its_windows() {
         let dir = tempfile::tempdir().unwrap();
-        let files = write_parquet_files(dir.path(), 129, 20_000, 4096).unwrap();
-        // 34,104 training windows in 2 files, 3,789 validation windows in 1.
-        assert_eq!(files.len(), 3, "{files:?}");
         let (train, _) = train_validation_split().unwrap();
         let embedded = TextWindows::new(train, 128, None);
-        let from_files = ParquetWindows::open(dir.path(), "train", 128, None).unwrap();
-        assert_eq!(from_files.len(), embedded.len());
-        assert_eq!(from_files.pieces().iter().sum::<usize>(), embedded.len());
-        assert_eq!(from_files.pieces()[..5], [4096, 4096, 4096, 4096, 3616]);
-        for i in [0, 1, 20_000, embedded.len() - 1] {
-            assert_eq!(from_files.get(i).unwrap(), embedded.get(i).unwrap());
+        for format in [RowFormat::Parquet, RowFormat::Arrow] {
+            let files = write_text_rows(dir.path(), format, 129, (20_000, 4096)).unwrap();
+            // 34,104 training windows in 2 files, 3,789 validation windows in 1.
+            assert_eq!(files.len(), 3, "{files:?}");
+            let from_files = RowWindows::open(dir.path(), "train", format, (128, None)).unwrap();
+            assert_eq!(from_files.len(), embedded.len());
+            if format == RowFormat::Parquet {
+                let pieces = from_files.pieces().unwrap();
+                assert_eq!(pieces.iter().sum::<usize>(), embedded.len());
+                assert_eq!(pieces[..5], [4096, 4096, 4096, 4096, 3616]);
+            }
+            for i in [0, 1, 20_000, embedded.len() - 1] {
+                assert_eq!(from_files.get(i).unwrap(), embedded.get(i).unwrap());
+            }
         }
     }
 
@@ -379,13 +447,16 @@ mod tests {
     fn the_files_written_never_replace_a_users_file() {
         let dir = tempfile::tempdir().unwrap();
         let parquet = dir.path().join("train-00000-of-00001.parquet");
+        let arrow = dir.path().join("train-00000-of-00001.arrow");
         let tokens = dir.path().join("train_000000.bin");
-        for path in [&parquet, &tokens] {
+        for path in [&parquet, &arrow, &tokens] {
             std::fs::write(path, b"the user's").unwrap();
         }
-        assert!(write_parquet_files(dir.path(), 129, usize::MAX, 4096).is_err());
+        for format in [RowFormat::Parquet, RowFormat::Arrow] {
+            assert!(write_text_rows(dir.path(), format, 129, (usize::MAX, 4096)).is_err());
+        }
         assert!(write_token_files(dir.path(), usize::MAX).is_err());
-        for path in [&parquet, &tokens] {
+        for path in [&parquet, &arrow, &tokens] {
             assert_eq!(std::fs::read(path).unwrap(), b"the user's");
         }
     }

@@ -8,6 +8,7 @@ mod common;
 #[path = "../transformer_lm.rs"]
 mod transformer_example;
 
+use accelerate_examples::text::{RowFormat, write_text_rows};
 use clap::Parser;
 use common::{SCENARIO, env_number, largest_difference, line, param_bits, params, run};
 use transformer_example::{Args, Report, learning_rate};
@@ -169,6 +170,30 @@ fn training_from_token_files_equals_training_from_the_embedded_text() {
     assert!(sharded.validation.value.is_finite());
 }
 
+/// The corpus as Arrow IPC files (a `text` column of the windows, 3 training files of record
+/// batches of 2,000 rows) trains bit for bit what the embedded text trains: the rows are the
+/// windows in the same order, read at random from the memory-mapped files.
+#[test]
+fn training_from_arrow_files_equals_training_from_the_embedded_text() {
+    let tmp = tempfile::tempdir().unwrap();
+    let shape = (60_000, 2_000);
+    let files = write_text_rows(tmp.path(), RowFormat::Arrow, 33, shape).unwrap();
+    assert_eq!(files.len(), 4, "{files:?}");
+    let steps = ["--steps", "8", "--eval-every", "4"];
+    let embedded = train(&small(&steps)).unwrap();
+    let mut from_files = steps.to_vec();
+    from_files.extend(["--data", tmp.path().to_str().unwrap()]);
+    let from_files = train(&small(&from_files)).unwrap();
+    assert!(
+        from_files.parameters == embedded.parameters,
+        "parameters differ"
+    );
+    assert_eq!(
+        from_files.validation.value.to_bits(),
+        embedded.validation.value.to_bits()
+    );
+}
+
 /// The corpus as Parquet files (a `text` column, 3 files of row groups of 2,000 rows), read in
 /// pieces: it trains, and a run stopped and resumed from its project directory ends bit
 /// for bit where the run that never stopped ends.
@@ -177,7 +202,7 @@ fn training_from_parquet_files_resumes_bit_identically() {
     let tmp = tempfile::tempdir().unwrap();
     let data = tmp.path().join("parquet");
     std::fs::create_dir(&data).unwrap();
-    let files = accelerate_examples::text::write_parquet_files(&data, 33, 60_000, 2_000).unwrap();
+    let files = write_text_rows(&data, RowFormat::Parquet, 33, (60_000, 2_000)).unwrap();
     assert_eq!(files.len(), 4, "{files:?}");
     let data = data.to_str().unwrap();
     let project = tmp.path().join("project");
@@ -259,6 +284,9 @@ fn child() {
     if !data.is_empty() {
         flags.extend(["--data", data.as_str()]);
     }
+    if std::env::var_os("TEST_KEYED_ORDER").is_some() {
+        flags.push("--keyed-order");
+    }
     match train(&small(&flags)) {
         Ok(report) => {
             let bits: Vec<String> = report
@@ -295,6 +323,52 @@ fn two_processes_train_from_token_files_like_one_from_the_embedded_text() {
     let single = run("transformer", 1, &[("TEST_BATCH", "16".to_string())]);
     let data = ("TEST_DATA", tmp.path().to_str().unwrap().to_string());
     assert_ranks_train_like(&single[0], 2, "0", &[data]);
+}
+
+/// The same in the keyed order (computed at each position, constant memory): two processes
+/// reading token files train what one process trains from the embedded text.
+#[test]
+fn two_processes_train_from_token_files_in_a_keyed_order_like_one() {
+    let tmp = tempfile::tempdir().unwrap();
+    accelerate_examples::text::write_token_files(tmp.path(), usize::MAX).unwrap();
+    let keyed = ("TEST_KEYED_ORDER", "1".to_string());
+    let single = run(
+        "transformer",
+        1,
+        &[("TEST_BATCH", "16".to_string()), keyed.clone()],
+    );
+    let data = ("TEST_DATA", tmp.path().to_str().unwrap().to_string());
+    assert_ranks_train_like(&single[0], 2, "0", &[data, keyed]);
+}
+
+/// A run from token files in the keyed order, stopped and resumed from its project directory,
+/// ends bit for bit where the run that never stopped ends, on other windows than the drawn
+/// order's.
+#[test]
+fn training_from_token_files_in_a_keyed_order_resumes_bit_identically() {
+    let tmp = tempfile::tempdir().unwrap();
+    let data = tmp.path().join("tokens");
+    std::fs::create_dir(&data).unwrap();
+    accelerate_examples::text::write_token_files(&data, 1_000_000).unwrap();
+    let (data, project) = (data.to_str().unwrap(), tmp.path().join("project"));
+    let project = project.to_str().unwrap();
+    let steps = ["--steps", "8", "--eval-every", "4", "--data", data];
+    let drawn = train(&small(&steps)).unwrap();
+    let mut keyed = steps.to_vec();
+    keyed.push("--keyed-order");
+    let whole = train(&small(&keyed)).unwrap();
+    assert!(
+        whole.parameters != drawn.parameters,
+        "the keyed order changed nothing"
+    );
+    let mut first = keyed.clone();
+    first.extend(["--stop-at", "4", "--project-dir", project]);
+    assert_eq!(train(&small(&first)).unwrap().updates, 4);
+    let mut resumed = keyed.clone();
+    resumed.extend(["--project-dir", project]);
+    let resumed = train(&small(&resumed)).unwrap();
+    assert_eq!(resumed.updates, 8);
+    assert!(resumed.parameters == whole.parameters, "parameters differ");
 }
 
 /// `ACCELERATE_TRACE` on two processes: a timeline per rank holding the last 4 steps, whose

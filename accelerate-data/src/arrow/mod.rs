@@ -33,14 +33,26 @@ struct Part {
 /// decoded in place; the process holds one small record per record batch and the pages the
 /// rows it reads bring in.
 ///
-/// ```no_run
+/// ```
 /// use accelerate_data::ArrowDataset;
 /// use burn::data::dataset::Dataset;
+/// # use std::sync::Arc;
+/// # use arrow_array::{ArrayRef, Int64Array, RecordBatch, StringArray};
+/// # let dir = tempfile::tempdir()?;
+/// # let path = dir.path().join("imdb-train.arrow");
+/// # let batch = RecordBatch::try_from_iter([
+/// #     ("text", Arc::new(StringArray::from(vec!["a fine film", "dull"])) as ArrayRef),
+/// #     ("label", Arc::new(Int64Array::from(vec![1, 0])) as ArrayRef),
+/// # ])?;
+/// # let file = std::fs::File::create(&path)?;
+/// # let mut writer = arrow_ipc::writer::FileWriter::try_new(file, &batch.schema())?;
+/// # writer.write(&batch)?;
+/// # writer.finish()?;
 ///
-/// // A folder written by `datasets.Dataset.save_to_disk("data/imdb-train")`.
-/// let train = ArrowDataset::open("data/imdb-train")?.select(&["text", "label"])?;
+/// // An Arrow file as pyarrow writes it, or a folder written by `datasets`' `save_to_disk`.
+/// let train = ArrowDataset::open(&path)?.select(&["text", "label"])?;
 /// let first = train.get(0)?;
-/// println!("{} -> {}", first.text("text")?, first.int("label")?);
+/// assert_eq!((first.text("text")?, first.int("label")?), ("a fine film", 1));
 /// # Ok::<(), Box<dyn std::error::Error>>(())
 /// ```
 #[derive(Debug, Clone)]

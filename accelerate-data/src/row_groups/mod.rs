@@ -48,14 +48,28 @@ struct Piece {
 /// [`pieces`](Self::pieces) to the loader (`DataLoaderBuilder::pieces`) so that each process
 /// reads its own row groups.
 ///
-/// ```no_run
+/// ```
 /// use accelerate_data::ParquetDataset;
 /// use burn::data::dataset::Dataset;
+/// # use std::sync::Arc;
+/// # use arrow_array::{ArrayRef, RecordBatch, StringArray};
+/// # use parquet::{arrow::ArrowWriter, file::properties::WriterProperties};
+/// # let dir = tempfile::tempdir()?;
+/// # let text = StringArray::from(vec!["one", "two", "three"]);
+/// # let batch = RecordBatch::try_from_iter([("text", Arc::new(text) as ArrayRef)])?;
+/// # for i in 0..2 {
+/// #     let file = std::fs::File::create(dir.path().join(format!("train-0000{i}-of-00002.parquet")))?;
+/// #     let rows = WriterProperties::builder().set_max_row_group_row_count(Some(2)).build();
+/// #     let mut writer = ArrowWriter::try_new(file, batch.schema(), Some(rows))?;
+/// #     writer.write(&batch)?;
+/// #     writer.close()?;
+/// # }
 ///
-/// // A dataset from the Hugging Face hub: data/train-00000-of-00004.parquet, ...
-/// let train = ParquetDataset::open_prefixed("wikitext/data", "train")?.select(&["text"])?;
-/// println!("{} rows in {} row groups", train.len(), train.pieces().len());
-/// println!("{}", train.get(0)?.text("text")?);
+/// // The hub's layout: data/train-00000-of-00002.parquet, data/train-00001-of-00002.parquet
+/// let train = ParquetDataset::open_prefixed(dir.path(), "train")?.select(&["text"])?;
+/// assert_eq!(train.len(), 6);
+/// assert_eq!(train.pieces(), [2, 1, 2, 1]); // rows per row group: the loader's pieces
+/// assert_eq!(train.get(5)?.text("text")?, "three");
 /// # Ok::<(), Box<dyn std::error::Error>>(())
 /// ```
 #[derive(Debug, Clone)]

@@ -1,5 +1,5 @@
 //! Tokenized corpora as files of token ids (llm.c / nanoGPT `.bin`, numpy `.npy`), served as
-//! fixed-length windows.
+//! fixed-length windows or as documents between end-of-text tokens.
 //!
 //! A file is never read whole: a window is one positional read (`pread`) of its tokens, so a
 //! process holds a few windows whatever the corpus size. Not a memory map on purpose: the pages
@@ -7,6 +7,7 @@
 //! whole corpus) and in its address space (so `RLIMIT_AS` caps the corpus); the page cache
 //! serves repeated reads either way.
 
+mod documents;
 mod format;
 mod write;
 
@@ -17,6 +18,7 @@ use std::sync::Arc;
 
 use burn::data::dataset::{Dataset, DatasetError};
 
+pub use documents::TokenDocuments;
 pub use format::TokenType;
 pub use write::TokenShardWriter;
 
@@ -181,6 +183,16 @@ impl TokenShards {
     pub fn windows(&self, context: usize) -> TokenWindows {
         TokenWindows::new(self.clone(), context)
     }
+
+    /// The corpus as documents delimited by `end_of_text`, in items of at most `max_tokens`
+    /// tokens, see [`TokenDocuments`] (reads every file once).
+    pub fn documents(
+        &self,
+        end_of_text: u32,
+        max_tokens: usize,
+    ) -> Result<TokenDocuments, DataError> {
+        TokenDocuments::new(self.clone(), end_of_text, max_tokens)
+    }
 }
 
 /// The files of `folder` with a token extension whose names start with `prefix`, sorted.
@@ -261,7 +273,7 @@ impl Dataset<Vec<u32>> for TokenWindows {
 mod tests {
     use super::*;
 
-    fn shard(dir: &Path, name: &str, tokens: &[u32], ty: TokenType) -> PathBuf {
+    pub(super) fn shard(dir: &Path, name: &str, tokens: &[u32], ty: TokenType) -> PathBuf {
         let path = dir.join(name);
         let mut writer = TokenShardWriter::create(&path, ty).unwrap();
         writer.write(tokens).unwrap();
