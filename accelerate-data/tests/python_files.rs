@@ -69,6 +69,29 @@ fn token_files_of_numpy_nanogpt_and_llmc_give_back_their_tokens() {
     }
 }
 
+/// llm.c's documents (an end-of-text token before each) come back one by one, and cut in
+/// items of at most 4 tokens, every token once.
+#[test]
+fn documents_of_an_llmc_file_give_back_each_document() {
+    let Some(dir) = python_files() else { return };
+    let corpus = TokenShards::open(dir.join("llmc_documents.bin")).unwrap();
+    let documents = corpus.documents(50256, usize::MAX).unwrap();
+    assert_eq!(documents.len(), 20);
+    for d in 0..20u32 {
+        let expected: Vec<u32> = (10 * d..=10 * d + d).collect();
+        assert_eq!(documents.get(d as usize).unwrap(), expected, "document {d}");
+    }
+    let cut = corpus.documents(50256, 4).unwrap();
+    let tokens: Vec<u32> = (0..cut.len()).flat_map(|i| cut.get(i).unwrap()).collect();
+    let whole: Vec<u32> = (0..20).flat_map(|d| documents.get(d).unwrap()).collect();
+    assert_eq!(tokens, whole);
+    assert!((0..cut.len()).all(|i| cut.tokens_of(i) <= 4));
+    assert_eq!(
+        cut.len(),
+        (0..20).map(|d: usize| (d + 1).div_ceil(4)).sum::<usize>()
+    );
+}
+
 /// Every row of `data` is the row `write_files.py` wrote.
 fn assert_rows(data: &impl Dataset<ArrowRow>, rows: usize, what: &str) {
     assert_eq!(data.len(), rows, "{what}");

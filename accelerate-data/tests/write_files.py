@@ -23,6 +23,16 @@ with open(f"{out}/llmc.bin", "wb") as f:
     f.write(header.tobytes())
     f.write(np.arange(1000, dtype=np.uint16).tobytes())
 
+# Documents as llm.c's fineweb.py writes them: GPT-2's end-of-text token (50256) before each.
+# Document d holds the tokens 10 d .. 10 d + d.
+documents = np.concatenate(
+    [np.array([50256] + list(range(10 * d, 10 * d + d + 1)), dtype=np.uint16) for d in range(20)]
+)
+header[:3] = [20240520, 1, len(documents)]
+with open(f"{out}/llmc_documents.bin", "wb") as f:
+    f.write(header.tobytes())
+    f.write(documents.tobytes())
+
 
 def rows(n):
     return {

@@ -136,62 +136,44 @@ fn a_run_resumed_from_its_project_directory_ends_bit_identical() {
 }
 
 /// The corpus read from token files on disk (llm.c's format, as `--example prepare_data`
-/// writes it) trains bit for bit what the embedded text trains: the windows, their order and
-/// so every update are the same. Several files per split train too (windows never cross a
-/// file, so there are a few fewer of them).
+/// writes it), or from Arrow IPC files whose `text` rows are the windows (3 training files of
+/// record batches of 2,000 rows, read at random from the memory-mapped files), trains bit for
+/// bit what the embedded text trains: the windows, their order and so every update are the
+/// same. Several token files per split train too (windows never cross a file, so there are a
+/// few fewer of them).
 #[test]
-fn training_from_token_files_equals_training_from_the_embedded_text() {
+fn training_from_token_or_arrow_files_equals_training_from_the_embedded_text() {
     let tmp = tempfile::tempdir().unwrap();
-    let one_file = tmp.path().join("one");
-    let many_files = tmp.path().join("many");
-    for dir in [&one_file, &many_files] {
+    let [one_file, many_files, arrow] = ["one", "many", "arrow"].map(|d| tmp.path().join(d));
+    for dir in [&one_file, &many_files, &arrow] {
         std::fs::create_dir(dir).unwrap();
     }
     accelerate_examples::text::write_token_files(&one_file, usize::MAX).unwrap();
     let files = accelerate_examples::text::write_token_files(&many_files, 1 << 20).unwrap();
     assert_eq!(files.len(), 6, "{files:?}");
+    let files = write_text_rows(&arrow, RowFormat::Arrow, 33, (60_000, 2_000)).unwrap();
+    assert_eq!(files.len(), 4, "{files:?}");
     let steps = ["--steps", "8", "--eval-every", "4"];
     let embedded = train(&small(&steps)).unwrap();
-    let mut from_files = steps.to_vec();
-    from_files.extend(["--data", one_file.to_str().unwrap()]);
-    let from_files = train(&small(&from_files)).unwrap();
-    assert!(
-        from_files.parameters == embedded.parameters,
-        "parameters differ"
-    );
-    assert_eq!(
-        from_files.validation.value.to_bits(),
-        embedded.validation.value.to_bits()
-    );
+    for dir in [&one_file, &arrow] {
+        let mut from_files = steps.to_vec();
+        from_files.extend(["--data", dir.to_str().unwrap()]);
+        let from_files = train(&small(&from_files)).unwrap();
+        assert!(
+            from_files.parameters == embedded.parameters,
+            "parameters differ: {}",
+            dir.display()
+        );
+        assert_eq!(
+            from_files.validation.value.to_bits(),
+            embedded.validation.value.to_bits()
+        );
+    }
     let mut sharded = steps.to_vec();
     sharded.extend(["--data", many_files.to_str().unwrap()]);
     let sharded = train(&small(&sharded)).unwrap();
     assert_eq!(sharded.updates, 8);
     assert!(sharded.validation.value.is_finite());
-}
-
-/// The corpus as Arrow IPC files (a `text` column of the windows, 3 training files of record
-/// batches of 2,000 rows) trains bit for bit what the embedded text trains: the rows are the
-/// windows in the same order, read at random from the memory-mapped files.
-#[test]
-fn training_from_arrow_files_equals_training_from_the_embedded_text() {
-    let tmp = tempfile::tempdir().unwrap();
-    let shape = (60_000, 2_000);
-    let files = write_text_rows(tmp.path(), RowFormat::Arrow, 33, shape).unwrap();
-    assert_eq!(files.len(), 4, "{files:?}");
-    let steps = ["--steps", "8", "--eval-every", "4"];
-    let embedded = train(&small(&steps)).unwrap();
-    let mut from_files = steps.to_vec();
-    from_files.extend(["--data", tmp.path().to_str().unwrap()]);
-    let from_files = train(&small(&from_files)).unwrap();
-    assert!(
-        from_files.parameters == embedded.parameters,
-        "parameters differ"
-    );
-    assert_eq!(
-        from_files.validation.value.to_bits(),
-        embedded.validation.value.to_bits()
-    );
 }
 
 /// The corpus as Parquet files (a `text` column, 3 files of row groups of 2,000 rows), read in
