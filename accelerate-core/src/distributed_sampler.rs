@@ -487,6 +487,26 @@ mod tests {
     }
 
     #[test]
+    fn batches_skipped_are_the_batches_made() {
+        for (mut config, world) in all_configs().filter(|(_, w)| *w == 3) {
+            for pieces in [false, true] {
+                config.pieces = pieces.then(|| pieces_of(config.len));
+                let Some(ranks) = samplers(&config, world, 1) else {
+                    continue;
+                };
+                for s in &ranks {
+                    let all: Vec<RankBatch> = s.batches().collect();
+                    for step in 1..4 {
+                        let made: Vec<RankBatch> =
+                            all.iter().skip(1).step_by(step).cloned().collect();
+                        assert!(s.batches().skip(1).step_by(step).eq(made), "{config:?}");
+                    }
+                }
+            }
+        }
+    }
+
+    #[test]
     fn resuming_from_a_cursor_continues_the_same_batches() {
         let mut s = DistributedSampler::new(SamplerConfig::new(103, 4, 1), 1, 3).unwrap();
         s.set_epoch(2);

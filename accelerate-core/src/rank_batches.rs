@@ -174,6 +174,13 @@ impl Iterator for RankBatches {
         })
     }
 
+    /// Skips `n` batches without making them (the positions are read lazily, so nothing is
+    /// lost): prefetch threads walking every `workers`-th batch pay only for their own.
+    fn nth(&mut self, n: usize) -> Option<RankBatch> {
+        self.next = self.next.saturating_add(n).min(self.cut.count);
+        self.next()
+    }
+
     fn size_hint(&self) -> (usize, Option<usize>) {
         let left = self.cut.count - self.next;
         (left, Some(left))

@@ -296,15 +296,23 @@ fn two_processes_train_the_transformer_like_one_with_the_same_global_batches() {
     assert_ranks_train_like(&single[0], 2, "0", &[]);
 }
 
-/// Two processes reading the corpus from token files (`--data`) train what one process
-/// trains from the embedded text: each reads its share of the windows from the files.
+/// Two processes reading the corpus from token files or from Arrow files (`--data`) train
+/// what one process trains from the embedded text: each reads its share of the windows from
+/// the files.
 #[test]
-fn two_processes_train_from_token_files_like_one_from_the_embedded_text() {
+fn two_processes_train_from_token_or_arrow_files_like_one_from_the_embedded_text() {
     let tmp = tempfile::tempdir().unwrap();
-    accelerate_examples::text::write_token_files(tmp.path(), usize::MAX).unwrap();
+    let [tokens, arrow] = ["tokens", "arrow"].map(|d| tmp.path().join(d));
+    for dir in [&tokens, &arrow] {
+        std::fs::create_dir(dir).unwrap();
+    }
+    accelerate_examples::text::write_token_files(&tokens, usize::MAX).unwrap();
+    write_text_rows(&arrow, RowFormat::Arrow, 33, (60_000, 2_000)).unwrap();
     let single = run("transformer", 1, &[("TEST_BATCH", "16".to_string())]);
-    let data = ("TEST_DATA", tmp.path().to_str().unwrap().to_string());
-    assert_ranks_train_like(&single[0], 2, "0", &[data]);
+    for dir in [&tokens, &arrow] {
+        let data = ("TEST_DATA", dir.to_str().unwrap().to_string());
+        assert_ranks_train_like(&single[0], 2, "0", &[data]);
+    }
 }
 
 /// The same in the keyed order (computed at each position, constant memory): two processes
