@@ -318,7 +318,7 @@ impl<I: 'static, O: Send + 'static> PreparedDataLoader<I, O> {
                 source,
                 (loader.workers, loader.prefetch_or(DEFAULT_PREFETCH)),
                 device.clone(),
-                batches.clone().map(|b| b.indices),
+                batches.clone(),
             )
         });
         BatchIter {

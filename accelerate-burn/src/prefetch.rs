@@ -5,6 +5,7 @@ use std::sync::Arc;
 use std::sync::mpsc::Receiver;
 use std::thread::JoinHandle;
 
+use accelerate_core::RankBatch;
 use burn::data::dataloader::batcher::Batcher;
 use burn::data::dataset::{Dataset, DatasetError};
 use burn::tensor::Device;
@@ -36,13 +37,13 @@ pub(crate) struct Prefetcher<O> {
 }
 
 impl<O: Send + 'static> Prefetcher<O> {
-    /// Starts `workers` threads building `batches` (data-set indices, made as they are
-    /// needed) from `source`, up to `prefetch` batches ahead in all.
+    /// Starts `workers` threads building `batches` (made as they are needed) from `source`,
+    /// up to `prefetch` batches ahead in all.
     pub fn start<I: 'static>(
         source: BatchSource<I, O>,
         (workers, prefetch): (usize, usize),
         device: Device,
-        batches: impl ExactSizeIterator<Item = Vec<usize>> + Clone + Send + 'static,
+        batches: impl ExactSizeIterator<Item = RankBatch> + Clone + Send + 'static,
     ) -> Self {
         let workers = workers.clamp(1, batches.len().max(1));
         let ahead = prefetch.div_ceil(workers).max(1);
@@ -55,11 +56,12 @@ impl<O: Send + 'static> Prefetcher<O> {
             let thread = std::thread::Builder::new()
                 .name(format!("accelerate-loader-{worker}"))
                 .spawn(move || {
-                    // Each thread walks the batches (their indices are cheap to make) and
-                    // builds its own.
-                    for indices in batches.skip(worker).step_by(workers) {
+                    // Each thread walks the batches and builds its own (the others are
+                    // skipped without being made).
+                    for rank_batch in batches.skip(worker).step_by(workers) {
+                        let indices = &rank_batch.indices;
                         let batch =
-                            build_batch(dataset.as_ref(), batcher.as_ref(), &indices, &device);
+                            build_batch(dataset.as_ref(), batcher.as_ref(), indices, &device);
                         // The loop stopped early (the iterator was dropped): stop too.
                         if send.send(batch).is_err() {
                             return;

@@ -1,6 +1,7 @@
 //! `DistributedSampler`: which data-set indices each rank visits, batch by batch, in an epoch.
 //!
-//! Every rank computes the same epoch order ([`epoch_order`] of `(seed, epoch)`) without
+//! Every rank computes the same epoch order ([`epoch_order`] of `(seed, epoch)`, or with
+//! [`ShuffleOrder::Keyed`] the [`KeyedOrder`], computed at each position) without
 //! communicating, and takes its share of each *round*: the next `world_size` batches of that
 //! order, one per rank, in rank order. So concatenating the ranks' batches of a round, in rank
 //! order, gives the round's stretch of the epoch order, which is what
