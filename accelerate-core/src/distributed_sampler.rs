@@ -28,6 +28,8 @@
 //! Resumed on another number of processes, such a loader continues with what the saved ranks
 //! left ([`ConsumedShares::remainder`]), cut in the same way.
 
+use std::sync::Arc;
+
 use serde::{Deserialize, Serialize};
 
 use crate::piece_order::{ConsumedShares, PieceLayout, Positions};
@@ -259,9 +261,12 @@ impl DistributedSampler {
             Some(pieces) => EpochItems::Pieces(pieces.cursor(shuffle, seed, self.epoch)),
             None if !shuffle => EpochItems::InOrder,
             None => match self.config.order {
-                ShuffleOrder::Drawn => {
-                    EpochItems::Listed(epoch_order(self.config.len, true, seed, self.epoch).into())
-                }
+                ShuffleOrder::Drawn => EpochItems::Listed(Arc::new(epoch_order(
+                    self.config.len,
+                    true,
+                    seed,
+                    self.epoch,
+                ))),
                 ShuffleOrder::Keyed => {
                     EpochItems::Keyed(KeyedOrder::new(self.config.len, seed, self.epoch))
                 }

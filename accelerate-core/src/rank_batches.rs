@@ -24,8 +24,9 @@ pub struct RankBatch {
 /// An epoch's order of data-set indices, read by position.
 #[derive(Debug, Clone)]
 pub(crate) enum EpochItems {
-    /// The whole order (a shuffled map-style data set).
-    Listed(Arc<[usize]>),
+    /// The whole order (a shuffled map-style data set), kept in the vector it was drawn in:
+    /// a slice `Arc` would copy it.
+    Listed(Arc<Vec<usize>>),
     /// The data-set order.
     InOrder,
     /// A shuffled order computed at each position.
