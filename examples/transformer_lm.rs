@@ -266,18 +266,16 @@ fn datasets(args: &Args) -> anyhow::Result<Corpus> {
             train_pieces: None,
         });
     };
-    let has = |extension: &str| -> anyhow::Result<bool> {
-        let mut files =
-            std::fs::read_dir(dir).with_context(|| format!("--data {}", dir.display()))?;
-        Ok(files.any(|f| f.is_ok_and(|f| f.path().extension().is_some_and(|e| e == extension))))
-    };
-    let rows = if has("parquet")? {
-        Some(RowFormat::Parquet)
-    } else if has("arrow")? {
-        Some(RowFormat::Arrow)
-    } else {
-        None
-    };
+    // Parquet files make a Parquet corpus, else Arrow files an Arrow one, else token files.
+    let mut rows = None;
+    let files = std::fs::read_dir(dir).with_context(|| format!("--data {}", dir.display()))?;
+    for file in files.flatten() {
+        match file.path().extension().and_then(|e| e.to_str()) {
+            Some("parquet") => rows = Some(RowFormat::Parquet),
+            Some("arrow") => rows = rows.or(Some(RowFormat::Arrow)),
+            _ => {}
+        }
+    }
     Ok(match rows {
         Some(format) => {
             let train = RowWindows::open(dir, "train", format, (args.context, None))?;

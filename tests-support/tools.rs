@@ -98,3 +98,17 @@ pub fn mpirun(np: usize) -> Option<std::process::Command> {
     mpirun.args(["--oversubscribe", "-np", &np.to_string()]);
     Some(mpirun)
 }
+
+/// Runs `command` and returns its standard output; fails the test with `what` and the
+/// command's standard error when it cannot start or does not succeed.
+pub fn output_of(command: &mut std::process::Command, what: &str) -> Vec<u8> {
+    let out = command
+        .output()
+        .unwrap_or_else(|e| panic!("{what} could not start: {e}"));
+    assert!(
+        out.status.success(),
+        "{what}: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    out.stdout
+}

@@ -45,18 +45,14 @@ print(json.dumps({
     "text_plugin": sorted(ea.PluginTagToContent("text")),
 }))
 "#;
-    let out = std::process::Command::new(python)
-        .args(["-c", script])
-        .arg(dir.path())
-        .current_dir(dir.path())
-        .output()
-        .unwrap();
-    assert!(
-        out.status.success(),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
+    let out = tools::output_of(
+        std::process::Command::new(python)
+            .args(["-c", script])
+            .arg(dir.path())
+            .current_dir(dir.path()),
+        "reading the events with TensorBoard",
     );
-    let seen: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    let seen: serde_json::Value = serde_json::from_slice(&out).unwrap();
     assert_eq!(
         seen["loss"],
         serde_json::json!([[1, 1.0], [2, 0.5], [3, 1.0f32 / 3.0]])

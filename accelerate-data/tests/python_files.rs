@@ -20,15 +20,9 @@ fn python_files() -> Option<&'static Path> {
             let python = tools::python_with("datasets")?;
             let dir = tempfile::tempdir().unwrap();
             let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/write_files.py");
-            let out = Command::new(python)
-                .arg(script)
-                .arg(dir.path())
-                .output()
-                .unwrap();
-            assert!(
-                out.status.success(),
-                "write_files.py: {}",
-                String::from_utf8_lossy(&out.stderr)
+            tools::output_of(
+                Command::new(python).arg(script).arg(dir.path()),
+                "write_files.py",
             );
             Some(dir)
         })

@@ -29,7 +29,7 @@ use accelerate_burn::burn::tensor::Device;
 use accelerate_core::PieceLayout;
 use accelerate_core::sampler::{KeyedOrder, SplitMix64, epoch_order};
 use accelerate_examples::text::{
-    self, ByteWindows, RowFormat, RowWindows, TextBatcher, TextWindows,
+    self, ByteWindows, RowFormat, RowWindows, TextBatch, TextBatcher, TextWindows,
 };
 use criterion::{Criterion, Throughput, criterion_group, criterion_main};
 
@@ -60,36 +60,41 @@ fn batches(c: &mut Criterion) {
     let mut rng = SplitMix64::new(7);
     group.bench_function("token_windows/batch_of_32", |b| {
         b.iter(|| {
-            let items = (0..BATCH)
-                .map(|_| token_windows.get(rng.below(token_windows.len() as u64) as usize))
-                .collect::<Result<Vec<_>, _>>()
-                .expect("a window");
-            TextBatcher.batch(items, &device)
+            let indices = (0..BATCH).map(|_| rng.below(token_windows.len() as u64) as usize);
+            batch_of(&token_windows, indices, &device)
         })
     });
     let mut next = 0usize;
     group.bench_function("parquet_windows/batch_of_32", |b| {
         b.iter(|| {
-            let items = (0..BATCH)
-                .map(|_| {
-                    next = (next + 1) % order.len();
-                    parquet_windows.get(order[next])
-                })
-                .collect::<Result<Vec<_>, _>>()
-                .expect("a row");
-            TextBatcher.batch(items, &device)
+            let indices = (0..BATCH).map(|_| {
+                next = (next + 1) % order.len();
+                order[next]
+            });
+            batch_of(&parquet_windows, indices, &device)
         })
     });
     group.bench_function("embedded_text/batch_of_32", |b| {
         b.iter(|| {
-            let items = (0..BATCH)
-                .map(|_| embedded.get(rng.below(embedded.len() as u64) as usize))
-                .collect::<Result<Vec<_>, _>>()
-                .expect("a window");
-            TextBatcher.batch(items, &device)
+            let indices = (0..BATCH).map(|_| rng.below(embedded.len() as u64) as usize);
+            batch_of(&embedded, indices, &device)
         })
     });
     group.finish();
+}
+
+/// The windows at `indices`, read item by item and turned into tensors, as a loader worker
+/// builds a batch.
+fn batch_of(
+    windows: &dyn Dataset<Vec<u8>>,
+    indices: impl Iterator<Item = usize>,
+    device: &Device,
+) -> TextBatch {
+    let items = indices
+        .map(|i| windows.get(i))
+        .collect::<Result<Vec<_>, _>>()
+        .expect("a window");
+    TextBatcher.batch(items, device)
 }
 
 fn orders(c: &mut Criterion) {

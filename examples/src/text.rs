@@ -314,17 +314,7 @@ impl RowWindows {
                 (Arc::new(rows), Some(pieces))
             }
             RowFormat::Arrow => {
-                let mut files: Vec<PathBuf> = std::fs::read_dir(dir)
-                    .with_context(|| format!("reading {}", dir.display()))?
-                    .map(|entry| entry.map(|e| e.path()))
-                    .collect::<Result<_, _>>()?;
-                files.retain(|f| {
-                    f.extension().is_some_and(|e| e == "arrow")
-                        && f.file_name()
-                            .is_some_and(|n| n.to_string_lossy().starts_with(prefix))
-                });
-                files.sort();
-                let rows = ArrowDataset::from_files(files)?.select(&["text"])?;
+                let rows = ArrowDataset::open_prefixed(dir, prefix)?.select(&["text"])?;
                 (Arc::new(rows), None)
             }
         };

@@ -51,15 +51,11 @@ pq.write_table(table.slice(350), f"{out}/train-00001-of-00002.parquet", row_grou
 fn corpus() -> Option<tempfile::TempDir> {
     let python = tools::python_with("pyarrow")?;
     let dir = tempfile::tempdir().unwrap();
-    let out = std::process::Command::new(python)
-        .args(["-c", WRITE_CORPUS])
-        .arg(dir.path())
-        .output()
-        .unwrap();
-    assert!(
-        out.status.success(),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
+    tools::output_of(
+        std::process::Command::new(python)
+            .args(["-c", WRITE_CORPUS])
+            .arg(dir.path()),
+        "writing the corpus with pyarrow",
     );
     Some(dir)
 }

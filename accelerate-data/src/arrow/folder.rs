@@ -76,6 +76,16 @@ pub(super) fn data_files(path: &Path) -> Result<Vec<PathBuf>, DataError> {
     )
 }
 
+/// The `.arrow` files of `folder` whose names start with `prefix`, in name order.
+pub(super) fn prefixed(folder: &Path, prefix: &str) -> Result<Vec<PathBuf>, DataError> {
+    crate::files::files_in(
+        folder,
+        prefix,
+        &["arrow"],
+        "Arrow files (*.arrow) with the prefix asked for",
+    )
+}
+
 /// The folder of split `split` of the `DatasetDict` saved at `path`.
 pub(super) fn split(path: &Path, split: &str) -> Result<PathBuf, DataError> {
     let dict: DatasetDict = read_json(&path.join("dataset_dict.json"))?;

@@ -80,6 +80,12 @@ impl ArrowDataset {
         Self::open(folder::split(path.as_ref(), split)?)
     }
 
+    /// The `.arrow` files of `folder` whose names start with `prefix` (`"train"`,
+    /// `"validation"`), in name order: the hub's `train-00000-of-00002.arrow`, ...
+    pub fn open_prefixed(folder: impl AsRef<Path>, prefix: &str) -> Result<Self, DataError> {
+        Self::from_files(folder::prefixed(folder.as_ref(), prefix)?)
+    }
+
     /// These IPC files, in this order; all must share one schema.
     pub fn from_files(files: impl IntoIterator<Item = PathBuf>) -> Result<Self, DataError> {
         let mut parts = Vec::new();

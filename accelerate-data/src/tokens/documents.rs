@@ -117,11 +117,9 @@ impl TokenDocuments {
 
     /// The file of item `index`.
     fn shard_of(&self, index: usize) -> Option<&TokenShard> {
-        let file = self
-            .file_items
-            .partition_point(|&s| s <= index)
-            .checked_sub(1)?;
-        self.corpus.shards().get(file)
+        self.corpus
+            .shards()
+            .get(super::file_of(&self.file_items, index)?)
     }
 }
 

@@ -244,15 +244,17 @@ impl TokenWindows {
 
     /// The window `index` as (file, first token).
     fn locate(&self, index: usize) -> Option<(&TokenShard, u64)> {
-        // The last file whose first window is at or before `index`.
-        let file = self
-            .starts
-            .partition_point(|&s| s <= index)
-            .checked_sub(1)?;
+        let file = file_of(&self.starts, index)?;
         let shard = self.corpus.shards().get(file)?;
         let within = index.checked_sub(self.starts[file])?;
         (index < self.starts[file + 1]).then_some((shard, within as u64 * self.context as u64))
     }
+}
+
+/// The file holding item `index`, given the items before each file (`starts`, from 0): the
+/// last file whose first item is at or before `index`.
+fn file_of(starts: &[usize], index: usize) -> Option<usize> {
+    starts.partition_point(|&s| s <= index).checked_sub(1)
 }
 
 impl Dataset<Vec<u32>> for TokenWindows {
