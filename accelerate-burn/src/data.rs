@@ -17,7 +17,7 @@ use burn::data::dataset::Dataset;
 use burn::tensor::Device;
 
 use crate::error::AccelerateError;
-use crate::loader_link::{LoaderLinks, Skip};
+use crate::loader_link::{BatchPadding, LoaderLinks, Skip};
 use crate::prefetch::{Prefetcher, build_batch};
 use crate::training_loop::LoopClock;
 
@@ -378,7 +378,7 @@ impl<I: 'static, O: Send + 'static> Iterator for BatchIter<'_, I, O> {
         let wait = crate::phases::data_wait(if training { "train" } else { "eval" });
         let Some(batch) = self.batches.next() else {
             // The epoch is over: later gathers belong to no last batch.
-            self.prepared.links.set_last_batch_padding(None);
+            self.prepared.links.set_batch_padding(None);
             return None;
         };
         let index = self.next_batch;
@@ -392,9 +392,10 @@ impl<I: 'static, O: Send + 'static> Iterator for BatchIter<'_, I, O> {
             prepared.links.count_batch();
         }
         // `gather_for_metrics` drops the padding of the last round of samples.
-        prepared
-            .links
-            .set_last_batch_padding(batch.last.then_some(self.last_round_padding));
+        let padding = batch
+            .last
+            .then_some(BatchPadding::LastRound(self.last_round_padding));
+        prepared.links.set_batch_padding(padding);
         let rank = prepared.rank;
         let loader = &self.prepared.loader;
         let built = match self.prefetch.as_mut() {

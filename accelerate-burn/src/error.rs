@@ -104,6 +104,15 @@ pub enum AccelerateError {
         source: burn::data::dataset::DatasetError,
     },
 
+    /// A stream loader cannot read or split its data.
+    #[error("rank {rank}: stream loader: {detail}")]
+    Stream {
+        /// This process's rank.
+        rank: usize,
+        /// What happened, where.
+        detail: String,
+    },
+
     /// The data loader's batching cannot be shared across the processes.
     #[error("rank {rank}: data loader: {source}")]
     Sampler {

@@ -111,6 +111,7 @@ mod reducer;
 mod replicate;
 pub mod selftest;
 mod sharded;
+pub mod stream;
 mod training_loop;
 
 pub use accelerator::{Accelerator, AcceleratorBuilder, MODEL_FILE};

@@ -2,14 +2,18 @@
 //! checkpoints), where it continues after a checkpoint was loaded (the loader may be prepared
 //! before or after the load), and how much of the latest batch is padding (for
 //! `gather_for_metrics`). The training loader's part of a checkpoint is saved and restored
-//! here.
+//! here, for map-style loaders (a position in the sampler's order) and stream loaders (each
+//! process's own [`StreamState`]).
 
 use std::path::PathBuf;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
 
 use accelerate_core::checkpoint::LoaderState;
-use accelerate_core::{ConsumedShares, DistributedSampler, SamplerConfig, SamplerCursor};
+use accelerate_core::stream_order::deal;
+use accelerate_core::{
+    ConsumedShares, DistributedSampler, SamplerConfig, SamplerCursor, StreamState,
+};
 
 use crate::error::AccelerateError;
 
@@ -23,9 +27,13 @@ struct Links {
     train: Option<TrainCursor>,
     /// Where the training loader continues after a checkpoint was loaded (until it takes it).
     resume: Option<ResumePoint>,
-    /// Set while the latest batch handed out is its loader's last of the epoch: how many
-    /// samples of that round, over all processes, are padding.
-    last_batch_padding: Option<usize>,
+    /// The padding of the latest batch handed out (`None`: none).
+    batch_padding: Option<BatchPadding>,
+    /// The latest prepared training stream loader: its epoch and where it stands.
+    stream: Option<(Arc<AtomicU64>, Arc<Mutex<StreamState>>)>,
+    /// Where the training stream continues after a checkpoint was loaded (until it takes it),
+    /// and the checkpoint.
+    stream_resume: Option<(StreamState, PathBuf)>,
     /// Whether an evaluation loader was prepared for burn-train's Learner.
     #[cfg(feature = "train")]
     learner_eval: bool,
@@ -33,6 +41,16 @@ struct Links {
     /// batches to the compute dtype (`None`: none was prepared).
     #[cfg(feature = "train")]
     learner_train_casts: Option<bool>,
+}
+
+/// Samples of the latest batch that are padding (repeated to even out the processes' shares).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum BatchPadding {
+    /// A map-style loader's last round: how many samples of it, over all processes, the last
+    /// ones in rank order.
+    LastRound(usize),
+    /// A stream loader: the last ones of this process's batch.
+    Own(usize),
 }
 
 /// Where the training loader stands.
@@ -204,14 +222,108 @@ impl LoaderLinks {
         }
     }
 
-    /// Records the padding of the batch just handed out (`None`: not a last batch).
-    pub fn set_last_batch_padding(&self, padding: Option<usize>) {
-        self.lock().last_batch_padding = padding;
+    /// Records the padding of the batch just handed out (`None`: none).
+    pub fn set_batch_padding(&self, padding: Option<BatchPadding>) {
+        self.lock().batch_padding = padding;
     }
 
-    /// Samples of the latest batch round that are padding.
-    pub fn last_batch_padding(&self) -> usize {
-        self.lock().last_batch_padding.unwrap_or(0)
+    /// The padding of the latest batch handed out.
+    pub fn batch_padding(&self) -> Option<BatchPadding> {
+        self.lock().batch_padding
+    }
+
+    /// Registers a newly prepared training stream loader; a checkpoint loaded before moves
+    /// it to its epoch at once.
+    pub fn register_stream(
+        &self,
+        epoch: Arc<AtomicU64>,
+        position: Arc<Mutex<StreamState>>,
+        rank: usize,
+    ) -> Result<(), AccelerateError> {
+        let mut links = self.lock();
+        if let Some((saved, checkpoint)) = &links.stream_resume {
+            let config = position
+                .lock()
+                .unwrap_or_else(PoisonError::into_inner)
+                .config
+                .clone();
+            check_stream(saved, &config, checkpoint, rank)?;
+            epoch.store(saved.epoch, Ordering::Relaxed);
+        }
+        links.stream = Some((epoch, position));
+        Ok(())
+    }
+
+    /// The training stream loader begins reading `epoch`: where it continues, when a loaded
+    /// checkpoint stood in that epoch.
+    pub fn take_stream_resume(&self, epoch: u64) -> Option<StreamState> {
+        let (saved, _) = self.lock().stream_resume.take()?;
+        if saved.epoch == epoch {
+            return Some(saved);
+        }
+        tracing::warn!(
+            resumed = saved.epoch,
+            epoch,
+            "the training stream was resumed at epoch {} but reads epoch {epoch}: starting              that epoch from its beginning",
+            saved.epoch
+        );
+        None
+    }
+
+    /// The training stream loader's part of this process's checkpoint file (`None`
+    /// without one). Saved right after a resume, before it read, it is the resumed position.
+    pub fn saved_stream(&self) -> Option<StreamState> {
+        let links = self.lock();
+        if let Some((saved, _)) = &links.stream_resume {
+            return Some(saved.clone());
+        }
+        let (_, position) = links.stream.as_ref()?;
+        Some(
+            position
+                .lock()
+                .unwrap_or_else(PoisonError::into_inner)
+                .clone(),
+        )
+    }
+
+    /// Continues the training stream from a checkpoint: `saved`, this process's saved state
+    /// when `(saved_world, world)` are equal, else every saving process's in rank order,
+    /// whose remaining streams are dealt round-robin (see `accelerate_core::stream_order`).
+    pub fn restore_stream(
+        &self,
+        saved: Vec<StreamState>,
+        (saved_world, world): (usize, usize),
+        checkpoint: PathBuf,
+        rank: usize,
+    ) -> Result<(), AccelerateError> {
+        let mine = if saved_world == world {
+            saved.into_iter().next()
+        } else {
+            deal(&saved, world)
+                .map_err(|e| AccelerateError::ResumeMismatch {
+                    rank,
+                    path: checkpoint.clone(),
+                    detail: e.to_string(),
+                    hint: "resume from a checkpoint every process finished writing",
+                })?
+                .into_iter()
+                .nth(rank)
+        };
+        let Some(mine) = mine else {
+            return Ok(());
+        };
+        let mut links = self.lock();
+        if let Some((epoch, position)) = &links.stream {
+            let config = position
+                .lock()
+                .unwrap_or_else(PoisonError::into_inner)
+                .config
+                .clone();
+            check_stream(&mine, &config, &checkpoint, rank)?;
+            epoch.store(mine.epoch, Ordering::Relaxed);
+        }
+        links.stream_resume = Some((mine, checkpoint));
+        Ok(())
     }
 
     /// The training loader's part of a checkpoint (`None` without one). Saved right after a
@@ -325,4 +437,25 @@ impl LoaderLinks {
         links.resume = Some(point);
         Ok(())
     }
+}
+
+/// Refuses to continue a saved stream with a loader that cuts its data otherwise.
+fn check_stream(
+    saved: &StreamState,
+    config: &accelerate_core::StreamConfig,
+    checkpoint: &std::path::Path,
+    rank: usize,
+) -> Result<(), AccelerateError> {
+    if &saved.config == config {
+        return Ok(());
+    }
+    Err(AccelerateError::ResumeMismatch {
+        rank,
+        path: checkpoint.to_path_buf(),
+        detail: format!(
+            "the training stream differs from the saved one (saved {:?}, now {:?})",
+            saved.config, config
+        ),
+        hint: "resume with the same source shards, batch size, shuffling and shuffle buffer",
+    })
 }

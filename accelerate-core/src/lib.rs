@@ -77,6 +77,8 @@ pub mod scaler;
 pub mod setting_table;
 pub mod settings;
 pub mod state;
+pub mod stream_order;
+pub mod stream_walk;
 pub mod throughput;
 pub mod trace;
 pub mod tracking;
@@ -97,6 +99,8 @@ pub use piece_order::{ConsumedShares, PieceCursor, PieceLayout, Positions};
 pub use sampler::{KeyedOrder, ShuffleOrder};
 pub use scaler::{DynamicLossScaler, ScaledStep, ScalerConfig, ScalerState};
 pub use state::{EnvSource, Launcher, ProcessEnv, ProcessState};
+pub use stream_order::{Ahead, StreamConfig, StreamCursor, StreamState};
+pub use stream_walk::{ShardReader, StreamWalk, Walked};
 pub use tracking::{GeneralTracker, RunInfo, RunStatus, Tracker, TrackerError, Trackers};
 
 /// The crate's README, whose examples run as doctests so that what crates.io shows compiles.

@@ -2,7 +2,9 @@
 //! read once per epoch by 1, 2 and 3 processes, each process reading mostly its own row
 //! groups; a job SIGKILLed at a random batch and resumed ends bit-identical to one that never
 //! stopped, having read exactly the rows it had left; resumed on another number of processes,
-//! it reads what the saved job left, once.
+//! it reads what the saved job left, once. The same corpus read as a stream (row groups or
+//! whole files as shards, unequal shares padded): every row once per epoch, a killed job
+//! resumes bit-identically, and another number of processes continues what was left, once.
 
 mod common;
 #[path = "../../tests-support/tools.rs"]
@@ -13,7 +15,8 @@ use std::path::Path;
 use std::process::Output;
 
 use accelerate_burn::burn;
-use accelerate_burn::{Accelerator, Checkpoint, DataLoader, DefaultBackend};
+use accelerate_burn::stream::{DatasetShards, StreamLoader};
+use accelerate_burn::{AccelerateError, Accelerator, Checkpoint, DataLoader, DefaultBackend};
 use accelerate_data::{ArrowRow, ParquetDataset};
 use accelerate_examples::MlpConfig;
 use burn::data::dataloader::batcher::Batcher;
@@ -105,13 +108,52 @@ fn train() -> anyhow::Result<()> {
         .resume_with_different_world_size(env("TEST_ANY_WORLD") == "1")
         .build()?;
     let corpus = ParquetDataset::open_prefixed(env("TEST_DATA"), "train")?;
-    let loader = DataLoader::builder(RowBatcher)
-        .batch_size(8)
-        .shuffle(9)
-        .pieces(corpus.pieces(), 64)
-        .build(corpus);
     let model = MlpConfig::new(FEATURES, vec![16], CLASSES).init(&acc.device());
-    let (mut model, mut optim, train) = acc.prepare((model, AdamWConfig::new().init(), loader))?;
+    let (model, optim) = acc.prepare((model, AdamWConfig::new().init()))?;
+    let pieces = corpus.pieces();
+    match env("TEST_SHARDS").as_str() {
+        // A stream: the row groups as shards, or the two files (350 and 250 rows).
+        shards @ ("row_groups" | "files") => {
+            let shards = match shards {
+                "files" => vec![350, 250],
+                _ => pieces,
+            };
+            let loader = StreamLoader::builder(RowBatcher)
+                .batch_size(8)
+                .shuffle(9)
+                .shuffle_buffer(64)
+                .build(DatasetShards::new(corpus, &shards).map_err(|e| anyhow::anyhow!(e))?);
+            let train = acc.prepare(loader)?;
+            let epochs = (|| train.epoch(), |e| train.set_epoch(e));
+            run_epochs(&acc, (model, optim), epochs, || -> Batches<'_> {
+                Box::new(train.iter())
+            })
+        }
+        _ => {
+            let loader = DataLoader::builder(RowBatcher)
+                .batch_size(8)
+                .shuffle(9)
+                .pieces(pieces, 64)
+                .build(corpus);
+            let train = acc.prepare_data_loader(loader)?;
+            let epochs = (|| train.epoch(), |e| train.set_epoch(e));
+            run_epochs(&acc, (model, optim), epochs, || -> Batches<'_> {
+                Box::new(train.iter())
+            })
+        }
+    }
+}
+
+type Batches<'a> = Box<dyn Iterator<Item = Result<RowBatch, AccelerateError>> + 'a>;
+
+/// The training loop of [`train`], over a map-style or a stream loader (`epochs`: its epoch
+/// and set_epoch).
+fn run_epochs<'a>(
+    acc: &Accelerator<DefaultBackend>,
+    (mut model, mut optim): (accelerate_examples::Mlp, accelerate_burn::PreparedOptimizer),
+    epochs: (impl Fn() -> u64, impl Fn(u64)),
+    batches: impl Fn() -> Batches<'a>,
+) -> anyhow::Result<()> {
     if env("TEST_RESUME") == "1" {
         let restored = acc.load_latest_checkpoint(model, &mut optim, None)?;
         model = restored.model;
@@ -121,13 +163,13 @@ fn train() -> anyhow::Result<()> {
         env_number::<u64>("TEST_STOP"),
         env_number::<u64>("TEST_KILL_AT"),
     );
-    let mut batches = 0u64;
-    for epoch in train.epoch()..EPOCHS {
-        train.set_epoch(epoch);
-        for batch in train.iter() {
+    let mut seen = 0u64;
+    for epoch in epochs.0()..EPOCHS {
+        epochs.1(epoch);
+        for batch in batches() {
             let batch = batch?;
-            batches += 1;
-            if batches == kill_at {
+            seen += 1;
+            if seen == kill_at {
                 // Mid-step, after the batch was read: as a node failure or a preemption.
                 nix::sys::signal::raise(nix::sys::signal::Signal::SIGKILL)?;
             }
@@ -298,6 +340,155 @@ fn resumed_on_another_number_of_processes_it_reads_what_was_left_once() {
         assert_ok(&resumed, &format!("resumed on {world}"));
         let before = rows_read(&stopped);
         let after = rows_read(&resumed);
+        let mut first_epoch = before[&0].concat();
+        first_epoch.extend(after[&0].concat());
+        assert_eq!(
+            sorted(first_epoch),
+            (0..ROWS).collect::<Vec<_>>(),
+            "2 processes read 13 batches each, then {world}"
+        );
+        assert_eq!(sorted(after[&1].concat()), (0..ROWS).collect::<Vec<_>>());
+    }
+}
+
+/// A job reading the corpus as a stream with `shards` ("row_groups": 12, "files": 2 of 350
+/// and 250 rows).
+fn stream_job(
+    data: &Path,
+    dir: &Path,
+    (world, shards): (usize, &str),
+    extra: &[(&str, &str)],
+) -> Vec<Output> {
+    let mut vars = vec![("TEST_SHARDS", shards)];
+    vars.extend_from_slice(extra);
+    job(data, dir, world, &vars)
+}
+
+#[test]
+fn a_stream_reads_every_row_once_per_epoch_on_one_two_and_three_processes() {
+    let Some(data) = corpus() else { return };
+    for (world, shards) in [
+        (1, "row_groups"),
+        (2, "row_groups"),
+        (3, "row_groups"),
+        (2, "files"),
+    ] {
+        let dir = tempfile::tempdir().unwrap();
+        let outputs = stream_job(data.path(), dir.path(), (world, shards), &[]);
+        let what = format!("{world} processes, {shards} as shards");
+        assert_ok(&outputs, &what);
+        let epochs = rows_read(&outputs);
+        assert_eq!(epochs.len(), EPOCHS as usize, "{what}");
+        for (epoch, ranks) in &epochs {
+            let all = sorted(ranks.concat());
+            assert_eq!(all, (0..ROWS).collect::<Vec<_>>(), "{what}, epoch {epoch}");
+            // Each process reads whole shards of its own.
+            if shards == "files" {
+                for (rank, ids) in ranks.iter().enumerate() {
+                    let files: BTreeSet<bool> = ids.iter().map(|&id| id < 350).collect();
+                    assert_eq!(files.len(), 1, "{what}: rank {rank} read both files");
+                }
+            }
+        }
+        // Even batches: every process took as many steps, the longest share's (44 batches
+        // of 8 for the file of 350 rows), the shorter share padded and the padding not
+        // counted as rows.
+        let steps: Vec<usize> = outputs.iter().map(|o| lines(o, "IDS ").len()).collect();
+        assert!(
+            steps.iter().all(|&n| n == steps[0]),
+            "{what}: steps {steps:?}"
+        );
+        if shards == "files" {
+            assert_eq!(steps[0], 44 * EPOCHS as usize, "{what}");
+        }
+    }
+}
+
+#[test]
+fn a_stream_with_fewer_shards_than_processes_is_refused_on_every_rank() {
+    let Some(data) = corpus() else { return };
+    let dir = tempfile::tempdir().unwrap();
+    let outputs = stream_job(data.path(), dir.path(), (3, "files"), &[]);
+    for (rank, output) in outputs.iter().enumerate() {
+        let stderr = String::from_utf8_lossy(&output.stderr);
+        assert!(
+            !output.status.success() && stderr.contains("2 shard(s) for 3 processes"),
+            "rank {rank}: {stderr}"
+        );
+    }
+}
+
+#[test]
+fn a_stream_killed_at_a_random_batch_resumes_bit_identically() {
+    let Some(data) = corpus() else { return };
+    let tmp = tempfile::tempdir().unwrap();
+    let shards = (2, "files");
+    let whole = stream_job(data.path(), &tmp.path().join("whole"), shards, &[]);
+    assert_ok(&whole, "the uninterrupted job");
+    // 44 batches per epoch and rank (the last 12 of one rank padding): anywhere but the first.
+    let nanos = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .unwrap()
+        .subsec_nanos() as u64;
+    let kill_at = 2 + nanos % 86;
+    eprintln!("killing the job at batch {kill_at}");
+    let dir = tmp.path().join("killed");
+    let killed = stream_job(
+        data.path(),
+        &dir,
+        shards,
+        &[("TEST_KILL_AT", &kill_at.to_string())],
+    );
+    assert!(
+        killed.iter().all(|o| !o.status.success()),
+        "the job was not killed"
+    );
+    let resumed = stream_job(data.path(), &dir, shards, &[("TEST_RESUME", "1")]);
+    assert_ok(
+        &resumed,
+        &format!("the job resumed after a kill at batch {kill_at}"),
+    );
+    for rank in 0..2 {
+        assert!(
+            param_bits(&resumed[rank]) == param_bits(&whole[rank]),
+            "rank {rank}: the parameters differ after a kill at batch {kill_at}"
+        );
+        let whole_rows: Vec<String> = lines(&whole[rank], "IDS ");
+        let resumed_rows: Vec<String> = lines(&resumed[rank], "IDS ");
+        assert_eq!(
+            resumed_rows[..],
+            whole_rows[whole_rows.len() - resumed_rows.len()..],
+            "rank {rank}, kill at batch {kill_at}"
+        );
+        let updates: usize = common::line(&resumed[rank], "RESUMED ").parse().unwrap();
+        assert_eq!(
+            updates + resumed_rows.len(),
+            whole_rows.len(),
+            "rank {rank}"
+        );
+    }
+}
+
+#[test]
+fn a_stream_resumed_on_another_number_of_processes_reads_what_was_left_once() {
+    let Some(data) = corpus() else { return };
+    for world in [1, 3] {
+        let tmp = tempfile::tempdir().unwrap();
+        let stopped = stream_job(
+            data.path(),
+            tmp.path(),
+            (2, "row_groups"),
+            &[("TEST_STOP", "13")],
+        );
+        assert_ok(&stopped, "the stopped job");
+        let resumed = stream_job(
+            data.path(),
+            tmp.path(),
+            (world, "row_groups"),
+            &[("TEST_RESUME", "1"), ("TEST_ANY_WORLD", "1")],
+        );
+        assert_ok(&resumed, &format!("resumed on {world}"));
+        let (before, after) = (rows_read(&stopped), rows_read(&resumed));
         let mut first_epoch = before[&0].concat();
         first_epoch.extend(after[&0].concat());
         assert_eq!(

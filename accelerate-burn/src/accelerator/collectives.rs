@@ -14,6 +14,7 @@ use burn::tensor::{Tensor, TensorData};
 use super::Accelerator;
 use crate::backend::AcceleratorBackend;
 use crate::error::AccelerateError;
+use crate::loader_link::BatchPadding;
 
 impl<B: AcceleratorBackend> Accelerator<B> {
     fn tensor_error(&self, op: &'static str, detail: String) -> AccelerateError {
@@ -31,13 +32,30 @@ impl<B: AcceleratorBackend> Accelerator<B> {
         &self,
         tensor: Tensor<D, K>,
     ) -> Result<Tensor<D, K>, AccelerateError> {
-        if !self.state().is_distributed() || D == 0 {
+        self.gather_first_rows(tensor, None)
+    }
+
+    /// [`gather`](Self::gather) of each process's first `keep` rows (all with `None`).
+    fn gather_first_rows<const D: usize, K: Basic>(
+        &self,
+        tensor: Tensor<D, K>,
+        keep: Option<usize>,
+    ) -> Result<Tensor<D, K>, AccelerateError> {
+        let distributed = self.state().is_distributed();
+        if D == 0 || (!distributed && keep.is_none()) {
             return Ok(tensor);
         }
         let device = tensor.device();
-        let dims = tensor.dims();
+        let mut dims = tensor.dims();
         let data = tensor.into_data();
         let dtype = data.dtype();
+        let row_bytes = dims[1..].iter().product::<usize>() * dtype.size();
+        dims[0] = keep.map_or(dims[0], |keep| keep.min(dims[0]));
+        let kept = &data.as_bytes()[..dims[0] * row_bytes];
+        if !distributed {
+            let data = TensorData::from_bytes_vec(kept.to_vec(), dims, dtype);
+            return Ok(Tensor::from_data(data, &device));
+        }
         let mut group = self.comm.lock();
         let shapes: Vec<Vec<usize>> = group.all_gather_object(&dims.to_vec())?;
         if let Some((r, shape)) = shapes
@@ -53,9 +71,8 @@ impl<B: AcceleratorBackend> Accelerator<B> {
                 ),
             ));
         }
-        let row_bytes = dims[1..].iter().product::<usize>() * dtype.size();
         let most_rows = shapes.iter().map(|s| s[0]).max().unwrap_or(0);
-        let mut mine = data.as_bytes().to_vec();
+        let mut mine = kept.to_vec();
         mine.resize(most_rows * row_bytes, 0);
         let mut all = vec![0u8; mine.len() * shapes.len()];
         group.all_gather_raw(&mine, &mut all)?;
@@ -72,37 +89,47 @@ impl<B: AcceleratorBackend> Accelerator<B> {
         ))
     }
 
-    /// [`gather`](Self::gather) for evaluation: on the last batch of a prepared loader, drops
-    /// the samples that `even_batches` repeated to fill the last round, so that an evaluation
-    /// over N samples yields exactly N rows, in the loader's order.
+    /// [`gather`](Self::gather) for evaluation: drops the samples that `even_batches`
+    /// repeated to even out the processes' shares (a map-style loader's last round, a stream
+    /// loader's padded batches), so that an evaluation over N samples yields exactly N rows,
+    /// in the loader's order.
     pub fn gather_for_metrics<const D: usize, K: Basic>(
         &self,
         tensor: Tensor<D, K>,
     ) -> Result<Tensor<D, K>, AccelerateError> {
-        let gathered = self.gather(tensor)?;
-        let padding = self.links.last_batch_padding();
-        let rows = gathered.dims().first().copied().unwrap_or(0);
-        if padding == 0 || D == 0 {
-            return Ok(gathered);
+        let rows = |t: &Tensor<D, K>| t.dims().first().copied().unwrap_or(0);
+        match self.links.batch_padding() {
+            Some(BatchPadding::LastRound(padding)) if padding > 0 && D > 0 => {
+                let gathered = self.gather(tensor)?;
+                let real = rows(&gathered).saturating_sub(padding);
+                Ok(gathered.narrow(0, 0, real))
+            }
+            // Padding is this process's own last rows: each process drops its own.
+            Some(BatchPadding::Own(padding)) if padding > 0 => {
+                let real = rows(&tensor).saturating_sub(padding);
+                self.gather_first_rows(tensor, Some(real))
+            }
+            _ => self.gather(tensor),
         }
-        Ok(gathered.narrow(0, 0, rows.saturating_sub(padding)))
     }
 
-    /// How many of the `rows` samples in this process's latest evaluation batch are real: on
-    /// the last batch of a prepared loader, the samples `even_batches` repeated to fill the
-    /// last round are not (they are the last ones in rank order, as
-    /// [`gather_for_metrics`](Self::gather_for_metrics) drops them). For metrics accumulated
-    /// on each process, like [`crate::metrics::MeanMetric`].
+    /// How many of the `rows` samples in this process's latest evaluation batch are real: not
+    /// the samples `even_batches` repeated (the ones
+    /// [`gather_for_metrics`](Self::gather_for_metrics) drops). For metrics accumulated on
+    /// each process, like [`crate::metrics::MeanMetric`].
     pub fn rows_for_metrics(&self, rows: usize) -> usize {
-        let padding = self.links.last_batch_padding();
-        if padding == 0 {
-            return rows;
+        match self.links.batch_padding() {
+            Some(BatchPadding::LastRound(padding)) if padding > 0 => {
+                // Padding only happens with even batches: every process holds `rows` in that
+                // round, and the padding is the last samples in rank order.
+                let real_total = (rows * self.num_processes()).saturating_sub(padding);
+                real_total
+                    .saturating_sub(rows * self.process_index())
+                    .min(rows)
+            }
+            Some(BatchPadding::Own(padding)) => rows.saturating_sub(padding),
+            _ => rows,
         }
-        // Padding only happens with even batches: every process holds `rows` in that round.
-        let real_total = (rows * self.num_processes()).saturating_sub(padding);
-        real_total
-            .saturating_sub(rows * self.process_index())
-            .min(rows)
     }
 
     /// `values` summed over every process, in rank order (so every process gets the same,

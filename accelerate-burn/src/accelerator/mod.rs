@@ -43,6 +43,7 @@ use crate::optim::{PreparedOptimizer, PreparedScheduler};
 use crate::params::{self, ParamLayout};
 use crate::reducer::{self, GradientReducer, OptimizerChoice, ReducerSpec};
 use crate::sharded::ShardGroup;
+use crate::stream::{PreparedStreamLoader, StreamLoader};
 use crate::training_loop::LoopClock;
 
 /// File name of the weights written by [`Accelerator::save_model`].
@@ -389,6 +390,38 @@ impl<B: AcceleratorBackend> Accelerator<B> {
             role,
             (self.clock.clone(), self.links.clone()),
             (self.state.rank, self.state.world_size),
+        )
+    }
+
+    /// Prepares a training stream loader: this process reads its shards on a background
+    /// thread, batches arrive on [`device`](Self::device), and their positions drive the
+    /// accumulation windows (see [`crate::stream`]).
+    pub fn prepare_stream_loader<I, O>(
+        &self,
+        loader: StreamLoader<I, O>,
+    ) -> Result<PreparedStreamLoader<I, O>, AccelerateError> {
+        self.prepare_stream(loader, LoaderRole::Train)
+    }
+
+    /// Prepares an evaluation stream loader: batches arrive on the device and leave
+    /// accumulation windows alone.
+    pub fn prepare_eval_stream_loader<I, O>(
+        &self,
+        loader: StreamLoader<I, O>,
+    ) -> Result<PreparedStreamLoader<I, O>, AccelerateError> {
+        self.prepare_stream(loader, LoaderRole::Eval)
+    }
+
+    fn prepare_stream<I, O>(
+        &self,
+        loader: StreamLoader<I, O>,
+        role: LoaderRole,
+    ) -> Result<PreparedStreamLoader<I, O>, AccelerateError> {
+        PreparedStreamLoader::new(
+            loader,
+            (self.device(), role),
+            (self.clock.clone(), self.links.clone(), self.comm.clone()),
+            self.slots.accumulation_steps(),
         )
     }
 

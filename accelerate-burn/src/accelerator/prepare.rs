@@ -9,6 +9,7 @@ use crate::data::{DataLoader, PreparedDataLoader};
 use crate::error::AccelerateError;
 use crate::fused::FusedOptimizer;
 use crate::optim::PreparedOptimizer;
+use crate::stream::{PreparedStreamLoader, StreamLoader};
 
 /// Something an accelerator can prepare: a data loader, or the tuples `(model, optim)`,
 /// `(model, optim, train_loader)` and `(model, optim, train_loader, eval_loader)` (an optimizer
@@ -103,6 +104,14 @@ impl<B: AcceleratorBackend, I, O> Prepare<B> for DataLoader<I, O> {
 
     fn prepare(self, acc: &Accelerator<B>) -> Result<Self::Prepared, AccelerateError> {
         acc.prepare_data_loader(self)
+    }
+}
+
+impl<B: AcceleratorBackend, I, O> Prepare<B> for StreamLoader<I, O> {
+    type Prepared = PreparedStreamLoader<I, O>;
+
+    fn prepare(self, acc: &Accelerator<B>) -> Result<Self::Prepared, AccelerateError> {
+        acc.prepare_stream_loader(self)
     }
 }
 

@@ -4,8 +4,8 @@
 
 use std::path::Path;
 
-use accelerate_core::CheckpointError;
 use accelerate_core::checkpoint::{self, Manifest, ManifestFile, ModelLoopState, RankState};
+use accelerate_core::{CheckpointError, StreamState};
 use burn::lr_scheduler::LrSchedulerRecord;
 use burn::module::{Module, ParamId};
 
@@ -96,6 +96,15 @@ fn load_own_part<M: Module>(
         },
         ctx.device,
     );
+    if saved.stream.is_some() {
+        let streams = saved_streams(dir, &manifest, saved.stream.clone(), same_world, rank)?;
+        ctx.links.restore_stream(
+            streams,
+            (manifest.world_size, ctx.state.world_size),
+            dir.to_path_buf(),
+            rank,
+        )?;
+    }
     if let Some(loader) = saved.loader {
         ctx.links.restore(
             loader,
@@ -335,6 +344,38 @@ fn read_saved(ctx: &Context<'_>, dir: &Path) -> Result<Saved, AccelerateError> {
         saved,
         same_world,
     })
+}
+
+/// The stream states to continue from: this process's own (`own`, already read) when the
+/// world size is the same, else every saving process's, in rank order.
+fn saved_streams(
+    dir: &Path,
+    manifest: &Manifest,
+    own: Option<StreamState>,
+    same_world: bool,
+    rank: usize,
+) -> Result<Vec<StreamState>, AccelerateError> {
+    if same_world {
+        return Ok(own.into_iter().collect());
+    }
+    (0..manifest.world_size)
+        .map(|saver| {
+            let path = dir.join(rank_file(saver));
+            let state: RankState = checkpoint::read_json(&path).map_err(|source| {
+                AccelerateError::CheckpointUnreadable {
+                    rank,
+                    path: dir.to_path_buf(),
+                    source,
+                }
+            })?;
+            state.stream.ok_or_else(|| AccelerateError::ResumeMismatch {
+                rank,
+                path: path.clone(),
+                detail: format!("rank {saver} saved no stream position"),
+                hint: "resume from a checkpoint of a job that trained from a stream loader",
+            })
+        })
+        .collect()
 }
 
 /// The error for a checkpoint in `dir` that does not fit what this run prepared.

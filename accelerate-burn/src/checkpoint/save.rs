@@ -185,6 +185,7 @@ fn write_own_files<M: Module>(
         seed: ctx.seed,
         scaler: snapshot.scaler,
         loader: ctx.links.saved_state(),
+        stream: ctx.links.saved_stream(),
         models,
     };
     staging.put(json_file(

@@ -127,6 +127,9 @@ pub struct RankState {
     pub scaler: Option<ScalerState>,
     /// Where the training loader stood.
     pub loader: Option<LoaderState>,
+    /// Where this process's training stream loader stood.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub stream: Option<crate::stream_order::StreamState>,
     /// The loop state of each other model trained beside the main one, by the name it was
     /// saved under.
     #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
