@@ -11,6 +11,8 @@
 //! - `parquet_windows`: Parquet files (a `text` column, snappy, row groups of 4,096 rows) in
 //!   the order a loader reading in pieces visits them (`PieceLayout::epoch_order`, blocks of
 //!   8,192 rows), decoding each row group as it comes.
+//! - `parquet_stream`: the same Parquet files read as a stream (row groups as shards, a
+//!   shuffle buffer of 8,192 rows), as a stream loader's reader thread walks them.
 //! - `embedded_text`: the in-memory windows, for reference.
 //! - `order/*`: what an epoch order of 1 Mi items costs, whole or a position at a time: the
 //!   drawn order (Fisher-Yates, made whole when an epoch starts, 8 bytes per item), the keyed
@@ -26,8 +28,9 @@
 use accelerate_burn::burn::data::dataloader::batcher::Batcher;
 use accelerate_burn::burn::data::dataset::Dataset;
 use accelerate_burn::burn::tensor::Device;
-use accelerate_core::PieceLayout;
+use accelerate_burn::stream::{DatasetShards, StreamSource};
 use accelerate_core::sampler::{KeyedOrder, SplitMix64, epoch_order};
+use accelerate_core::{PieceLayout, StreamConfig, StreamCursor, StreamWalk};
 use accelerate_examples::text::{
     self, ByteWindows, RowFormat, RowWindows, TextBatch, TextBatcher, TextWindows,
 };
@@ -72,6 +75,36 @@ fn batches(c: &mut Criterion) {
                 order[next]
             });
             batch_of(&parquet_windows, indices, &device)
+        })
+    });
+    let pieces = parquet_windows.pieces().unwrap_or_default();
+    let shards = DatasetShards::new(parquet_windows.clone(), &pieces).expect("the row groups");
+    let config = StreamConfig {
+        shards: shards.shards(),
+        shuffle: true,
+        seed: 1,
+        shuffle_buffer: 8192,
+        batch_size: BATCH,
+        even_batches: true,
+        drop_last: false,
+    };
+    let epoch = || {
+        let start = vec![StreamCursor::start(1, 0)];
+        StreamWalk::new((config.clone(), 0), start, |shard, skip| {
+            shards.read(shard, skip)
+        })
+    };
+    let mut walk = epoch();
+    group.bench_function("parquet_stream/batch_of_32", |b| {
+        b.iter(|| {
+            let mut items = Vec::with_capacity(BATCH);
+            while items.len() < BATCH {
+                match walk.next() {
+                    Some(item) => items.push(item.expect("a row").0),
+                    None => walk = epoch(),
+                }
+            }
+            TextBatcher.batch(items, &device)
         })
     });
     group.bench_function("embedded_text/batch_of_32", |b| {
