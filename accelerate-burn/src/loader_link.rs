@@ -242,13 +242,7 @@ impl LoaderLinks {
     ) -> Result<(), AccelerateError> {
         let mut links = self.lock();
         if let Some((saved, checkpoint)) = &links.stream_resume {
-            let config = position
-                .lock()
-                .unwrap_or_else(PoisonError::into_inner)
-                .config
-                .clone();
-            check_stream(saved, &config, checkpoint, rank)?;
-            epoch.store(saved.epoch, Ordering::Relaxed);
+            attach_stream(saved, (&epoch, &position), checkpoint, rank)?;
         }
         links.stream = Some((epoch, position));
         Ok(())
@@ -314,13 +308,7 @@ impl LoaderLinks {
         };
         let mut links = self.lock();
         if let Some((epoch, position)) = &links.stream {
-            let config = position
-                .lock()
-                .unwrap_or_else(PoisonError::into_inner)
-                .config
-                .clone();
-            check_stream(&mine, &config, &checkpoint, rank)?;
-            epoch.store(mine.epoch, Ordering::Relaxed);
+            attach_stream(&mine, (epoch, position), &checkpoint, rank)?;
         }
         links.stream_resume = Some((mine, checkpoint));
         Ok(())
@@ -439,23 +427,30 @@ impl LoaderLinks {
     }
 }
 
-/// Refuses to continue a saved stream with a loader that cuts its data otherwise.
-fn check_stream(
+/// Moves a training stream loader (its `epoch` and `position`) to the epoch of `saved`, if
+/// it cuts its data as the saved one did.
+fn attach_stream(
     saved: &StreamState,
-    config: &accelerate_core::StreamConfig,
+    (epoch, position): (&AtomicU64, &Mutex<StreamState>),
     checkpoint: &std::path::Path,
     rank: usize,
 ) -> Result<(), AccelerateError> {
-    if &saved.config == config {
-        return Ok(());
+    let config = position
+        .lock()
+        .unwrap_or_else(PoisonError::into_inner)
+        .config
+        .clone();
+    if saved.config != config {
+        return Err(AccelerateError::ResumeMismatch {
+            rank,
+            path: checkpoint.to_path_buf(),
+            detail: format!(
+                "the training stream differs from the saved one (saved {:?}, now {:?})",
+                saved.config, config
+            ),
+            hint: "resume with the same source shards, batch size, shuffling and shuffle buffer",
+        });
     }
-    Err(AccelerateError::ResumeMismatch {
-        rank,
-        path: checkpoint.to_path_buf(),
-        detail: format!(
-            "the training stream differs from the saved one (saved {:?}, now {:?})",
-            saved.config, config
-        ),
-        hint: "resume with the same source shards, batch size, shuffling and shuffle buffer",
-    })
+    epoch.store(saved.epoch, Ordering::Relaxed);
+    Ok(())
 }

@@ -159,6 +159,20 @@ fn a_resumed_stream_continues_exactly_where_it_stood() {
     let head = run(Some(5), false);
     let tail = run(None, true);
     assert_eq!([head, tail].concat(), whole);
+
+    // A loader that cuts the stream otherwise cannot continue it.
+    let acc = accelerator(1, tmp.path());
+    let model: Linear = LinearConfig::new(1, 1).init(&acc.device());
+    let (model, mut optim) = acc.prepare((model, SgdConfig::new().init())).unwrap();
+    let _train = acc.prepare(loader(5)).unwrap();
+    let err = acc
+        .load_latest_checkpoint(model, &mut optim, None)
+        .err()
+        .expect("a mismatch");
+    assert!(
+        err.to_string().contains("differs from the saved one"),
+        "{err}"
+    );
 }
 
 #[test]

@@ -176,6 +176,8 @@ fn run_epochs<'a>(
             let real = acc.rows_for_metrics(batch.ids.len());
             let ids: Vec<String> = batch.ids[..real].iter().map(i64::to_string).collect();
             println!("IDS {epoch} {}", ids.join(","));
+            let gathered = acc.gather_for_metrics(batch.labels.clone())?;
+            println!("GATHERED {epoch} {}", gathered.dims()[0]);
             let loss = model.forward_loss(batch.features, batch.labels).loss;
             let grads = acc.backward(loss, &model)?;
             model = optim.step(1e-2, model, grads)?;
@@ -195,15 +197,6 @@ fn child() {
         "parquet" => train(),
         other => anyhow::bail!("unknown scenario {other}"),
     });
-}
-
-fn job(data: &Path, dir: &Path, world: usize, extra: &[(&str, &str)]) -> Vec<Output> {
-    let mut vars = vec![
-        ("TEST_DATA", data.display().to_string()),
-        ("TEST_DIR", dir.display().to_string()),
-    ];
-    vars.extend(extra.iter().map(|(k, v)| (*k, v.to_string())));
-    run("parquet", world, &vars)
 }
 
 fn assert_ok(outputs: &[Output], what: &str) {
@@ -234,6 +227,21 @@ fn rows_read(outputs: &[Output]) -> BTreeMap<u64, Vec<Vec<usize>>> {
     epochs
 }
 
+/// Rows `gather_for_metrics` returned to each rank per epoch (padding dropped): every rank
+/// must count the corpus once per epoch.
+fn assert_gathered_once_per_epoch(outputs: &[Output], what: &str) {
+    for (rank, output) in outputs.iter().enumerate() {
+        let mut per_epoch: BTreeMap<u64, usize> = BTreeMap::new();
+        for line in lines(output, "GATHERED ") {
+            let (epoch, rows) = line.split_once(' ').unwrap();
+            *per_epoch.entry(epoch.parse().unwrap()).or_default() += rows.parse::<usize>().unwrap();
+        }
+        for (epoch, rows) in per_epoch {
+            assert_eq!(rows, ROWS, "{what}: rank {rank}, epoch {epoch}");
+        }
+    }
+}
+
 fn sorted(mut ids: Vec<usize>) -> Vec<usize> {
     ids.sort_unstable();
     ids
@@ -244,8 +252,9 @@ fn every_row_is_read_once_per_epoch_by_one_two_and_three_processes() {
     let Some(data) = corpus() else { return };
     for world in 1..=3 {
         let dir = tempfile::tempdir().unwrap();
-        let outputs = job(data.path(), dir.path(), world, &[]);
+        let outputs = job(data.path(), dir.path(), (world, "pieces"), &[]);
         assert_ok(&outputs, &format!("{world} processes"));
+        assert_gathered_once_per_epoch(&outputs, &format!("{world} processes"));
         let epochs = rows_read(&outputs);
         assert_eq!(epochs.len(), EPOCHS as usize);
         for (epoch, ranks) in &epochs {
@@ -271,97 +280,21 @@ fn every_row_is_read_once_per_epoch_by_one_two_and_three_processes() {
     }
 }
 
-#[test]
-fn a_job_killed_at_a_random_batch_resumes_bit_identically() {
-    let Some(data) = corpus() else { return };
-    let tmp = tempfile::tempdir().unwrap();
-    let whole = job(data.path(), &tmp.path().join("whole"), 2, &[]);
-    assert_ok(&whole, "the uninterrupted job");
-    // 38 batches per epoch and rank: anywhere in the two epochs but the first batch.
-    let nanos = std::time::SystemTime::now()
-        .duration_since(std::time::UNIX_EPOCH)
-        .unwrap()
-        .subsec_nanos() as u64;
-    let kill_at = 2 + nanos % 74;
-    eprintln!("killing the job at batch {kill_at}");
-    let dir = tmp.path().join("killed");
-    let killed = job(
-        data.path(),
-        &dir,
-        2,
-        &[("TEST_KILL_AT", &kill_at.to_string())],
-    );
-    assert!(
-        killed.iter().all(|o| !o.status.success()),
-        "the job was not killed"
-    );
-    let resumed = job(data.path(), &dir, 2, &[("TEST_RESUME", "1")]);
-    assert_ok(
-        &resumed,
-        &format!("the job resumed after a kill at batch {kill_at}"),
-    );
-    for rank in 0..2 {
-        assert!(
-            param_bits(&resumed[rank]) == param_bits(&whole[rank]),
-            "rank {rank}: the parameters differ after a kill at batch {kill_at}"
-        );
-        // What the resumed job read is the tail of what the uninterrupted one read.
-        let whole_rows: Vec<String> = lines(&whole[rank], "IDS ");
-        let resumed_rows: Vec<String> = lines(&resumed[rank], "IDS ");
-        assert!(!resumed_rows.is_empty() || kill_at > 74);
-        assert_eq!(
-            resumed_rows[..],
-            whole_rows[whole_rows.len() - resumed_rows.len()..],
-            "rank {rank}, kill at batch {kill_at}"
-        );
-        // And before the kill it had read the head, so nothing was lost or read twice.
-        let updates: usize = common::line(&resumed[rank], "RESUMED ").parse().unwrap();
-        assert_eq!(
-            updates + resumed_rows.len(),
-            whole_rows.len(),
-            "rank {rank}"
-        );
-    }
-}
-
-#[test]
-fn resumed_on_another_number_of_processes_it_reads_what_was_left_once() {
-    let Some(data) = corpus() else { return };
-    for world in [1, 3] {
-        let tmp = tempfile::tempdir().unwrap();
-        let stopped = job(data.path(), tmp.path(), 2, &[("TEST_STOP", "13")]);
-        assert_ok(&stopped, "the stopped job");
-        let resumed = job(
-            data.path(),
-            tmp.path(),
-            world,
-            &[("TEST_RESUME", "1"), ("TEST_ANY_WORLD", "1")],
-        );
-        assert_ok(&resumed, &format!("resumed on {world}"));
-        let before = rows_read(&stopped);
-        let after = rows_read(&resumed);
-        let mut first_epoch = before[&0].concat();
-        first_epoch.extend(after[&0].concat());
-        assert_eq!(
-            sorted(first_epoch),
-            (0..ROWS).collect::<Vec<_>>(),
-            "2 processes read 13 batches each, then {world}"
-        );
-        assert_eq!(sorted(after[&1].concat()), (0..ROWS).collect::<Vec<_>>());
-    }
-}
-
-/// A job reading the corpus as a stream with `shards` ("row_groups": 12, "files": 2 of 350
-/// and 250 rows).
-fn stream_job(
+/// A job reading the corpus with `shards`: "pieces" (the map-style loader, row groups as
+/// pieces), or as a stream with "row_groups" (12 shards) or "files" (2, of 350 and 250 rows).
+fn job(
     data: &Path,
     dir: &Path,
     (world, shards): (usize, &str),
     extra: &[(&str, &str)],
 ) -> Vec<Output> {
-    let mut vars = vec![("TEST_SHARDS", shards)];
-    vars.extend_from_slice(extra);
-    job(data, dir, world, &vars)
+    let mut vars = vec![
+        ("TEST_DATA", data.display().to_string()),
+        ("TEST_DIR", dir.display().to_string()),
+        ("TEST_SHARDS", shards.to_string()),
+    ];
+    vars.extend(extra.iter().map(|(k, v)| (*k, v.to_string())));
+    run("parquet", world, &vars)
 }
 
 #[test]
@@ -374,9 +307,10 @@ fn a_stream_reads_every_row_once_per_epoch_on_one_two_and_three_processes() {
         (2, "files"),
     ] {
         let dir = tempfile::tempdir().unwrap();
-        let outputs = stream_job(data.path(), dir.path(), (world, shards), &[]);
+        let outputs = job(data.path(), dir.path(), (world, shards), &[]);
         let what = format!("{world} processes, {shards} as shards");
         assert_ok(&outputs, &what);
+        assert_gathered_once_per_epoch(&outputs, &what);
         let epochs = rows_read(&outputs);
         assert_eq!(epochs.len(), EPOCHS as usize, "{what}");
         for (epoch, ranks) in &epochs {
@@ -408,7 +342,7 @@ fn a_stream_reads_every_row_once_per_epoch_on_one_two_and_three_processes() {
 fn a_stream_with_fewer_shards_than_processes_is_refused_on_every_rank() {
     let Some(data) = corpus() else { return };
     let dir = tempfile::tempdir().unwrap();
-    let outputs = stream_job(data.path(), dir.path(), (3, "files"), &[]);
+    let outputs = job(data.path(), dir.path(), (3, "files"), &[]);
     for (rank, output) in outputs.iter().enumerate() {
         let stderr = String::from_utf8_lossy(&output.stderr);
         assert!(
@@ -418,84 +352,98 @@ fn a_stream_with_fewer_shards_than_processes_is_refused_on_every_rank() {
     }
 }
 
-#[test]
-fn a_stream_killed_at_a_random_batch_resumes_bit_identically() {
+/// A 2-process job over `layout` SIGKILLed at a random batch of its `batches` (both epochs),
+/// then resumed: the parameters bit-identical to the uninterrupted job's, and the rows read
+/// after the resume exactly the uninterrupted job's tail.
+fn killed_and_resumed(layout: &str, batches: u64) {
     let Some(data) = corpus() else { return };
     let tmp = tempfile::tempdir().unwrap();
-    let shards = (2, "files");
-    let whole = stream_job(data.path(), &tmp.path().join("whole"), shards, &[]);
+    let whole = job(data.path(), &tmp.path().join("whole"), (2, layout), &[]);
     assert_ok(&whole, "the uninterrupted job");
-    // 44 batches per epoch and rank (the last 12 of one rank padding): anywhere but the first.
+    // Anywhere in the two epochs but the first batch.
     let nanos = std::time::SystemTime::now()
         .duration_since(std::time::UNIX_EPOCH)
         .unwrap()
         .subsec_nanos() as u64;
-    let kill_at = 2 + nanos % 86;
-    eprintln!("killing the job at batch {kill_at}");
+    let kill_at = 2 + nanos % (batches - 2);
+    eprintln!("{layout}: killing the job at batch {kill_at}");
     let dir = tmp.path().join("killed");
-    let killed = stream_job(
-        data.path(),
-        &dir,
-        shards,
-        &[("TEST_KILL_AT", &kill_at.to_string())],
-    );
+    let kill = [("TEST_KILL_AT", kill_at.to_string())];
+    let kill: Vec<(&str, &str)> = kill.iter().map(|(k, v)| (*k, v.as_str())).collect();
+    let killed = job(data.path(), &dir, (2, layout), &kill);
     assert!(
         killed.iter().all(|o| !o.status.success()),
         "the job was not killed"
     );
-    let resumed = stream_job(data.path(), &dir, shards, &[("TEST_RESUME", "1")]);
+    let resumed = job(data.path(), &dir, (2, layout), &[("TEST_RESUME", "1")]);
     assert_ok(
         &resumed,
-        &format!("the job resumed after a kill at batch {kill_at}"),
+        &format!("{layout}: resumed after a kill at batch {kill_at}"),
     );
     for rank in 0..2 {
         assert!(
             param_bits(&resumed[rank]) == param_bits(&whole[rank]),
-            "rank {rank}: the parameters differ after a kill at batch {kill_at}"
+            "{layout}, rank {rank}: the parameters differ after a kill at batch {kill_at}"
         );
+        // What the resumed job read is the tail of what the uninterrupted one read.
         let whole_rows: Vec<String> = lines(&whole[rank], "IDS ");
         let resumed_rows: Vec<String> = lines(&resumed[rank], "IDS ");
         assert_eq!(
             resumed_rows[..],
             whole_rows[whole_rows.len() - resumed_rows.len()..],
-            "rank {rank}, kill at batch {kill_at}"
+            "{layout}, rank {rank}, kill at batch {kill_at}"
         );
+        // And before the kill it had read the head, so nothing was lost or read twice.
         let updates: usize = common::line(&resumed[rank], "RESUMED ").parse().unwrap();
         assert_eq!(
             updates + resumed_rows.len(),
             whole_rows.len(),
-            "rank {rank}"
+            "{layout}, rank {rank}"
         );
     }
 }
 
-#[test]
-fn a_stream_resumed_on_another_number_of_processes_reads_what_was_left_once() {
+/// A 2-process job over `layout` stopped after 13 updates and resumed on 1 and on 3
+/// processes: the first epoch's rows read once over both jobs, the next epoch whole.
+fn resumed_on_other_worlds(layout: &str) {
     let Some(data) = corpus() else { return };
     for world in [1, 3] {
         let tmp = tempfile::tempdir().unwrap();
-        let stopped = stream_job(
-            data.path(),
-            tmp.path(),
-            (2, "row_groups"),
-            &[("TEST_STOP", "13")],
-        );
+        let stopped = job(data.path(), tmp.path(), (2, layout), &[("TEST_STOP", "13")]);
         assert_ok(&stopped, "the stopped job");
-        let resumed = stream_job(
-            data.path(),
-            tmp.path(),
-            (world, "row_groups"),
-            &[("TEST_RESUME", "1"), ("TEST_ANY_WORLD", "1")],
-        );
-        assert_ok(&resumed, &format!("resumed on {world}"));
+        let any_world = [("TEST_RESUME", "1"), ("TEST_ANY_WORLD", "1")];
+        let resumed = job(data.path(), tmp.path(), (world, layout), &any_world);
+        assert_ok(&resumed, &format!("{layout}: resumed on {world}"));
         let (before, after) = (rows_read(&stopped), rows_read(&resumed));
         let mut first_epoch = before[&0].concat();
         first_epoch.extend(after[&0].concat());
         assert_eq!(
             sorted(first_epoch),
             (0..ROWS).collect::<Vec<_>>(),
-            "2 processes read 13 batches each, then {world}"
+            "{layout}: 2 processes read 13 batches each, then {world}"
         );
         assert_eq!(sorted(after[&1].concat()), (0..ROWS).collect::<Vec<_>>());
     }
+}
+
+#[test]
+fn a_job_killed_at_a_random_batch_resumes_bit_identically() {
+    // 38 batches per epoch and rank.
+    killed_and_resumed("pieces", 76);
+}
+
+#[test]
+fn resumed_on_another_number_of_processes_it_reads_what_was_left_once() {
+    resumed_on_other_worlds("pieces");
+}
+
+#[test]
+fn a_stream_killed_at_a_random_batch_resumes_bit_identically() {
+    // The files as shards: 44 batches per epoch and rank, the last 12 of one rank padding.
+    killed_and_resumed("files", 88);
+}
+
+#[test]
+fn a_stream_resumed_on_another_number_of_processes_reads_what_was_left_once() {
+    resumed_on_other_worlds("row_groups");
 }
