@@ -114,10 +114,10 @@ impl StreamState {
         }
     }
 
-    /// True when nothing of the epoch was read yet by the process `(world, rank)`.
-    pub fn at_epoch_start(&self, rank: usize) -> bool {
-        self.batches == 0
-            && matches!(self.streams[..], [c] if c.rank == rank && c == StreamCursor::start(c.world, rank))
+    /// True when nothing of the epoch was read yet by rank `rank` of `world`: it still holds
+    /// its own whole stream of that world.
+    pub fn at_epoch_start(&self, (world, rank): (usize, usize)) -> bool {
+        self.batches == 0 && self.streams[..] == [StreamCursor::start(world, rank)]
     }
 }
 
@@ -269,10 +269,11 @@ pub fn deal(saved: &[StreamState], world: usize) -> Result<Vec<StreamState>, Str
         )));
     }
     let (config, epoch) = (first.config.clone(), first.epoch);
+    let saved_world = saved.len();
     if saved
         .iter()
         .enumerate()
-        .all(|(rank, s)| s.at_epoch_start(rank))
+        .all(|(rank, s)| s.at_epoch_start((saved_world, rank)))
     {
         return Ok((0..world)
             .map(|rank| StreamState::epoch_start(config.clone(), epoch, (world, rank)))

@@ -122,6 +122,7 @@ fn train() -> anyhow::Result<()> {
                 .batch_size(8)
                 .shuffle(9)
                 .shuffle_buffer(64)
+                .even_batches(env("TEST_EVEN") != "0")
                 .build(DatasetShards::new(corpus, &shards).map_err(|e| anyhow::anyhow!(e))?);
             let train = acc.prepare(loader)?;
             let epochs = (|| train.epoch(), |e| train.set_epoch(e));
@@ -335,6 +336,28 @@ fn a_stream_reads_every_row_once_per_epoch_on_one_two_and_three_processes() {
         if shards == "files" {
             assert_eq!(steps[0], 44 * EPOCHS as usize, "{what}");
         }
+    }
+}
+
+/// Without even batches the epoch ends when the first process runs out: the file of 250 rows
+/// makes 32 batches (the last of 2 rows), so both processes take 32 steps, the other reading
+/// 256 of its 350 rows, none twice.
+#[test]
+fn a_stream_without_even_batches_ends_when_the_first_process_runs_out() {
+    let Some(data) = corpus() else { return };
+    let dir = tempfile::tempdir().unwrap();
+    let outputs = job(data.path(), dir.path(), (2, "files"), &[("TEST_EVEN", "0")]);
+    assert_ok(&outputs, "uneven batches");
+    for (epoch, ranks) in rows_read(&outputs) {
+        let mut lens: Vec<usize> = ranks.iter().map(Vec::len).collect();
+        lens.sort_unstable();
+        assert_eq!(lens, [250, 256], "epoch {epoch}");
+        let all = ranks.concat();
+        let once: BTreeSet<usize> = all.iter().copied().collect();
+        assert_eq!(once.len(), all.len(), "epoch {epoch}: a row read twice");
+    }
+    for output in &outputs {
+        assert_eq!(lines(output, "IDS ").len(), 64);
     }
 }
 
