@@ -8,16 +8,18 @@
 #
 # Defaults: the training text once (8.7 MB of 16-bit tokens) and 240 times (2.0 GiB), a limit
 # of 512 MiB for the two processes together, the keyed shuffle order (`--keyed-order`; ORDER
-# `drawn` measures the Fisher-Yates order, 8 bytes per window). Needs root (cgroup v1 `memory` at
-# /sys/fs/cgroup/memory, or cgroup v2); removes what it made, even when it fails.
+# `drawn` measures the Fisher-Yates order, 8 bytes per window; `stream` the stream loader,
+# `--stream`). Needs root (cgroup v1 `memory` at /sys/fs/cgroup/memory, or cgroup v2); removes
+# what it made, even when it fails.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 small=${1:-1}
 large=${2:-240}
 limit_mb=${3:-512}
 order=${4:-keyed}
-keyed=()
-[ "$order" = keyed ] && keyed=(--keyed-order)
+order_flag=()
+[ "$order" = keyed ] && order_flag=(--keyed-order)
+[ "$order" = stream ] && order_flag=(--stream)
 target="${CARGO_TARGET_DIR:-target}"
 # The dev profile, as `cargo run --example` builds it (dependencies optimised).
 cargo build -p accelerate-examples --example transformer_lm --example prepare_data
@@ -44,7 +46,7 @@ for repeats in "$small" "$large"; do
     exec "$target/debug/accelerate-rs" launch -n 2 --no-progress \
       "$target/debug/examples/transformer_lm" --data "$work/x$repeats" --steps 20 \
       --eval-every 20 --sample-bytes 0 --num-workers 1 --layers 2 --d-model 128 --mlp 512 \
-      --batch 16 "${keyed[@]}"
+      --batch 16 "${order_flag[@]}"
   ) 2>&1 | grep -E "peak resident|error" || true
   echo "cgroup peak: $(( $(cat "$cgroup/memory.max_usage_in_bytes") / 1024 / 1024 )) MiB"
 done

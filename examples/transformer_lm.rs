@@ -20,7 +20,9 @@
 //! embedded text: token files (byte tokens in llm.c's `.bin` or numpy's `.npy`), Parquet
 //! files with a `text` column (each process reads its own row groups) or Arrow IPC files with
 //! one; `--example prepare_data` writes each. `--keyed-order` shuffles in an order computed at
-//! each position, whose memory does not grow with the corpus.
+//! each position, whose memory does not grow with the corpus; `--stream` reads the training
+//! windows with the stream loader instead (Parquet row groups, or stretches of 4,096 windows,
+//! as its shards).
 
 use std::path::PathBuf;
 use std::sync::Arc;
@@ -29,9 +31,10 @@ use std::time::{Duration, Instant};
 use accelerate_burn::burn;
 use accelerate_burn::metrics::{MeanMetric, MetricValue};
 use accelerate_burn::nn::TransformerEncoderLayer;
+use accelerate_burn::stream::{DatasetShards, PreparedStreamLoader, StreamLoader};
 use accelerate_burn::{
-    Accelerator, Checkpoint, DataLoader, DefaultBackend, MixedPrecision, PreparedDataLoader,
-    Tracker,
+    AccelerateError, Accelerator, Checkpoint, DataLoader, DefaultBackend, MixedPrecision,
+    PreparedDataLoader, Tracker,
 };
 use accelerate_burn::{ShuffleOrder, Unit};
 use accelerate_core::sampler::SplitMix64;
@@ -112,6 +115,11 @@ pub struct Args {
     /// for corpora larger than memory) instead of one drawn whole each epoch.
     #[arg(long)]
     pub keyed_order: bool,
+    /// Reads the training windows as a stream (`accelerate_burn::stream`): shards are the
+    /// Parquet row groups, else stretches of 4,096 windows, dealt to the processes; windows
+    /// shuffled in blocks of 8,192.
+    #[arg(long)]
+    pub stream: bool,
     /// Decay of the exponential moving average of the weights, evaluated beside the model.
     #[arg(long, default_value_t = 0.99)]
     pub ema_decay: f64,
@@ -299,6 +307,79 @@ fn datasets(args: &Args) -> anyhow::Result<Corpus> {
     })
 }
 
+/// Windows per shard when a stream reads data that has no pieces of its own.
+const STREAM_SHARD_WINDOWS: usize = 4096;
+
+/// The training loader: map-style, or a stream (`--stream`).
+enum TrainLoader {
+    Windows(PreparedDataLoader<Vec<u8>, TextBatch>),
+    Stream(PreparedStreamLoader<Vec<u8>, TextBatch>),
+}
+
+type Batches<'a> = Box<dyn Iterator<Item = Result<TextBatch, AccelerateError>> + 'a>;
+
+impl TrainLoader {
+    /// The training loader `args` ask for over `windows` (read in `pieces`, if any).
+    fn prepare(
+        args: &Args,
+        acc: &Accelerator<DefaultBackend>,
+        windows: Windows,
+        pieces: Option<Vec<usize>>,
+    ) -> anyhow::Result<Self> {
+        if args.stream {
+            let len = windows.len();
+            let shards = pieces.unwrap_or_else(|| {
+                (0..len)
+                    .step_by(STREAM_SHARD_WINDOWS)
+                    .map(|start| STREAM_SHARD_WINDOWS.min(len - start))
+                    .collect()
+            });
+            let source = DatasetShards::new(windows, &shards).map_err(|e| anyhow::anyhow!(e))?;
+            let loader = StreamLoader::builder(TextBatcher)
+                .batch_size(args.batch)
+                .shuffle(args.seed)
+                .shuffle_buffer(8192)
+                .build(source);
+            return Ok(Self::Stream(acc.prepare_stream_loader(loader)?));
+        }
+        let mut train = DataLoader::builder(TextBatcher)
+            .batch_size(args.batch)
+            .shuffle(args.seed)
+            .num_workers(args.num_workers);
+        if args.keyed_order {
+            train = train.shuffle_order(ShuffleOrder::Keyed);
+        }
+        if let Some(pieces) = pieces {
+            // Parquet: each process reads its own row groups, shuffled in blocks of 8,192 rows.
+            train = train.pieces(pieces, 8192);
+        }
+        Ok(Self::Windows(
+            acc.prepare_data_loader(train.build(windows))?,
+        ))
+    }
+
+    fn epoch(&self) -> u64 {
+        match self {
+            Self::Windows(loader) => loader.epoch(),
+            Self::Stream(loader) => loader.epoch(),
+        }
+    }
+
+    fn set_epoch(&self, epoch: u64) {
+        match self {
+            Self::Windows(loader) => loader.set_epoch(epoch),
+            Self::Stream(loader) => loader.set_epoch(epoch),
+        }
+    }
+
+    fn iter(&self) -> Batches<'_> {
+        match self {
+            Self::Windows(loader) => Box::new(loader.iter()),
+            Self::Stream(loader) => Box::new(loader.iter()),
+        }
+    }
+}
+
 /// The training of [`train`] for a model whose layers are `L` (whole, or sharded).
 fn run<L: Unit<TransformerEncoderLayer>>(
     args: &Args,
@@ -307,18 +388,6 @@ fn run<L: Unit<TransformerEncoderLayer>>(
     model: TransformerLm<L>,
     corpus: Corpus,
 ) -> anyhow::Result<Report> {
-    let mut train = DataLoader::builder(TextBatcher)
-        .batch_size(args.batch)
-        .shuffle(args.seed)
-        .num_workers(args.num_workers);
-    if args.keyed_order {
-        train = train.shuffle_order(ShuffleOrder::Keyed);
-    }
-    if let Some(pieces) = corpus.train_pieces {
-        // Parquet: each process reads its own row groups, shuffled in blocks of 8,192 rows.
-        train = train.pieces(pieces, 8192);
-    }
-    let train = train.build(corpus.train);
     let validation = DataLoader::builder(TextBatcher)
         .batch_size(args.batch)
         .num_workers(args.num_workers)
@@ -327,11 +396,13 @@ fn run<L: Unit<TransformerEncoderLayer>>(
         .with_beta_1(args.beta1)
         .with_beta_2(args.beta2)
         .with_weight_decay(args.weight_decay);
-    let (mut model, mut optim, train, validation) = if args.burn_optimizer {
-        acc.prepare((model, adamw.init(), train, validation))?
+    let (mut model, mut optim) = if args.burn_optimizer {
+        acc.prepare((model, adamw.init()))?
     } else {
-        acc.prepare((model, adamw, train, validation))?
+        acc.prepare((model, adamw))?
     };
+    let train = TrainLoader::prepare(args, acc, corpus.train, corpus.train_pieces)?;
+    let validation = acc.prepare_eval_data_loader(validation)?;
     let mut ema = model.clone().no_grad();
     if args.project_dir.is_some() {
         let restored = acc.load_latest_checkpoint(model, &mut optim, None)?;

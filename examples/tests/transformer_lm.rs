@@ -177,8 +177,8 @@ fn training_from_token_or_arrow_files_equals_training_from_the_embedded_text() {
 }
 
 /// The corpus as Parquet files (a `text` column, 3 files of row groups of 2,000 rows), read in
-/// pieces: it trains, and a run stopped and resumed from its project directory ends bit
-/// for bit where the run that never stopped ends.
+/// pieces and read as a stream (`--stream`, other batches): each trains, and a run stopped and
+/// resumed from its project directory ends bit for bit where the run that never stopped ends.
 #[test]
 fn training_from_parquet_files_resumes_bit_identically() {
     let tmp = tempfile::tempdir().unwrap();
@@ -187,19 +187,33 @@ fn training_from_parquet_files_resumes_bit_identically() {
     let files = write_text_rows(&data, RowFormat::Parquet, 33, (60_000, 2_000)).unwrap();
     assert_eq!(files.len(), 4, "{files:?}");
     let data = data.to_str().unwrap();
-    let project = tmp.path().join("project");
-    let project = project.to_str().unwrap();
-    let steps = ["--steps", "12", "--eval-every", "6", "--data", data];
-    let whole = train(&small(&steps)).unwrap();
-    assert!(whole.validation.value < 5.0, "{}", whole.validation.value);
-    let mut first = steps.to_vec();
-    first.extend(["--stop-at", "6", "--project-dir", project]);
-    assert_eq!(train(&small(&first)).unwrap().updates, 6);
-    let mut resumed = steps.to_vec();
-    resumed.extend(["--project-dir", project]);
-    let resumed = train(&small(&resumed)).unwrap();
-    assert_eq!(resumed.updates, 12);
-    assert!(resumed.parameters == whole.parameters, "parameters differ");
+    let mut ends = Vec::new();
+    // The map-style loader reading in pieces, and the stream loader (row groups as shards).
+    for loader in [None, Some("--stream")] {
+        let project = tmp.path().join(format!("project-{}", ends.len()));
+        let project = project.to_str().unwrap();
+        let mut steps = vec!["--steps", "12", "--eval-every", "6", "--data", data];
+        steps.extend(loader);
+        let whole = train(&small(&steps)).unwrap();
+        assert!(
+            whole.validation.value < 5.0,
+            "{loader:?}: {}",
+            whole.validation.value
+        );
+        let mut first = steps.to_vec();
+        first.extend(["--stop-at", "6", "--project-dir", project]);
+        assert_eq!(train(&small(&first)).unwrap().updates, 6);
+        let mut resumed = steps.to_vec();
+        resumed.extend(["--project-dir", project]);
+        let resumed = train(&small(&resumed)).unwrap();
+        assert_eq!(resumed.updates, 12);
+        assert!(
+            resumed.parameters == whole.parameters,
+            "{loader:?}: parameters differ"
+        );
+        ends.push(whole.parameters);
+    }
+    assert!(ends[0] != ends[1], "--stream read the same batches");
 }
 
 /// fp16's first steps overflow while the loss scale backs off, and a skipped step is no
