@@ -64,8 +64,8 @@ fn unscale(c: &mut Criterion) {
 
 /// The three products of a linear layer 256 -> 768 over 4,096 tokens (the transformer
 /// example's QKV shapes), bf16 operands into f32: forward `x W`, input gradient `dY W^T`,
-/// weight gradient `X^T dY`; on each path this CPU can take (`vdpbf16ps`, AVX-512 FMAs on
-/// widened panels, widened then the f32 product),
+/// weight gradient `X^T dY`; on each path this CPU can take (AMX tiles, `vdpbf16ps`, AVX-512
+/// or AVX2 FMAs on widened panels, widened then the f32 product),
 /// and the f32 product of the same shapes. Throughput counts 2 flops per multiply-add.
 fn matmul_bf16(c: &mut Criterion) {
     use accelerate_kernels::bf16_matmul::{Bf16Mat, Bf16Path, matmul_bf16_on};
@@ -81,6 +81,7 @@ fn matmul_bf16(c: &mut Criterion) {
     group.sample_size(20);
     group.throughput(Throughput::Elements((2 * tokens * d_in * d_out) as u64));
     for path in [
+        Bf16Path::Amx,
         Bf16Path::Avx512Bf16,
         Bf16Path::Avx512,
         Bf16Path::Avx2,

@@ -31,12 +31,22 @@ fn env_names_the_cpu_kernels_and_a_cap_takes_the_fallback_path() {
         "{line}"
     );
     let expected = match Bf16Path::detect() {
+        Bf16Path::Amx => "AMX tiles",
         Bf16Path::Avx512Bf16 => "vdpbf16ps",
         Bf16Path::Avx512 => "AVX-512 FMAs",
         Bf16Path::Avx2 => "AVX2 FMAs",
         Bf16Path::Widened => "widened to f32",
     };
     assert!(line.contains(expected), "{line}");
+    if detected == Isa::Amx {
+        // Capped below the tiles: AVX512_BF16's own path on AMD, FMAs on Intel.
+        let capped = cpu_line(Some("avx512bf16"));
+        assert!(
+            capped.contains("capped to avx512bf16 by ACCELERATE_CPU_ISA")
+                && !capped.contains("AMX tiles"),
+            "{capped}"
+        );
+    }
     if detected > Isa::Avx2 {
         let capped = cpu_line(Some("avx2"));
         assert!(

@@ -2,8 +2,8 @@
 //! `ACCELERATE_CPU_ISA` variable so that a run (a test, a benchmark, a user chasing a
 //! difference) can take the fallback paths on a CPU that has the fast ones.
 //!
-//! `ACCELERATE_CPU_ISA` = `avx512bf16` (or unset, `native`: no cap), `avx512`, `avx2` or
-//! `portable`. A value that names nothing is ignored with a warning on standard error. Read
+//! `ACCELERATE_CPU_ISA` = `amx` (or unset, `native`: no cap), `avx512bf16`, `avx512`, `avx2`
+//! or `portable`. A value that names nothing is ignored with a warning on standard error. Read
 //! once per process. It governs the bf16 products ([`crate::bf16_matmul`]); the f32 kernels
 //! keep their own detection.
 
@@ -20,6 +20,8 @@ pub enum Isa {
     Avx512,
     /// AVX512_BF16 on top (`vdpbf16ps`).
     Avx512Bf16,
+    /// AMX-TILE and AMX-BF16 on top (`tdpbf16ps`), the tile registers lent to this process.
+    Amx,
 }
 
 impl Isa {
@@ -30,6 +32,7 @@ impl Isa {
             Self::Avx2 => "avx2",
             Self::Avx512 => "avx512",
             Self::Avx512Bf16 => "avx512bf16",
+            Self::Amx => "amx",
         }
     }
 
@@ -41,6 +44,7 @@ impl Isa {
             "avx2" => Some(Self::Avx2),
             "avx512" => Some(Self::Avx512),
             "avx512bf16" | "avx512_bf16" => Some(Self::Avx512Bf16),
+            "amx" | "amx-bf16" | "amx_bf16" => Some(Self::Amx),
             _ => return None,
         })
     }
@@ -58,7 +62,10 @@ fn detect() -> Isa {
         && is_x86_feature_detected!("fma")
         && is_x86_feature_detected!("f16c");
     let avx512 = avx2 && is_x86_feature_detected!("avx512f");
-    if avx512 && is_x86_feature_detected!("avx512bf16") {
+    let bf16 = avx512 && is_x86_feature_detected!("avx512bf16");
+    if bf16 && amx_tiles_lent() {
+        Isa::Amx
+    } else if bf16 {
         Isa::Avx512Bf16
     } else if avx512 {
         Isa::Avx512
@@ -66,6 +73,43 @@ fn detect() -> Isa {
         Isa::Avx2
     } else {
         Isa::Portable
+    }
+}
+
+/// True when CPUID reports AMX-TILE and AMX-BF16 and Linux lends this process the tiles'
+/// register state: it does so only when asked (`arch_prctl(ARCH_REQ_XCOMP_PERM,
+/// XFEATURE_XTILEDATA)`, once per process, for all its threads); a tile instruction without it
+/// ends the process with SIGILL.
+#[cfg(target_arch = "x86_64")]
+#[allow(unsafe_code)]
+fn amx_tiles_lent() -> bool {
+    use std::arch::x86_64::{__cpuid, __cpuid_count};
+    if __cpuid(0).eax < 7 {
+        return false;
+    }
+    // Leaf 7, subleaf 0, EDX: bit 22 AMX-BF16, bit 24 AMX-TILE.
+    let edx = __cpuid_count(7, 0).edx;
+    if edx & (1 << 22) == 0 || edx & (1 << 24) == 0 {
+        return false;
+    }
+    #[cfg(target_os = "linux")]
+    {
+        const ARCH_REQ_XCOMP_PERM: libc::c_long = 0x1023;
+        const XFEATURE_XTILEDATA: libc::c_long = 18;
+        // SAFETY: this request reads its two integer arguments and changes nothing but the
+        // register state the kernel saves for this process; it touches no memory of ours.
+        let granted = unsafe {
+            libc::syscall(
+                libc::SYS_arch_prctl,
+                ARCH_REQ_XCOMP_PERM,
+                XFEATURE_XTILEDATA,
+            )
+        };
+        granted == 0
+    }
+    #[cfg(not(target_os = "linux"))]
+    {
+        false
     }
 }
 
@@ -122,7 +166,13 @@ mod tests {
 
     #[test]
     fn names_parse_back_and_unknown_ones_are_refused() {
-        for isa in [Isa::Portable, Isa::Avx2, Isa::Avx512, Isa::Avx512Bf16] {
+        for isa in [
+            Isa::Portable,
+            Isa::Avx2,
+            Isa::Avx512,
+            Isa::Avx512Bf16,
+            Isa::Amx,
+        ] {
             assert_eq!(Isa::parse(isa.name()), Some(Some(isa)));
         }
         assert_eq!(Isa::parse("native"), Some(None));

@@ -60,6 +60,7 @@ fn cpu_kernels() -> String {
         format!(", capped to {} by ACCELERATE_CPU_ISA", current.name())
     };
     let path = match Bf16Path::detect() {
+        Bf16Path::Amx => "AMX tiles on bf16 pairs (AMX-BF16)",
         Bf16Path::Avx512Bf16 => "vdpbf16ps on bf16 pairs (AVX512_BF16)",
         Bf16Path::Avx512 => "AVX-512 FMAs on operands widened as they are packed",
         Bf16Path::Avx2 => "AVX2 FMAs on operands widened as they are packed",

@@ -134,30 +134,30 @@ fn band<const FIRST: usize>(
     }
 }
 
-/// A whole tile (`MR x NR`, row-major f32) plus `bias` (its `NR` columns' values) rounded once
+/// A whole tile (rows of `NR` f32) plus `bias` (its `NR` columns' values) rounded once
 /// to `O` into `rows` (row `i` at `rows.add(i * stride)`, `NR` values), 8 values an
 /// instruction: f16 by `vcvtps2ph`, bf16 by integer rounding to nearest even, as the AVX-512
 /// store rounds. Reached through `super::store_tile`, which checks the contract.
 ///
 /// # Safety
 /// The CPU must have AVX2 and F16C; `rows` must be valid for writes of
-/// `(MR - 1) * stride + NR` values of `O`, and `bias` hold at least `NR` values.
+/// `(tile.len() - 1) * stride + NR` values of `O`, and `bias` hold at least `NR` values.
 #[target_feature(enable = "avx2,f16c")]
 pub(super) unsafe fn store_tile<O: Element>(
-    tile: &[f32; MR * NR],
+    tile: &[[f32; NR]],
     rows: *mut MaybeUninit<O>,
     stride: usize,
     bias: Option<&[f32]>,
 ) {
     let bias = bias.map(|bias| bias[..NR].as_chunks::<8>().0);
     let is = |t: TypeId| TypeId::of::<O>() == t;
-    for (i, row) in tile.as_chunks::<8>().0.chunks_exact(2).enumerate() {
-        for (h, values) in row.iter().enumerate() {
+    for (i, row) in tile.iter().enumerate() {
+        for (h, values) in row.as_chunks::<8>().0.iter().enumerate() {
             let mut v = f32x8(values);
             if let Some(bias) = bias {
                 v = _mm256_add_ps(v, f32x8(&bias[h]));
             }
-            // SAFETY (the stores): row `i < MR` of `rows` starts at `i * stride` and holds
+            // SAFETY (the stores): row `i < tile.len()` of `rows` starts at `i * stride` and holds
             // NR values of `O` (the caller's contract), 8 of them from `8 * h`; `O` is the
             // type its id says, whose size is the store's: 32 bytes of f32, 16 of f16 or bf16.
             unsafe {

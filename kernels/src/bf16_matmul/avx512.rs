@@ -42,30 +42,30 @@ pub(super) fn tile(
     }
 }
 
-/// A whole tile (`MR x NR`, row-major f32) plus `bias` (its `NR` columns' values) rounded once
+/// A whole tile (rows of `NR` f32) plus `bias` (its `NR` columns' values) rounded once
 /// to `O` into `rows`: row `i` at `rows.add(i * stride)`, `NR` values. One vector load, add,
 /// conversion and store per row (f16 by `vcvtps2ph`, bf16 by integer rounding to nearest
 /// even, NaN kept quiet), where rounding value by value cost the fp16 step 9 % of its time
 /// (measured). Reached through `super::store_tile`, which checks the contract.
 ///
 /// # Safety
-/// The CPU must have AVX-512F; `rows` must be valid for writes of `(MR - 1) * stride + NR`
-/// values of `O`, and `bias` hold at least `NR` values.
+/// The CPU must have AVX-512F; `rows` must be valid for writes of
+/// `(tile.len() - 1) * stride + NR` values of `O`, and `bias` hold at least `NR` values.
 #[target_feature(enable = "avx512f")]
 pub(super) unsafe fn store_tile<O: Element>(
-    tile: &[f32; MR * NR],
+    tile: &[[f32; NR]],
     rows: *mut MaybeUninit<O>,
     stride: usize,
     bias: Option<&[f32]>,
 ) {
     let bias = bias.map(|bias| f32x16(&bias[..NR].as_chunks::<NR>().0[0]));
     let is = |t: TypeId| TypeId::of::<O>() == t;
-    for (i, row) in tile.as_chunks::<NR>().0.iter().enumerate() {
+    for (i, row) in tile.iter().enumerate() {
         let mut v = f32x16(row);
         if let Some(bias) = bias {
             v = _mm512_add_ps(v, bias);
         }
-        // SAFETY (the stores): row `i < MR` of `rows` starts at `i * stride` and holds NR
+        // SAFETY (the stores): row `i < tile.len()` of `rows` starts at `i * stride` and holds NR
         // values of `O` (the caller's contract); `O` is the type its id says, whose size is
         // the store's: 64 bytes of f32, 32 of f16 or bf16.
         unsafe {

@@ -2,16 +2,22 @@
 //! CPU: `c = a b` with `a` and `b` bf16 (any strides, so the transposed operands of a linear
 //! layer's backward need no copy) and `c` f32, row-major.
 //!
-//! Three paths, one answer up to f32 rounding:
+//! Five paths, one answer up to f32 rounding:
+//! - [`Bf16Path::Amx`]: both operands packed in pairs along `k`, and blocks of 32 x 32 from
+//!   four AMX tile registers, each `tdpbf16ps` 16 x 16 x 32 multiply-adds (a `vdpbf16ps` does
+//!   32). Taken on Intel CPUs with AMX-BF16 (Sapphire Rapids and later) where Linux lends the
+//!   process the tile registers.
 //! - [`Bf16Path::Avx512Bf16`]: both operands packed in pairs along `k` (one 32-bit lane holds
 //!   `a[i][k], a[i][k+1]`), and a 24 x 16 microkernel of `vdpbf16ps`, which multiplies both
 //!   halves of a pair exactly and adds them into f32 accumulators: 32 multiply-adds per
 //!   instruction. Taken on AMD CPUs with AVX512_BF16 (Zen 4 and later), where it issues at
 //!   the rate of an f32 FMA: twice its multiply-adds.
 //! - [`Bf16Path::Avx512`]: both operands widened to f32 as they are packed, and a 24 x 16
-//!   microkernel of AVX-512 FMAs. Taken on Intel CPUs with AVX-512: there (Sapphire and
-//!   Emerald Rapids) `vdpbf16ps` issues at half the rate of two FMA ports (measured: RESULTS,
-//!   issue 60), and the `gemm` crate's f32 kernels use 256-bit registers on stable Rust.
+//!   microkernel of AVX-512 FMAs. Taken on Intel CPUs with AVX-512 but no AMX tiles (or with
+//!   them capped by `ACCELERATE_CPU_ISA=avx512bf16`): there (Sapphire and Emerald Rapids)
+//!   `vdpbf16ps` issues at half the rate of two FMA ports (measured: RESULTS, issue 60), and
+//!   the `gemm` crate's f32 kernels use 256-bit registers on stable Rust. f16 operands take
+//!   this path on every AVX-512 CPU.
 //! - [`Bf16Path::Avx2`]: the same packing and tile, computed in four bands of 6 rows with
 //!   256-bit FMAs: x86 CPUs with AVX2, FMA and F16C but no AVX-512 (or forced with
 //!   `ACCELERATE_CPU_ISA=avx2`, see [`crate::isa`]). The same FMAs in the same order as the
@@ -19,8 +25,8 @@
 //! - [`Bf16Path::Widened`] (every other CPU, or forced with `ACCELERATE_CPU_ISA=portable`):
 //!   both operands widened to f32 and the f32 product of [`linear`](crate::linear) run.
 //!
-//! Rows are split among threads in fixed blocks of [`BLOCK_ROWS`], and every element is
-//! summed in the same order in any block, so the bits do not depend on the number of threads.
+//! Rows are split among threads in fixed blocks of [`BLOCK_ROWS`] (64 on the AMX path), and
+//! every element is summed in the same order in any block, so the bits do not depend on the number of threads.
 //!
 //! [`matmul_half_to`] writes the result in any [`Element`] type, a bias added first, each
 //! value rounded once as its tile is stored: a linear layer's half-precision activations come
@@ -38,6 +44,8 @@ use rayon::prelude::*;
 use crate::element::Element;
 use crate::fresh::written_by;
 
+#[cfg(target_arch = "x86_64")]
+mod amx;
 #[cfg(target_arch = "x86_64")]
 mod avx2;
 #[cfg(target_arch = "x86_64")]
@@ -153,6 +161,8 @@ impl<'a, T: HalfElement> HalfMat<'a, T> {
 /// Which kernel a bf16 product runs.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Bf16Path {
+    /// AMX tiles (`tdpbf16ps`) on operands packed in pairs (AMX-BF16).
+    Amx,
     /// `vdpbf16ps` on operands packed in pairs (AVX512_BF16).
     Avx512Bf16,
     /// AVX-512 FMAs on operands widened to f32 as they are packed.
@@ -168,6 +178,7 @@ impl Bf16Path {
     pub fn detect() -> Self {
         use crate::isa::{Isa, current, dot_products_at_fma_rate};
         match current() {
+            Isa::Amx => Self::Amx,
             Isa::Avx512Bf16 if dot_products_at_fma_rate() => Self::Avx512Bf16,
             Isa::Avx512Bf16 | Isa::Avx512 => Self::Avx512,
             Isa::Avx2 => Self::Avx2,
@@ -183,6 +194,7 @@ impl Bf16Path {
             Self::Avx2 => detected() >= Isa::Avx2,
             Self::Avx512 => detected() >= Isa::Avx512,
             Self::Avx512Bf16 => detected() >= Isa::Avx512Bf16,
+            Self::Amx => detected() >= Isa::Amx,
         }
     }
 }
@@ -197,16 +209,12 @@ pub fn matmul_bf16(a: Bf16Mat<'_>, b: Bf16Mat<'_>) -> Vec<f32> {
 }
 
 /// `a b` for f16 operands, as [`matmul_bf16`]: FMAs over operands widened as they are packed
-/// (AVX-512 or AVX2: there is no f16 pair product), else widened then the f32 product.
+/// (AVX-512 or AVX2: the pair products multiply bf16 only), else widened then the f32 product.
 ///
 /// # Panics
 /// As [`matmul_bf16`].
 pub fn matmul_f16(a: F16Mat<'_>, b: F16Mat<'_>) -> Vec<f32> {
-    let path = match Bf16Path::detect() {
-        Bf16Path::Avx512Bf16 => Bf16Path::Avx512,
-        other => other,
-    };
-    matmul_half_on(path, a, b)
+    matmul_half_on(Bf16Path::detect(), a, b)
 }
 
 /// [`matmul_bf16`] on `path` (the widened one where this CPU cannot run it): what the tests
@@ -219,7 +227,7 @@ pub fn matmul_bf16_on(path: Bf16Path, a: Bf16Mat<'_>, b: Bf16Mat<'_>) -> Vec<f32
 }
 
 /// `a b` of half-precision operands on `path`, as f32; f16 operands take the FMA path for the
-/// pair path (`vdpbf16ps` multiplies bf16 only).
+/// pair paths (`vdpbf16ps` and `tdpbf16ps` multiply bf16 only).
 ///
 /// # Panics
 /// As [`matmul_bf16`].
@@ -258,7 +266,8 @@ pub fn matmul_half_to<T: HalfElement, O: Element>(
     bias: Option<&[f32]>,
 ) -> Vec<O> {
     let pairs_allowed = std::any::TypeId::of::<T>() == std::any::TypeId::of::<bf16>();
-    let path = if path == Bf16Path::Avx512Bf16 && !pairs_allowed {
+    let pairs = matches!(path, Bf16Path::Amx | Bf16Path::Avx512Bf16);
+    let path = if pairs && !pairs_allowed {
         Bf16Path::Avx512
     } else {
         path
@@ -287,6 +296,12 @@ pub fn matmul_half_to<T: HalfElement, O: Element>(
             .collect();
     }
     match path {
+        #[cfg(target_arch = "x86_64")]
+        Bf16Path::Amx if path.available() => {
+            let fill = |c: &mut [MaybeUninit<O>]| amx::product(a, b, bias, c);
+            // SAFETY: `amx::product` writes every element of `c` (see there).
+            unsafe { written_by(len, fill) }
+        }
         #[cfg(target_arch = "x86_64")]
         Bf16Path::Avx512Bf16 | Bf16Path::Avx512 | Bf16Path::Avx2 if path.available() => {
             let fill = |c: &mut [MaybeUninit<O>]| packed(a, b, path, bias, c);
@@ -366,7 +381,7 @@ fn packed<T: HalfElement, O: Element>(
     let (m, n, k) = (a.rows, b.cols, a.cols);
     let per_lane = pack::per_lane(path);
     let steps = k.div_ceil(per_lane);
-    let packed_b = pack::pack_b(b, steps, per_lane);
+    let packed_b = pack::pack_b(b, (steps, steps), per_lane);
     let block = |(index, rows_out): (usize, &mut [MaybeUninit<O>])| {
         let start = index * BLOCK_ROWS;
         let rows = start..(start + BLOCK_ROWS).min(m);
@@ -383,7 +398,7 @@ fn packed<T: HalfElement, O: Element>(
                 if count == MR && cols.len() == NR {
                     store_tile(
                         path,
-                        &tile,
+                        tile.as_chunks::<NR>().0,
                         &mut rows_out[first * n + cols.start..],
                         n,
                         bias,
@@ -423,22 +438,24 @@ fn compute_tile(
     }
 }
 
-/// A whole tile (`MR x NR`, row-major f32) plus `bias` (its `NR` columns' values) rounded once
+/// A whole tile (rows of `NR` f32) plus `bias` (its `NR` columns' values) rounded once
 /// to `O` into `rows` (row `i` at `rows[i * stride..][..NR]`), with `path`'s registers:
 /// 256-bit on the AVX2 path, 512-bit on the AVX-512 ones.
 ///
 /// # Panics
-/// When `rows` is shorter than `(MR - 1) * stride + NR`, `bias` shorter than `NR`, or the CPU
-/// cannot run the path (the packed paths are only chosen where it can).
+/// When `rows` is shorter than `(tile.len() - 1) * stride + NR`, `bias` shorter than `NR`,
+/// or the CPU cannot run the path (the packed paths are only chosen where it can).
 #[cfg(target_arch = "x86_64")]
 fn store_tile<O: Element>(
     path: Bf16Path,
-    tile: &[f32; MR * NR],
+    tile: &[[f32; NR]],
     rows: &mut [MaybeUninit<O>],
     stride: usize,
     bias: Option<&[f32]>,
 ) {
-    let needed = (MR - 1).checked_mul(stride).and_then(|r| r.checked_add(NR));
+    let needed = (tile.len().max(1) - 1)
+        .checked_mul(stride)
+        .and_then(|r| r.checked_add(NR));
     assert!(
         needed.is_some_and(|needed| rows.len() >= needed),
         "a tile reaches past `c`"
@@ -457,6 +474,7 @@ fn store_tile<O: Element>(
     unsafe {
         match path {
             Bf16Path::Avx2 => avx2::store_tile(tile, rows, stride, bias),
+            // The AMX path stores through AVX-512 registers (every AMX CPU has AVX-512F).
             _ => avx512::store_tile(tile, rows, stride, bias),
         }
     }
@@ -511,6 +529,7 @@ mod tests {
 
     fn paths() -> Vec<Bf16Path> {
         [
+            Bf16Path::Amx,
             Bf16Path::Avx512Bf16,
             Bf16Path::Avx512,
             Bf16Path::Avx2,

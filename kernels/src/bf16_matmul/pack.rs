@@ -16,13 +16,22 @@ use super::{Bf16Path, HalfElement, HalfMat, MR, NR};
 /// value widened to f32 for the FMAs.
 #[cfg_attr(not(target_arch = "x86_64"), allow(dead_code))]
 pub(super) fn per_lane(path: Bf16Path) -> usize {
-    if path == Bf16Path::Avx512Bf16 { 2 } else { 1 }
+    if matches!(path, Bf16Path::Avx512Bf16 | Bf16Path::Amx) {
+        2
+    } else {
+        1
+    }
 }
 
 /// The 32-bit lane of values `k` and `k + 1` (zero past the end) of one row or column: the
 /// pair (`k` in the low half) when `per_lane` is 2, else value `k` as f32 bits.
 #[cfg_attr(not(target_arch = "x86_64"), allow(dead_code))]
-fn lane<T: HalfElement>(value: impl Fn(usize) -> T, k: usize, len: usize, per_lane: usize) -> u32 {
+pub(super) fn lane<T: HalfElement>(
+    value: impl Fn(usize) -> T,
+    k: usize,
+    len: usize,
+    per_lane: usize,
+) -> u32 {
     let lo = value(k);
     if per_lane == 1 {
         return lo.to_f32().to_bits();
@@ -138,7 +147,7 @@ fn place<X: Copy>(
 /// The runs along `k` of `m`'s rows `lines` (`along_row`) or of its columns `lines`: each
 /// line's `len` values in one slice, when they lie contiguous in memory.
 #[cfg_attr(not(target_arch = "x86_64"), allow(dead_code))]
-fn runs_along_k<'a, T: HalfElement>(
+pub(super) fn runs_along_k<'a, T: HalfElement>(
     m: &HalfMat<'a, T>,
     along_row: bool,
     lines: Range<usize>,
@@ -151,11 +160,15 @@ fn runs_along_k<'a, T: HalfElement>(
 }
 
 /// `b` as panels of [`NR`] columns: panel `p` holds, for each step along `k`, the lanes of
-/// columns `p * NR ..` (zeros past the last column).
+/// columns `p * NR ..` (zeros past the last column), then zeros up to `padded` steps.
 #[cfg_attr(not(target_arch = "x86_64"), allow(dead_code))]
-pub(super) fn pack_b<T: HalfElement>(b: HalfMat<'_, T>, steps: usize, per_lane: usize) -> Vec<u32> {
+pub(super) fn pack_b<T: HalfElement>(
+    b: HalfMat<'_, T>,
+    (steps, padded): (usize, usize),
+    per_lane: usize,
+) -> Vec<u32> {
     let panels = b.cols.div_ceil(NR);
-    let mut packed = vec![0u32; panels * steps * NR];
+    let mut packed = vec![0u32; panels * padded * NR];
     let fill = |(p, panel): (usize, &mut [u32])| {
         let width = NR.min(b.cols - p * NR);
         let columns = p * NR..p * NR + width;
@@ -183,7 +196,10 @@ pub(super) fn pack_b<T: HalfElement>(b: HalfMat<'_, T>, steps: usize, per_lane: 
             }
         }
     };
-    packed.par_chunks_mut(steps * NR).enumerate().for_each(fill);
+    packed
+        .par_chunks_mut(padded * NR)
+        .enumerate()
+        .for_each(fill);
     packed
 }
 
