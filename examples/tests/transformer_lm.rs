@@ -23,6 +23,18 @@ fn train(args: &Args) -> anyhow::Result<Report> {
     transformer_example::train(args)
 }
 
+/// The small model on `args`, stopped after `stop_at` updates with its state in `project`,
+/// then run again from there to the end: the resumed run's report.
+fn stopped_then_resumed(args: &[&str], stop_at: u64, project: &str) -> Report {
+    let stop = stop_at.to_string();
+    let mut first = args.to_vec();
+    first.extend(["--stop-at", &stop, "--project-dir", project]);
+    assert_eq!(train(&small(&first)).unwrap().updates, stop_at);
+    let mut resumed = args.to_vec();
+    resumed.extend(["--project-dir", project]);
+    train(&small(&resumed)).unwrap()
+}
+
 /// A model small enough to train for a few seconds in a test.
 fn small(extra: &[&str]) -> Args {
     let mut argv = vec![
@@ -200,12 +212,7 @@ fn training_from_parquet_files_resumes_bit_identically() {
             "{loader:?}: {}",
             whole.validation.value
         );
-        let mut first = steps.to_vec();
-        first.extend(["--stop-at", "6", "--project-dir", project]);
-        assert_eq!(train(&small(&first)).unwrap().updates, 6);
-        let mut resumed = steps.to_vec();
-        resumed.extend(["--project-dir", project]);
-        let resumed = train(&small(&resumed)).unwrap();
+        let resumed = stopped_then_resumed(&steps, 6, project);
         assert_eq!(resumed.updates, 12);
         assert!(
             resumed.parameters == whole.parameters,
@@ -365,12 +372,7 @@ fn training_from_token_files_in_a_keyed_order_resumes_bit_identically() {
         whole.parameters != drawn.parameters,
         "the keyed order changed nothing"
     );
-    let mut first = keyed.clone();
-    first.extend(["--stop-at", "4", "--project-dir", project]);
-    assert_eq!(train(&small(&first)).unwrap().updates, 4);
-    let mut resumed = keyed.clone();
-    resumed.extend(["--project-dir", project]);
-    let resumed = train(&small(&resumed)).unwrap();
+    let resumed = stopped_then_resumed(&keyed, 4, project);
     assert_eq!(resumed.updates, 8);
     assert!(resumed.parameters == whole.parameters, "parameters differ");
 }
