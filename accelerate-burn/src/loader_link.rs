@@ -258,7 +258,8 @@ impl LoaderLinks {
         tracing::warn!(
             resumed = saved.epoch,
             epoch,
-            "the training stream was resumed at epoch {} but reads epoch {epoch}: starting              that epoch from its beginning",
+            "the training stream was resumed at epoch {} but reads epoch {epoch}: starting \
+             that epoch from its beginning",
             saved.epoch
         );
         None

@@ -347,7 +347,8 @@ fn read_saved(ctx: &Context<'_>, dir: &Path) -> Result<Saved, AccelerateError> {
 }
 
 /// The stream states to continue from: this process's own (`own`, already read) when the
-/// world size is the same, else every saving process's, in rank order.
+/// world size is the same, else every saving process's, in rank order (`own` is then rank
+/// 0's, which `read_saved` read; the others' files are read here).
 fn saved_streams(
     dir: &Path,
     manifest: &Manifest,
@@ -361,14 +362,19 @@ fn saved_streams(
     (0..manifest.world_size)
         .map(|saver| {
             let path = dir.join(rank_file(saver));
-            let state: RankState = checkpoint::read_json(&path).map_err(|source| {
-                AccelerateError::CheckpointUnreadable {
-                    rank,
-                    path: dir.to_path_buf(),
-                    source,
-                }
-            })?;
-            state.stream.ok_or_else(|| AccelerateError::ResumeMismatch {
+            let stream = if saver == 0 {
+                own.clone()
+            } else {
+                let state: RankState = checkpoint::read_json(&path).map_err(|source| {
+                    AccelerateError::CheckpointUnreadable {
+                        rank,
+                        path: dir.to_path_buf(),
+                        source,
+                    }
+                })?;
+                state.stream
+            };
+            stream.ok_or_else(|| AccelerateError::ResumeMismatch {
                 rank,
                 path: path.clone(),
                 detail: format!("rank {saver} saved no stream position"),

@@ -240,7 +240,7 @@ fn pack_a_tiles<T: HalfElement>(
                     .map(|t| &mut t[i * TILE..]);
                 for (row, pairs) in tile_rows.zip(pairs.chunks(TILE)) {
                     for (o, pair) in row.iter_mut().zip(pairs) {
-                        *o = u32::from(pair[0].bits()) | (u32::from(pair[1].bits()) << 16);
+                        *o = pack::pair_lane(pair[0], pair[1]);
                     }
                 }
                 if let [lo] = last {
@@ -307,6 +307,7 @@ fn pack_transposed_tiles<T: HalfElement>(
                 break;
             };
             for (i, row) in out.chunks_exact_mut(TILE).take(TILE).enumerate() {
+                // `i < TILE` already; said so that `lanes[i]` needs no bounds check.
                 let i = i % TILE;
                 for (o, lanes) in row.iter_mut().zip(tile) {
                     *o = lanes[i];

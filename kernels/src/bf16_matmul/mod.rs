@@ -26,7 +26,8 @@
 //!   both operands widened to f32 and the f32 product of [`linear`](crate::linear) run.
 //!
 //! Rows are split among threads in fixed blocks of [`BLOCK_ROWS`] (64 on the AMX path), and
-//! every element is summed in the same order in any block, so the bits do not depend on the number of threads.
+//! every element is summed in the same order in any block, so the bits do not depend on the
+//! number of threads.
 //!
 //! [`matmul_half_to`] writes the result in any [`Element`] type, a bias added first, each
 //! value rounded once as its tile is stored: a linear layer's half-precision activations come

@@ -23,6 +23,14 @@ pub(super) fn per_lane(path: Bf16Path) -> usize {
     }
 }
 
+/// The 32-bit lane of a pair of values along `k`, as `vdpbf16ps` and `tdpbf16ps` read it:
+/// the first in the low half.
+#[inline(always)]
+#[cfg_attr(not(target_arch = "x86_64"), allow(dead_code))]
+pub(super) fn pair_lane<T: HalfElement>(lo: T, hi: T) -> u32 {
+    u32::from(lo.bits()) | (u32::from(hi.bits()) << 16)
+}
+
 /// The 32-bit lane of values `k` and `k + 1` (zero past the end) of one row or column: the
 /// pair (`k` in the low half) when `per_lane` is 2, else value `k` as f32 bits.
 #[cfg_attr(not(target_arch = "x86_64"), allow(dead_code))]
@@ -41,7 +49,7 @@ pub(super) fn lane<T: HalfElement>(
     } else {
         <T as bytemuck::Zeroable>::zeroed()
     };
-    u32::from(lo.bits()) | (u32::from(hi.bits()) << 16)
+    pair_lane(lo, hi)
 }
 
 /// Values `from..from + len` of row `index` of `m` (`along_row`) or of its column `index`, as
@@ -79,7 +87,7 @@ fn put_lanes<T: HalfElement>(out: &mut [u32], lo: &[T], hi: Option<&[T]>, per_la
         (1, _) => slots.zip(lo).for_each(|(o, v)| *o = v.to_f32().to_bits()),
         (_, Some(hi)) => slots
             .zip(lo.iter().zip(hi))
-            .for_each(|(o, (l, h))| *o = u32::from(l.bits()) | (u32::from(h.bits()) << 16)),
+            .for_each(|(o, (&l, &h))| *o = pair_lane(l, h)),
         (_, None) => slots.zip(lo).for_each(|(o, l)| *o = u32::from(l.bits())),
     }
 }
@@ -117,7 +125,7 @@ fn put_runs<T: HalfElement>(
         let out = &mut out[..runs.len()];
         if 2 * s + 1 < k_len {
             for (o, run) in out.iter_mut().zip(runs) {
-                *o = u32::from(run[2 * s].bits()) | (u32::from(run[2 * s + 1].bits()) << 16);
+                *o = pair_lane(run[2 * s], run[2 * s + 1]);
             }
         } else {
             // An odd `k`'s last step: its pair ends in zero.
