@@ -187,6 +187,8 @@ pub struct Report {
     pub parameters: Vec<u32>,
     /// Checkpoints saved, and the mean time each save call held the training thread.
     pub checkpoints: (u64, Duration),
+    /// Layer gradients averaged during backward (overlap; 0 without).
+    pub overlapped_gradients: u64,
 }
 
 fn main() -> anyhow::Result<()> {
@@ -246,6 +248,10 @@ pub fn train(args: &Args) -> anyhow::Result<Report> {
     if acc.config().zero_stage == 3 {
         // ZeRO-3: each transformer layer is a sharded unit.
         run(args, &acc, &config, model.shard_layers(&acc)?, data)
+    } else if acc.num_processes() > 1 {
+        // Each layer a unit: its gradients are averaged while backward goes on
+        // (ACCELERATE_OVERLAP_COMMUNICATION=false averages after backward, same bits).
+        run(args, &acc, &config, model.unit_layers(&acc)?, data)
     } else {
         run(args, &acc, &config, model, data)
     }
@@ -585,6 +591,13 @@ fn run<L: Unit<TransformerEncoderLayer>>(
             _ => "unknown".into(),
         },
     ));
+    if acc.overlapped_gradients() > 0 {
+        acc.print(format!(
+            "{} layer gradients averaged during backward (overlap); {:.1} s communicating",
+            acc.overlapped_gradients(),
+            acc.communication_time().as_secs_f64()
+        ));
+    }
     if args.sample_bytes > 0 {
         // Every process gathers the layers (a collective); the main one samples.
         let whole = model.valid().whole();
@@ -605,6 +618,7 @@ fn run<L: Unit<TransformerEncoderLayer>>(
         tokens_per_second,
         data_wait_share,
         parameters: parameter_bits(&model.whole()),
+        overlapped_gradients: acc.overlapped_gradients(),
         checkpoints: (
             saves,
             u32::try_from(saves)

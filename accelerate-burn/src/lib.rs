@@ -60,7 +60,8 @@
 //! - [`selftest`]: the checks `accelerate-rs test` runs on every process.
 //! - [`fused`]: fused AdamW / Adam / SGD over flat parameters, ZeRO-1 and ZeRO-2.
 //! - [`Sharded`] / [`Unit`]: ZeRO-3, a model's units sharded over the processes
-//!   ([`Accelerator::shard`]) and gathered for their forward pass.
+//!   ([`Accelerator::shard`]) and gathered for their forward pass; [`WholeUnit`]: a unit kept
+//!   whole ([`Accelerator::unit`]) whose gradients are averaged while backward goes on.
 //! - [`checkpoint`]: `save_state` / `load_state` with exact resume, atomic saves, rotation.
 //! - `save_model` / `save_model_sharded` / `load_model` on [`Accelerator`]: the weights alone,
 //!   one safetensors file or the Hugging Face hub's shards and index.
@@ -103,6 +104,7 @@ mod model_slot;
 mod nccl;
 pub mod nn;
 mod optim;
+mod overlap;
 mod params;
 mod phases;
 mod precision;
@@ -111,6 +113,7 @@ mod reducer;
 mod replicate;
 pub mod selftest;
 mod sharded;
+mod stage_error;
 pub mod stream;
 mod training_loop;
 
@@ -124,7 +127,7 @@ pub use fused::{FusedOptimizer, HeldBytes};
 pub use optim::{PreparedOptimizer, PreparedScheduler};
 pub use precision::{Autocast, Caster};
 pub use reducer::{Gradients, GradientsStatus};
-pub use sharded::{Sharded, Unit};
+pub use sharded::{Sharded, Unit, WholeUnit};
 
 pub use accelerate_core::comm::Reduction;
 pub use accelerate_core::sampler::ShuffleOrder;

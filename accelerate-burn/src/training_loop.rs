@@ -182,6 +182,14 @@ impl ModelWindows {
         }
     }
 
+    /// The open window's sum of its earlier micro-batches, taken for the micro-batch `step`
+    /// that completes it (the gradient pipe adds the last one itself); `None` when it is the
+    /// window's first.
+    pub fn take_window_sum(&mut self, step: MicroStep) -> Option<ParamList> {
+        let held = self.window_sum.take();
+        if step.first { None } else { held }
+    }
+
     /// Counts a completed window, reseeding `device` for the next one when these windows
     /// drive the random stream; returns the window's number (from 1).
     pub fn complete_window(&mut self, device: &Device) -> u64 {

@@ -28,6 +28,8 @@ pub const ENV_ZERO_STAGE: &str = env_vars::ZERO_STAGE;
 pub const ENV_GRADIENT_CHECKPOINTING: &str = env_vars::GRADIENT_CHECKPOINTING;
 /// Environment variable for [`AcceleratorConfig::async_checkpoints`].
 pub const ENV_ASYNC_CHECKPOINTS: &str = env_vars::ASYNC_CHECKPOINTS;
+/// Environment variable for [`AcceleratorConfig::overlap_communication`].
+pub const ENV_OVERLAP_COMMUNICATION: &str = env_vars::OVERLAP_COMMUNICATION;
 /// Environment variable for [`AcceleratorConfig::fusion`].
 pub const ENV_FUSION: &str = env_vars::FUSION;
 /// Environment variable for [`AcceleratorConfig::nccl`].
@@ -63,6 +65,12 @@ pub struct AcceleratorConfig {
     /// and returns; a thread writes and commits it while training goes on (default off).
     #[serde(default)]
     pub async_checkpoints: bool,
+    /// Gradients averaged on a communication thread while the backward pass goes on, for a
+    /// model whose units are marked (accelerate-burn's `Accelerator::unit`; default on).
+    /// The results are the same bits either way; off is for comparisons and as an escape
+    /// hatch.
+    #[serde(default = "overlap_default")]
+    pub overlap_communication: bool,
     /// Burn's kernel fusion, in a build whose GPU backend has it (`wgpu`, `cuda`; default on,
     /// as a plain Burn user has it). Off, Burn's fused stream stays but runs each operation
     /// as its own kernel: for debugging, and for comparing against fusion. Nothing changes
@@ -86,6 +94,7 @@ impl Default for AcceleratorConfig {
             zero_stage: 0,
             gradient_checkpointing: false,
             async_checkpoints: false,
+            overlap_communication: true,
             fusion: true,
             nccl: NcclMode::Auto,
         }
@@ -93,6 +102,10 @@ impl Default for AcceleratorConfig {
 }
 
 fn fusion_default() -> bool {
+    true
+}
+
+fn overlap_default() -> bool {
     true
 }
 
@@ -115,6 +128,8 @@ pub struct ConfigOverrides {
     pub gradient_checkpointing: Option<bool>,
     /// See [`AcceleratorConfig::async_checkpoints`].
     pub async_checkpoints: Option<bool>,
+    /// See [`AcceleratorConfig::overlap_communication`].
+    pub overlap_communication: Option<bool>,
     /// See [`AcceleratorConfig::fusion`].
     pub fusion: Option<bool>,
     /// See [`AcceleratorConfig::nccl`].
@@ -204,6 +219,12 @@ impl ConfigOverrides {
                 self.async_checkpoints,
                 file.async_checkpoints,
                 default.async_checkpoints,
+            )?,
+            overlap_communication: settings.get_or(
+                &table::OVERLAP_COMMUNICATION,
+                self.overlap_communication,
+                None,
+                default.overlap_communication,
             )?,
             fusion: settings.get_or(&table::FUSION, self.fusion, None, default.fusion)?,
             nccl: settings.get_or(&table::NCCL, self.nccl, None, default.nccl)?,

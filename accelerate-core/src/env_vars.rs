@@ -71,6 +71,9 @@ pub const GRADIENT_CHECKPOINTING: &str = "ACCELERATE_GRADIENT_CHECKPOINTING";
 /// Whether `save_state` writes and commits checkpoints in the background (workers):
 /// `true`/`false`.
 pub const ASYNC_CHECKPOINTS: &str = "ACCELERATE_ASYNC_CHECKPOINTS";
+/// Whether gradients are averaged during the backward pass for models that mark their units
+/// (workers): `true`/`false`.
+pub const OVERLAP_COMMUNICATION: &str = "ACCELERATE_OVERLAP_COMMUNICATION";
 /// Whether Burn's kernel fusion runs on a GPU backend built with it: `true`/`false`
 /// (workers; `false` keeps Burn's fused stream but takes out its fusers).
 pub const FUSION: &str = "ACCELERATE_FUSION";

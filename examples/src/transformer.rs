@@ -10,7 +10,9 @@ use accelerate_burn::nn::{
     LayerNorm, LayerNormConfig, TransformerEncoder, TransformerEncoderConfig,
     TransformerEncoderInput, TransformerEncoderLayer, cross_entropy, linear,
 };
-use accelerate_burn::{AccelerateError, Accelerator, AcceleratorBackend, Sharded, Unit, burn};
+use accelerate_burn::{
+    AccelerateError, Accelerator, AcceleratorBackend, Sharded, Unit, WholeUnit, burn,
+};
 use burn::config::Config;
 use burn::module::Module;
 use burn::nn::attention::generate_autoregressive_mask;
@@ -98,6 +100,18 @@ impl TransformerLm {
         // makes the sharded model start from the same weights as the unsharded one.
         let _drawn = (self.tokens.weight.val(), self.positions.weight.val());
         self.map_layers(|layer| acc.shard(layer))
+    }
+
+    /// The model with each transformer layer a unit kept whole (`acc.unit`, ZeRO 0 to 2):
+    /// with several processes, each layer's gradients are averaged while backward goes on
+    /// through the layers before it.
+    pub fn unit_layers<B: AcceleratorBackend>(
+        self,
+        acc: &Accelerator<B>,
+    ) -> Result<TransformerLm<WholeUnit<TransformerEncoderLayer>>, AccelerateError> {
+        // As in `shard_layers`: the embeddings' weights drawn first, as `prepare` draws them.
+        let _drawn = (self.tokens.weight.val(), self.positions.weight.val());
+        self.map_layers(|layer| acc.unit(layer))
     }
 }
 

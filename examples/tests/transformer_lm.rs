@@ -8,6 +8,7 @@ mod common;
 #[path = "../transformer_lm.rs"]
 mod transformer_example;
 
+use accelerate_burn::{AcceleratorBackend, DefaultBackend};
 use accelerate_examples::text::{RowFormat, write_text_rows};
 use clap::Parser;
 use common::{SCENARIO, env_number, largest_difference, line, param_bits, params, run};
@@ -290,6 +291,9 @@ fn child() {
     if std::env::var_os("TEST_KEYED_ORDER").is_some() {
         flags.push("--keyed-order");
     }
+    if std::env::var_os("TEST_BURN_OPTIMIZER").is_some() {
+        flags.push("--burn-optimizer");
+    }
     match train(&small(&flags)) {
         Ok(report) => {
             let bits: Vec<String> = report
@@ -299,6 +303,7 @@ fn child() {
                 .collect();
             println!("PARAMS {}", bits.join(","));
             println!("VALIDATION {}", report.validation.value);
+            println!("OVERLAPPED {}", report.overlapped_gradients);
             std::process::exit(0);
         }
         Err(e) => {
@@ -315,6 +320,63 @@ fn child() {
 fn two_processes_train_the_transformer_like_one_with_the_same_global_batches() {
     let single = run("transformer", 1, &[("TEST_BATCH", "16".to_string())]);
     assert_ranks_train_like(&single[0], 2, "0", &[]);
+}
+
+/// Overlap (each layer a unit whose gradients a communication thread averages while backward
+/// goes on through the layers before it) trains the same bits as averaging after backward, on
+/// two processes: fused AdamW over summed token losses, with accumulation windows of 2 and a
+/// bf16 wire, and Burn's AdamW in fp16 (loss scaling, its first steps skipped). On a GPU
+/// backend the fused optimizer's buffers live on the device and average after backward (no
+/// overlap yet); Burn's optimizer overlaps there without Burn's fusion (with it, the taps'
+/// reads end fused kernels elsewhere than after backward, and results move: overlap stays
+/// off there).
+#[test]
+fn overlapped_communication_trains_the_same_bits_as_averaging_after_backward() {
+    let batch = ("TEST_BATCH", "8".to_string());
+    let settings: [&[(&str, &str)]; 3] = [
+        &[],
+        &[
+            ("ACCELERATE_GRADIENT_ACCUMULATION_STEPS", "2"),
+            ("ACCELERATE_GRADIENT_COMMUNICATION", "bf16"),
+        ],
+        &[
+            ("TEST_BURN_OPTIMIZER", "1"),
+            ("TEST_MIXED", "fp16"),
+            ("ACCELERATE_FUSION", "false"),
+        ],
+    ];
+    for setting in settings {
+        let burn_optimizer = setting.iter().any(|(k, _)| *k == "TEST_BURN_OPTIMIZER");
+        let overlaps = burn_optimizer || !<DefaultBackend as AcceleratorBackend>::DEVICE_KERNELS;
+        let [on, off] = ["true", "false"].map(|overlap| {
+            let mut env = vec![
+                batch.clone(),
+                ("ACCELERATE_OVERLAP_COMMUNICATION", overlap.into()),
+            ];
+            env.extend(setting.iter().map(|&(k, v)| (k, v.to_string())));
+            run("transformer", 2, &env)
+        });
+        for (rank, (on, off)) in on.iter().zip(&off).enumerate() {
+            for output in [on, off] {
+                assert!(
+                    output.status.success(),
+                    "{setting:?}, rank {rank}: {}",
+                    String::from_utf8_lossy(&output.stderr)
+                );
+            }
+            let overlapped: u64 = line(on, "OVERLAPPED ").parse().unwrap_or(0);
+            assert_eq!(
+                overlapped > 0,
+                overlaps,
+                "{setting:?}: rank {rank}, {overlapped}"
+            );
+            assert_eq!(line(off, "OVERLAPPED "), "0", "{setting:?}");
+            assert!(
+                line(on, "PARAMS ") == line(off, "PARAMS "),
+                "{setting:?}: rank {rank}'s parameters differ with and without overlap"
+            );
+        }
+    }
 }
 
 /// Two processes reading the corpus from token files or from Arrow files (`--data`) train

@@ -9,6 +9,7 @@ mod checkpoints;
 mod collectives;
 mod memory_check;
 mod model_files;
+mod overlap;
 mod prepare;
 mod sharded_weights;
 mod sharding;
@@ -75,6 +76,10 @@ pub struct Accelerator<B: AcceleratorBackend> {
     comm: Comm,
     /// What the units sharded by [`shard`](Self::shard) share (ZeRO-3).
     shards: Arc<ShardGroup>,
+    /// What the units marked by [`unit`](Self::unit) share with `backward` (overlap).
+    taps: Arc<crate::overlap::TapHub>,
+    /// A group of one, for reducers given gradients the pipe already averaged.
+    local_comm: Comm,
     trigger: AtomicBool,
     checkpoints: CheckpointSettings,
     /// The save being written in the background, if any (at most one).

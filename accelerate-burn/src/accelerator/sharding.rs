@@ -2,13 +2,15 @@
 //! checks that keep a sharded model out of paths that expect whole parameters.
 
 use accelerate_core::memory_estimate::MemoryEstimate;
+use std::sync::Arc;
+
 use burn::module::Module;
 
 use super::Accelerator;
 use crate::backend::AcceleratorBackend;
 use crate::error::AccelerateError;
 use crate::params::ParamLayout;
-use crate::sharded::{self, Sharded};
+use crate::sharded::{self, Sharded, WholeUnit};
 
 impl<B: AcceleratorBackend> Accelerator<B> {
     /// Shards `unit` (a layer, a block) over the processes: ZeRO-3 (`zero_stage(3)`). This
@@ -45,6 +47,49 @@ impl<B: AcceleratorBackend> Accelerator<B> {
             });
         }
         sharded::shard(unit, &self.shards, &self.device)
+    }
+
+    /// Marks `unit` (a layer, a block) as a unit of the model whose parameters stay whole on
+    /// every process (ZeRO 0 to 2): in the forward pass, `unit.whole_for(&x).forward(x)` (the
+    /// [`Unit`](crate::Unit) trait, as a sharded unit's), and backward hands the unit's
+    /// gradients to a communication thread as soon as it has left the unit, so that averaging
+    /// them overlaps the backward pass of the units before it
+    /// ([`overlap_communication`](crate::AcceleratorBuilder::overlap_communication), on by
+    /// default). Results are the same bits as without overlap.
+    ///
+    /// ```text
+    /// let blocks = blocks.into_iter().map(|b| acc.unit(b)).collect::<Result<Vec<_>, _>>()?;
+    /// ```
+    ///
+    /// Every process must mark the same units in the same order (rank 0's parameter ids are
+    /// filed, a collective). A unit's parameters must reach the loss only through
+    /// `whole_for`, once per forward pass: a tied weight used outside its unit, or a unit run
+    /// twice, is an error of `backward` (keep it out of units). At `zero_stage(3)` use
+    /// [`shard`](Self::shard).
+    pub fn unit<M: Module>(&self, unit: M) -> Result<WholeUnit<M>, AccelerateError> {
+        if self.config.zero_stage == 3 {
+            return Err(AccelerateError::Misuse {
+                rank: self.state.rank,
+                what: "unit at zero_stage 3".into(),
+                hint: "units of a ZeRO-3 model are sharded: use acc.shard(unit)",
+            });
+        }
+        let unit = crate::params::adopt_device(unit, &self.device);
+        let ids = ParamLayout::of(&unit).ids();
+        let ids: Vec<u64> = if self.comm.is_distributed() {
+            self.comm.lock().broadcast_object(Some(&ids), 0)?
+        } else {
+            ids
+        };
+        self.taps
+            .register_unit(ids.into_iter().map(burn::module::ParamId::from));
+        Ok(WholeUnit::new(unit, Arc::clone(&self.taps)))
+    }
+
+    /// Gradients of [`unit`](Self::unit)s handed to the communication thread from inside the
+    /// backward pass so far (0 without overlap): to see that averaging overlapped backward.
+    pub fn overlapped_gradients(&self) -> u64 {
+        self.taps.handed()
     }
 
     /// All-gathers run by the sharded units so far, forward and backward (a unit gathered

@@ -5,10 +5,14 @@ use burn::module::Module;
 use burn::optim::GradientsParams;
 use burn::tensor::{DType, Tensor};
 
+use std::sync::Arc;
+
 use super::Accelerator;
+use super::overlap::held_on_host;
 use crate::backend::AcceleratorBackend;
 use crate::error::AccelerateError;
 use crate::model_slot::{ModelSlot, SlotState};
+use crate::overlap::pipe::WindowStart;
 use crate::params::{self, ParamLayout, ParamList, Replacement};
 use crate::precision::{Autocast, Caster, low_precision_view};
 use crate::reducer::{self, Gradients, OptimizerChoice, Outcome};
@@ -97,6 +101,28 @@ impl<B: AcceleratorBackend> Accelerator<B> {
         if let Some(scale) = windows.loss_scale() {
             loss = loss.mul_scalar(scale);
         }
+        if step.sync
+            && let Some(plan) = self.pipe_plan(&**reducer)
+        {
+            // The factor first (a collective), so that the pipe applies it as gradients come.
+            let factor = match windows.window_items() {
+                Some(local) => Some(self.per_item_factor(local)? as f32),
+                None => None,
+            };
+            let start = WindowStart {
+                held: held_on_host(windows.take_window_sum(step)),
+                factor,
+            };
+            let layout = Arc::clone(reducer.layout());
+            let averaged = self.backward_through_pipe(loss, model, &layout, plan, start)?;
+            let window = windows.complete_window(&self.device);
+            let reduced = reducer.reduce(averaged, &self.local_comm, windows.inv_scale())?;
+            if windows.record_overflow(reduced.overflow) {
+                reducer.discard();
+                return Ok(Gradients::new(Outcome::Skipped, window, id));
+            }
+            return Ok(Gradients::new(reduced.outcome, window, id));
+        }
         let grads = loss.backward();
         // A sharded unit's gather or reduce-scatter that failed inside the graph.
         self.sharding_failure()?;
@@ -167,7 +193,13 @@ impl<B: AcceleratorBackend> Accelerator<B> {
                 detail: unknown.to_string(),
             }
         })?;
-        let reduced = reducer.reduce(list, &self.comm, None)?;
+        let reduced = match self.pipe_plan(reducer) {
+            Some(plan) => {
+                let averaged = self.average_through_pipe(&list, plan)?;
+                reducer.reduce(averaged, &self.local_comm, None)?
+            }
+            None => reducer.reduce(list, &self.comm, None)?,
+        };
         Ok(Gradients::new(reduced.outcome, 0, 0))
     }
 

@@ -22,7 +22,6 @@
 mod background;
 pub(crate) mod load;
 pub(crate) mod save;
-mod stage_error;
 mod staging;
 
 use std::collections::BTreeMap;
@@ -43,8 +42,8 @@ use crate::optim::{PreparedOptimizer, PreparedScheduler};
 use crate::sharded::ShardGroup;
 
 pub use crate::reducer::bucketed::OPTIMIZER_FILE;
+pub(crate) use crate::stage_error::StageError;
 pub(crate) use background::BackgroundSave;
-pub(crate) use stage_error::StageError;
 pub use staging::CheckpointSnapshot;
 
 /// The model's weights in a checkpoint (and what `save_model` writes).

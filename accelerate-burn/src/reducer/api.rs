@@ -10,12 +10,12 @@ use burn::lr_scheduler::module_lr_scheduler::ModuleLearningRate;
 use burn::optim::{GradientsParams, ModuleOptimizer};
 use burn::tensor::Tensor;
 
-use crate::checkpoint::StageError;
 use crate::error::AccelerateError;
 use crate::fused::HeldBytes;
 use crate::group::Comm;
 use crate::params::{ParamLayout, ParamList, ParamUpdate};
 use crate::reducer::flat::{FusedStateFile, Segment};
+use crate::stage_error::StageError;
 
 /// The payload of [`Gradients`](super::Gradients).
 #[derive(Debug)]
@@ -201,6 +201,13 @@ pub(crate) trait GradientReducer: Send {
         comm: &Comm,
         inv_scale: Option<f32>,
     ) -> Result<Reduced, AccelerateError>;
+
+    /// True when the reducer can take gradients the accelerator's pipe already averaged on
+    /// the host (`reduce` then gets them with a group of one): Burn's optimizers averaging on
+    /// the host, and fused optimizers with whole host buffers (ZeRO-0).
+    fn takes_averaged(&self) -> bool {
+        false
+    }
 
     /// True when the reducer averages each micro-batch as it comes and holds the open
     /// window's sum itself (ZeRO-2 holds it as this rank's shard): `backward` then hands it

@@ -1,9 +1,8 @@
-//! The reducer of Burn's optimizers: gradients stay Burn tensors; with several processes they
-//! are averaged in buckets of at most `bucket_bytes`, in module visit order (each bucket one
-//! concatenated buffer, one all-reduce), in f32 or a half-precision wire. On a cubecl backend
-//! with a half-precision wire a bucket is narrowed and widened on the device, so only half
-//! precision crosses to the host; where the job uses NCCL a bucket is averaged in place on the
-//! GPUs instead. The update is Burn's optimizer's own `step`; its record is the checkpoint
+//! The reducer of Burn's optimizers: gradients stay Burn tensors. On the host they arrive
+//! averaged by the accelerator's gradient pipe (`crate::overlap`); on a cubecl backend with a
+//! half-precision wire they are averaged here in buckets of at least `bucket_bytes`, in module
+//! visit order, narrowed and widened on the device so that only half precision crosses to the
+//! host; where the job uses NCCL a bucket is averaged in place on the GPUs instead. The update is Burn's optimizer's own `step`; its record is the checkpoint
 //! state.
 
 use std::ops::Range;
@@ -19,11 +18,11 @@ use super::api::{
     global_norm,
 };
 use super::wire::Wire;
-use crate::checkpoint::StageError;
 use crate::error::AccelerateError;
 use crate::group::Comm;
 use crate::nccl::DeviceCollectives;
 use crate::params::{self, ParamLayout, ParamList};
+use crate::stage_error::StageError;
 
 /// The optimizer's record in a checkpoint.
 pub const OPTIMIZER_FILE: &str = "optimizer.bpk";
@@ -50,7 +49,8 @@ enum BucketPath {
     /// crosses to the host (cubecl backends with a half-precision wire).
     #[cfg(feature = "device-kernels")]
     HalfOnDevice,
-    /// One f32 copy to the host, averaged there.
+    /// On the host, by the accelerator's gradient pipe (`crate::overlap`): the reducer gets
+    /// the gradients averaged.
     Host,
 }
 
@@ -98,13 +98,9 @@ impl BucketedReducer {
         inv_scale: Option<f32>,
     ) -> Result<bool, AccelerateError> {
         let present: Vec<usize> = range.filter(|&i| grads[i].is_some()).collect();
-        let Some(device) = present
-            .first()
-            .and_then(|&i| grads[i].as_ref())
-            .map(Tensor::device)
-        else {
+        if present.is_empty() {
             return Ok(false);
-        };
+        }
         let mut dtypes = Vec::with_capacity(present.len());
         let mut parts = Vec::with_capacity(present.len());
         for &i in &present {
@@ -136,14 +132,9 @@ impl BucketedReducer {
             BucketPath::HalfOnDevice => comm.timed(|group| {
                 super::wire::average_on_device(joined, group, precision, inv_scale)
             })?,
+            // Host averaging is the accelerator's gradient pipe (`takes_averaged`).
             BucketPath::Host => {
-                // One host copy, which then becomes the averaged tensor's buffer.
-                let mut values = params::to_host_f32(joined);
-                comm.timed(|group| self.wire.all_reduce_mean(&mut values, group))?;
-                let overflow = inv_scale.is_some_and(|inv| {
-                    accelerate_kernels::amp::unscale_and_check(&mut values, inv)
-                });
-                (params::upload(values, &device), overflow)
+                return Err(AccelerateError::UnexpectedGradients { rank: comm.rank() });
             }
         };
         let mut offset = 0;
@@ -209,6 +200,10 @@ impl GradientReducer for BucketedReducer {
 
     fn layout(&self) -> &Arc<ParamLayout> {
         &self.layout
+    }
+
+    fn takes_averaged(&self) -> bool {
+        matches!(self.path, BucketPath::Host)
     }
 
     fn reduce(

@@ -18,11 +18,11 @@ use super::api::{
     SavedFile, unscaled_norm,
 };
 use super::sharded_files;
-use crate::checkpoint::StageError;
 use crate::error::AccelerateError;
 use crate::fused::HeldBytes;
 use crate::group::Comm;
 use crate::params::{self, ParamLayout, ParamList};
+use crate::stage_error::StageError;
 
 /// Wraps a one-process reducer over a model holding sharded units.
 pub(crate) struct ShardedReducer {

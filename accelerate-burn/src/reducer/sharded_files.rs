@@ -16,8 +16,8 @@ use serde::{Deserialize, Serialize};
 
 use super::api::SavedFile;
 use super::flat::{FusedStateError, FusedStateFile, Segment};
-use crate::checkpoint::StageError;
 use crate::params::{self, ParamLayout};
+use crate::stage_error::StageError;
 
 /// Prefix of the model shard files.
 pub(crate) const MODEL_PREFIX: &str = "zero3_model_";

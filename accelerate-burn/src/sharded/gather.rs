@@ -35,6 +35,7 @@ use burn::backend::{AutodiffBackend, Backend, TensorMetadata, backend_extension}
 use burn::tensor::{DType, TensorData, bf16, f16, try_read_sync};
 
 use super::group::ShardGroup;
+use crate::overlap::{TapReadError, TapSpec};
 
 /// The fused GPU backends' gathers: resolved, then as on the unfused backend.
 #[cfg(all(feature = "fusion", feature = "device-kernels"))]
@@ -100,6 +101,15 @@ pub(crate) trait ShardOps: Backend {
     /// This rank's shard (`[shard_len]`, f32) of the mean over the ranks of `grad`, the
     /// gathered parameter's gradient: the gather's backward.
     fn shard_reduce_scatter(grad: FloatTensor<Self>, spec: GatherSpec) -> FloatTensor<Self>;
+
+    /// `param` itself, after `anchor` in the graph: a unit's tap. Its backward hands the
+    /// parameter's gradient to the accelerator's pipe (`tap`), which averages it while backward
+    /// goes on, and passes it on to the parameter unchanged.
+    fn unit_tap(
+        param: FloatTensor<Self>,
+        anchor: FloatTensor<Self>,
+        tap: TapSpec,
+    ) -> FloatTensor<Self>;
 }
 
 /// The CPU backends' operations: the host path.
@@ -124,6 +134,14 @@ macro_rules! host_shard_ops {
                 spec: GatherSpec,
             ) -> FloatTensor<Self> {
                 reduce_scatter::<Self>(grad, &spec.0)
+            }
+
+            fn unit_tap(
+                param: FloatTensor<Self>,
+                _: FloatTensor<Self>,
+                _: TapSpec,
+            ) -> FloatTensor<Self> {
+                param
             }
         }
     };
@@ -156,6 +174,10 @@ impl ShardOps for burn_cubecl::CubeBackend {
             Some(nccl) => on_gpus::reduce_scatter(nccl, grad, &spec.0),
             None => reduce_scatter::<Self>(grad, &spec.0),
         }
+    }
+
+    fn unit_tap(param: FloatTensor<Self>, _: FloatTensor<Self>, _: TapSpec) -> FloatTensor<Self> {
+        param
     }
 }
 
@@ -214,6 +236,48 @@ impl<B: ShardOps, C: CheckpointStrategy> ShardOps for Autodiff<B, C> {
         // Only the gather's backward calls it, on the inner backend; a direct call is a
         // constant to autodiff.
         Self::from_inner(B::shard_reduce_scatter(Self::inner(grad), spec))
+    }
+
+    fn unit_tap(
+        param: FloatTensor<Self>,
+        anchor: FloatTensor<Self>,
+        tap: TapSpec,
+    ) -> FloatTensor<Self> {
+        let value = B::unit_tap(
+            param.primitive().clone(),
+            anchor.primitive().clone(),
+            tap.clone(),
+        );
+        TapBackward { tap }
+            .prepare::<C>([param.node(), anchor.node()])
+            .compute_bound()
+            .stateless(value)
+    }
+}
+
+/// A tap's backward node: the parameter's gradient to the pipe, and on to the parameter.
+#[derive(Debug)]
+struct TapBackward {
+    tap: TapSpec,
+}
+
+impl<B: ShardOps> Backward<B, 2> for TapBackward {
+    type State = ();
+
+    fn backward(self, ops: Ops<Self::State, 2>, grads: &mut Gradients, _: &mut Checkpointer) {
+        let [parent, _anchor] = ops.parents;
+        let grad = grads.consume::<B>(&ops.node);
+        if let Some(parent) = parent {
+            let copy = grad.clone();
+            self.tap.hub.deliver(self.tap.id, || {
+                match try_read_sync(B::float_into_data(copy)) {
+                    Some(Ok(data)) => Ok(data),
+                    Some(Err(e)) => Err(TapReadError::Backend(format!("{e:?}"))),
+                    None => Err(TapReadError::NotSynchronous),
+                }
+            });
+            grads.register::<B>(parent.id, grad);
+        }
     }
 }
 

@@ -23,6 +23,7 @@
 mod gather;
 mod group;
 mod whole;
+mod whole_unit;
 
 use std::fmt;
 use std::sync::Arc;
@@ -39,6 +40,7 @@ use crate::params;
 use gather::{GatherSpec, ParamShard, ShardOps};
 pub(crate) use group::ShardGroup;
 use whole::{WholeMapper, WholeVisitor};
+pub use whole_unit::WholeUnit;
 
 /// A unit of a model (a layer, a block) whose parameters are sharded over the processes:
 /// this process holds `1/N` of each (ZeRO-3). Build it with

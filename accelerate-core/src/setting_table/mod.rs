@@ -394,6 +394,16 @@ pub const ASYNC_CHECKPOINTS: Setting<bool> = Setting {
     valid: any,
 };
 
+/// Gradients averaged while backward goes on (models with units).
+pub const OVERLAP_COMMUNICATION: Setting<bool> = Setting {
+    key: "overlap_communication",
+    flag: None,
+    env: env_vars::OVERLAP_COMMUNICATION,
+    expected: "true or false",
+    parse: env_vars::parse_bool,
+    valid: any,
+};
+
 /// Burn's kernel fusion on a GPU backend built with it.
 pub const FUSION: Setting<bool> = Setting {
     key: "fusion",

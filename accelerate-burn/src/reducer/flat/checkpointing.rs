@@ -5,8 +5,8 @@ use std::sync::Arc;
 
 use super::state_file::{FusedStateError, FusedStateFile};
 use super::{Buffers, FlatPlan, FlatReducer};
-use crate::checkpoint::StageError;
 use crate::reducer::api::LoadSource;
+use crate::stage_error::StageError;
 
 impl FlatReducer {
     /// This rank's state as a checkpoint stores it; state on the device is copied down.

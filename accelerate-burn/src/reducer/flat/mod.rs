@@ -31,7 +31,6 @@ use plan::Sharding;
 pub(crate) use state_file::FusedStateError;
 pub(crate) use state_file::{FusedStateFile, Segment};
 
-use crate::checkpoint::StageError;
 use crate::error::AccelerateError;
 use crate::fused::{FusedOptimizer, HeldBytes};
 use crate::group::Comm;
@@ -41,6 +40,7 @@ use crate::reducer::api::{
     SavedFile, SumOfSquares, unscaled_norm,
 };
 use crate::reducer::wire::Wire;
+use crate::stage_error::StageError;
 
 /// Prefix of the fused optimizer state files (`fused_optimizer_<rank>.bin`).
 const FUSED_PREFIX: &str = "fused_optimizer_";
@@ -263,6 +263,10 @@ impl GradientReducer for FlatReducer {
             },
             overflow,
         })
+    }
+
+    fn takes_averaged(&self) -> bool {
+        self.sharding == Sharding::Whole && matches!(self.buffers, Buffers::Host(_))
     }
 
     fn holds_window_sum(&self) -> bool {

@@ -7,6 +7,7 @@ use std::collections::BTreeMap;
 use serde::{Deserialize, Serialize};
 
 use crate::fused::FusedOptimizer;
+pub(crate) use crate::stage_error::FusedStateError;
 
 /// One trainable float parameter's place in the flat buffers.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
@@ -98,56 +99,6 @@ struct FusedStateHeader {
     shard_start: usize,
     times: Vec<i32>,
     buffers: Vec<(String, usize)>,
-}
-
-/// Why a checkpoint's fused optimizer state cannot be loaded into this run.
-#[derive(Debug, Clone, PartialEq, thiserror::Error)]
-pub(crate) enum FusedStateError {
-    /// The file has no JSON header line.
-    #[error("no header line")]
-    NoHeader,
-    /// The header is not the JSON of one (serde's message).
-    #[error("{0}")]
-    Header(String),
-    /// A buffer holds fewer values than its header says.
-    #[error("buffer `{0}` is truncated")]
-    Truncated(String),
-    /// The state is another optimizer's.
-    #[error("the checkpoint's fused optimizer state is for {saved:?}, this run uses {ours:?}")]
-    OtherOptimizer {
-        /// The optimizer of the checkpoint.
-        saved: FusedOptimizer,
-        /// This run's.
-        ours: FusedOptimizer,
-    },
-    /// The state was saved for other parameters.
-    #[error("the checkpoint's fused optimizer state was saved for other parameters")]
-    OtherParameters,
-    /// The step counts do not match the parameter groups.
-    #[error(
-        "the checkpoint's fused optimizer state counts steps of {saved} parameter groups, this \
-         model has {ours}: the file is corrupt"
-    )]
-    StepCounts {
-        /// Groups in the checkpoint.
-        saved: usize,
-        /// Groups of this model.
-        ours: usize,
-    },
-    /// A buffer the optimizer needs is missing.
-    #[error("the checkpoint's fused optimizer state has no `{0}` buffer")]
-    NoBuffer(String),
-    /// The shards leave some values of a buffer out.
-    #[error(
-        "the checkpoint's fused optimizer shards do not cover all {len} values of `{name}`: a \
-         shard file is missing or corrupt"
-    )]
-    Uncovered {
-        /// Values of the buffer.
-        len: usize,
-        /// The buffer.
-        name: String,
-    },
 }
 
 #[cfg(test)]

@@ -12,6 +12,7 @@ use burn_cubecl::tensor::CubeTensor;
 use super::{GatherSpec, ParamShard, ShardOps, gather, on_gpus, reduce_scatter};
 use crate::backend::fusion::register;
 use crate::nccl::DeviceCollectives;
+use crate::overlap::TapSpec;
 
 type Fused = FusionTensor<FusionCubeRuntime>;
 
@@ -31,6 +32,10 @@ impl ShardOps for Fusion<CubeBackend> {
             reduce_scatter::<Self>,
             on_gpus::reduce_scatter,
         )
+    }
+
+    fn unit_tap(param: Fused, _: Fused, _: TapSpec) -> Fused {
+        param
     }
 }
 
