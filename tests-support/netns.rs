@@ -108,6 +108,31 @@ impl TwoHosts {
         Some(mpirun)
     }
 
+    /// Limits the link to `rate` (`tc`'s notation: `500mbit`) each way with `tc`'s token
+    /// bucket filter (`tbf`), so that a test or a benchmark sees what a slower network costs
+    /// (`benches/shaped-link.sh` does the same from the shell). Removed with the hosts.
+    pub fn shape_link(&self, rate: &str) {
+        for (machine, device) in ["veth0", "veth1"].into_iter().enumerate() {
+            let status = Command::new("ip")
+                .args([
+                    "netns",
+                    "exec",
+                    &self.namespaces[machine],
+                    "tc",
+                    "qdisc",
+                    "add",
+                ])
+                .args(["dev", device, "root", "tbf", "rate", rate])
+                .args(["burst", "256kb", "latency", "100ms"])
+                .status()
+                .unwrap();
+            assert!(
+                status.success(),
+                "tc could not shape {device} (no sch_tbf?)"
+            );
+        }
+    }
+
     /// Processes still running in host `machine`'s network namespace.
     pub fn leftovers(&self, machine: usize) -> String {
         let out = Command::new("ip")

@@ -4,6 +4,10 @@
 //! train what burn-nn's do.
 
 mod common;
+#[path = "../../tests-support/netns.rs"]
+mod netns;
+#[path = "../../tests-support/tools.rs"]
+mod tools;
 #[allow(dead_code)]
 #[path = "../transformer_lm.rs"]
 mod transformer_example;
@@ -377,6 +381,51 @@ fn overlapped_communication_trains_the_same_bits_as_averaging_after_backward() {
             );
         }
     }
+}
+
+/// Overlap across hosts: 4 processes, two in each of two network namespaces joined by a link
+/// shaped to 200 Mbit/s (`tc`'s `tbf`), each its own host over our TCP engine, train the same
+/// bits with and without overlap (the ring's two crossings carry every bucket).
+#[test]
+fn overlap_over_a_shaped_link_between_two_hosts_trains_the_same_bits() {
+    let Some(hosts) = netns::TwoHosts::new("overlap") else {
+        return;
+    };
+    hosts.shape_link("200mbit");
+    let namespaces = [0, 0, 1, 1].map(|machine| hosts.namespaces[machine].clone());
+    let [on, off] = ["true", "false"].map(|overlap| {
+        let env = [
+            ("TEST_BATCH", "4".to_string()),
+            ("ACCELERATE_OVERLAP_COMMUNICATION", overlap.to_string()),
+        ];
+        common::run_on_hosts(
+            &namespaces,
+            &hosts.addresses[0],
+            "overlap",
+            "transformer",
+            &env,
+        )
+    });
+    let overlaps = !<DefaultBackend as AcceleratorBackend>::DEVICE_KERNELS;
+    for (rank, (on, off)) in on.iter().zip(&off).enumerate() {
+        for output in [on, off] {
+            assert!(
+                output.status.success(),
+                "rank {rank}: {}",
+                String::from_utf8_lossy(&output.stderr)
+            );
+        }
+        let overlapped: u64 = line(on, "OVERLAPPED ").parse().unwrap_or(0);
+        assert_eq!(overlapped > 0, overlaps, "rank {rank}: {overlapped}");
+        assert!(
+            line(on, "PARAMS ") == line(off, "PARAMS "),
+            "rank {rank}'s parameters differ with and without overlap"
+        );
+    }
+    assert_eq!(
+        (hosts.leftovers(0), hosts.leftovers(1)),
+        (String::new(), String::new())
+    );
 }
 
 /// Two processes reading the corpus from token files or from Arrow files (`--data`) train
