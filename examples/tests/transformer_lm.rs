@@ -428,6 +428,34 @@ fn overlap_over_a_shaped_link_between_two_hosts_trains_the_same_bits() {
     );
 }
 
+/// A rank that dies while its communication thread averages (an abort injected before its
+/// third bucket, in the middle of a backward pass) ends the job: the other rank's `backward`
+/// fails, naming rank 1, instead of waiting for it.
+#[test]
+fn a_rank_dying_in_overlapped_communication_fails_its_peer_naming_it() {
+    if <DefaultBackend as AcceleratorBackend>::DEVICE_KERNELS {
+        return;
+    }
+    let env = [
+        ("TEST_BATCH", "8".to_string()),
+        ("ACCELERATE_FAULT_OVERLAP_AT", "1:3".to_string()),
+    ];
+    let ranks = run("transformer", 2, &env);
+    let stderr = |rank: usize| String::from_utf8_lossy(&ranks[rank].stderr).into_owned();
+    assert!(!ranks[1].status.success(), "rank 1 lived on: {}", stderr(1));
+    assert!(
+        stderr(1).contains("aborting before bucket 3"),
+        "{}",
+        stderr(1)
+    );
+    assert_eq!(ranks[0].status.code(), Some(3), "{}", stderr(0));
+    assert!(
+        stderr(0).contains("rank 1"),
+        "rank 0 does not name rank 1: {}",
+        stderr(0)
+    );
+}
+
 /// Two processes reading the corpus from token files or from Arrow files (`--data`) train
 /// what one process trains from the embedded text: each reads its share of the windows from
 /// the files.

@@ -6,6 +6,7 @@
 
 use std::ops::Range;
 use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::mpsc::{Receiver, Sender, channel};
 use std::thread::JoinHandle;
 
@@ -131,6 +132,23 @@ pub(crate) struct Averager {
     wire: Wire,
     comm: Comm,
     done: Vec<AveragedBucket>,
+    /// The bucket before which this process aborts, on a communication thread (tests).
+    fault_at: Option<u64>,
+}
+
+/// Fault injection for tests: `<rank>:<n>` aborts rank `<rank>` on its communication thread
+/// before the n-th bucket it sends there (counting from 1 over the process's life): a rank
+/// that dies in the middle of overlapped communication.
+const FAULT_AT: &str = "ACCELERATE_FAULT_OVERLAP_AT";
+
+/// Buckets sent by communication threads in this process so far.
+static SENT_ON_THREADS: AtomicU64 = AtomicU64::new(0);
+
+/// The bucket [`FAULT_AT`] names for `rank`, if any.
+fn fault_at(rank: usize) -> Option<u64> {
+    let text = std::env::var(FAULT_AT).ok()?;
+    let (r, n) = text.trim().split_once(':')?;
+    (r.parse() == Ok(rank)).then(|| n.parse().ok()).flatten()
 }
 
 impl Averager {
@@ -152,6 +170,7 @@ impl Averager {
             wire: Wire::new(wire),
             comm,
             done: Vec::new(),
+            fault_at: None,
         }
     }
 
@@ -233,6 +252,13 @@ impl Averager {
                 }
             }
             values.extend_from_slice(&flags);
+            if let Some(at) = self.fault_at {
+                let sent = SENT_ON_THREADS.fetch_add(1, Ordering::Relaxed) + 1;
+                if sent == at {
+                    eprintln!("{FAULT_AT}: aborting before bucket {sent}");
+                    std::process::abort();
+                }
+            }
             let wire = &mut self.wire;
             self.comm
                 .timed(|group| wire.all_reduce_mean(&mut values, group))?;
@@ -276,9 +302,10 @@ pub(crate) enum PipeRun {
 
 impl PipeRun {
     /// The averager on a thread of its own.
-    pub fn spawn(averager: Averager) -> Result<Self, AccelerateError> {
+    pub fn spawn(mut averager: Averager) -> Result<Self, AccelerateError> {
         let (sender, receiver) = channel();
         let rank = averager.comm.rank();
+        averager.fault_at = fault_at(rank);
         let thread = std::thread::Builder::new()
             .name("accelerate-overlap".into())
             .spawn(move || run(averager, receiver))
