@@ -360,26 +360,38 @@ fn overlapped_communication_trains_the_same_bits_as_averaging_after_backward() {
             env.extend(setting.iter().map(|&(k, v)| (k, v.to_string())));
             run("transformer", 2, &env)
         });
-        for (rank, (on, off)) in on.iter().zip(&off).enumerate() {
-            for output in [on, off] {
-                assert!(
-                    output.status.success(),
-                    "{setting:?}, rank {rank}: {}",
-                    String::from_utf8_lossy(&output.stderr)
-                );
-            }
-            let overlapped: u64 = line(on, "OVERLAPPED ").parse().unwrap_or(0);
-            assert_eq!(
-                overlapped > 0,
-                overlaps,
-                "{setting:?}: rank {rank}, {overlapped}"
-            );
-            assert_eq!(line(off, "OVERLAPPED "), "0", "{setting:?}");
+        assert_overlap_changed_no_bit(&on, &off, overlaps, &format!("{setting:?}"));
+    }
+}
+
+/// Every rank of `on` (a job with overlap) and `off` (the same without) succeeded, `on`
+/// averaged gradients during backward exactly when `overlaps`, and each rank ended with the
+/// same parameters, bit for bit.
+fn assert_overlap_changed_no_bit(
+    on: &[std::process::Output],
+    off: &[std::process::Output],
+    overlaps: bool,
+    context: &str,
+) {
+    for (rank, (on, off)) in on.iter().zip(off).enumerate() {
+        for output in [on, off] {
             assert!(
-                line(on, "PARAMS ") == line(off, "PARAMS "),
-                "{setting:?}: rank {rank}'s parameters differ with and without overlap"
+                output.status.success(),
+                "{context}, rank {rank}: {}",
+                String::from_utf8_lossy(&output.stderr)
             );
         }
+        let overlapped: u64 = line(on, "OVERLAPPED ").parse().unwrap_or(0);
+        assert_eq!(
+            overlapped > 0,
+            overlaps,
+            "{context}, rank {rank}: {overlapped}"
+        );
+        assert_eq!(line(off, "OVERLAPPED "), "0", "{context}");
+        assert!(
+            line(on, "PARAMS ") == line(off, "PARAMS "),
+            "{context}: rank {rank}'s parameters differ with and without overlap"
+        );
     }
 }
 
@@ -407,21 +419,7 @@ fn overlap_over_a_shaped_link_between_two_hosts_trains_the_same_bits() {
         )
     });
     let overlaps = !<DefaultBackend as AcceleratorBackend>::DEVICE_KERNELS;
-    for (rank, (on, off)) in on.iter().zip(&off).enumerate() {
-        for output in [on, off] {
-            assert!(
-                output.status.success(),
-                "rank {rank}: {}",
-                String::from_utf8_lossy(&output.stderr)
-            );
-        }
-        let overlapped: u64 = line(on, "OVERLAPPED ").parse().unwrap_or(0);
-        assert_eq!(overlapped > 0, overlaps, "rank {rank}: {overlapped}");
-        assert!(
-            line(on, "PARAMS ") == line(off, "PARAMS "),
-            "rank {rank}'s parameters differ with and without overlap"
-        );
-    }
+    assert_overlap_changed_no_bit(&on, &off, overlaps, "2 hosts x 2 processes");
     assert_eq!(
         (hosts.leftovers(0), hosts.leftovers(1)),
         (String::new(), String::new())
