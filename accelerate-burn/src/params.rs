@@ -8,6 +8,8 @@
 //! the module again: the layout knows each parameter's id and tensor rank, and a rank is
 //! dispatched to Burn's const-generic `remove::<D>` / `register::<D>` by [`with_rank!`].
 
+use std::ops::Range;
+
 use burn::module::{Module, ModuleMapper, ModuleVisitor, Param, ParamId};
 use burn::optim::GradientsParams;
 use burn::tensor::{DType, Tensor, TensorData};
@@ -121,6 +123,36 @@ impl ParamLayout {
     /// Parameter ids in visit order.
     pub fn ids(&self) -> Vec<u64> {
         self.entries.iter().map(|e| e.id.val()).collect()
+    }
+
+    /// Consecutive entries grouped into buckets of at least `bucket_bytes` (their trainable
+    /// elements as f32), the last one possibly smaller, and cut also wherever `unit_of`
+    /// changes (a unit's bucket then holds only that unit's parameters).
+    pub fn buckets(
+        &self,
+        bucket_bytes: usize,
+        unit_of: impl Fn(ParamId) -> Option<u64>,
+    ) -> Vec<Range<usize>> {
+        let units: Vec<Option<u64>> = self.entries.iter().map(|e| unit_of(e.id)).collect();
+        let mut buckets = Vec::new();
+        let (mut start, mut bytes) = (0, 0usize);
+        for (i, entry) in self.entries.iter().enumerate() {
+            if i > start && units[i] != units[i - 1] {
+                buckets.push(start..i);
+                (start, bytes) = (i, 0);
+            }
+            if entry.trainable {
+                bytes = bytes.saturating_add(entry.numel.saturating_mul(4));
+            }
+            if bytes >= bucket_bytes {
+                buckets.push(start..i + 1);
+                (start, bytes) = (i + 1, 0);
+            }
+        }
+        if start < self.entries.len() {
+            buckets.push(start..self.entries.len());
+        }
+        buckets
     }
 
     /// Parameter shapes in visit order.

@@ -95,11 +95,7 @@ impl TransformerLm {
         self,
         acc: &Accelerator<B>,
     ) -> Result<TransformerLm<Sharded<TransformerEncoderLayer>>, AccelerateError> {
-        // Burn draws lazily initialised weights when they are first used; drawing the
-        // embeddings' before the layers' (visit order, as `prepare` draws an unsharded model's)
-        // makes the sharded model start from the same weights as the unsharded one.
-        let _drawn = (self.tokens.weight.val(), self.positions.weight.val());
-        self.map_layers(|layer| acc.shard(layer))
+        self.layers_as_units(|layer| acc.shard(layer))
     }
 
     /// The model with each transformer layer a unit kept whole (`acc.unit`, ZeRO 0 to 2):
@@ -109,9 +105,19 @@ impl TransformerLm {
         self,
         acc: &Accelerator<B>,
     ) -> Result<TransformerLm<WholeUnit<TransformerEncoderLayer>>, AccelerateError> {
-        // As in `shard_layers`: the embeddings' weights drawn first, as `prepare` draws them.
+        self.layers_as_units(|layer| acc.unit(layer))
+    }
+
+    /// The model with each layer made a unit by `unit`, which may draw the layer's weights.
+    fn layers_as_units<L: Module>(
+        self,
+        unit: impl FnMut(TransformerEncoderLayer) -> Result<L, AccelerateError>,
+    ) -> Result<TransformerLm<L>, AccelerateError> {
+        // Burn draws lazily initialised weights when they are first used; drawing the
+        // embeddings' before the layers' (visit order, as `prepare` draws a plain model's)
+        // makes a model of units start from the same weights as the plain one.
         let _drawn = (self.tokens.weight.val(), self.positions.weight.val());
-        self.map_layers(|layer| acc.unit(layer))
+        self.map_layers(unit)
     }
 }
 

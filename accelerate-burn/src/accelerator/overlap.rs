@@ -48,7 +48,7 @@ impl<B: AcceleratorBackend> Accelerator<B> {
             self.config.gradient_communication,
             self.comm.clone(),
         );
-        let mut delivered: Vec<bool> = (0..plan.len()).map(|i| plan.frozen(i)).collect();
+        let mut delivered: Vec<bool> = plan.handed_in_at_start();
         let run = if self.taps.enabled() && plan.has_units {
             let run = PipeRun::spawn(averager)?;
             if let Some(sender) = run.sender() {
@@ -107,7 +107,7 @@ impl<B: AcceleratorBackend> Accelerator<B> {
             self.config.gradient_communication,
             self.comm.clone(),
         );
-        let delivered: Vec<bool> = (0..plan.len()).map(|i| plan.frozen(i)).collect();
+        let delivered: Vec<bool> = plan.handed_in_at_start();
         let run = PipeRun::Inline(Box::new(averager));
         self.finish_pipe(run, Some(list), &delivered, &plan)
     }

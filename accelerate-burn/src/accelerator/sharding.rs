@@ -1,9 +1,9 @@
 //! ZeRO-3's entry point: [`Accelerator::shard`] makes a model's units [`Sharded`], and the
 //! checks that keep a sharded model out of paths that expect whole parameters.
 
-use accelerate_core::memory_estimate::MemoryEstimate;
 use std::sync::Arc;
 
+use accelerate_core::memory_estimate::MemoryEstimate;
 use burn::module::Module;
 
 use super::Accelerator;

@@ -1,11 +1,11 @@
 //! The step: `backward` (loss weighting, accumulation, handing a completed window to the
 //! reducer), global clipping, precision, and the loop's counters.
 
+use std::sync::Arc;
+
 use burn::module::Module;
 use burn::optim::GradientsParams;
 use burn::tensor::{DType, Tensor};
-
-use std::sync::Arc;
 
 use super::Accelerator;
 use super::overlap::held_on_host;
@@ -101,7 +101,10 @@ impl<B: AcceleratorBackend> Accelerator<B> {
         if let Some(scale) = windows.loss_scale() {
             loss = loss.mul_scalar(scale);
         }
-        if step.sync
+        // The gradients of a completed window, and the group that averages them: the pipe
+        // averages them itself (during backward, where units feed it), the reducer then takes
+        // them with a group of one.
+        let (summed, comm) = if step.sync
             && let Some(plan) = self.pipe_plan(&**reducer)
         {
             // The factor first (a collective), so that the pipe applies it as gradients come.
@@ -115,48 +118,44 @@ impl<B: AcceleratorBackend> Accelerator<B> {
             };
             let layout = Arc::clone(reducer.layout());
             let averaged = self.backward_through_pipe(loss, model, &layout, plan, start)?;
-            let window = windows.complete_window(&self.device);
-            let reduced = reducer.reduce(averaged, &self.local_comm, windows.inv_scale())?;
-            if windows.record_overflow(reduced.overflow) {
-                reducer.discard();
-                return Ok(Gradients::new(Outcome::Skipped, window, id));
-            }
-            return Ok(Gradients::new(reduced.outcome, window, id));
-        }
-        let grads = loss.backward();
-        // A sharded unit's gather or reduce-scatter that failed inside the graph.
-        self.sharding_failure()?;
-        let grads = GradientsParams::from_grads(grads, model);
-        let list = reducer.layout().take_grads(grads).map_err(|unknown| {
-            AccelerateError::ModelChanged {
-                rank: self.state.rank,
-                detail: unknown.to_string(),
-            }
-        })?;
-        let mut summed = if reducer.holds_window_sum() {
-            // ZeRO-2: the reducer averages each micro-batch into its shard of the sum now.
-            reducer.accumulate(list, step.first, &self.comm)?;
-            if !step.sync {
-                return Ok(Gradients::new(Outcome::NotDue, 0, id));
-            }
-            ParamList::new()
+            (averaged, &self.local_comm)
         } else {
-            let Some(summed) = windows.accumulate(list, step) else {
-                return Ok(Gradients::new(Outcome::NotDue, 0, id));
+            let grads = loss.backward();
+            // A sharded unit's gather or reduce-scatter that failed inside the graph.
+            self.sharding_failure()?;
+            let grads = GradientsParams::from_grads(grads, model);
+            let list = reducer.layout().take_grads(grads).map_err(|unknown| {
+                AccelerateError::ModelChanged {
+                    rank: self.state.rank,
+                    detail: unknown.to_string(),
+                }
+            })?;
+            let mut summed = if reducer.holds_window_sum() {
+                // ZeRO-2: the reducer averages each micro-batch into its shard of the sum now.
+                reducer.accumulate(list, step.first, &self.comm)?;
+                if !step.sync {
+                    return Ok(Gradients::new(Outcome::NotDue, 0, id));
+                }
+                ParamList::new()
+            } else {
+                let Some(summed) = windows.accumulate(list, step) else {
+                    return Ok(Gradients::new(Outcome::NotDue, 0, id));
+                };
+                summed
             };
-            summed
-        };
-        if let Some(local) = windows.window_items() {
-            let factor = self.per_item_factor(local)?;
-            reducer.scale_held(factor);
-            for grad in summed.iter_mut() {
-                if let Some(g) = grad.take() {
-                    *grad = Some(g.mul_scalar(factor));
+            if let Some(local) = windows.window_items() {
+                let factor = self.per_item_factor(local)?;
+                reducer.scale_held(factor);
+                for grad in summed.iter_mut() {
+                    if let Some(g) = grad.take() {
+                        *grad = Some(g.mul_scalar(factor));
+                    }
                 }
             }
-        }
+            (summed, &self.comm)
+        };
         let window = windows.complete_window(&self.device);
-        let reduced = reducer.reduce(summed, &self.comm, windows.inv_scale())?;
+        let reduced = reducer.reduce(summed, comm, windows.inv_scale())?;
         // The overflow test saw every rank's gradients (averages keep inf and NaN), so every
         // rank decides the same here without another collective.
         if windows.record_overflow(reduced.overflow) {

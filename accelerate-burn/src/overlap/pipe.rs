@@ -37,38 +37,21 @@ pub(crate) struct PipePlan {
 
 impl PipePlan {
     /// Buckets of consecutive entries of at least `bucket_bytes` (f32), cut also wherever the
-    /// unit changes (`unit_of`), so that a unit's bucket is complete when backward leaves it.
+    /// unit changes (`unit_of`), so that a unit's bucket is complete when backward leaves it
+    /// ([`ParamLayout::buckets`]).
     pub fn new(
         layout: &ParamLayout,
         bucket_bytes: usize,
         unit_of: impl Fn(ParamId) -> Option<u64>,
     ) -> Self {
-        let units: Vec<Option<u64>> = layout.entries.iter().map(|e| unit_of(e.id)).collect();
-        let mut buckets = Vec::new();
-        let (mut start, mut bytes) = (0, 0usize);
-        for (i, entry) in layout.entries.iter().enumerate() {
-            if i > start && units[i] != units[i - 1] {
-                buckets.push(start..i);
-                (start, bytes) = (i, 0);
-            }
-            if entry.trainable {
-                bytes = bytes.saturating_add(entry.numel.saturating_mul(4));
-            }
-            if bytes >= bucket_bytes {
-                buckets.push(start..i + 1);
-                (start, bytes) = (i + 1, 0);
-            }
-        }
-        if start < layout.entries.len() {
-            buckets.push(start..layout.entries.len());
-        }
+        let buckets = layout.buckets(bucket_bytes, &unit_of);
         let mut bucket_of = vec![0; layout.entries.len()];
         for (b, range) in buckets.iter().enumerate() {
             for entry in range.clone() {
                 bucket_of[entry] = b;
             }
         }
-        let of_unit = |b: &usize| units[buckets[*b].start].is_some();
+        let of_unit = |b: &usize| unit_of(layout.entries[buckets[*b].start].id).is_some();
         let (mut order, others): (Vec<usize>, Vec<usize>) =
             (0..buckets.len()).rev().partition(of_unit);
         let has_units = !order.is_empty();
@@ -91,6 +74,11 @@ impl PipePlan {
     /// Whether entry `i` never gets a gradient (handed in as absent from the start).
     pub fn frozen(&self, i: usize) -> bool {
         self.frozen.get(i).copied().unwrap_or(true)
+    }
+
+    /// Per entry, whether it is handed in before backward runs: the frozen ones.
+    pub fn handed_in_at_start(&self) -> Vec<bool> {
+        self.frozen.clone()
     }
 }
 

@@ -2,8 +2,8 @@
 //! averaged by the accelerator's gradient pipe (`crate::overlap`); on a cubecl backend with a
 //! half-precision wire they are averaged here in buckets of at least `bucket_bytes`, in module
 //! visit order, narrowed and widened on the device so that only half precision crosses to the
-//! host; where the job uses NCCL a bucket is averaged in place on the GPUs instead. The update is Burn's optimizer's own `step`; its record is the checkpoint
-//! state.
+//! host; where the job uses NCCL a bucket is averaged in place on the GPUs instead. The update
+//! is Burn's optimizer's own `step`; its record is the checkpoint state.
 
 use std::ops::Range;
 use std::sync::Arc;
@@ -77,7 +77,7 @@ impl BucketedReducer {
         device_kernels: bool,
         nccl: Option<DeviceCollectives>,
     ) -> Self {
-        let buckets = buckets(&layout, bucket_bytes);
+        let buckets = layout.buckets(bucket_bytes, |_| None);
         Self {
             layout,
             optimizer,
@@ -149,26 +149,6 @@ impl BucketedReducer {
         }
         Ok(overflow)
     }
-}
-
-/// Consecutive trainable entries of `layout` grouped into buckets of at least `bucket_bytes`
-/// (f32), the last one possibly smaller.
-fn buckets(layout: &ParamLayout, bucket_bytes: usize) -> Vec<Range<usize>> {
-    let mut buckets = Vec::new();
-    let (mut start, mut bytes) = (0, 0);
-    for (i, entry) in layout.entries.iter().enumerate() {
-        if entry.trainable {
-            bytes += entry.numel * 4;
-        }
-        if bytes >= bucket_bytes {
-            buckets.push(start..i + 1);
-            (start, bytes) = (i + 1, 0);
-        }
-    }
-    if start < layout.entries.len() {
-        buckets.push(start..layout.entries.len());
-    }
-    buckets
 }
 
 /// Unscales `grads` on the device and says whether any value is not finite: our cubecl kernel
