@@ -1,12 +1,18 @@
 #!/usr/bin/env bash
 # Two hosts on one machine joined by a link shaped to RATE (tc's token bucket filter, `tbf`):
 # two network namespaces over a veth pair, each with its own host name and /dev/shm, one
-# `accelerate-rs launch` per host. Runs the transformer example on them ROUNDS times with
-# communication overlapped and not (interleaved) and prints each run's tokens/s; then the
-# compute alone (the same processes side by side, without communicating). What a slower
-# network costs a user, measured.
+# `accelerate-rs launch` per host. Runs the transformer example on them ROUNDS times in each
+# of the CASES (interleaved; by default communication overlapped and not) and prints each
+# run's tokens/s and the bytes that crossed the link; then the compute alone (the same
+# processes side by side, without communicating). What a slower network costs a user,
+# measured.
 #
 #   sudo benches/shaped-link.sh [RATE=500mbit] [ROUNDS=2] [PER_HOST=1] [-- example args...]
+#
+# CASES: space-separated runs, each a comma-separated list of VAR=value for the workers, e.g.
+# ZeRO-3 against hybrid sharding on 2 processes per host:
+#   CASES="ACCELERATE_ZERO_STAGE=3 ACCELERATE_ZERO_STAGE=3,ACCELERATE_SHARD_GROUP_SIZE=host" \
+#     sudo -E benches/shaped-link.sh 500mbit 2 2
 #
 # Needs root, iproute2 (`ip`, `tc`) and a kernel with `sch_tbf`; builds nothing: run
 # `cargo build -p accelerate-cli -p accelerate-examples --example transformer_lm` first. Everything it creates is
@@ -51,16 +57,23 @@ for i in 0 1; do
     ip netns exec "${NS[$i]}" tc qdisc add dev "veth$i" root tbf rate "$RATE" burst 256kb latency 100ms
 done
 
-# One run over the two hosts; prints the main process's last line.
+# Bytes host 0 has sent over the link so far.
+sent() {
+    ip netns exec "${NS[0]}" cat /sys/class/net/veth0/statistics/tx_bytes
+}
+
+# One run over the two hosts with the workers' variables `case` (VAR=value,...); prints the
+# main process's last line and the bytes host 0 sent.
 run_pair() {
-    local overlap=$1 port=$2 token
+    local case=$1 port=$2 token before
     token=$(head -c 16 /dev/urandom | od -An -tx1 | tr -d ' \n')
-    local pids=() out=/tmp/accrs-link-$ID-$overlap
+    local pids=() out=/tmp/accrs-link-$ID-run vars
+    IFS=, read -r -a vars <<<"$case"
+    before=$(sent)
     for m in 0 1; do
         ip netns exec "${NS[$m]}" unshare --uts --mount --propagation private sh -c \
             "hostname accrs-link-$m && mount -t tmpfs tmpfs /dev/shm && exec \"\$0\" \"\$@\"" \
-            env ACCELERATE_JOB_TOKEN="$token" ACCELERATE_OVERLAP_COMMUNICATION="$overlap" \
-            RAYON_NUM_THREADS=1 \
+            env ACCELERATE_JOB_TOKEN="$token" "${vars[@]}" RAYON_NUM_THREADS=1 \
             "$LAUNCH" launch --num-machines 2 --machine-rank $m -n "$PER_HOST" \
             --main-process-ip "${IP[0]}" --main-process-port "$port" --no-progress -- \
             "$EXAMPLE" "${ARGS[@]}" >"$out-$m" 2>&1 &
@@ -69,15 +82,17 @@ run_pair() {
     wait "${pids[@]}"
     grep -h "tokens/s, " "$out-0" | tail -1
     grep -h "averaged during backward" "$out-0" | tail -1 || true
+    echo "host 0 sent $(( ($(sent) - before) / 1000 )) kB over the link"
 }
 
+CASES=${CASES:-ACCELERATE_OVERLAP_COMMUNICATION=true ACCELERATE_OVERLAP_COMMUNICATION=false}
 echo "link: $RATE each way (tbf), $PER_HOST process(es) of 1 thread per host; args: ${ARGS[*]}"
 port=29600
 for round in $(seq "$ROUNDS"); do
-    for overlap in true false; do
+    for case in $CASES; do
         port=$((port + 1))
-        echo "round $round, overlap $overlap:"
-        run_pair "$overlap" "$port"
+        echo "round $round, $case:"
+        run_pair "$case" "$port"
     done
 done
 # Compute alone: as many single processes side by side as the job had, each on its own

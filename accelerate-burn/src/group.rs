@@ -34,6 +34,20 @@ impl Comm {
         }
     }
 
+    /// `group` (split from this one) timed into this one's
+    /// [`communication_time`](Self::communication_time), without NCCL (a split group
+    /// communicates on the host).
+    pub fn derived(&self, group: ProcessGroup) -> Self {
+        let (rank, world_size) = (group.rank(), group.world_size());
+        Self {
+            group: Arc::new(Mutex::new(group)),
+            spent_ns: Arc::clone(&self.spent_ns),
+            rank,
+            world_size,
+            device: None,
+        }
+    }
+
     /// The group, with NCCL's collectives on the GPU for the reducers to use.
     pub fn with_device_collectives(mut self, device: Option<DeviceCollectives>) -> Self {
         self.device = device;
@@ -110,6 +124,55 @@ impl Comm {
         } else {
             Err(RankFailures(failed))
         })
+    }
+}
+
+/// Hybrid sharding's groups of this process: ZeRO's shards are cut within `shard` (a host,
+/// or a number of processes), and each shard's gradients averaged across `replicas` (this
+/// rank's counterparts in the other shard groups).
+#[derive(Clone)]
+pub(crate) struct Hybrid {
+    pub shard: Comm,
+    pub replicas: Comm,
+}
+
+impl Hybrid {
+    /// Whether this process writes ZeRO's shards in a checkpoint: the first shard group's
+    /// processes do, the others hold the same shards.
+    pub fn writes_shards(&self) -> bool {
+        self.replicas.rank() == 0
+    }
+
+    /// Splits `job` as `size` says over its processes (whose hosts are compared for
+    /// `host`); `None` when a shard group is the whole job.
+    pub fn form(
+        job: &Comm,
+        size: accelerate_core::ShardGroupSize,
+    ) -> Result<Option<Self>, AccelerateError> {
+        if !size.is_hybrid() || !job.is_distributed() {
+            return Ok(None);
+        }
+        let host = accelerate_core::process::host_identity();
+        let hosts: Vec<String> = job.lock().all_gather_object(&host)?;
+        let groups = accelerate_core::comm::HybridGroups::new(size, &hosts).map_err(|why| {
+            AccelerateError::Misuse {
+                rank: job.rank(),
+                what: format!("shard_group_size {size}: {why}"),
+                hint: "set shard_group_size (ACCELERATE_SHARD_GROUP_SIZE, accelerate-rs launch \
+                       --shard-group-size) to job, host or a divisor of the processes",
+            }
+        })?;
+        let Some(groups) = groups else {
+            return Ok(None);
+        };
+        let (shard, replicas) = {
+            let mut group = job.lock();
+            (group.split(&groups.shards)?, group.split(&groups.replicas)?)
+        };
+        Ok(Some(Self {
+            shard: job.derived(shard),
+            replicas: job.derived(replicas),
+        }))
     }
 }
 

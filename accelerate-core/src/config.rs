@@ -12,7 +12,7 @@ use crate::config_file::{self, ConfigFile};
 use crate::env_vars::{self, EnvSource, ProcessEnv};
 use crate::error::ConfigError;
 use crate::setting_table::{self as table, GivenBy, Resolver};
-pub use crate::settings::{MixedPrecision, NcclMode};
+pub use crate::settings::{MixedPrecision, NcclMode, ShardGroupSize};
 
 /// Environment variable for [`AcceleratorConfig::gradient_accumulation_steps`].
 pub const ENV_GRADIENT_ACCUMULATION_STEPS: &str = env_vars::GRADIENT_ACCUMULATION_STEPS;
@@ -24,6 +24,8 @@ pub const ENV_MIXED_PRECISION: &str = env_vars::MIXED_PRECISION;
 pub const ENV_GRADIENT_COMMUNICATION: &str = env_vars::GRADIENT_COMMUNICATION;
 /// Environment variable for [`AcceleratorConfig::zero_stage`].
 pub const ENV_ZERO_STAGE: &str = env_vars::ZERO_STAGE;
+/// Environment variable for [`AcceleratorConfig::shard_group_size`].
+pub const ENV_SHARD_GROUP_SIZE: &str = env_vars::SHARD_GROUP_SIZE;
 /// Environment variable for [`AcceleratorConfig::gradient_checkpointing`].
 pub const ENV_GRADIENT_CHECKPOINTING: &str = env_vars::GRADIENT_CHECKPOINTING;
 /// Environment variable for [`AcceleratorConfig::async_checkpoints`].
@@ -57,6 +59,11 @@ pub struct AcceleratorConfig {
     /// master parameters too (ZeRO-2), 3 shards the parameters at rest: the units a model
     /// marks as sharded hold 1/N of their parameters and gather them for each use (ZeRO-3).
     pub zero_stage: u8,
+    /// Which processes ZeRO-1/2/3 shards are split across: the whole job (default), or
+    /// groups of it, each shard replicated across the groups (hybrid sharding: `host` shards
+    /// within each host and averages only the shards' gradients between hosts).
+    #[serde(default)]
+    pub shard_group_size: ShardGroupSize,
     /// Activation (gradient) checkpointing: the backward pass recomputes memory-bound
     /// activations instead of keeping them from the forward pass (Burn's balanced strategy on
     /// the prepared device; default off).
@@ -92,6 +99,7 @@ impl Default for AcceleratorConfig {
             mixed_precision: MixedPrecision::No,
             gradient_communication: MixedPrecision::No,
             zero_stage: 0,
+            shard_group_size: ShardGroupSize::Job,
             gradient_checkpointing: false,
             async_checkpoints: false,
             overlap_communication: true,
@@ -124,6 +132,8 @@ pub struct ConfigOverrides {
     pub gradient_communication: Option<MixedPrecision>,
     /// See [`AcceleratorConfig::zero_stage`].
     pub zero_stage: Option<u8>,
+    /// See [`AcceleratorConfig::shard_group_size`].
+    pub shard_group_size: Option<ShardGroupSize>,
     /// See [`AcceleratorConfig::gradient_checkpointing`].
     pub gradient_checkpointing: Option<bool>,
     /// See [`AcceleratorConfig::async_checkpoints`].
@@ -207,6 +217,12 @@ impl ConfigOverrides {
                 self.zero_stage,
                 file.zero_stage,
                 default.zero_stage,
+            )?,
+            shard_group_size: settings.get_or(
+                &table::SHARD_GROUP_SIZE,
+                self.shard_group_size,
+                file.shard_group_size,
+                default.shard_group_size,
             )?,
             gradient_checkpointing: settings.get_or(
                 &table::GRADIENT_CHECKPOINTING,

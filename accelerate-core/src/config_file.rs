@@ -18,7 +18,7 @@ use serde::{Deserialize, Serialize};
 
 use crate::env_vars::EnvSource;
 pub use crate::error::ConfigFileError;
-use crate::settings::MixedPrecision;
+use crate::settings::{MixedPrecision, ShardGroupSize};
 
 /// Variable naming the config file to read (`none`: read no file).
 pub const ENV_CONFIG_FILE: &str = crate::env_vars::CONFIG_FILE;
@@ -64,6 +64,10 @@ pub struct ConfigFile {
     /// or `fsdp_config`'s sharding strategy).
     #[serde(skip_serializing_if = "Option::is_none")]
     pub zero_stage: Option<u8>,
+    /// Processes each ZeRO shard is split across (from Accelerate's YAML: `host` for FSDP's
+    /// `HYBRID_SHARD` and `HYBRID_SHARD_ZERO2`).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub shard_group_size: Option<ShardGroupSize>,
     /// Checkpoints saved in the background (`async_checkpoints = true`).
     #[serde(skip_serializing_if = "Option::is_none")]
     pub async_checkpoints: Option<bool>,
@@ -275,6 +279,11 @@ pub fn parse_accelerate_yaml(path: &Path, text: &str) -> Result<LoadedConfig, Co
             match zero_stage_of(&name, &value) {
                 Ok(Some(stage)) => {
                     kept.insert("zero_stage".into(), stage.into());
+                    if hybrid_strategy(&value) {
+                        // FSDP's hybrid strategies shard within a machine, replicate across.
+                        let host = ShardGroupSize::Host.to_string();
+                        kept.insert("shard_group_size".into(), host.into());
+                    }
                 }
                 Ok(None) => ignored.push(name),
                 Err(e) => return Err(fail(line_of_key(text, &name), e.to_string())),
@@ -407,6 +416,16 @@ fn zero_stage_of(
     }
 }
 
+/// Whether an `fsdp_config` section names one of FSDP's hybrid strategies (by name, or by the
+/// enum's number that older Accelerate versions write: 4 and 5).
+fn hybrid_strategy(section: &serde_yaml::Value) -> bool {
+    match section.get("fsdp_sharding_strategy") {
+        Some(serde_yaml::Value::String(s)) => s.trim().to_ascii_uppercase().starts_with("HYBRID"),
+        Some(serde_yaml::Value::Number(n)) => matches!(n.as_u64(), Some(4 | 5)),
+        _ => false,
+    }
+}
+
 /// The ZeRO stage of FSDP's sharding strategy `name`.
 fn fsdp_strategy(name: &str) -> Result<u64, ShardingValueError> {
     match name.trim().to_ascii_uppercase().as_str() {
@@ -481,10 +500,10 @@ use_cpu: false
 
     #[test]
     fn accelerate_yaml_deepspeed_and_fsdp_sections_give_the_zero_stage() {
-        let stage = |section: &str| {
+        let parse = |section: &str| {
             parse_accelerate_yaml(Path::new("c.yaml"), &format!("{HF_YAML}{section}"))
-                .map(|loaded| loaded.file.zero_stage)
         };
+        let stage = |section: &str| parse(section).map(|loaded| loaded.file.zero_stage);
         assert_eq!(stage("").unwrap(), None);
         let deepspeed = "deepspeed_config:\n  zero_stage: 2\n  offload_optimizer_device: none\n";
         assert_eq!(stage(deepspeed).unwrap(), Some(2));
@@ -498,6 +517,21 @@ use_cpu: false
         ] {
             let fsdp = format!("fsdp_config:\n  fsdp_sharding_strategy: {strategy}\n");
             assert_eq!(stage(&fsdp).unwrap(), Some(zero), "{strategy}");
+        }
+        // The hybrid strategies shard within each machine.
+        for (strategy, zero, groups) in [
+            ("HYBRID_SHARD", 3, Some(ShardGroupSize::Host)),
+            ("HYBRID_SHARD_ZERO2", 2, Some(ShardGroupSize::Host)),
+            ("4", 3, Some(ShardGroupSize::Host)),
+            ("FULL_SHARD", 3, None),
+        ] {
+            let fsdp = format!("fsdp_config:\n  fsdp_sharding_strategy: {strategy}\n");
+            let file = parse(&fsdp).unwrap().file;
+            assert_eq!(
+                (file.zero_stage, file.shard_group_size),
+                (Some(zero), groups),
+                "{strategy}"
+            );
         }
         let fsdp2 = "fsdp_config:\n  fsdp_version: 2\n  fsdp_reshard_after_forward: false\n";
         assert_eq!(stage(fsdp2).unwrap(), Some(2));

@@ -65,6 +65,9 @@ pub const MIXED_PRECISION: &str = "ACCELERATE_MIXED_PRECISION";
 pub const GRADIENT_COMMUNICATION: &str = "ACCELERATE_GRADIENT_COMMUNICATION";
 /// ZeRO stage of a fused optimizer (workers).
 pub const ZERO_STAGE: &str = "ACCELERATE_ZERO_STAGE";
+/// Processes each ZeRO shard is split across: `job`, `host` or a number (workers; hybrid
+/// sharding below the job).
+pub const SHARD_GROUP_SIZE: &str = "ACCELERATE_SHARD_GROUP_SIZE";
 /// Whether autodiff recomputes memory-bound activations in the backward pass instead of
 /// keeping them (Burn's balanced gradient checkpointing): `true`/`false` (workers).
 pub const GRADIENT_CHECKPOINTING: &str = "ACCELERATE_GRADIENT_CHECKPOINTING";

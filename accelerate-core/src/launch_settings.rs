@@ -9,7 +9,7 @@ use crate::config_file::ConfigFile;
 use crate::env_vars::{self, EnvSource};
 use crate::error::ConfigError;
 use crate::setting_table::{self as table, GivenBy, Resolver};
-use crate::settings::MixedPrecision;
+use crate::settings::{MixedPrecision, ShardGroupSize};
 
 /// The launcher's command-line flags (`None`/`false`: not given).
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
@@ -28,6 +28,8 @@ pub struct LaunchFlags {
     pub mixed_precision: Option<MixedPrecision>,
     /// `--zero-stage`.
     pub zero_stage: Option<u8>,
+    /// `--shard-group-size`.
+    pub shard_group_size: Option<ShardGroupSize>,
     /// `--cpu`.
     pub cpu: bool,
     /// `--gpu-ids`.
@@ -67,6 +69,8 @@ pub struct LaunchSettings {
     pub mixed_precision: Option<MixedPrecision>,
     /// A ZeRO stage given on the command line, passed to the workers.
     pub zero_stage: Option<u8>,
+    /// Shard groups given on the command line (hybrid sharding), passed to the workers.
+    pub shard_group_size: Option<ShardGroupSize>,
     /// Which devices the workers see.
     pub devices: DeviceSelection,
 }
@@ -149,6 +153,7 @@ impl LaunchFlags {
             mixed_precision: self.mixed_precision,
             // Checked here, so that a bad value stops the launch rather than every worker.
             zero_stage: settings.get(&table::ZERO_STAGE, self.zero_stage, None)?,
+            shard_group_size: self.shard_group_size,
             devices,
         })
     }
@@ -167,6 +172,7 @@ impl Default for LaunchSettings {
             max_restarts: 0,
             mixed_precision: None,
             zero_stage: None,
+            shard_group_size: None,
             devices: DeviceSelection::Default,
         }
     }
@@ -184,6 +190,9 @@ impl LaunchSettings {
         }
         if let Some(stage) = self.zero_stage {
             env.push((env_vars::ZERO_STAGE.to_string(), stage.to_string()));
+        }
+        if let Some(size) = self.shard_group_size {
+            env.push((env_vars::SHARD_GROUP_SIZE.to_string(), size.to_string()));
         }
         match &self.devices {
             DeviceSelection::Default => {}
@@ -334,5 +343,13 @@ mod tests {
         );
         let err = flags(4).resolve(&none[..], None).unwrap_err().to_string();
         assert_eq!(err, "--zero-stage (flag) = 4: expected 0, 1, 2 or 3");
+        let hybrid = LaunchFlags {
+            shard_group_size: Some("host".parse().unwrap()),
+            ..flags(3)
+        };
+        let env = hybrid.resolve(&none[..], None).unwrap().worker_env();
+        assert!(env.contains(&(env_vars::SHARD_GROUP_SIZE.to_string(), "host".to_string())));
+        assert_eq!("2".parse(), Ok(ShardGroupSize::Processes(2)));
+        assert!("0".parse::<ShardGroupSize>().is_err());
     }
 }

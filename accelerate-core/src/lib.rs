@@ -88,7 +88,7 @@ pub mod weights;
 pub use accumulation::{BatchPosition, GradientAccumulation, MicroStep};
 pub use checkpoint::{CheckpointError, CheckpointRotation, LoaderState, Manifest, RankState};
 pub use comm::{GroupOptions, ProcessGroup, Reduction};
-pub use config::{AcceleratorConfig, ConfigOverrides, MixedPrecision, NcclMode};
+pub use config::{AcceleratorConfig, ConfigOverrides, MixedPrecision, NcclMode, ShardGroupSize};
 pub use config_file::{ConfigFile, ConfigFileError, LoadedConfig};
 pub use distributed_sampler::{
     DistributedSampler, RankBatch, RankBatches, SamplerConfig, SamplerCursor, SamplerError,

@@ -1,7 +1,8 @@
 //! The settings' value types, each with the one spelling that flags, variables and files use:
-//! compute precision, NCCL use, transport, all-reduce algorithm. A leaf: everything that reads a setting (the
-//! process state, the config file, the accelerator's config, the group options) imports these,
-//! and this imports nothing of the crate but the environment reader.
+//! compute precision, NCCL use, transport, all-reduce algorithm, shard groups. A leaf:
+//! everything that reads a setting (the process state, the config file, the accelerator's
+//! config, the group options) imports these, and this imports nothing of the crate but the
+//! environment reader.
 
 use std::str::FromStr;
 
@@ -198,5 +199,70 @@ impl FromStr for AllReduceAlgorithm {
             "recursive_doubling" | "recursive-doubling" | "rd" => Ok(Self::RecursiveDoubling),
             _ => Err(ParseSettingError::new(s, Self::EXPECTED)),
         }
+    }
+}
+
+/// Which processes ZeRO's shards are split across: the whole job, or groups of it (hybrid
+/// sharding: shard within a group, replicate across groups, as FSDP's `HYBRID_SHARD` and
+/// Accelerate's `ParallelismConfig(dp_shard_size, dp_replicate_size)` do).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(into = "String", try_from = "String")]
+pub enum ShardGroupSize {
+    /// Every process of the job (default).
+    #[default]
+    Job,
+    /// The processes of each host: shards stay on a host's shared memory and only the
+    /// averaged shard gradients cross between hosts.
+    Host,
+    /// Groups of this many consecutive ranks (a number that divides the job's processes).
+    Processes(usize),
+}
+
+impl ShardGroupSize {
+    /// The spellings [`FromStr`] accepts, as errors list them.
+    pub const EXPECTED: &'static str = "job, host or a number of processes (at least 1)";
+
+    /// True unless every shard spans the whole job whatever its size.
+    pub fn is_hybrid(self) -> bool {
+        self != Self::Job
+    }
+}
+
+impl std::fmt::Display for ShardGroupSize {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Self::Job => f.write_str("job"),
+            Self::Host => f.write_str("host"),
+            Self::Processes(n) => write!(f, "{n}"),
+        }
+    }
+}
+
+impl FromStr for ShardGroupSize {
+    type Err = ParseSettingError;
+
+    fn from_str(s: &str) -> Result<Self, ParseSettingError> {
+        match s.trim().to_ascii_lowercase().as_str() {
+            "job" | "all" | "world" => Ok(Self::Job),
+            "host" | "node" => Ok(Self::Host),
+            number => match number.parse::<usize>() {
+                Ok(n) if n >= 1 => Ok(Self::Processes(n)),
+                _ => Err(ParseSettingError::new(s, Self::EXPECTED)),
+            },
+        }
+    }
+}
+
+impl From<ShardGroupSize> for String {
+    fn from(size: ShardGroupSize) -> Self {
+        size.to_string()
+    }
+}
+
+impl TryFrom<String> for ShardGroupSize {
+    type Error = ParseSettingError;
+
+    fn try_from(s: String) -> Result<Self, ParseSettingError> {
+        s.parse()
     }
 }

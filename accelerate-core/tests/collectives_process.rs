@@ -71,6 +71,26 @@ fn child() {
                 common::check_shared::<bf16>(&mut group, &[7, 4099]);
                 println!("SHARED {shared}");
             }
+            "split" => {
+                // Hybrid sharding's groups of 4 ranks: pairs, and the pairs' counterparts, each
+                // checked against the reference with the job's collectives in between.
+                let mut shards = group.split(&[vec![0, 1], vec![2, 3]])?;
+                let mut replicas = group.split(&[vec![0, 2], vec![1, 3]])?;
+                for _ in 0..2 {
+                    common::check_all::<f32>(&mut shards, &[0, 1, 13, 1021, 100_003]);
+                    train_steps(&mut group, 1, Duration::ZERO)?;
+                    common::check_all::<f32>(&mut replicas, &[0, 1, 13, 1021, 100_003]);
+                    common::check_all::<bf16>(&mut shards, &[7, 4099]);
+                }
+                println!(
+                    "SPLIT {} {} {} {}",
+                    shards.rank(),
+                    shards.transport(),
+                    replicas.rank(),
+                    replicas.transport()
+                );
+                println!("SHARED {}", group.transport() == "shm");
+            }
             "mismatch" => {
                 let mut buf = vec![1.0_f32; 100 + group.rank()];
                 group.all_reduce(&mut buf, Reduction::Sum)?;
@@ -338,6 +358,25 @@ fn collectives_match_the_reference_over_tcp() {
     for world in 2..=4 {
         let job = start("all", "tcp", world, &(0..world).collect::<Vec<_>>(), &[]);
         assert_all_ok(&job.finish(Duration::from_secs(120)), "tcp");
+    }
+}
+
+/// Groups split from a job of 4 (pairs, and the pairs' counterparts: hybrid sharding's
+/// shard and replica groups) run every collective right, interleaved with the job's, over
+/// shared memory (a segment of their own per pair, none left behind) and over TCP (the job's
+/// connections).
+#[test]
+fn split_groups_match_the_reference_over_shared_memory_and_tcp() {
+    for transport in ["shm", "tcp"] {
+        let job = start("split", transport, 4, &[0, 1, 2, 3], &[]);
+        let segment = job.segment();
+        let results = job.finish(Duration::from_secs(120));
+        assert_all_ok(&results, transport);
+        for (rank, (_, stdout, _)) in results.iter().enumerate() {
+            let expected = format!("SPLIT {} {transport} {} {transport}", rank % 2, rank / 2);
+            assert!(stdout.contains(&expected), "rank {rank}: {stdout}");
+        }
+        assert_eq!(leftovers(&segment), Vec::<std::path::PathBuf>::new());
     }
 }
 

@@ -115,6 +115,11 @@ fn fused() -> anyhow::Result<()> {
         .mixed_precision(precision("TEST_AUTOCAST"))
         .build()?;
     println!("FORMED {}", acc.transport());
+    println!(
+        "SHARD_GROUP {} {}",
+        acc.shard_group_size(),
+        acc.shard_transport()
+    );
     println!("FUSION {}", accelerate_burn::backend::fusion::active());
     let model = MlpConfig::new(digits::PIXELS, vec![32], digits::CLASSES).init(&acc.device());
     if stage != 3 {
@@ -1100,6 +1105,73 @@ fn zero_3_on_two_and_four_processes_equals_one_unsharded_process() {
     assert_zero_equals_one_process(3, 2, PER_RANK_BATCH, "no", "burn");
 }
 
+/// Hybrid sharding: 4 processes in two shard groups of 2 (each holds half of ZeRO's state,
+/// and each shard's gradients are averaged across the two groups) at ZeRO-1, 2 and 3 against
+/// the unsharded fused AdamW on 1 process with the same global batches: within 1e-6 (the
+/// average of the groups' averages, another summation order), bit for bit across all 4
+/// ranks, 1/2 of the state per rank. Burn's AdamW steps hybrid ZeRO-3's shards too.
+#[test]
+fn hybrid_sharding_in_groups_of_two_equals_one_unsharded_process() {
+    for stage in [1, 2, 3] {
+        assert_hybrid_equals_one_process(stage, (4, 2), 6, "no", "fused");
+    }
+    assert_hybrid_equals_one_process(3, (4, 2), 6, "no", "burn");
+}
+
+/// Hybrid sharding across two hosts (network namespaces, 2 processes on each, TCP between
+/// them): with `shard_group_size` `host` each shard group is one host's processes over its
+/// shared memory, where ZeRO's gathers and reduce-scatters stay; only each shard's averaged
+/// gradients cross to the other host. ZeRO-2 and ZeRO-3 end within 1e-6 of one process with
+/// the same global batches, bit for bit across the 4 ranks.
+#[test]
+fn hybrid_sharding_by_host_across_two_hosts_equals_one_process() {
+    let Some(hosts) = netns::TwoHosts::new("hybrid") else {
+        return;
+    };
+    let per_rank = 6;
+    let single = run(
+        "fused",
+        1,
+        &[
+            ("TEST_BATCH", (4 * per_rank).to_string()),
+            ("TEST_ZERO", "0".into()),
+        ],
+    );
+    assert!(single[0].status.success());
+    let reference = params(&single[0]);
+    let namespaces = [0, 0, 1, 1].map(|machine| hosts.namespaces[machine].clone());
+    for stage in ["2", "3"] {
+        let env = [
+            ("TEST_BATCH", per_rank.to_string()),
+            ("TEST_ZERO", stage.to_string()),
+            ("ACCELERATE_SHARD_GROUP_SIZE", "host".to_string()),
+        ];
+        let ranks = common::run_on_hosts(&namespaces, &hosts.addresses[0], "fused", &env);
+        for (rank, output) in ranks.iter().enumerate() {
+            assert!(
+                output.status.success(),
+                "ZeRO-{stage}, rank {rank}: {}",
+                String::from_utf8_lossy(&output.stderr)
+            );
+            assert_eq!(line(output, "FORMED "), "tcp+shm", "rank {rank}");
+            assert_eq!(line(output, "SHARD_GROUP "), "2 shm", "rank {rank}");
+            let worst = largest_difference(&params(output), &reference);
+            eprintln!("hybrid ZeRO-{stage} on 2 hosts x 2, rank {rank}: {worst:e}");
+            assert!(worst <= 1e-6, "ZeRO-{stage}, rank {rank}: {worst}");
+        }
+        assert!(
+            ranks
+                .windows(2)
+                .all(|w| param_bits(&w[0]) == param_bits(&w[1])),
+            "ZeRO-{stage}: ranks disagree"
+        );
+    }
+    assert_eq!(
+        (hosts.leftovers(0), hosts.leftovers(1)),
+        (String::new(), String::new())
+    );
+}
+
 /// Under bf16 autocast the shards are gathered in bf16 (half the bytes) and the gradients
 /// averaged in f32: ZeRO-3 ends within 1e-6 of the unsharded fused optimizer on the same
 /// processes (see the ZeRO-2 test above for why not of one process).
@@ -1201,13 +1273,7 @@ fn zero_3_on_two_hosts_over_tcp_equals_shared_memory_bit_for_bit() {
         ("TEST_ZERO", "3".to_string()),
     ];
     let shm = run("fused", 2, &env);
-    let tcp = common::run_on_hosts(
-        &hosts.namespaces,
-        &hosts.addresses[0],
-        "zero3",
-        "fused",
-        &env,
-    );
+    let tcp = common::run_on_hosts(&hosts.namespaces, &hosts.addresses[0], "fused", &env);
     common::assert_tcp_ranks_equal(&tcp, &shm);
     assert_eq!(
         (hosts.leftovers(0), hosts.leftovers(1)),
@@ -1232,6 +1298,19 @@ fn mlp_shard_elements(world: usize) -> usize {
 fn assert_zero_equals_one_process(
     stage: u8,
     world: usize,
+    per_rank: usize,
+    autocast: &str,
+    optim: &str,
+) {
+    assert_hybrid_equals_one_process(stage, (world, world), per_rank, autocast, optim);
+}
+
+/// As [`assert_zero_equals_one_process`], the shards cut across groups of `group` of the
+/// `world` processes (hybrid sharding, `ACCELERATE_SHARD_GROUP_SIZE`; `group == world` is
+/// plain ZeRO): each process holds 1/`group` of the state.
+fn assert_hybrid_equals_one_process(
+    stage: u8,
+    (world, group): (usize, usize),
     per_rank: usize,
     autocast: &str,
     optim: &str,
@@ -1280,9 +1359,13 @@ fn assert_zero_equals_one_process(
             ("TEST_ZERO", stage.to_string()),
             ("TEST_AUTOCAST", autocast.into()),
             ("TEST_OPTIM", optim.into()),
+            ("ACCELERATE_SHARD_GROUP_SIZE", group.to_string()),
         ],
     );
-    let case = format!("ZeRO-{stage}, {world} processes, autocast {autocast}, {optim} optimizer");
+    let case = format!(
+        "ZeRO-{stage}, {world} processes in shard groups of {group}, autocast {autocast}, \
+         {optim} optimizer"
+    );
     for (rank, output) in ranks.iter().enumerate() {
         assert!(
             output.status.success(),
@@ -1312,16 +1395,16 @@ fn assert_zero_equals_one_process(
             continue;
         }
         let bytes: usize = line(output, "STATE_BYTES ").parse().unwrap();
-        // Each rank holds its shard of the padded range: 1/N, rounded up to whole elements
-        // (at stage 3 each parameter's own).
-        let padded = reference.len().div_ceil(world) * world;
+        // Each rank holds its shard of the padded range: 1/N of its shard group's N,
+        // rounded up to whole elements (at stage 3 each parameter's own).
+        let padded = reference.len().div_ceil(group) * group;
         let shard = if stage == 3 {
-            4 * mlp_shard_elements(world)
+            4 * mlp_shard_elements(group)
         } else {
-            4 * padded / world
+            4 * padded / group
         };
         assert_eq!(bytes, 2 * shard, "{case}, rank {rank}");
-        assert!((bytes * world) as f64 <= unsharded as f64 * 1.001);
+        assert!((bytes * group) as f64 <= unsharded as f64 * 1.001);
         // What the buffers keep between steps is what `estimate-memory` says: no master copy
         // (the model's f32 parameters are updated in place), no gradients under ZeRO-1 (its
         // shard is averaged inside backward's tensors, let go after the step), the shard of
@@ -1329,7 +1412,7 @@ fn assert_zero_equals_one_process(
         // reads the shards' gradients from backward).
         // On a GPU backend ZeRO-1/2's host path keeps the master shard in host memory (the
         // model's parameters are on the device).
-        let estimate = MemoryEstimate::new(reference.len() as u64, 2, world as u64, stage);
+        let estimate = MemoryEstimate::new(reference.len() as u64, 2, group as u64, stage);
         let gpu = matches!(
             accelerate_burn::backend::enabled_backends().first(),
             Some(&"wgpu" | &"cuda")

@@ -368,13 +368,7 @@ fn the_learner_on_two_hosts_over_tcp_ends_where_one_host_ends() {
     let shm = launch(2, shm_dir.path(), 3, &[]);
     let dir = tempfile::tempdir().unwrap();
     let env = settings(dir.path(), 3, &[]);
-    let tcp = common::run_on_hosts(
-        &hosts.namespaces,
-        &hosts.addresses[0],
-        "learner",
-        "learner",
-        &env,
-    );
+    let tcp = common::run_on_hosts(&hosts.namespaces, &hosts.addresses[0], "learner", &env);
     common::assert_tcp_ranks_equal(&tcp, &shm);
     assert_eq!(
         (hosts.leftovers(0), hosts.leftovers(1)),

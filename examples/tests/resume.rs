@@ -315,6 +315,17 @@ fn a_resumed_two_process_run_ends_bit_identical_at_zero_1_and_2() {
     resume_is_bit_identical(2, "11", "zero2");
 }
 
+/// Hybrid sharding (4 processes in shard groups of 2): the first group's ranks save their
+/// shards of the optimizer state (ZeRO-2) or of the model and the state (ZeRO-3), the second
+/// group's hold the same and write none, and a resumed run of the same groups ends bit for bit
+/// where the uninterrupted one ends.
+#[test]
+fn a_resumed_hybrid_run_ends_bit_identical_at_zero_2_and_3() {
+    let groups = [("ACCELERATE_SHARD_GROUP_SIZE", "2")];
+    resume_is_bit_identical_with(4, "5", "zero2", &groups);
+    resume_is_bit_identical_with(4, "5", "zero3", &groups);
+}
+
 /// ZeRO-3: each rank saves its shards of the model and of the fused optimizer's state.
 #[test]
 fn a_resumed_two_process_run_ends_bit_identical_at_zero_3() {
@@ -333,7 +344,9 @@ fn a_resumed_two_process_run_ends_bit_identical_at_zero_3_with_burns_optimizer()
 /// parameter and its optimizer state put together from 2 ranks' shards and cut in 4) and
 /// save it again at once; 2 processes resume from the 4 ranks' checkpoint and end bit for
 /// bit where the uninterrupted 2-process run ended (the data order continues from the
-/// global position, dropout from the same seeds).
+/// global position, dropout from the same seeds). The same through 4 processes in hybrid
+/// shard groups of 2: each group cuts the 2 ranks' shards for itself, the first group alone
+/// writes its 2 shards (the second holds the same), and 2 processes resume from them.
 #[test]
 fn a_zero_3_checkpoint_of_4_processes_resumes_on_2_bit_identically() {
     let tmp = tempfile::tempdir().unwrap();
@@ -348,31 +361,38 @@ fn a_zero_3_checkpoint_of_4_processes_resumes_on_2_bit_identically() {
         &[zero3, ("TEST_SAVES", "5"), ("TEST_SAVE_INTO", &two_s)],
     );
     assert_ok(&whole);
-    let resaved = run_in(
-        &tmp.path().join("run4"),
-        4,
-        &[
-            zero3,
-            any,
-            ("TEST_RESUME_FROM", &two_s),
-            ("TEST_RESAVE", &four_s),
-        ],
-    );
-    assert_ok(&resaved);
-    let manifest = read_manifest(&four).unwrap();
-    assert_eq!(manifest.world_size, 4);
-    let shards = |prefix: &str| {
-        manifest
-            .files
-            .iter()
-            .filter(|f| f.name.starts_with(prefix))
-            .count()
-    };
-    assert_eq!((shards("zero3_model_"), shards("zero3_optimizer_")), (4, 4));
-    assert!(
-        !four.join("model.safetensors").exists(),
-        "no rank holds the whole model"
-    );
+    let hybrid = tmp.path().join("hybrid");
+    let hybrid_s = hybrid.display().to_string();
+    for (dir, group, files) in [(&four_s, "4", 4), (&hybrid_s, "2", 2)] {
+        let resaved = run_in(
+            &tmp.path().join(format!("run4-{group}")),
+            4,
+            &[
+                zero3,
+                any,
+                ("TEST_RESUME_FROM", &two_s),
+                ("TEST_RESAVE", dir),
+                ("ACCELERATE_SHARD_GROUP_SIZE", group),
+            ],
+        );
+        assert_ok(&resaved);
+        let dir = std::path::Path::new(dir);
+        let manifest = read_manifest(dir).unwrap();
+        assert_eq!(manifest.world_size, 4);
+        let shards = |prefix: &str| {
+            manifest
+                .files
+                .iter()
+                .filter(|f| f.name.starts_with(prefix))
+                .count()
+        };
+        let counted = (shards("zero3_model_"), shards("zero3_optimizer_"));
+        assert_eq!(counted, (files, files), "shard groups of {group}");
+        assert!(
+            !dir.join("model.safetensors").exists(),
+            "no rank holds the whole model"
+        );
+    }
     // Burn's optimizer records its shards as they were cut: another world size is refused.
     let burn = ("TEST_OPTIM", "zero3burn");
     let saved = tmp.path().join("burn");
@@ -383,16 +403,18 @@ fn a_zero_3_checkpoint_of_4_processes_resumes_on_2_bit_identically() {
         "{}",
         stderr(&refused[0])
     );
-    let resumed = run_in(
-        &tmp.path().join("run2"),
-        2,
-        &[zero3, any, ("TEST_RESUME_FROM", &four_s)],
-    );
-    assert_ok(&resumed);
-    for rank in 0..2 {
-        let context = format!("rank {rank}");
-        let pair = (&resumed[rank], &whole[rank]);
-        assert_resumed_like(pair, "5", &["UPDATES ", "SEEN "], true, &context);
+    for (name, dir) in [("four", &four_s), ("hybrid", &hybrid_s)] {
+        let resumed = run_in(
+            &tmp.path().join(format!("run2-{name}")),
+            2,
+            &[zero3, any, ("TEST_RESUME_FROM", dir)],
+        );
+        assert_ok(&resumed);
+        for rank in 0..2 {
+            let context = format!("from {name}, rank {rank}");
+            let pair = (&resumed[rank], &whole[rank]);
+            assert_resumed_like(pair, "5", &["UPDATES ", "SEEN "], true, &context);
+        }
     }
 }
 

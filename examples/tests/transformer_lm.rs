@@ -410,13 +410,7 @@ fn overlap_over_a_shaped_link_between_two_hosts_trains_the_same_bits() {
             ("TEST_BATCH", "4".to_string()),
             ("ACCELERATE_OVERLAP_COMMUNICATION", overlap.to_string()),
         ];
-        common::run_on_hosts(
-            &namespaces,
-            &hosts.addresses[0],
-            "overlap",
-            "transformer",
-            &env,
-        )
+        common::run_on_hosts(&namespaces, &hosts.addresses[0], "transformer", &env)
     });
     let overlaps = !<DefaultBackend as AcceleratorBackend>::DEVICE_KERNELS;
     assert_overlap_changed_no_bit(&on, &off, overlaps, "2 hosts x 2 processes");

@@ -19,7 +19,7 @@ use super::tracking::Metrics;
 use super::{Accelerator, CheckpointSettings};
 use crate::backend::AcceleratorBackend;
 use crate::error::AccelerateError;
-use crate::group::Comm;
+use crate::group::{Comm, Hybrid};
 use crate::loader_link::LoaderLinks;
 use crate::model_slot::ModelSlots;
 use crate::overlap::TapHub;
@@ -99,6 +99,17 @@ impl<B: AcceleratorBackend> AcceleratorBuilder<B> {
     /// 0 (default) keeps all of it everywhere. Wins over `ACCELERATE_ZERO_STAGE`.
     pub fn zero_stage(mut self, stage: u8) -> Self {
         self.overrides.zero_stage = Some(stage);
+        self
+    }
+
+    /// Which processes ZeRO's shards are cut across (stages 1 to 3): the whole job (default),
+    /// or groups of it, every shard group holding a whole copy and each shard's gradients
+    /// averaged across the groups (hybrid sharding, FSDP's `HYBRID_SHARD`):
+    /// [`ShardGroupSize::Host`](accelerate_core::ShardGroupSize::Host) keeps the shards'
+    /// gathers on each host's shared memory and sends only averaged shard gradients between
+    /// hosts. Wins over `ACCELERATE_SHARD_GROUP_SIZE`.
+    pub fn shard_group_size(mut self, size: accelerate_core::ShardGroupSize) -> Self {
+        self.overrides.shard_group_size = Some(size);
         self
     }
 
@@ -385,12 +396,19 @@ impl<B: AcceleratorBackend> AcceleratorBuilder<B> {
         tracing::debug!(backend = B::NAME, %state, ?config, "accelerator ready");
         let clock = LoopClock::new(config.seed, rank);
         let comm = Comm::new(group).with_device_collectives(device_collectives);
+        // Shards cut within groups of the job: only where something is sharded.
+        let hybrid = if config.zero_stage >= 1 {
+            Hybrid::form(&comm, config.shard_group_size)?
+        } else {
+            None
+        };
         Ok(Accelerator {
             slots: ModelSlots::new(clock.clone(), config.gradient_accumulation_steps, scaler),
             clock,
             links: LoaderLinks::default(),
             compute_dtype,
-            shards: Arc::new(ShardGroup::new(comm.clone())),
+            shards: Arc::new(ShardGroup::new(comm.clone(), hybrid.as_ref())),
+            hybrid,
             local_comm: crate::reducer::sharded::ShardedReducer::local_comm(),
             // Not under Burn's fusion on a GPU: a tap reads its gradient in the middle of
             // backward, which ends fused kernels elsewhere than after backward, and the

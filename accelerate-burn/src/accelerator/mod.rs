@@ -76,6 +76,8 @@ pub struct Accelerator<B: AcceleratorBackend> {
     comm: Comm,
     /// What the units sharded by [`shard`](Self::shard) share (ZeRO-3).
     shards: Arc<ShardGroup>,
+    /// Hybrid sharding's groups (`shard_group_size` below the job, at ZeRO 1 to 3).
+    hybrid: Option<crate::group::Hybrid>,
     /// What the units marked by [`unit`](Self::unit) share with `backward` (overlap).
     taps: Arc<crate::overlap::TapHub>,
     /// A group of one, for reducers given gradients the pipe already averaged.
@@ -294,6 +296,7 @@ impl<B: AcceleratorBackend> Accelerator<B> {
             rank: self.state.rank,
             world: self.state.world_size,
             device_kernels: B::DEVICE_KERNELS && cfg!(feature = "device-kernels"),
+            hybrid: self.hybrid.clone(),
         })
     }
 

@@ -97,7 +97,10 @@ impl<B: AcceleratorBackend> Accelerator<B> {
             None => std::iter::once(0..tensors.len()).collect(),
         };
         let values = params::values(model);
-        let world = self.state.world_size;
+        // A shard is cut across the shard group (the job, without hybrid sharding): each
+        // group gathers its own, the main process's writes.
+        let shard_comm = self.shards.comm();
+        let world = shard_comm.world_size();
         let main = self.is_main_process();
         // Every process gathers parameter i when the main process writes it; `next` is the
         // first not gathered yet, so a writer that stopped can be caught up with.
@@ -124,7 +127,7 @@ impl<B: AcceleratorBackend> Accelerator<B> {
                 .unwrap_or_default();
             if let Some(shape) = &whole[k] {
                 let mut all = vec![0.0f32; value.len() * world];
-                if let Err(e) = self.comm.timed(|group| group.all_gather(&value, &mut all)) {
+                if let Err(e) = shard_comm.timed(|group| group.all_gather(&value, &mut all)) {
                     failed.borrow_mut().get_or_insert(e);
                     return Err(WeightsError::Malformed {
                         path: dir.to_path_buf(),
@@ -178,7 +181,7 @@ impl<B: AcceleratorBackend> Accelerator<B> {
             detail,
         };
         let layout = ParamLayout::of(&model);
-        let (rank, world) = (self.state.rank, self.state.world_size);
+        let (rank, world) = self.shards.shard_job();
         let mut used = std::collections::BTreeSet::new();
         let mut values = Vec::with_capacity(layout.entries.len());
         for entry in &layout.entries {

@@ -86,6 +86,19 @@ impl<B: AcceleratorBackend> Accelerator<B> {
         Ok(WholeUnit::new(unit, Arc::clone(&self.taps)))
     }
 
+    /// Processes each of ZeRO's shards is cut across: the job's, or under hybrid sharding
+    /// (`shard_group_size`) those of this process's shard group.
+    pub fn shard_group_size(&self) -> usize {
+        self.shards.shard_job().1
+    }
+
+    /// How this process reaches the others of its shard group: as
+    /// [`transport`](Self::transport) says for the job, or under hybrid sharding by host
+    /// `shm` (the shards' gathers stay on the host; only averaged shard gradients leave it).
+    pub fn shard_transport(&self) -> &'static str {
+        self.shards.comm().lock().transport()
+    }
+
     /// Gradients of [`unit`](Self::unit)s handed to the communication thread from inside the
     /// backward pass so far (0 without overlap): to see that averaging overlapped backward.
     pub fn overlapped_gradients(&self) -> u64 {
@@ -122,7 +135,8 @@ impl<B: AcceleratorBackend> Accelerator<B> {
             }
         }
         let largest = units.into_values().max().unwrap_or(0);
-        let world = self.state.world_size as u64;
+        // Under hybrid sharding a shard is cut across the shard group only.
+        let world = self.shards.shard_job().1 as u64;
         [0u8, 1, 2, 3].map(|stage| {
             MemoryEstimate::new(parameters, state_buffers, world, stage).with_largest_unit(largest)
         })

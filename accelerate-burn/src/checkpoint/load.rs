@@ -115,7 +115,7 @@ fn load_own_part<M: Module>(
     }
     tracing::info!(rank, path = %dir.display(), updates = saved.updates, "checkpoint loaded");
     let mut info = CheckpointInfo::fresh(rank);
-    info.sharding = Some((ctx.state.world_size, ctx.shards.clone()));
+    info.sharding = Some(ctx.shards.clone());
     info.path = Some(dir.to_path_buf());
     info.updates = saved.updates;
     info.objects = training.objects;
@@ -230,7 +230,7 @@ fn sharded_model<M: Module>(
         dir,
         prefix: sharded_files::MODEL_PREFIX,
         files,
-        job: (ctx.state.rank, ctx.state.world_size),
+        job: ctx.shards.shard_job(),
     };
     let model = saved
         .load_into(model, &layout, numels, ctx.device)

@@ -237,8 +237,8 @@ pub struct CheckpointInfo {
     pub updates: u64,
     rank: usize,
     objects: BTreeMap<String, serde_json::Value>,
-    /// The job's world size and sharded units (ZeRO-3), for modules saved in shards.
-    pub(crate) sharding: Option<(usize, std::sync::Arc<ShardGroup>)>,
+    /// The job's sharded units (ZeRO-3) and how they are cut, for modules saved in shards.
+    pub(crate) sharding: Option<std::sync::Arc<ShardGroup>>,
 }
 
 impl CheckpointInfo {
@@ -267,7 +267,7 @@ impl CheckpointInfo {
             hint: "load the modules the checkpoint was saved with, under the names it used",
         };
         if valid_module_name(name)
-            && let Some((world, shards)) = &self.sharding
+            && let Some(shards) = &self.sharding
         {
             let files = accelerate_core::checkpoint::read_manifest(dir)
                 .map_err(|e| mismatch(e.to_string()))?
@@ -280,7 +280,7 @@ impl CheckpointInfo {
                     dir,
                     prefix: &prefix,
                     files: &files,
-                    job: (self.rank, *world),
+                    job: shards.shard_job(),
                 };
                 return saved
                     .load_into(module, &layout, &shards.numels(&layout), &device)

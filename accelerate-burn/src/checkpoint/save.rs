@@ -140,7 +140,10 @@ fn write_own_files<M: Module>(
 ) -> Result<(), StageError> {
     let rank = ctx.state.rank;
     let main = ctx.state.is_main_process();
-    let job = (rank, ctx.state.world_size);
+    // Shard files are named by the rank in the shard group (the job's, without hybrid
+    // sharding), and under hybrid sharding written by the first shard group only.
+    let job = ctx.shards.shard_job();
+    let writes_shards = ctx.shards.writes_shards();
     let names: Vec<&str> = checkpoint.pairs.iter().map(|p| p.name.as_str()).collect();
     if let Some(name) = names
         .iter()
@@ -160,12 +163,15 @@ fn write_own_files<M: Module>(
         if !super::valid_module_name(&part.name) {
             return Err(StageError::ModuleName(part.name.clone()));
         }
+        sharded_modules.push(part.name.as_str());
+        if !writes_shards {
+            continue;
+        }
         let values = (part.values)();
         let prefix = sharded_files::module_prefix(&part.name);
         let mut file = sharded_files::model_file(&prefix, job, &part.layout, values, &numels)?;
         file.contents = "one rank's shards of a module saved beside the model";
         staging.put(file)?;
-        sharded_modules.push(part.name.as_str());
     }
     let snapshot = checkpoint.optimizer.slot().lock().windows.snapshot();
     let models = checkpoint
@@ -209,7 +215,7 @@ fn write_own_files<M: Module>(
         (slot.reducer.kind(), numels)
     };
     // ZeRO-3: every rank writes its own shards of the model; nobody holds it whole.
-    if let Some(numels) = &shard_numels {
+    if let Some(numels) = shard_numels.as_ref().filter(|_| writes_shards) {
         let layout = ParamLayout::of(checkpoint.model);
         let values = params::values(checkpoint.model);
         let prefix = sharded_files::MODEL_PREFIX;
@@ -229,7 +235,7 @@ fn write_own_files<M: Module>(
         }
         // With sharded units every rank writes its shards of the pair's model.
         let shard_numels = slot.reducer.shard_numels().map(<[_]>::to_vec);
-        if let Some(numels) = &shard_numels {
+        if let Some(numels) = shard_numels.as_ref().filter(|_| writes_shards) {
             let values = (pair.values)();
             let prefix = sharded_files::MODEL_PREFIX;
             let file = sharded_files::model_file(prefix, job, &pair.layout, values, numels)?;

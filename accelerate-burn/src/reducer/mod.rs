@@ -28,7 +28,7 @@ use burn::tensor::Tensor;
 
 use crate::error::AccelerateError;
 use crate::fused::FusedOptimizer;
-use crate::group::Comm;
+use crate::group::{Comm, Hybrid};
 use crate::params::{self, ParamLayout, ParamList, ParamUpdate, Replacement};
 pub(crate) use api::{
     GradientReducer, LoadSource, ModelUpdate, Outcome, ReducerKind, SaveRole, SavedFile,
@@ -192,6 +192,8 @@ pub(crate) struct ReducerSpec {
     /// Per parameter (layout order): for a shard of a sharded unit (ZeRO-3), the elements of
     /// the whole parameter; `None` for a whole parameter.
     pub shards: Vec<Option<usize>>,
+    /// Hybrid sharding's groups, when ZeRO's shards are cut within groups of the job.
+    pub hybrid: Option<Hybrid>,
 }
 
 /// The reducer for `optimizer` on the model of `spec`: the one place that chooses an engine.
@@ -202,14 +204,21 @@ pub(crate) fn build(
 ) -> Result<Box<dyn GradientReducer>, AccelerateError> {
     if spec.shards.iter().any(Option::is_some) {
         // ZeRO-3: the shards' gradients arrive averaged; the update is one process's.
-        let (shards, job) = (std::mem::take(&mut spec.shards), (spec.rank, spec.world));
+        let shards = std::mem::take(&mut spec.shards);
+        let (shard_comm, writes) = match spec.hybrid.take() {
+            Some(hybrid) => (hybrid.shard.clone(), hybrid.writes_shards()),
+            None => (comm.clone(), true),
+        };
         let local = ShardedReducer::local_comm();
         spec.config.zero_stage = 0;
         spec.rank = 0;
         spec.world = 1;
         let inner = build(spec, optimizer, &local)?;
-        return Ok(Box::new(ShardedReducer::new(inner, local, shards, job)));
+        return Ok(Box::new(ShardedReducer::new(
+            inner, local, shards, shard_comm, writes,
+        )));
     }
+    let hybrid = spec.hybrid.take();
     let config = &spec.config;
     let burn_optimizer = match optimizer {
         OptimizerChoice::Fused(optimizer) => {
@@ -219,7 +228,9 @@ pub(crate) fn build(
                 world: spec.world,
                 device_kernels: spec.device_kernels,
                 wire: config.gradient_communication,
-                device_collectives: comm.device_collectives().is_some(),
+                // Hybrid sharding's groups communicate on the host.
+                device_collectives: comm.device_collectives().is_some() && hybrid.is_none(),
+                hybrid,
             };
             let reducer = FlatReducer::new(spec.layout, spec.values, optimizer, options, comm)?;
             return Ok(Box::new(reducer));

@@ -32,26 +32,37 @@ pub(crate) struct ShardedReducer {
     /// Per parameter (layout order): the whole parameter's elements for a shard of a sharded
     /// unit, `None` for a parameter left whole.
     shards: Vec<Option<usize>>,
-    /// This process's rank in the job.
+    /// The processes a shard is cut across: the job, or under hybrid sharding this
+    /// process's shard group.
+    shard_comm: Comm,
+    /// This process's rank among them.
     rank: usize,
-    /// Processes in the job.
+    /// How many they are.
     world: usize,
+    /// Whether this process writes its shards in a checkpoint (under hybrid sharding, the
+    /// first shard group's only: the others hold the same).
+    writes: bool,
 }
 
 impl ShardedReducer {
-    /// `inner` must have been built for one process over `local`.
+    /// `inner` must have been built for one process over `local`; `shard_comm` is what the
+    /// shards are cut across (the job, or the shard group under hybrid sharding), `writes`
+    /// whether this process saves them.
     pub fn new(
         inner: Box<dyn GradientReducer>,
         local: Comm,
         shards: Vec<Option<usize>>,
-        (rank, world): (usize, usize),
+        shard_comm: Comm,
+        writes: bool,
     ) -> Self {
         Self {
             inner,
             local,
             shards,
-            rank,
-            world,
+            rank: shard_comm.rank(),
+            world: shard_comm.world_size(),
+            shard_comm,
+            writes,
         }
     }
 
@@ -92,12 +103,9 @@ impl ShardedReducer {
     /// The sum of squares of every rank's shard gradients plus the whole ones', in f64 on the
     /// host (the shards' sum crosses as two f32 words, its value and its rounding error): as
     /// precise as the unsharded reducers' sum, so that the norm rounds to the same f32 and
-    /// clipping scales as it does at the other stages.
-    fn global_sum_of_squares(
-        &self,
-        grads: &ParamList,
-        comm: &Comm,
-    ) -> Result<f64, AccelerateError> {
+    /// clipping scales as it does at the other stages. Summed over the shard group: under
+    /// hybrid sharding the other groups hold the same averaged shards.
+    fn global_sum_of_squares(&self, grads: &ParamList) -> Result<f64, AccelerateError> {
         let sum = |shard: bool| -> f64 {
             grads
                 .iter()
@@ -110,7 +118,8 @@ impl ShardedReducer {
         let (shards, whole) = (sum(true), sum(false));
         let high = shards as f32;
         let mut words = [high, (shards - f64::from(high)) as f32];
-        comm.timed(|group| group.all_reduce(&mut words, Reduction::Sum))?;
+        self.shard_comm
+            .timed(|group| group.all_reduce(&mut words, Reduction::Sum))?;
         Ok(f64::from(words[0]) + f64::from(words[1]) + whole)
     }
 }
@@ -135,7 +144,7 @@ impl GradientReducer for ShardedReducer {
             return self.inner.reduce(grads, &self.local, inv_scale);
         }
         self.average_whole(&mut grads, comm)?;
-        let sum_sq = self.global_sum_of_squares(&grads, comm)?;
+        let sum_sq = self.global_sum_of_squares(&grads)?;
         // Every rank sees the same sum: an infinite or NaN gradient on any rank makes it so.
         let overflow = inv_scale.is_some() && !sum_sq.is_finite();
         let norm = unscaled_norm(sum_sq, inv_scale.unwrap_or(1.0));
@@ -171,8 +180,16 @@ impl GradientReducer for ShardedReducer {
     }
 
     /// Every rank saves its shards' optimizer state (the model's shards are saved beside it
-    /// by the checkpoint, which holds the model).
+    /// by the checkpoint, which holds the model), named by its rank in the shard group; under
+    /// hybrid sharding the first shard group's ranks only.
     fn save(&mut self, role: SaveRole) -> Result<Vec<SavedFile>, StageError> {
+        if !self.writes {
+            return Ok(Vec::new());
+        }
+        let role = SaveRole {
+            rank: self.rank,
+            ..role
+        };
         let own = SaveRole {
             main: true,
             distributed: false,

@@ -423,7 +423,8 @@ where
 }
 
 /// This rank's shard of the mean of every rank's gradient `data` (f32, the parameter's shape;
-/// zeros in its place when it could not be read).
+/// zeros in its place when it could not be read): reduce-scattered over the shard group, then
+/// averaged across its replicas under hybrid sharding.
 fn reduce_scatter_mean(data: Option<&TensorData>, param: &ParamShard) -> Option<TensorData> {
     let group = &param.group;
     let padded_len = param.shard_len * group.world_size();
@@ -444,6 +445,7 @@ fn reduce_scatter_mean(data: Option<&TensorData>, param: &ParamShard) -> Option<
     };
     let mut shard = vec![0.0_f32; param.shard_len];
     group.run(|g| g.reduce_scatter(input, &mut shard, Reduction::Mean))?;
+    group.average_replicas(&mut shard)?;
     Some(TensorData::new(shard, [param.shard_len]))
 }
 

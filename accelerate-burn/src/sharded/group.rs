@@ -1,6 +1,7 @@
-//! What every sharded unit of one accelerator shares: the process group its gathers use, the
-//! first failure of one of them, and which parameters are shards (their gradients arrive
-//! averaged, so the reducer does not average them again).
+//! What every sharded unit of one accelerator shares: the process group its gathers use (the
+//! job, or under hybrid sharding this process's shard group and its replicas), the first
+//! failure of one of them, and which parameters are shards (their gradients arrive averaged,
+//! so the reducer does not average them again).
 
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -10,12 +11,18 @@ use accelerate_core::{CommError, ProcessGroup};
 use burn::module::ParamId;
 
 use crate::error::AccelerateError;
-use crate::group::Comm;
+use crate::group::{Comm, Hybrid};
 use crate::params::ParamLayout;
 
 /// The sharded units' process group and bookkeeping (one per accelerator).
 pub(crate) struct ShardGroup {
+    /// The processes a shard is cut across: the job, or this process's shard group.
     comm: Comm,
+    /// Hybrid sharding's groups: the shards' gradients are averaged across the replicas
+    /// after the reduce-scatter in the shard group.
+    hybrid: Option<Hybrid>,
+    /// The whole job (rank 0's values reach every shard group through it).
+    job: Comm,
     /// The first collective or read that failed inside a gather: a read that failed takes
     /// part with zeros, a failed collective gives zeros (its group refuses every later call at
     /// once), and `backward` makes every rank report it.
@@ -52,9 +59,12 @@ impl std::fmt::Debug for ShardGroup {
 }
 
 impl ShardGroup {
-    pub fn new(comm: Comm) -> Self {
+    /// The units' group over `job`, or over `hybrid`'s shard groups.
+    pub fn new(job: Comm, hybrid: Option<&Hybrid>) -> Self {
         Self {
-            comm,
+            comm: hybrid.map_or_else(|| job.clone(), |h| h.shard.clone()),
+            hybrid: hybrid.cloned(),
+            job,
             failure: Mutex::new(None),
             shard_ids: Mutex::new(HashMap::new()),
             units: AtomicU64::new(0),
@@ -62,9 +72,45 @@ impl ShardGroup {
         }
     }
 
-    /// The process group (timed, locked).
+    /// The processes a shard is cut across (timed, locked).
     pub fn comm(&self) -> &Comm {
         &self.comm
+    }
+
+    /// The whole job.
+    pub fn job(&self) -> &Comm {
+        &self.job
+    }
+
+    /// This process's shard of every unit and how many there are: (rank, size) in the
+    /// shard group; the job's without hybrid sharding.
+    pub fn shard_job(&self) -> (usize, usize) {
+        (self.comm.rank(), self.comm.world_size())
+    }
+
+    /// Whether this process writes its shards in a checkpoint: without hybrid sharding every
+    /// process, with it the first shard group's (the others hold the same shards).
+    pub fn writes_shards(&self) -> bool {
+        self.hybrid.as_ref().is_none_or(Hybrid::writes_shards)
+    }
+
+    /// Averages this rank's part of a reduce-scatter (`shard`, the shard group's mean) across
+    /// the replicas into the job's mean; nothing without hybrid sharding. `None` (recorded)
+    /// when it failed.
+    pub fn average_replicas(&self, shard: &mut [f32]) -> Option<()> {
+        let Some(hybrid) = &self.hybrid else {
+            return Some(());
+        };
+        match hybrid
+            .replicas
+            .timed(|g| g.all_reduce(shard, accelerate_core::Reduction::Mean))
+        {
+            Ok(()) => Some(()),
+            Err(e) => {
+                self.record(Failure::Comm(e));
+                None
+            }
+        }
     }
 
     /// Ranks of the group.

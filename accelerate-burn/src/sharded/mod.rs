@@ -333,8 +333,8 @@ impl ModuleMapper for Gatherer<'_> {
 }
 
 /// `unit` sharded over `group`'s processes on `device`: each trained float parameter takes
-/// rank 0's value and id, and this rank keeps its `ceil(numel / N)` elements (the last rank's
-/// padded with zeros); tensors not trained stay whole (`prepare` replicates rank 0's). One
+/// rank 0's value and id, and this rank keeps its `ceil(numel / N)` elements (N the shard
+/// group's processes; the last rank's padded with zeros); tensors not trained stay whole (`prepare` replicates rank 0's). One
 /// parameter is whole at a time beyond the unit itself.
 pub(crate) fn shard<M: Module>(
     unit: M,
@@ -342,11 +342,12 @@ pub(crate) fn shard<M: Module>(
     device: &Device,
 ) -> Result<Sharded<M>, AccelerateError> {
     let unit = params::adopt_device(unit, device);
-    let comm = group.comm();
-    let (rank, world) = (comm.rank(), group.world_size());
-    let ids: Vec<u64> = if comm.is_distributed() {
+    // Rank 0's ids and values, over the whole job (each shard group cuts the same values).
+    let job = group.job();
+    let (rank, world) = group.shard_job();
+    let ids: Vec<u64> = if job.is_distributed() {
         let layout = params::ParamLayout::of(&unit);
-        comm.lock().broadcast_object(Some(&layout.ids()), 0)?
+        job.lock().broadcast_object(Some(&layout.ids()), 0)?
     } else {
         params::ParamLayout::of(&unit).ids()
     };
@@ -393,9 +394,9 @@ impl Cutter<'_> {
     /// This rank's shard of `value` (rank 0's value, broadcast).
     fn cut(&mut self, value: Tensor<1>, shard_len: usize) -> Result<Vec<f32>, AccelerateError> {
         let mut whole = params::to_host_f32(value);
-        let comm = self.group.comm();
-        if comm.is_distributed() {
-            comm.lock().broadcast(&mut whole, 0)?;
+        let job = self.group.job();
+        if job.is_distributed() {
+            job.lock().broadcast(&mut whole, 0)?;
         }
         let start = (self.rank * shard_len).min(whole.len());
         let end = ((self.rank + 1) * shard_len).min(whole.len());

@@ -72,6 +72,33 @@ pub trait Engine: Send {
     ) -> Result<(), CommError> {
         self.all_reduce(call, buf, scale)
     }
+
+    /// Forms the engine of this rank's part of `parts`, a partition of the group's ranks
+    /// (the same on every rank; the caller checked it). Every rank of the group calls it at
+    /// once; `call` is the set-up call it may use among them.
+    fn split(&mut self, call: &CallDesc, parts: &[Vec<usize>]) -> Result<Split, CommError> {
+        let _ = (call, parts);
+        Ok(Split::Unsupported)
+    }
+}
+
+/// What [`Engine::split`] formed for this rank.
+pub enum Split {
+    /// This rank's part is this rank alone: a group of one, no engine.
+    Alone,
+    /// The engine of this rank's part.
+    Formed(Box<dyn Engine>),
+    /// This transport cannot form groups of some of its ranks.
+    Unsupported,
+}
+
+/// The part of `parts` that holds `rank` (an empty slice when none does: the caller checked
+/// that every rank is in one).
+pub(crate) fn part_of(parts: &[Vec<usize>], rank: usize) -> &[usize] {
+    parts
+        .iter()
+        .find(|part| part.contains(&rank))
+        .map_or(&[], Vec::as_slice)
 }
 
 /// Byte range of chunk `index` when `bytes` of `elem`-byte elements are cut into `parts`.

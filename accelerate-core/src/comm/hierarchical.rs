@@ -14,15 +14,15 @@
 //! between every pair. Every value is reduced once, in one order, and then copied, so all
 //! ranks end with identical bits.
 
-use std::sync::{Arc, Mutex, PoisonError};
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use accelerate_kernels::reduce::scale_bytes;
 
-use super::call::{CallDesc, Header};
+use super::call::CallDesc;
 use super::collective::{AllReduceAlgorithm, MessageEngine};
-use super::engine::Engine;
-use super::link::{Link, LinkError};
+use super::engine::{Engine, Split, part_of};
+use super::link::Link;
+use super::sub_link::SubLink;
 use super::transport::shm::ShmEngine;
 use super::transport::tcp::TcpLink;
 use crate::error::CommError;
@@ -30,68 +30,14 @@ use crate::error::CommError;
 /// Buffers up to this size are all-reduced flat (recursive doubling over TCP).
 const SMALL_BYTES: usize = 64 << 10;
 
-/// A view of a shared TCP link restricted to some ranks, renumbered from 0 in the order of
-/// `members` (so an engine over it sees a group of `members.len()` ranks). `L` is the TCP link
-/// in a job (any [`Link`] in the fuzz tests).
-pub struct SubLink<L = TcpLink> {
-    link: Arc<Mutex<L>>,
-    members: Vec<usize>,
-    me: usize,
-}
-
-impl<L> SubLink<L> {
-    fn lock(&self) -> std::sync::MutexGuard<'_, L> {
-        self.link.lock().unwrap_or_else(PoisonError::into_inner)
-    }
-}
-
-impl<L: Link> Link for SubLink<L> {
-    fn rank(&self) -> usize {
-        self.me
-    }
-
-    fn world_size(&self) -> usize {
-        self.members.len()
-    }
-
-    fn name(&self) -> &'static str {
-        "tcp"
-    }
-
-    fn send(&mut self, peer: usize, header: &Header, payload: &[u8]) -> Result<(), LinkError> {
-        let to = self.members[peer];
-        self.lock().send(to, header, payload)
-    }
-
-    fn recv_header(&mut self, peer: usize, deadline: Instant) -> Result<Header, LinkError> {
-        let from = self.members[peer];
-        self.lock().recv_header(from, deadline)
-    }
-
-    fn recv_payload(
-        &mut self,
-        peer: usize,
-        buf: &mut Vec<u8>,
-        len: usize,
-        deadline: Instant,
-    ) -> Result<(), LinkError> {
-        let from = self.members[peer];
-        self.lock().recv_payload(from, buf, len, deadline)
-    }
-
-    fn flush(&mut self, deadline: Instant) -> Result<(), (usize, LinkError)> {
-        let members = self.members.clone();
-        self.lock().flush(deadline).map_err(|(peer, e)| {
-            // Name the peer in this view when it is a member (it always is for our sends).
-            (members.iter().position(|&m| m == peer).unwrap_or(peer), e)
-        })
-    }
-}
-
 /// Shared memory inside the host, TCP among the hosts' leaders or along rails, TCP between
 /// all for the rest.
 pub struct HierarchicalEngine<L: Link = TcpLink> {
     flat: MessageEngine<SubLink<L>>,
+    /// Global ranks on each host (the layout it was formed with).
+    hosts: Vec<Vec<usize>>,
+    /// This rank.
+    rank: usize,
     leaders: Option<MessageEngine<SubLink<L>>>,
     /// This rank's rail: the ranks of its local index on every host (equal hosts only).
     rail: Option<MessageEngine<SubLink<L>>>,
@@ -121,31 +67,10 @@ impl<L: Link> HierarchicalEngine<L> {
         algorithm: AllReduceAlgorithm,
         segment_bytes: usize,
     ) -> Self {
-        let world_size: usize = layout.hosts.iter().map(Vec::len).sum();
-        let link = Arc::new(Mutex::new(link));
-        let view = |members: Vec<usize>, me: usize| SubLink {
-            link: Arc::clone(&link),
-            members,
-            me,
-        };
-        let flat = MessageEngine::new(
-            view((0..world_size).collect(), layout.rank),
-            timeout,
-            algorithm,
-            segment_bytes,
-        );
+        let whole = SubLink::whole(link);
+        let engine = |view| MessageEngine::new(view, timeout, algorithm, segment_bytes);
         let leader_ranks: Vec<usize> = layout.hosts.iter().map(|h| h[0]).collect();
-        let leaders = leader_ranks
-            .iter()
-            .position(|&r| r == layout.rank)
-            .map(|me| {
-                MessageEngine::new(
-                    view(leader_ranks.clone(), me),
-                    timeout,
-                    algorithm,
-                    segment_bytes,
-                )
-            });
+        let leaders = whole.view(&leader_ranks).map(engine);
         let mine = layout
             .hosts
             .iter()
@@ -154,14 +79,17 @@ impl<L: Link> HierarchicalEngine<L> {
             .unwrap_or_else(|| vec![layout.rank]);
         let local_size = mine.len();
         let equal_hosts = layout.hosts.iter().all(|h| h.len() == local_size);
-        let rail = (equal_hosts && local_size > 1 && local.is_some()).then(|| {
-            let index = mine.iter().position(|&r| r == layout.rank).unwrap_or(0);
-            let members: Vec<usize> = layout.hosts.iter().map(|h| h[index]).collect();
-            let me = members.iter().position(|&r| r == layout.rank).unwrap_or(0);
-            MessageEngine::new(view(members, me), timeout, algorithm, segment_bytes)
-        });
+        let rail = (equal_hosts && local_size > 1 && local.is_some())
+            .then(|| {
+                let index = mine.iter().position(|&r| r == layout.rank).unwrap_or(0);
+                let members: Vec<usize> = layout.hosts.iter().map(|h| h[index]).collect();
+                whole.view(&members).map(engine)
+            })
+            .flatten();
         Self {
-            flat,
+            flat: engine(whole),
+            hosts: layout.hosts.clone(),
+            rank: layout.rank,
             leaders,
             rail,
             local,
@@ -171,7 +99,7 @@ impl<L: Link> HierarchicalEngine<L> {
     }
 }
 
-impl<L: Link> Engine for HierarchicalEngine<L> {
+impl<L: Link + 'static> Engine for HierarchicalEngine<L> {
     fn name(&self) -> &'static str {
         "tcp+shm"
     }
@@ -248,6 +176,42 @@ impl<L: Link> Engine for HierarchicalEngine<L> {
             local.abort(error);
         }
         self.flat.abort(error);
+    }
+
+    fn split(&mut self, call: &CallDesc, parts: &[Vec<usize>]) -> Result<Split, CommError> {
+        let host: Vec<usize> = self
+            .hosts
+            .iter()
+            .find(|h| h.contains(&self.rank))
+            .cloned()
+            .unwrap_or_else(|| vec![self.rank]);
+        let on_host = |part: &[usize]| part.iter().all(|r| host.contains(r));
+        let local_index = |rank: usize| host.iter().position(|&r| r == rank);
+        // Every rank of this host splits the host's shared memory at once, whatever its own
+        // part: the parts inside the host get a segment (by local index); a rank whose part
+        // spans hosts is alone there.
+        let local_parts: Vec<Vec<usize>> = host
+            .iter()
+            .map(|&rank| {
+                let part = part_of(parts, rank);
+                if on_host(part) {
+                    part.iter().filter_map(|&r| local_index(r)).collect()
+                } else {
+                    local_index(rank).into_iter().collect()
+                }
+            })
+            .collect();
+        let shm = match self.local.as_mut() {
+            Some(local) => local.split_part(call, &local_parts)?,
+            None => None,
+        };
+        let mine = part_of(parts, self.rank);
+        match shm {
+            Some(engine) => Ok(Split::Formed(Box::new(engine))),
+            None if mine.len() <= 1 => Ok(Split::Alone),
+            // A part across hosts: TCP between its ranks, over the same connections.
+            None => self.flat.split(call, parts),
+        }
     }
 
     fn set_timeout(&mut self, timeout: Duration) {

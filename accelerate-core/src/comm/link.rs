@@ -44,4 +44,14 @@ pub trait Link: Send {
     fn flush(&mut self, _deadline: Instant) -> Result<(), (usize, LinkError)> {
         Ok(())
     }
+    /// The same connections seen by `members` only (ranks of this link, this rank among
+    /// them), renumbered from 0 in their order: the link of a group split from this one.
+    /// `None` for a link that cannot be shared (one owned by a single engine).
+    fn view(&self, members: &[usize]) -> Option<Self>
+    where
+        Self: Sized,
+    {
+        let _ = members;
+        None
+    }
 }

@@ -51,17 +51,21 @@ pub mod collective;
 pub mod engine;
 mod group;
 pub mod hierarchical;
+pub mod hybrid;
 #[doc(hidden)]
 pub mod link;
 mod options;
 #[doc(hidden)]
 pub mod rendezvous;
 mod shared_buffer;
+#[doc(hidden)]
+pub mod sub_link;
 pub mod transport;
 
 pub use call::{CallDesc, OpKind};
 pub use collective::AllReduceAlgorithm;
 pub use group::{MAX_GATHERED_OBJECT_BYTES, MAX_OBJECT_BYTES, ProcessGroup, Reduction};
+pub use hybrid::{HybridError, HybridGroups};
 pub use options::{GroupOptions, TransportChoice};
 #[doc(no_inline)]
 pub use rendezvous::{admission, secret};

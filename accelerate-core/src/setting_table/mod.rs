@@ -30,7 +30,9 @@ use std::time::Duration;
 
 use crate::env_vars::{self, EnvSource};
 use crate::error::ConfigError;
-use crate::settings::{AllReduceAlgorithm, MixedPrecision, NcclMode, TransportChoice};
+use crate::settings::{
+    AllReduceAlgorithm, MixedPrecision, NcclMode, ShardGroupSize, TransportChoice,
+};
 
 mod group;
 pub use group::*;
@@ -67,7 +69,7 @@ macro_rules! shown_by_display {
     )*};
 }
 
-shown_by_display!(usize, u64, u16, u8, bool, String);
+shown_by_display!(usize, u64, u16, u8, bool, String, ShardGroupSize);
 
 impl SettingValue for Duration {
     fn show(&self) -> String {
@@ -372,6 +374,16 @@ pub const ZERO_STAGE: Setting<u8> = Setting {
     expected: "0, 1, 2 or 3",
     parse: parse_from,
     valid: |stage| *stage <= 3,
+};
+
+/// Processes each ZeRO shard is split across (hybrid sharding below the job).
+pub const SHARD_GROUP_SIZE: Setting<ShardGroupSize> = Setting {
+    key: "shard_group_size",
+    flag: Some("--shard-group-size"),
+    env: env_vars::SHARD_GROUP_SIZE,
+    expected: ShardGroupSize::EXPECTED,
+    parse: parse_from,
+    valid: any,
 };
 
 /// Activation (gradient) checkpointing.

@@ -8,7 +8,7 @@ use accelerate_core::config_file::{self, LoadedConfig};
 use accelerate_core::env_vars;
 use accelerate_core::launch::{LaunchConfig, launch};
 use accelerate_core::state::ProcessEnv;
-use accelerate_core::{LaunchFlags, MixedPrecision};
+use accelerate_core::{LaunchFlags, MixedPrecision, ShardGroupSize};
 use anyhow::{Context, bail};
 use clap::Args;
 
@@ -59,6 +59,12 @@ pub struct LaunchArgs {
     /// (the parameters of the units a model shards too) (passed as ACCELERATE_ZERO_STAGE).
     #[arg(long)]
     zero_stage: Option<u8>,
+
+    /// Processes each ZeRO shard is split across: job (default), host (hybrid sharding:
+    /// shard within each machine, replicate across machines) or a number that divides the
+    /// job's processes (passed as ACCELERATE_SHARD_GROUP_SIZE).
+    #[arg(long)]
+    shard_group_size: Option<ShardGroupSize>,
 
     /// Hide every GPU from the workers (CUDA_VISIBLE_DEVICES="").
     #[arg(long, conflicts_with = "gpu_ids")]
@@ -157,6 +163,7 @@ pub fn run(args: LaunchArgs) -> anyhow::Result<ExitCode> {
         main_process_port: args.main_process_port,
         mixed_precision: args.mixed_precision,
         zero_stage: args.zero_stage,
+        shard_group_size: args.shard_group_size,
         cpu: args.cpu,
         gpu_ids: args.gpu_ids,
         max_restarts: args.max_restarts,

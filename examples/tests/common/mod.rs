@@ -155,23 +155,32 @@ pub fn as_ranks<'a>(launcher: &'a mut Command, scenario: &str) -> &'a mut Comman
         .env_remove("MASTER_PORT")
 }
 
-/// Runs `scenario` with one rank on each of two hosts made of network namespaces: rank `r` in
-/// `namespaces[r]` under a host name of its own (`accrs-TAG-r`: ranks on one host name share
-/// memory), rank 0's host reached at `master`; `env` as for [`run`].
+/// Runs `scenario` on hosts made of network namespaces: rank `r` in `namespaces[r]`, with the
+/// namespace's name as host name (the ranks of one namespace are one host and share memory),
+/// numbered on it in rank order; rank 0's host reached at `master`; `env` as for [`run`].
 pub fn run_on_hosts(
     namespaces: &[String],
     master: &str,
-    tag: &str,
     scenario: &str,
     env: &[(&str, String)],
 ) -> Vec<Output> {
     let mut env = env.to_vec();
     env.push(("MASTER_ADDR", master.to_string()));
-    env.push(("LOCAL_WORLD_SIZE", "1".to_string()));
-    env.push(("LOCAL_RANK", "0".to_string()));
-    let host = |rank: usize| {
-        let script = format!("hostname accrs-{tag}-{rank} && exec \"$0\" \"$@\"");
+    let on_host = |rank: usize| {
         let namespace = &namespaces[rank];
+        let local_rank = namespaces[..rank]
+            .iter()
+            .filter(|n| *n == namespace)
+            .count();
+        let local_world = namespaces.iter().filter(|n| *n == namespace).count();
+        (namespace, local_rank, local_world)
+    };
+    let host = |rank: usize| {
+        let (namespace, local_rank, local_world) = on_host(rank);
+        let script = format!(
+            "hostname {namespace} && export LOCAL_RANK={local_rank} \
+             LOCAL_WORLD_SIZE={local_world} && exec \"$0\" \"$@\""
+        );
         [
             "ip", "netns", "exec", namespace, "unshare", "--uts", "sh", "-c", &script,
         ]

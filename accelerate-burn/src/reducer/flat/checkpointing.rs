@@ -101,12 +101,8 @@ impl FlatReducer {
     /// start again from it, under its (saved) parameter ids.
     pub(super) fn rebuild(&mut self, source: LoadSource<'_>) -> Result<(), StageError> {
         self.layout = Arc::new(source.layout);
-        self.plan = FlatPlan::new(
-            &self.layout,
-            self.sharding.splits(),
-            self.options.rank,
-            self.options.world,
-        );
+        let (rank, world) = self.options.shard_job();
+        self.plan = FlatPlan::new(&self.layout, self.sharding.splits(), rank, world);
         // The gradient buffer is kept (a new shared one would be a collective call here). It
         // is taken only once the new buffers are sure to be built, so a failed load does not
         // leave the current ones without it.

@@ -14,9 +14,9 @@ use std::ops::Range;
 use accelerate_kernels::reduce::{ReduceOp, reduce_f32};
 use burn::tensor::{Tensor, TensorData};
 
+use super::cut::Cut;
 use super::plan::FlatPlan;
 use crate::error::AccelerateError;
-use crate::group::Comm;
 use crate::params;
 use crate::reducer::wire::Wire;
 
@@ -180,9 +180,9 @@ pub(super) fn reduce_scatter(
     shard: &mut [f32],
     add: bool,
     wire: &mut Wire,
-    comm: &Comm,
+    cut: Cut<'_>,
 ) -> Result<(), AccelerateError> {
-    if !comm.is_distributed() {
+    if !cut.shard.is_distributed() && cut.replicas.is_none() {
         // One process's shard is all of it (ZeRO kept for one GPU where NCCL was required).
         if add {
             reduce_f32(shard, &grads.shard_values(plan), ReduceOp::Sum);
@@ -195,7 +195,7 @@ pub(super) fn reduce_scatter(
         plan,
         &mut grads,
         wire,
-        comm,
+        cut,
         |_| false,
         |_, column, mine| {
             let target = &mut shard[column];
@@ -217,7 +217,7 @@ pub(super) fn reduce_scatter_in_place(
     plan: &FlatPlan,
     mut grads: SegmentGrads,
     wire: &mut Wire,
-    comm: &Comm,
+    cut: Cut<'_>,
 ) -> Result<SegmentGrads, AccelerateError> {
     // A segment of the shard that got no gradient here receives the average all the same (a
     // peer's may have one).
@@ -227,7 +227,7 @@ pub(super) fn reduce_scatter_in_place(
             *data = Some(TensorData::new(vec![0.0_f32; segment.len], [segment.len]));
         }
     }
-    if !comm.is_distributed() {
+    if !cut.shard.is_distributed() && cut.replicas.is_none() {
         // One process's shard is all of it, averaged already.
         return Ok(grads);
     }
@@ -235,7 +235,7 @@ pub(super) fn reduce_scatter_in_place(
     // others', so the average can take its place.
     let keep = |index| plan.shard_part(index).is_some();
     let shard_start = plan.shard.start;
-    by_columns(plan, &mut grads, wire, comm, keep, |grads, column, mine| {
+    by_columns(plan, &mut grads, wire, cut, keep, |grads, column, mine| {
         grads.write(
             plan,
             shard_start + column.start..shard_start + column.end,
@@ -253,11 +253,11 @@ fn by_columns(
     plan: &FlatPlan,
     grads: &mut SegmentGrads,
     wire: &mut Wire,
-    comm: &Comm,
+    cut: Cut<'_>,
     keep: impl Fn(usize) -> bool,
     mut deliver: impl FnMut(&mut SegmentGrads, Range<usize>, &[f32]),
 ) -> Result<(), AccelerateError> {
-    let columns = Columns::new(plan.padded, comm.world_size());
+    let columns = Columns::new(plan.padded, cut.shard.world_size());
     let last_uses = columns.last_uses(plan);
     // One column's input and this rank's result, reused by every column; `fill` writes every
     // element.
@@ -269,7 +269,9 @@ fn by_columns(
             grads.fill(plan, columns.of_rank(r, k), piece);
         }
         mine.resize(width, 0.0);
-        comm.timed(|group| wire.reduce_scatter_mean(&mut input, &mut mine, group))?;
+        cut.shard
+            .timed(|group| wire.reduce_scatter_mean(&mut input, &mut mine, group))?;
+        cut.across_replicas(&mut mine, wire)?;
         deliver(grads, columns.range(k), &mine);
         for &index in done {
             if !keep(index) {
@@ -285,8 +287,9 @@ fn by_columns(
 pub(super) fn all_gather(
     plan: &FlatPlan,
     shard: &[f32],
-    comm: &Comm,
+    cut: Cut<'_>,
 ) -> Result<Vec<Vec<f32>>, AccelerateError> {
+    let comm = cut.shard;
     let mut out: Vec<Vec<f32>> = plan.segments.iter().map(|s| vec![0.0; s.len]).collect();
     let world = if comm.is_distributed() {
         comm.world_size()

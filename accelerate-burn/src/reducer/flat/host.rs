@@ -9,12 +9,12 @@
 use burn::tensor::{DType, Device, Tensor};
 
 use super::columns::{self, SegmentGrads};
+use super::cut::Cut;
 use super::grads::{GradBuffer, ShardGrads};
 use super::in_place::{Averaged, InPlace, StepRates};
 use super::plan::{FlatPlan, Sharding};
 use crate::error::AccelerateError;
 use crate::fused::HeldBytes;
-use crate::group::Comm;
 use crate::params::{self, copy_f32};
 use crate::reducer::api::ModelUpdate;
 use crate::reducer::wire::Wire;
@@ -109,11 +109,12 @@ impl HostFlat {
         plan: &mut FlatPlan,
         grads: impl Iterator<Item = Option<Tensor<1>>>,
         wire: &mut Wire,
-        comm: &Comm,
+        cut: Cut<'_>,
     ) -> Result<f64, AccelerateError> {
+        let comm = cut.job;
         if self.sharding.splits() {
             let grads = SegmentGrads::take(grads);
-            let kept = columns::reduce_scatter_in_place(plan, grads, wire, comm)?;
+            let kept = columns::reduce_scatter_in_place(plan, grads, wire, cut)?;
             self.shard_grads = ShardGrads::InSegments(kept);
         } else if let Some(flat) = self.grads.flat_mut() {
             flatten(plan, grads, flat);
@@ -130,7 +131,7 @@ impl HostFlat {
         } else {
             self.grads = GradBuffer::Segments(SegmentGrads::take(grads));
         }
-        self.measure(plan, comm)
+        self.measure(plan, cut)
     }
 
     /// ZeRO-2: averages one micro-batch's gradients over the processes straight into this
@@ -149,15 +150,13 @@ impl HostFlat {
         grads: impl Iterator<Item = Option<Tensor<1>>>,
         first: bool,
         wire: &mut Wire,
-        comm: &Comm,
+        cut: Cut<'_>,
     ) -> Result<(), AccelerateError> {
         let grads = SegmentGrads::take(grads);
         match &mut self.shard_grads {
-            ShardGrads::Buffer(sum) => {
-                columns::reduce_scatter(plan, grads, sum, !first, wire, comm)
-            }
+            ShardGrads::Buffer(sum) => columns::reduce_scatter(plan, grads, sum, !first, wire, cut),
             ShardGrads::InSegments(_) if first => {
-                let kept = columns::reduce_scatter_in_place(plan, grads, wire, comm)?;
+                let kept = columns::reduce_scatter_in_place(plan, grads, wire, cut)?;
                 self.shard_grads = ShardGrads::InSegments(kept);
                 Ok(())
             }
@@ -165,7 +164,7 @@ impl HostFlat {
                 let mut sum = held.shard_values(plan);
                 // The first micro-batch's gradients are let go before the second is sent.
                 self.shard_grads = ShardGrads::Buffer(Vec::new());
-                columns::reduce_scatter(plan, grads, &mut sum, true, wire, comm)?;
+                columns::reduce_scatter(plan, grads, &mut sum, true, wire, cut)?;
                 self.shard_grads = ShardGrads::Buffer(sum);
                 Ok(())
             }
@@ -181,15 +180,15 @@ impl HostFlat {
     /// The sum of the squares of the averaged gradients over every rank (this rank's shard,
     /// summed across the ranks, under ZeRO); the ranks agree on which segments got gradients
     /// in the window ([`FlatPlan::agree_grads`]) on the way.
-    pub fn measure(&self, plan: &mut FlatPlan, comm: &Comm) -> Result<f64, AccelerateError> {
+    pub fn measure(&self, plan: &mut FlatPlan, cut: Cut<'_>) -> Result<f64, AccelerateError> {
         if self.sharding.splits() {
             // Each rank measured its shard: the sum over the ranks rides on the agreement on
             // which segments got gradients.
             let shard = self.shard_grads.sum_of_squares(plan);
-            let total = plan.agree_grads(comm, Some(shard))?;
+            let total = plan.agree_grads(cut, Some(shard))?;
             return Ok(total.unwrap_or(shard));
         }
-        plan.agree_grads(comm, None)?;
+        plan.agree_grads(cut, None)?;
         Ok(self.grads.sum_of_squares())
     }
 
@@ -245,14 +244,14 @@ impl HostFlat {
         plan: &mut FlatPlan,
         step: StepRates<'_>,
         model: &mut dyn ModelUpdate,
-        comm: &Comm,
+        cut: Cut<'_>,
     ) -> Result<(), AccelerateError> {
         let grads = if self.sharding.splits() {
             Averaged::Shard(&self.shard_grads)
         } else {
             Averaged::Whole(&self.grads)
         };
-        let mut update = InPlace::new(plan, step, grads, &mut self.state, &self.device, comm);
+        let mut update = InPlace::new(plan, step, grads, &mut self.state, &self.device, cut.shard);
         model.update_each(&mut update);
         let result = update.finish();
         self.release_grads();
@@ -269,10 +268,10 @@ impl HostFlat {
     pub fn publish(
         &mut self,
         plan: &FlatPlan,
-        comm: &Comm,
+        cut: Cut<'_>,
     ) -> Result<Vec<Tensor<1>>, AccelerateError> {
         if self.sharding.splits() {
-            let values = columns::all_gather(plan, &self.params, comm)?;
+            let values = columns::all_gather(plan, &self.params, cut)?;
             return Ok(values
                 .into_iter()
                 .map(|values| params::upload(values, &self.device))

@@ -12,6 +12,7 @@ use burn::tensor::Tensor;
 
 mod checkpointing;
 mod columns;
+mod cut;
 #[cfg(feature = "device-kernels")]
 mod device;
 mod grads;
@@ -21,6 +22,7 @@ mod plan;
 mod state_file;
 
 use columns::SegmentGrads;
+use cut::Cut;
 #[cfg(feature = "device-kernels")]
 use device::DeviceFlat;
 use grads::GradBuffer;
@@ -33,7 +35,7 @@ pub(crate) use state_file::{FusedStateFile, Segment};
 
 use crate::error::AccelerateError;
 use crate::fused::{FusedOptimizer, HeldBytes};
-use crate::group::Comm;
+use crate::group::{Comm, Hybrid};
 use crate::params::{ParamLayout, ParamList};
 use crate::reducer::api::{
     GradientReducer, HeldNorm, LoadSource, ModelUpdate, Outcome, Reduced, ReducerKind, SaveRole,
@@ -98,6 +100,19 @@ pub(crate) struct FlatOptions {
     pub wire: MixedPrecision,
     /// The job averages gradients with NCCL on the GPUs: ZeRO-1 can stay on the device.
     pub device_collectives: bool,
+    /// Hybrid sharding's groups: the buffers are cut across the shard group, and each shard's
+    /// gradients averaged across the replicas too (on the host).
+    pub hybrid: Option<Hybrid>,
+}
+
+impl FlatOptions {
+    /// This process's rank among the processes the shards are cut across, and how many they
+    /// are: the job's, or under hybrid sharding the shard group's.
+    fn shard_job(&self) -> (usize, usize) {
+        self.hybrid.as_ref().map_or((self.rank, self.world), |h| {
+            (h.shard.rank(), h.shard.world_size())
+        })
+    }
 }
 
 impl FlatReducer {
@@ -117,7 +132,8 @@ impl FlatReducer {
             options.world,
             options.device_collectives,
         );
-        let plan = FlatPlan::new(&layout, sharding.splits(), options.rank, options.world);
+        let (shard_rank, shard_world) = options.shard_job();
+        let plan = FlatPlan::new(&layout, sharding.splits(), shard_rank, shard_world);
         // All-reduced whole, the gradients go in the group's shared buffer (every rank
         // allocates it here, at prepare, in the same order). On transports without shared
         // memory that is an ordinary vector and the all-reduce the usual one.
@@ -224,20 +240,22 @@ impl GradientReducer for FlatReducer {
         let sum_sq = match &mut self.buffers {
             // ZeRO-2: `accumulate` already averaged the window into the shard.
             Buffers::Host(host) if self.sharding == Sharding::Gradients => {
-                SumOfSquares::Measured(host.measure(&mut self.plan, comm)?)
+                let cut = Cut::new(comm, self.options.hybrid.as_ref());
+                SumOfSquares::Measured(host.measure(&mut self.plan, cut)?)
             }
             Buffers::Host(host) => {
                 self.plan.note_grads(&grads, true);
                 // Taken first: the average also agrees on the plan's gradient mask.
                 let taken: Vec<_> = self.plan.entries.iter().map(|&e| grads[e].take()).collect();
+                let cut = Cut::new(comm, self.options.hybrid.as_ref());
                 let sum_sq =
-                    host.average(&mut self.plan, taken.into_iter(), &mut self.wire, comm)?;
+                    host.average(&mut self.plan, taken.into_iter(), &mut self.wire, cut)?;
                 SumOfSquares::Measured(sum_sq)
             }
             #[cfg(feature = "device-kernels")]
             Buffers::Device(device) => {
                 self.plan.note_grads(&grads, true);
-                self.plan.agree_grads(comm, None)?;
+                self.plan.agree_grads(Cut::new(comm, None), None)?;
                 let taken = self.plan.entries.iter().map(|&e| grads[e].take());
                 device.gather(&self.plan, taken, !comm.is_distributed());
                 // fp16's overflow test needs the value now; otherwise it waits for clipping.
@@ -285,7 +303,8 @@ impl GradientReducer for FlatReducer {
         };
         self.plan.note_grads(&grads, first);
         let taken = self.plan.entries.iter().map(|&e| grads[e].take());
-        host.accumulate(&self.plan, taken, first, &mut self.wire, comm)
+        let cut = Cut::new(comm, self.options.hybrid.as_ref());
+        host.accumulate(&self.plan, taken, first, &mut self.wire, cut)
     }
 
     fn scale_held(&mut self, factor: f64) {
@@ -321,11 +340,12 @@ impl GradientReducer for FlatReducer {
                     lr: &lr,
                     grad_scale,
                 };
+                let cut = Cut::new(comm, self.options.hybrid.as_ref());
                 if host.in_place() {
-                    return host.step_in_place(&mut self.plan, step, model, comm);
+                    return host.step_in_place(&mut self.plan, step, model, cut);
                 }
                 host.step(&mut self.plan, step);
-                host.publish(&self.plan, comm)?
+                host.publish(&self.plan, cut)?
             }
             #[cfg(feature = "device-kernels")]
             Buffers::Device(device) => {
@@ -342,14 +362,22 @@ impl GradientReducer for FlatReducer {
     }
 
     fn save(&mut self, role: SaveRole) -> Result<Vec<SavedFile>, StageError> {
-        // Every rank's shard with ZeRO, else the main process's (all hold the same state).
-        if !(role.main || self.sharding.splits() && role.distributed) {
+        // Every rank's shard with ZeRO (under hybrid sharding the first shard group's, named
+        // by the rank in it), else the main process's (all hold the same state).
+        let hybrid = self.options.hybrid.as_ref();
+        let shards = self.sharding.splits() && role.distributed;
+        if !(role.main || shards) || shards && hybrid.is_some_and(|h| !h.writes_shards()) {
             return Ok(Vec::new());
         }
+        let rank = if shards {
+            self.options.shard_job().0
+        } else {
+            role.rank
+        };
         Ok(vec![SavedFile {
-            name: format!("{FUSED_PREFIX}{}.bin", role.rank),
+            name: format!("{FUSED_PREFIX}{rank}.bin"),
             contents: "fused optimizer state of one shard (JSON header, f32 data)",
-            rank: Some(role.rank),
+            rank: Some(rank),
             data: self.state_file().to_bytes(),
         }])
     }

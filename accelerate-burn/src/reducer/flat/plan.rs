@@ -8,9 +8,9 @@ use accelerate_kernels::schedule::chunk_range;
 use burn::lr_scheduler::module_lr_scheduler::ModuleLearningRate;
 use burn::module::ParamId;
 
+use super::cut::Cut;
 use super::state_file::Segment;
 use crate::error::AccelerateError;
-use crate::group::Comm;
 use crate::params::{ParamLayout, ParamList};
 
 /// What each process holds of the flat buffers (the fused optimizer's ZeRO stage, where
@@ -118,14 +118,34 @@ impl FlatPlan {
     /// a parameter that only some ranks' batches reach (a head chosen by the data) would be
     /// updated on those ranks only and the replicas (or the shard's parts) would drift apart.
     /// `rider` (a sum of squares measured per shard) travels in the same all-reduce and comes
-    /// back summed over the ranks.
+    /// back summed over the ranks; under hybrid sharding over the shard group alone, in a
+    /// second one (the other groups hold the same shards).
     pub fn agree_grads(
         &mut self,
-        comm: &Comm,
+        cut: Cut<'_>,
         rider: Option<f64>,
     ) -> Result<Option<f64>, AccelerateError> {
+        let comm = cut.job;
         if !comm.is_distributed() {
             return Ok(rider);
+        }
+        if cut.replicas.is_some() {
+            let summed = match rider {
+                Some(value) if cut.shard.is_distributed() => {
+                    let mut sum = [value as f32];
+                    cut.shard
+                        .timed(|group| group.all_reduce(&mut sum, Reduction::Sum))?;
+                    Some(f64::from(sum[0]))
+                }
+                other => other,
+            };
+            let job = Cut {
+                replicas: None,
+                shard: comm,
+                job: comm,
+            };
+            self.agree_grads(job, None)?;
+            return Ok(summed);
         }
         let mut counts: Vec<f32> = self
             .has_grad

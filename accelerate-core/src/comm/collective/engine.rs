@@ -3,7 +3,7 @@
 use std::time::{Duration, Instant};
 
 use crate::comm::call::{CallDesc, Header, OpKind};
-use crate::comm::engine::Engine;
+use crate::comm::engine::{Engine, Split, part_of};
 use crate::comm::link::{Link, LinkError};
 use crate::error::CommError;
 
@@ -199,7 +199,7 @@ impl<L: Link> MessageEngine<L> {
     }
 }
 
-impl<L: Link> Engine for MessageEngine<L> {
+impl<L: Link + 'static> Engine for MessageEngine<L> {
     fn name(&self) -> &'static str {
         self.link.name()
     }
@@ -252,6 +252,21 @@ impl<L: Link> Engine for MessageEngine<L> {
 
     fn set_timeout(&mut self, timeout: Duration) {
         self.timeout = timeout;
+    }
+
+    fn split(&mut self, _call: &CallDesc, parts: &[Vec<usize>]) -> Result<Split, CommError> {
+        // Over the same connections: a view of the part's ranks, when the link is shared.
+        let mine = part_of(parts, self.rank());
+        Ok(match self.link.view(mine) {
+            None => Split::Unsupported,
+            Some(_) if mine.len() == 1 => Split::Alone,
+            Some(view) => Split::Formed(Box::new(MessageEngine::new(
+                view,
+                self.timeout,
+                self.algorithm,
+                self.segment_bytes,
+            ))),
+        })
     }
 
     fn abort(&mut self, error: &CommError) {

@@ -15,16 +15,18 @@ use crate::comm::link::Link;
 use crate::comm::options::{GroupOptions, TransportChoice};
 use crate::comm::rendezvous::secret::JobSecret;
 use crate::comm::rendezvous::{GroupSettings, PeerInfo, RendezvousConfig, SharedMemoryHooks};
+use crate::comm::sub_link::SubLink;
 use crate::comm::transport::local::LocalLink;
 use crate::comm::transport::shm::{SegmentHooks, ShmEngine, segment_path};
 use crate::comm::transport::tcp::TcpLink;
 use crate::error::CommError;
 use crate::state::ProcessState;
 
-/// The message-passing engine over `link`, set up as `options` say.
+/// The message-passing engine over `link`, set up as `options` say (shared, so that groups
+/// split from it reuse its connections).
 fn message_engine<L: Link + 'static>(link: L, options: &GroupOptions) -> Box<dyn Engine> {
     Box::new(MessageEngine::new(
-        link,
+        SubLink::whole(link),
         options.timeout,
         options.algorithm,
         options.segment_bytes,

@@ -14,6 +14,7 @@ use super::shared_buffer::SharedBuffer;
 use crate::error::CommError;
 
 mod formation;
+mod split;
 
 /// Largest value [`ProcessGroup::broadcast_object`] and the object gathers carry, in bytes.
 pub const MAX_OBJECT_BYTES: usize = 256 << 20;

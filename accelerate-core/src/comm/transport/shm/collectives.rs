@@ -8,7 +8,7 @@ use memmap2::MmapMut;
 
 use super::ShmEngine;
 use crate::comm::call::CallDesc;
-use crate::comm::engine::{Engine, chunk_bytes};
+use crate::comm::engine::{Engine, Split, chunk_bytes};
 use crate::error::CommError;
 
 impl Engine for ShmEngine {
@@ -174,6 +174,13 @@ impl Engine for ShmEngine {
 
     fn set_timeout(&mut self, timeout: Duration) {
         self.timeout = timeout;
+    }
+
+    fn split(&mut self, call: &CallDesc, parts: &[Vec<usize>]) -> Result<Split, CommError> {
+        Ok(match self.split_part(call, parts)? {
+            Some(engine) => Split::Formed(Box::new(engine)),
+            None => Split::Alone,
+        })
     }
 
     fn create_shared(

@@ -22,12 +22,13 @@
 //!
 //! This file owns the segment and the engine's state; `barrier` the waiting, `collectives`
 //! the collectives over the slots, `shared_buffer` the buffers ranks reduce in place, and
-//! `region` the segment's memory layout.
+//! `region` the segment's memory layout, `split` the segments of groups split from this one.
 
 mod barrier;
 mod collectives;
 mod region;
 mod shared_buffer;
+mod split;
 pub(crate) mod stale;
 
 use std::collections::HashMap;
@@ -141,6 +142,33 @@ pub fn can_open(path: &Path, world_size: usize, slot_bytes: usize) -> bool {
         .is_ok()
 }
 
+/// Creates the segment of a group of `world_size` ranks at `path` (on `rank`, its creator)
+/// and returns the cookie written in it, which tells it from another file of that name.
+fn create_segment(
+    path: &Path,
+    world_size: usize,
+    slot_bytes: usize,
+    rank: usize,
+) -> Result<[u8; 16], CommError> {
+    let context = || format!("creating {}", path.display());
+    let file = Region::size(world_size, slot_bytes)
+        .and_then(|len| create_private(path, len))
+        .map_err(|e| CommError::io(rank, context(), e))?;
+    let cookie: [u8; 16] = crate::comm::auth::random_bytes()
+        .map_err(|e| CommError::io(rank, context(), std::io::Error::other(e)))?;
+    // The creator's pid where rank 0's control block keeps it: the file names its owner
+    // until every rank has mapped it (see `stale`).
+    let creator = u64::from(std::process::id()).to_le_bytes();
+    let stamped = file
+        .write_all_at(&creator, 0)
+        .and_then(|()| file.write_all_at(&cookie, region::COOKIE as u64));
+    if let Err(e) = stamped {
+        let _ = std::fs::remove_file(path);
+        return Err(CommError::io(rank, context(), e));
+    }
+    Ok(cookie)
+}
+
 /// How the rendezvous creates, checks and removes a group's segment.
 pub struct SegmentHooks {
     /// The rendezvous address (part of the segment's name).
@@ -162,23 +190,7 @@ impl SharedMemoryHooks for SegmentHooks {
         if let Some(dir) = path.parent() {
             stale::sweep(dir, stale::STALE_AFTER);
         }
-        let context = || format!("creating {}", path.display());
-        let file = Region::size(self.world_size, self.slot_bytes)
-            .and_then(|len| create_private(&path, len))
-            .map_err(|e| CommError::io(self.rank, context(), e))?;
-        let cookie: [u8; 16] = crate::comm::auth::random_bytes()
-            .map_err(|e| CommError::io(self.rank, context(), std::io::Error::other(e)))?;
-        // The creator's pid where rank 0's control block keeps it: the file names its owner
-        // until every rank has mapped it (see `stale`).
-        let creator = u64::from(std::process::id()).to_le_bytes();
-        let stamped = file
-            .write_all_at(&creator, 0)
-            .and_then(|()| file.write_all_at(&cookie, region::COOKIE as u64));
-        if let Err(e) = stamped {
-            let _ = std::fs::remove_file(&path);
-            return Err(CommError::io(self.rank, context(), e));
-        }
-        Ok(cookie)
+        create_segment(&path, self.world_size, self.slot_bytes, self.rank)
     }
 
     fn check(&self, token: &[u8], cookie: &[u8; 16]) -> Option<String> {
