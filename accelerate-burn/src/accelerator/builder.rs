@@ -407,7 +407,11 @@ impl<B: AcceleratorBackend> AcceleratorBuilder<B> {
             clock,
             links: LoaderLinks::default(),
             compute_dtype,
-            shards: Arc::new(ShardGroup::new(comm.clone(), hybrid.as_ref())),
+            shards: Arc::new(ShardGroup::new(
+                comm.clone(),
+                hybrid.as_ref(),
+                config.overlap_communication,
+            )),
             hybrid,
             local_comm: crate::reducer::sharded::ShardedReducer::local_comm(),
             // Not under Burn's fusion on a GPU: a tap reads its gradient in the middle of

@@ -9,8 +9,9 @@ use burn::module::Module;
 use super::Accelerator;
 use crate::backend::AcceleratorBackend;
 use crate::error::AccelerateError;
-use crate::params::ParamLayout;
+use crate::params::{self, ParamLayout, ParamList};
 use crate::sharded::{self, Sharded, WholeUnit};
+use burn::tensor::Tensor;
 
 impl<B: AcceleratorBackend> Accelerator<B> {
     /// Shards `unit` (a layer, a block) over the processes: ZeRO-3 (`zero_stage(3)`). This
@@ -146,6 +147,32 @@ impl<B: AcceleratorBackend> Accelerator<B> {
     /// of a [`Sharded`] unit; `None` for a parameter left whole.
     pub(crate) fn shard_mask(&self, layout: &ParamLayout) -> Vec<Option<usize>> {
         self.shards.numels(layout)
+    }
+
+    /// Puts each shard gradient averaged across the replicas (hybrid sharding's thread) in
+    /// `list` (of `layout`) in place of its shard group's average, which backward left there.
+    pub(crate) fn take_replica_averages(
+        &self,
+        list: &mut ParamList,
+        layout: &ParamLayout,
+        averaged: crate::sharded::Averaged,
+    ) -> Result<(), AccelerateError> {
+        for (id, values) in averaged {
+            let Some(index) = layout.entries.iter().position(|entry| entry.id == id) else {
+                return Err(AccelerateError::ModelChanged {
+                    rank: self.state.rank,
+                    detail: format!(
+                        "the gradient of shard {id} came back from the replicas, and the model \
+                         has no such parameter"
+                    ),
+                });
+            };
+            let device = list[index]
+                .as_ref()
+                .map_or_else(|| self.device.clone(), Tensor::device);
+            list[index] = Some(params::upload(values, &device));
+        }
+        Ok(())
     }
 
     /// At stage 3 the prepared model must hold sharded units; below it, none.

@@ -121,15 +121,19 @@ impl<B: AcceleratorBackend> Accelerator<B> {
             (averaged, &self.local_comm)
         } else {
             let grads = loss.backward();
+            // Hybrid sharding: the shards' averages across the replicas, from the thread that
+            // ran them during backward (done before any collective of the job's).
+            let across_replicas = self.shards.finish_replicas();
             // A sharded unit's gather or reduce-scatter that failed inside the graph.
             self.sharding_failure()?;
             let grads = GradientsParams::from_grads(grads, model);
-            let list = reducer.layout().take_grads(grads).map_err(|unknown| {
+            let mut list = reducer.layout().take_grads(grads).map_err(|unknown| {
                 AccelerateError::ModelChanged {
                     rank: self.state.rank,
                     detail: unknown.to_string(),
                 }
             })?;
+            self.take_replica_averages(&mut list, reducer.layout(), across_replicas)?;
             let mut summed = if reducer.holds_window_sum() {
                 // ZeRO-2: the reducer averages each micro-batch into its shard of the sum now.
                 reducer.accumulate(list, step.first, &self.comm)?;

@@ -32,6 +32,7 @@ use burn::backend::autodiff::grads::Gradients;
 use burn::backend::autodiff::ops::{Backward, Ops};
 use burn::backend::tensor::FloatTensor;
 use burn::backend::{AutodiffBackend, Backend, TensorMetadata, backend_extension};
+use burn::module::ParamId;
 use burn::tensor::{DType, TensorData, bf16, f16, try_read_sync};
 
 use super::group::ShardGroup;
@@ -46,6 +47,8 @@ mod on_gpus;
 
 /// One sharded parameter as the gather sees it: its shape, and how it is cut.
 pub(crate) struct ParamShard {
+    /// The shard parameter's id when it was cut.
+    pub id: ParamId,
     /// The parameter's dimensions.
     pub shape: Vec<usize>,
     /// Its elements.
@@ -445,7 +448,7 @@ fn reduce_scatter_mean(data: Option<&TensorData>, param: &ParamShard) -> Option<
     };
     let mut shard = vec![0.0_f32; param.shard_len];
     group.run(|g| g.reduce_scatter(input, &mut shard, Reduction::Mean))?;
-    group.average_replicas(&mut shard)?;
+    group.average_replicas(param.id, &mut shard)?;
     Some(TensorData::new(shard, [param.shard_len]))
 }
 

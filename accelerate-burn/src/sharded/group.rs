@@ -10,6 +10,7 @@ use std::sync::{Mutex, MutexGuard, PoisonError};
 use accelerate_core::{CommError, ProcessGroup};
 use burn::module::ParamId;
 
+use super::replicas::{Averaged, ReplicaThread};
 use crate::error::AccelerateError;
 use crate::group::{Comm, Hybrid};
 use crate::params::ParamLayout;
@@ -23,6 +24,14 @@ pub(crate) struct ShardGroup {
     hybrid: Option<Hybrid>,
     /// The whole job (rank 0's values reach every shard group through it).
     job: Comm,
+    /// Whether the averages across the replicas run on a thread while backward goes on
+    /// (`overlap_communication`, with shard groups on shared memory, whose collectives never
+    /// share the replicas' connections), or at once.
+    overlap_replicas: bool,
+    /// The thread of this backward pass's averages across the replicas, once one started.
+    replica_thread: Mutex<Option<ReplicaThread>>,
+    /// Each shard's id now, by the id it was cut with (a checkpoint's load renames them).
+    current_ids: Mutex<HashMap<ParamId, ParamId>>,
     /// The first collective or read that failed inside a gather: a read that failed takes
     /// part with zeros, a failed collective gives zeros (its group refuses every later call at
     /// once), and `backward` makes every rank report it.
@@ -59,12 +68,17 @@ impl std::fmt::Debug for ShardGroup {
 }
 
 impl ShardGroup {
-    /// The units' group over `job`, or over `hybrid`'s shard groups.
-    pub fn new(job: Comm, hybrid: Option<&Hybrid>) -> Self {
+    /// The units' group over `job`, or over `hybrid`'s shard groups; `overlap`: average
+    /// across the replicas while backward goes on, where the shard groups allow it.
+    pub fn new(job: Comm, hybrid: Option<&Hybrid>, overlap: bool) -> Self {
+        let on_shared_memory = |h: &Hybrid| h.shard.lock().transport() == "shm";
         Self {
             comm: hybrid.map_or_else(|| job.clone(), |h| h.shard.clone()),
             hybrid: hybrid.cloned(),
             job,
+            overlap_replicas: overlap && hybrid.is_some_and(on_shared_memory),
+            replica_thread: Mutex::new(None),
+            current_ids: Mutex::new(HashMap::new()),
             failure: Mutex::new(None),
             shard_ids: Mutex::new(HashMap::new()),
             units: AtomicU64::new(0),
@@ -94,13 +108,34 @@ impl ShardGroup {
         self.hybrid.as_ref().is_none_or(Hybrid::writes_shards)
     }
 
-    /// Averages this rank's part of a reduce-scatter (`shard`, the shard group's mean) across
-    /// the replicas into the job's mean; nothing without hybrid sharding. `None` (recorded)
-    /// when it failed.
-    pub fn average_replicas(&self, shard: &mut [f32]) -> Option<()> {
+    /// Averages this rank's part of a reduce-scatter (`shard`, the shard group's mean, of the
+    /// shard cut as `id`) across the replicas into the job's mean; nothing without hybrid
+    /// sharding. With the thread, `shard` stays the group's mean and the job's comes from
+    /// [`finish_replicas`](Self::finish_replicas). `None` (recorded) when it failed.
+    pub fn average_replicas(&self, id: ParamId, shard: &mut [f32]) -> Option<()> {
         let Some(hybrid) = &self.hybrid else {
             return Some(());
         };
+        if self.overlap_replicas {
+            let mut thread = self
+                .replica_thread
+                .lock()
+                .unwrap_or_else(PoisonError::into_inner);
+            if thread.is_none() {
+                match ReplicaThread::start(hybrid.replicas.clone()) {
+                    Ok(started) => *thread = Some(started),
+                    Err(e) => {
+                        drop(thread);
+                        self.record_other(format!("starting the replicas' thread failed: {e}"));
+                        return None;
+                    }
+                }
+            }
+            if let Some(thread) = thread.as_ref() {
+                thread.send(self.current_id(id), shard.to_vec());
+            }
+            return Some(());
+        }
         match hybrid
             .replicas
             .timed(|g| g.all_reduce(shard, accelerate_core::Reduction::Mean))
@@ -111,6 +146,38 @@ impl ShardGroup {
                 None
             }
         }
+    }
+
+    /// The shards' gradients the replicas' thread averaged in this backward pass (none
+    /// without one), once it is done: call it before any collective of the job's. A failure
+    /// is recorded, as a gather's.
+    pub fn finish_replicas(&self) -> Averaged {
+        let thread = self
+            .replica_thread
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .take();
+        match thread.map(ReplicaThread::finish) {
+            None => Vec::new(),
+            Some(Some(Ok(averaged))) => averaged,
+            Some(Some(Err(e))) => {
+                self.record(Failure::Comm(e));
+                Vec::new()
+            }
+            Some(None) => {
+                self.record_other("the thread averaging across the replicas panicked".into());
+                Vec::new()
+            }
+        }
+    }
+
+    /// Shard `id`'s id now (`id` itself unless a checkpoint's load renamed it).
+    fn current_id(&self, id: ParamId) -> ParamId {
+        let ids = self
+            .current_ids
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner);
+        ids.get(&id).copied().unwrap_or(id)
     }
 
     /// Ranks of the group.
@@ -202,6 +269,15 @@ impl ShardGroup {
         if let Some(shard) = ids.get(&old).cloned() {
             ids.insert(id, shard);
         }
+        drop(ids);
+        let mut current = self
+            .current_ids
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner);
+        for now in current.values_mut().filter(|now| **now == old) {
+            *now = id;
+        }
+        current.entry(old).or_insert(id);
     }
 
     /// The unit of shard `id`; `None` for other ids.

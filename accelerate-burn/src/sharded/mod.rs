@@ -22,6 +22,7 @@
 #[allow(deprecated)]
 mod gather;
 mod group;
+mod replicas;
 mod whole;
 mod whole_unit;
 
@@ -39,6 +40,7 @@ use crate::error::AccelerateError;
 use crate::params;
 use gather::{GatherSpec, ParamShard, ShardOps};
 pub(crate) use group::ShardGroup;
+pub(crate) use replicas::Averaged;
 use whole::{WholeMapper, WholeVisitor};
 pub use whole_unit::WholeUnit;
 
@@ -126,6 +128,7 @@ impl<M: Module> Sharded<M> {
                 id: param.id,
                 path: param.path.clone(),
                 spec: GatherSpec(Arc::new(ParamShard {
+                    id: param.spec.0.id,
                     shape: param.spec.0.shape.clone(),
                     numel: param.spec.0.numel,
                     shard_len: param.spec.0.shard_len,
@@ -440,6 +443,7 @@ impl ModuleMapper for Cutter<'_> {
             id,
             path: self.path.clone(),
             spec: GatherSpec(Arc::new(ParamShard {
+                id,
                 shape: shape.as_slice().to_vec(),
                 numel,
                 shard_len,
