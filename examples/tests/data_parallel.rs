@@ -1173,7 +1173,10 @@ fn hybrid_sharding_by_host_across_two_hosts_equals_one_process() {
             zero_3.push(param_bits(&ranks[0]));
         }
     }
-    assert_eq!(zero_3[0], zero_3[1], "the replicas' thread changed the bits");
+    assert_eq!(
+        zero_3[0], zero_3[1],
+        "the replicas' thread changed the bits"
+    );
     assert_eq!(
         (hosts.leftovers(0), hosts.leftovers(1)),
         (String::new(), String::new())
