@@ -552,6 +552,23 @@ use_cpu: false
     }
 
     #[test]
+    fn shard_groups_are_written_as_a_word_or_a_number() {
+        let groups = |text: &str| {
+            parse_toml(Path::new("c.toml"), text).map(|loaded| loaded.file.shard_group_size)
+        };
+        assert_eq!(
+            groups("shard_group_size = \"host\"\n").unwrap(),
+            Some(ShardGroupSize::Host)
+        );
+        assert_eq!(
+            groups("shard_group_size = 2\n").unwrap(),
+            Some(ShardGroupSize::Processes(2))
+        );
+        let err = groups("shard_group_size = 0\n").unwrap_err().to_string();
+        assert!(err.contains("job, host or a number of processes"), "{err}");
+    }
+
+    #[test]
     fn accelerate_yaml_num_processes_is_the_total_over_machines() {
         let two_machines = HF_YAML
             .replace("num_machines: 1", "num_machines: 2")

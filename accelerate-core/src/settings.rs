@@ -205,8 +205,8 @@ impl FromStr for AllReduceAlgorithm {
 /// Which processes ZeRO's shards are split across: the whole job, or groups of it (hybrid
 /// sharding: shard within a group, replicate across groups, as FSDP's `HYBRID_SHARD` and
 /// Accelerate's `ParallelismConfig(dp_shard_size, dp_replicate_size)` do).
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
-#[serde(into = "String", try_from = "String")]
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize)]
+#[serde(into = "String")]
 pub enum ShardGroupSize {
     /// Every process of the job (default).
     #[default]
@@ -259,10 +259,19 @@ impl From<ShardGroupSize> for String {
     }
 }
 
-impl TryFrom<String> for ShardGroupSize {
-    type Error = ParseSettingError;
-
-    fn try_from(s: String) -> Result<Self, ParseSettingError> {
-        s.parse()
+/// A file may write a number of processes as a number (`shard_group_size = 2`) or as text.
+impl<'de> Deserialize<'de> for ShardGroupSize {
+    fn deserialize<D: serde::Deserializer<'de>>(deserializer: D) -> Result<Self, D::Error> {
+        #[derive(Deserialize)]
+        #[serde(untagged)]
+        enum Written {
+            Number(usize),
+            Text(String),
+        }
+        match Written::deserialize(deserializer)? {
+            Written::Number(n) => n.to_string().parse(),
+            Written::Text(text) => text.parse(),
+        }
+        .map_err(serde::de::Error::custom)
     }
 }
