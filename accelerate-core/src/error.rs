@@ -275,6 +275,86 @@ fn ranks(list: &[usize]) -> String {
 }
 
 impl CommError {
+    /// This error of a group split from the job, with its ranks named as the job numbers them
+    /// (`members[r]` is the group's rank `r`), and the call said to be the group's: a user
+    /// reads the job's ranks in every log line.
+    pub(crate) fn in_job(self, members: &[usize]) -> Self {
+        let job = |rank: usize| members.get(rank).copied().unwrap_or(rank);
+        let call = |call: String| format!("{call} of the group of ranks {members:?}");
+        match self {
+            Self::Timeout {
+                call: c,
+                rank,
+                world_size,
+                missing,
+                elapsed_s,
+            } => Self::Timeout {
+                call: call(c),
+                rank: job(rank),
+                world_size,
+                missing: missing.into_iter().map(job).collect(),
+                elapsed_s,
+            },
+            Self::PeerLost {
+                call: c,
+                rank,
+                peer,
+                detail,
+            } => Self::PeerLost {
+                call: call(c),
+                rank: job(rank),
+                peer: job(peer),
+                detail,
+            },
+            Self::PeerFailed {
+                call: c,
+                rank,
+                peer,
+                reason,
+            } => Self::PeerFailed {
+                call: call(c),
+                rank: job(rank),
+                peer: job(peer),
+                reason,
+            },
+            Self::Mismatch {
+                rank,
+                ours,
+                peer,
+                theirs,
+            } => Self::Mismatch {
+                rank: job(rank),
+                ours,
+                peer: job(peer),
+                theirs,
+            },
+            Self::Usage { op, rank, reason } => Self::Usage {
+                op,
+                rank: job(rank),
+                reason,
+            },
+            Self::Mpi {
+                call: c,
+                rank,
+                detail,
+            } => Self::Mpi {
+                call: call(c),
+                rank: job(rank),
+                detail,
+            },
+            Self::Io {
+                rank,
+                context,
+                detail,
+            } => Self::Io {
+                rank: job(rank),
+                context,
+                detail,
+            },
+            rendezvous => rendezvous,
+        }
+    }
+
     pub(crate) fn io(rank: usize, context: impl Into<String>, err: std::io::Error) -> Self {
         Self::Io {
             rank,

@@ -159,6 +159,7 @@ impl ProcessGroup {
             failed: None,
             buffers: 0,
             tag: next_tag(),
+            members: None,
         }
     }
 

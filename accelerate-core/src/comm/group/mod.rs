@@ -62,6 +62,8 @@ pub struct ProcessGroup {
     buffers: u32,
     /// Identifies this group among the others of the process, for its shared buffers.
     tag: u64,
+    /// For a group split from the job: the job's rank of each of its ranks (errors name those).
+    members: Option<Vec<usize>>,
 }
 
 impl ProcessGroup {
@@ -125,7 +127,10 @@ impl ProcessGroup {
         let Some(engine) = self.engine.as_mut() else {
             return Ok(());
         };
-        let result = f(engine.as_mut());
+        let mut result = f(engine.as_mut());
+        if let (Err(err), Some(members)) = (&mut result, &self.members) {
+            *err = err.clone().in_job(members);
+        }
         if let Err(err) = &result {
             engine.abort(err);
             self.failed = Some(err.clone());

@@ -80,7 +80,15 @@ impl ProcessGroup {
                 ));
             }
         };
-        Ok(Self::with_engine(rank, mine.len(), engine))
+        let mut group = Self::with_engine(rank, mine.len(), engine);
+        // Errors name the job's ranks: this group's own, as the job numbers them.
+        let job = |r: usize| {
+            self.members
+                .as_ref()
+                .map_or(r, |m| m.get(r).copied().unwrap_or(r))
+        };
+        group.members = Some(mine.iter().map(|&r| job(r)).collect());
+        Ok(group)
     }
 }
 
@@ -178,6 +186,38 @@ mod tests {
                 assert_eq!(gathered, &[pair as f32, (pair + 1) as f32]);
             }
         }
+    }
+
+    /// A peer of a split group that is gone is named by its rank in the job: the error a
+    /// user reads, whatever group it happened in.
+    #[test]
+    fn a_split_groups_errors_name_the_jobs_ranks() {
+        let threads: Vec<_> = ProcessGroup::local(4, &GroupOptions::default())
+            .into_iter()
+            .map(|mut world| {
+                std::thread::spawn(move || {
+                    let mut pair = world.split(&[vec![0, 2], vec![1, 3]]).unwrap();
+                    if world.rank() == 2 {
+                        // Rank 2 leaves; its group and the job go with it.
+                        drop(pair);
+                        drop(world);
+                        return String::new();
+                    }
+                    let mut value = [1.0f32];
+                    match pair.all_reduce(&mut value, Reduction::Sum) {
+                        Ok(()) => String::new(),
+                        Err(e) => e.to_string(),
+                    }
+                })
+            })
+            .collect();
+        let errors: Vec<String> = threads.into_iter().map(|t| t.join().unwrap()).collect();
+        assert!(
+            errors[0].contains("rank 2") && errors[0].contains("ranks [0, 2]"),
+            "{}",
+            errors[0]
+        );
+        assert!(errors[1].is_empty() && errors[3].is_empty(), "{errors:?}");
     }
 
     #[test]
