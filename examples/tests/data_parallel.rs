@@ -1183,6 +1183,49 @@ fn hybrid_sharding_by_host_across_two_hosts_equals_one_process() {
     );
 }
 
+/// A rank that dies while its averages across the replicas run beside backward (rank 3 aborts
+/// on its replicas' thread, in the middle of a backward pass) ends the job: its replica peer
+/// (rank 1) and its shard group's peer (rank 2) fail naming rank 3 as the job numbers it, and
+/// every other rank fails too, none left waiting.
+#[test]
+fn a_rank_dying_in_hybrid_sharding_fails_every_rank_naming_it() {
+    let ranks = run(
+        "fused",
+        4,
+        &[
+            ("TEST_BATCH", "6".to_string()),
+            ("TEST_ZERO", "3".to_string()),
+            ("ACCELERATE_SHARD_GROUP_SIZE", "2".to_string()),
+            ("ACCELERATE_FAULT_REPLICAS_AT", "3:5".to_string()),
+        ],
+    );
+    let stderr = |rank: usize| String::from_utf8_lossy(&ranks[rank].stderr).into_owned();
+    assert!(
+        stderr(3).contains("aborting before average 5"),
+        "{}",
+        stderr(3)
+    );
+    for (rank, output) in ranks.iter().enumerate().take(3) {
+        assert_eq!(
+            output.status.code(),
+            Some(3),
+            "rank {rank}: {}",
+            stderr(rank)
+        );
+    }
+    for rank in [1, 2] {
+        eprintln!(
+            "rank {rank}: {}",
+            stderr(rank).trim_end().lines().last().unwrap_or("")
+        );
+        assert!(
+            stderr(rank).contains("rank 3"),
+            "rank {rank} does not name rank 3: {}",
+            stderr(rank)
+        );
+    }
+}
+
 /// Under bf16 autocast the shards are gathered in bf16 (half the bytes) and the gradients
 /// averaged in f32: ZeRO-3 ends within 1e-6 of the unsharded fused optimizer on the same
 /// processes (see the ZeRO-2 test above for why not of one process).

@@ -122,7 +122,7 @@ impl ShardGroup {
                 .lock()
                 .unwrap_or_else(PoisonError::into_inner);
             if thread.is_none() {
-                match ReplicaThread::start(hybrid.replicas.clone()) {
+                match ReplicaThread::start(hybrid.replicas.clone(), self.job.rank()) {
                     Ok(started) => *thread = Some(started),
                     Err(e) => {
                         drop(thread);

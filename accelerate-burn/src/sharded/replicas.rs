@@ -4,6 +4,7 @@
 //! memory and the replicas' over TCP, two engines that never share a connection, so the two
 //! may run at once; the job's own collectives wait until the thread is done.
 
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::mpsc;
 use std::thread::JoinHandle;
 
@@ -11,6 +12,21 @@ use accelerate_core::{CommError, Reduction};
 use burn::module::ParamId;
 
 use crate::group::Comm;
+
+/// Fault injection for tests: `<rank>:<n>` aborts the job's rank `<rank>` on its replicas'
+/// thread before the n-th average it runs there (counting from 1 over the process's life): a
+/// rank that dies while its averages across the hosts overlap backward.
+const FAULT_AT: &str = "ACCELERATE_FAULT_REPLICAS_AT";
+
+/// Averages run by replicas' threads in this process so far.
+static AVERAGED: AtomicU64 = AtomicU64::new(0);
+
+/// The average [`FAULT_AT`] names for the job's rank `rank`, if any.
+fn fault_at(rank: usize) -> Option<u64> {
+    let text = std::env::var(FAULT_AT).ok()?;
+    let (r, n) = text.trim().split_once(':')?;
+    (r.parse() == Ok(rank)).then(|| n.parse().ok()).flatten()
+}
 
 /// A shard's gradient averaged across the replicas, by its parameter's id.
 pub(crate) type Averaged = Vec<(ParamId, Vec<f32>)>;
@@ -23,14 +39,20 @@ pub(crate) struct ReplicaThread {
 }
 
 impl ReplicaThread {
-    /// A thread averaging over `replicas`.
-    pub fn start(replicas: Comm) -> std::io::Result<Self> {
+    /// A thread averaging over `replicas`, on the job's rank `rank`.
+    pub fn start(replicas: Comm, rank: usize) -> std::io::Result<Self> {
         let (jobs, queue) = mpsc::channel::<(ParamId, Vec<f32>)>();
+        let fault = fault_at(rank);
         let done = std::thread::Builder::new()
             .name("accelerate-replicas".into())
             .spawn(move || {
                 let mut averaged = Vec::new();
                 for (id, mut shard) in queue {
+                    let count = AVERAGED.fetch_add(1, Ordering::Relaxed) + 1;
+                    if fault == Some(count) {
+                        eprintln!("{FAULT_AT}: aborting before average {count}");
+                        std::process::abort();
+                    }
                     replicas.timed(|group| group.all_reduce(&mut shard, Reduction::Mean))?;
                     averaged.push((id, shard));
                 }
