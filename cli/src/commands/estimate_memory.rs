@@ -61,6 +61,12 @@ pub struct EstimateMemoryArgs {
     #[arg(long, default_value_t = 1)]
     num_processes: u64,
 
+    /// Processes each shard is cut across under hybrid sharding (`--shard-group-size` of
+    /// `launch`; e.g. the processes of one machine): a divisor of --num-processes [default:
+    /// all of them].
+    #[arg(long)]
+    shard_group_size: Option<u64>,
+
     /// The fused optimizer.
     #[arg(long, value_enum, default_value_t = OptimizerKind::Adamw)]
     optimizer: OptimizerKind,
@@ -99,12 +105,20 @@ pub fn run(args: EstimateMemoryArgs) -> anyhow::Result<ExitCode> {
         Some(count) => Some(("given".to_string(), count)),
         None => unit,
     };
+    let world = args.num_processes.max(1);
+    let group = args.shard_group_size.unwrap_or(world);
+    if group == 0 || !world.is_multiple_of(group) {
+        anyhow::bail!(
+            "--shard-group-size {group} does not divide --num-processes {world}: shard groups \
+             are equal (give a divisor of {world})"
+        );
+    }
     print!(
         "{}",
         table(
             &source,
             parameters,
-            args.num_processes.max(1),
+            (world, group),
             args.optimizer,
             unit.as_ref().map(|(name, count)| (name.as_str(), *count)),
             args.async_checkpoints,
@@ -113,20 +127,26 @@ pub fn run(args: EstimateMemoryArgs) -> anyhow::Result<ExitCode> {
     Ok(ExitCode::SUCCESS)
 }
 
-/// The table for `parameters` over `world` processes; `unit` names the largest unit ZeRO-3
-/// gathers and its parameters; `snapshot` counts a background save's snapshot.
+/// The table for `parameters` over `world` processes whose shards are cut across groups of
+/// `group` (`world` without hybrid sharding); `unit` names the largest unit ZeRO-3 gathers
+/// and its parameters; `snapshot` counts a background save's snapshot.
 fn table(
     source: &str,
     parameters: u64,
-    world: u64,
+    (world, group): (u64, u64),
     optimizer: OptimizerKind,
     unit: Option<(&str, u64)>,
     snapshot: bool,
 ) -> String {
     let mut out = String::new();
+    let groups = match group < world {
+        true => format!(" in shard groups of {group}"),
+        false => String::new(),
+    };
     let _ = writeln!(
         out,
-        "{source}\nper process, {world} process{}, {} in f32 (activations not included):\n",
+        "{source}\nper process, {world} process{}{groups}, {} in f32 (activations not \
+         included):\n",
         if world == 1 { "" } else { "es" },
         optimizer.name()
     );
@@ -146,7 +166,7 @@ fn table(
         "peak"
     );
     for stage in 0..=3u8 {
-        let mut e = MemoryEstimate::new(parameters, optimizer.state_buffers(), world, stage)
+        let mut e = MemoryEstimate::new(parameters, optimizer.state_buffers(), group, stage)
             .with_largest_unit(unit.map_or(0, |(_, count)| count));
         if snapshot {
             e = e.with_async_checkpoints();
@@ -220,10 +240,14 @@ fn human(bytes: u64) -> String {
 mod tests {
     use super::*;
 
+    fn text_of_four() -> String {
+        table("m", 1 << 28, (4, 4), OptimizerKind::Adamw, None, false)
+    }
+
     #[test]
     fn the_table_gives_each_stage_its_bytes_in_binary_units() {
         // 2^28 parameters (1 GiB in f32), AdamW, 4 processes.
-        let text = table("m", 1 << 28, 4, OptimizerKind::Adamw, None, false);
+        let text = table("m", 1 << 28, (4, 4), OptimizerKind::Adamw, None, false);
         let row = |text: &str, stage: &str| {
             text.lines()
                 .find(|l| l.starts_with(stage))
@@ -246,7 +270,7 @@ mod tests {
             "ZeRO-3 256 MiB 0 B 512 MiB 768 MiB 1 GiB"
         );
         // Background saves: the main process's model and optimizer part, in the peak.
-        let saving = table("m", 1 << 28, 4, OptimizerKind::Adamw, None, true);
+        let saving = table("m", 1 << 28, (4, 4), OptimizerKind::Adamw, None, true);
         assert_eq!(
             row(&saving, "ZeRO-0"),
             "ZeRO-0 1 GiB 1 GiB 2 GiB 4 GiB 3 GiB 8 GiB"
@@ -261,7 +285,7 @@ mod tests {
         let text = table(
             "m",
             1 << 28,
-            4,
+            (4, 4),
             OptimizerKind::Adamw,
             Some(("layers.0", 1 << 24)),
             false,
@@ -272,6 +296,15 @@ mod tests {
             text.contains("layers.0: 16777216 parameters, 128 MiB"),
             "{text}"
         );
+        // Hybrid sharding: 8 processes in shard groups of 4 hold what 4 processes do.
+        let hybrid = table("m", 1 << 28, (8, 4), OptimizerKind::Adamw, None, false);
+        assert!(
+            hybrid.contains("8 processes in shard groups of 4"),
+            "{hybrid}"
+        );
+        for stage in ["ZeRO-1", "ZeRO-2", "ZeRO-3"] {
+            assert_eq!(row(&hybrid, stage), row(&text_of_four(), stage));
+        }
         assert_eq!(human(1536), "1.5 KiB");
         assert_eq!(human(124_000_000 * 4), "473 MiB");
         assert_eq!(human(2_480_000_000), "2.31 GiB");
