@@ -93,6 +93,7 @@ mod data;
 #[cfg(feature = "device-kernels")]
 mod device_kernels;
 mod error;
+mod fault;
 mod file_dtypes;
 pub mod fused;
 mod group;

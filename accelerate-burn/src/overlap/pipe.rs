@@ -132,13 +132,6 @@ const FAULT_AT: &str = "ACCELERATE_FAULT_OVERLAP_AT";
 /// Buckets sent by communication threads in this process so far.
 static SENT_ON_THREADS: AtomicU64 = AtomicU64::new(0);
 
-/// The bucket [`FAULT_AT`] names for `rank`, if any.
-fn fault_at(rank: usize) -> Option<u64> {
-    let text = std::env::var(FAULT_AT).ok()?;
-    let (r, n) = text.trim().split_once(':')?;
-    (r.parse() == Ok(rank)).then(|| n.parse().ok()).flatten()
-}
-
 impl Averager {
     pub fn new(plan: Arc<PipePlan>, start: WindowStart, wire: MixedPrecision, comm: Comm) -> Self {
         let mut waiting: Vec<usize> = plan.buckets.iter().map(Range::len).collect();
@@ -293,7 +286,7 @@ impl PipeRun {
     pub fn spawn(mut averager: Averager) -> Result<Self, AccelerateError> {
         let (sender, receiver) = channel();
         let rank = averager.comm.rank();
-        averager.fault_at = fault_at(rank);
+        averager.fault_at = crate::fault::fault_at(FAULT_AT, rank);
         let thread = std::thread::Builder::new()
             .name("accelerate-overlap".into())
             .spawn(move || run(averager, receiver))

@@ -21,13 +21,6 @@ const FAULT_AT: &str = "ACCELERATE_FAULT_REPLICAS_AT";
 /// Averages run by replicas' threads in this process so far.
 static AVERAGED: AtomicU64 = AtomicU64::new(0);
 
-/// The average [`FAULT_AT`] names for the job's rank `rank`, if any.
-fn fault_at(rank: usize) -> Option<u64> {
-    let text = std::env::var(FAULT_AT).ok()?;
-    let (r, n) = text.trim().split_once(':')?;
-    (r.parse() == Ok(rank)).then(|| n.parse().ok()).flatten()
-}
-
 /// A shard's gradient averaged across the replicas, by its parameter's id.
 pub(crate) type Averaged = Vec<(ParamId, Vec<f32>)>;
 
@@ -42,7 +35,7 @@ impl ReplicaThread {
     /// A thread averaging over `replicas`, on the job's rank `rank`.
     pub fn start(replicas: Comm, rank: usize) -> std::io::Result<Self> {
         let (jobs, queue) = mpsc::channel::<(ParamId, Vec<f32>)>();
-        let fault = fault_at(rank);
+        let fault = crate::fault::fault_at(FAULT_AT, rank);
         let done = std::thread::Builder::new()
             .name("accelerate-replicas".into())
             .spawn(move || {
