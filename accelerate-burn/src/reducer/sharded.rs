@@ -35,10 +35,6 @@ pub(crate) struct ShardedReducer {
     /// The processes a shard is cut across: the job, or under hybrid sharding this
     /// process's shard group.
     shard_comm: Comm,
-    /// This process's rank among them.
-    rank: usize,
-    /// How many they are.
-    world: usize,
     /// Whether this process writes its shards in a checkpoint (under hybrid sharding, the
     /// first shard group's only: the others hold the same).
     writes: bool,
@@ -59,11 +55,14 @@ impl ShardedReducer {
             inner,
             local,
             shards,
-            rank: shard_comm.rank(),
-            world: shard_comm.world_size(),
             shard_comm,
             writes,
         }
+    }
+
+    /// This process's rank among the processes a shard is cut across, and how many they are.
+    fn shard_job(&self) -> (usize, usize) {
+        (self.shard_comm.rank(), self.shard_comm.world_size())
     }
 
     /// A group of one for the inner reducer.
@@ -187,7 +186,7 @@ impl GradientReducer for ShardedReducer {
             return Ok(Vec::new());
         }
         let role = SaveRole {
-            rank: self.rank,
+            rank: self.shard_comm.rank(),
             ..role
         };
         let own = SaveRole {
@@ -217,11 +216,12 @@ impl GradientReducer for ShardedReducer {
     fn load(&mut self, source: LoadSource<'_>) -> Result<(), StageError> {
         if self.inner.kind() != ReducerKind::Fused {
             // Burn's record is keyed to this rank's shards: the same ranks only.
+            let (rank, world) = self.shard_job();
             let saved = sharded_files::burn_record_ranks(source.files);
-            if saved != self.world {
-                return Err(burn_optimizer_checkpoint(self.rank, saved, self.world));
+            if saved != world {
+                return Err(burn_optimizer_checkpoint(rank, saved, world));
             }
-            let dir = source.dir.join(sharded_files::burn_record_dir(self.rank));
+            let dir = source.dir.join(sharded_files::burn_record_dir(rank));
             return self.inner.load(LoadSource {
                 dir: &dir,
                 ..source
@@ -235,7 +235,7 @@ impl GradientReducer for ShardedReducer {
             .filter_map(|(entry, numel)| Some((entry.id.val(), (*numel)?)))
             .collect();
         let (dir, files) = (source.dir, source.files);
-        let job = (self.rank, self.world);
+        let job = self.shard_job();
         self.inner.load_resharded(source, &mut |segments| {
             sharded_files::reshard_state(
                 dir,

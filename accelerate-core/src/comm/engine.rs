@@ -92,6 +92,22 @@ pub enum Split {
     Unsupported,
 }
 
+/// Whether `ok` holds on every rank of `engine`'s group: a minimum over one f32, made as
+/// set-up call `call` (its count, type and reduction are set here), so that no rank goes on
+/// to wait for something a peer failed to set up.
+pub(crate) fn all_agree(
+    engine: &mut dyn Engine,
+    mut call: CallDesc,
+    ok: bool,
+) -> Result<bool, CommError> {
+    call.count = 1;
+    call.dtype = Some(accelerate_kernels::DType::F32);
+    call.reduce = Some(accelerate_kernels::ReduceOp::Min);
+    let mut flag = if ok { 1.0f32 } else { 0.0 }.to_le_bytes();
+    engine.all_reduce(&call, &mut flag, None)?;
+    Ok(f32::from_le_bytes(flag) == 1.0)
+}
+
 /// The part of `parts` that holds `rank` (an empty slice when none does: the caller checked
 /// that every rank is in one).
 pub(crate) fn part_of(parts: &[Vec<usize>], rank: usize) -> &[usize] {

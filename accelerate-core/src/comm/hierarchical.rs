@@ -34,16 +34,14 @@ const SMALL_BYTES: usize = 64 << 10;
 /// all for the rest.
 pub struct HierarchicalEngine<L: Link = TcpLink> {
     flat: MessageEngine<SubLink<L>>,
-    /// Global ranks on each host (the layout it was formed with).
-    hosts: Vec<Vec<usize>>,
+    /// Global ranks on this rank's host (its own alone when no other shares it).
+    host: Vec<usize>,
     /// This rank.
     rank: usize,
     leaders: Option<MessageEngine<SubLink<L>>>,
     /// This rank's rail: the ranks of its local index on every host (equal hosts only).
     rail: Option<MessageEngine<SubLink<L>>>,
     local: Option<ShmEngine>,
-    /// Ranks on this host.
-    local_size: usize,
     /// This rank's slice between the reduce-scatter and the all-gather.
     slice: Vec<u8>,
 }
@@ -71,29 +69,28 @@ impl<L: Link> HierarchicalEngine<L> {
         let engine = |view| MessageEngine::new(view, timeout, algorithm, segment_bytes);
         let leader_ranks: Vec<usize> = layout.hosts.iter().map(|h| h[0]).collect();
         let leaders = whole.view(&leader_ranks).map(engine);
-        let mine = layout
+        let host = layout
             .hosts
             .iter()
             .find(|h| h.contains(&layout.rank))
             .cloned()
             .unwrap_or_else(|| vec![layout.rank]);
-        let local_size = mine.len();
+        let local_size = host.len();
         let equal_hosts = layout.hosts.iter().all(|h| h.len() == local_size);
         let rail = (equal_hosts && local_size > 1 && local.is_some())
             .then(|| {
-                let index = mine.iter().position(|&r| r == layout.rank).unwrap_or(0);
+                let index = host.iter().position(|&r| r == layout.rank).unwrap_or(0);
                 let members: Vec<usize> = layout.hosts.iter().map(|h| h[index]).collect();
                 whole.view(&members).map(engine)
             })
             .flatten();
         Self {
             flat: engine(whole),
-            hosts: layout.hosts.clone(),
+            host,
             rank: layout.rank,
             leaders,
             rail,
             local,
-            local_size,
             slice: Vec::new(),
         }
     }
@@ -118,10 +115,10 @@ impl<L: Link + 'static> Engine for HierarchicalEngine<L> {
         let (dtype, _) = call.reduction(self.flat.rank())?;
         let elements = buf.len() / dtype.size();
         if let (Some(rail), Some(local)) = (self.rail.as_mut(), self.local.as_mut())
-            && elements.is_multiple_of(self.local_size)
+            && elements.is_multiple_of(self.host.len())
         {
             // Every rank sees the same length, so every rank takes this path or none does.
-            self.slice.resize(buf.len() / self.local_size, 0);
+            self.slice.resize(buf.len() / self.host.len(), 0);
             local.reduce_scatter(call, buf, &mut self.slice)?;
             rail.all_reduce(call, &mut self.slice, None)?;
             if let Some(factor) = scale {
@@ -179,12 +176,7 @@ impl<L: Link + 'static> Engine for HierarchicalEngine<L> {
     }
 
     fn split(&mut self, call: &CallDesc, parts: &[Vec<usize>]) -> Result<Split, CommError> {
-        let host: Vec<usize> = self
-            .hosts
-            .iter()
-            .find(|h| h.contains(&self.rank))
-            .cloned()
-            .unwrap_or_else(|| vec![self.rank]);
+        let host = &self.host;
         let on_host = |part: &[usize]| part.iter().all(|r| host.contains(r));
         let local_index = |rank: usize| host.iter().position(|&r| r == rank);
         // Every rank of this host splits the host's shared memory at once, whatever its own

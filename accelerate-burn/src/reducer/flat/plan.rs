@@ -129,36 +129,33 @@ impl FlatPlan {
         if !comm.is_distributed() {
             return Ok(rider);
         }
-        if cut.replicas.is_some() {
-            let summed = match rider {
-                Some(value) if cut.shard.is_distributed() => {
-                    let mut sum = [value as f32];
-                    cut.shard
-                        .timed(|group| group.all_reduce(&mut sum, Reduction::Sum))?;
-                    Some(f64::from(sum[0]))
-                }
-                other => other,
-            };
-            let job = Cut {
-                replicas: None,
-                shard: comm,
-                job: comm,
-            };
-            self.agree_grads(job, None)?;
-            return Ok(summed);
-        }
+        // Under hybrid sharding the other shard groups hold the same shards: the rider is
+        // summed over this shard group alone, in a call of its own.
+        let (riding, apart) = match cut.replicas {
+            Some(_) => (None, rider),
+            None => (rider, None),
+        };
         let mut counts: Vec<f32> = self
             .has_grad
             .iter()
             .map(|&has| f32::from(u8::from(has)))
             .collect();
-        counts.extend(rider.map(|value| value as f32));
+        counts.extend(riding.map(|value| value as f32));
         comm.timed(|group| group.all_reduce(&mut counts, Reduction::Sum))?;
         for (has, &count) in self.has_grad.iter_mut().zip(&counts) {
             *has = count > 0.0;
         }
         // Infinities and NaN survive the sum: fp16's overflow test reads them.
-        Ok(rider.and(counts.get(self.has_grad.len()).map(|&sum| f64::from(sum))))
+        let summed = riding.and(counts.get(self.has_grad.len()).map(|&sum| f64::from(sum)));
+        match apart {
+            Some(value) if cut.shard.is_distributed() => {
+                let mut sum = [value as f32];
+                cut.shard
+                    .timed(|group| group.all_reduce(&mut sum, Reduction::Sum))?;
+                Ok(Some(f64::from(sum[0])))
+            }
+            apart => Ok(summed.or(apart)),
+        }
     }
 
     /// Where the segments meet the flat range `range`, in order: each one's index, the part of

@@ -4,12 +4,10 @@
 
 use std::time::Instant;
 
-use accelerate_kernels::ReduceOp;
-
 use super::ProcessGroup;
 use crate::comm::call::{CallDesc, OpKind};
 use crate::comm::collective::MessageEngine;
-use crate::comm::engine::Engine;
+use crate::comm::engine::{Engine, all_agree};
 use crate::comm::hierarchical::{HierarchicalEngine, Layout};
 use crate::comm::link::Link;
 use crate::comm::options::{GroupOptions, TransportChoice};
@@ -83,11 +81,11 @@ fn hierarchical_engine(
     } else {
         Ok([0; 16])
     };
-    let created_ok = agree(&mut setup, 0, created.is_ok())?;
+    let created_ok = all_agree(&mut setup, CallDesc::new(OpKind::Setup, 0), created.is_ok())?;
     let usable = created_ok
-        && agree(
+        && all_agree(
             &mut setup,
-            1,
+            CallDesc::new(OpKind::Setup, 1),
             !shared
                 || crate::comm::transport::shm::can_open(&path, hooks.world_size, hooks.slot_bytes),
         )?;
@@ -121,17 +119,6 @@ fn hierarchical_engine(
         options.algorithm,
         options.segment_bytes,
     )))
-}
-
-/// Whether `ok` holds on every rank (a minimum over the set-up link).
-fn agree(setup: &mut MessageEngine<TcpLink>, step: u64, ok: bool) -> Result<bool, CommError> {
-    let mut call = CallDesc::new(OpKind::Setup, step);
-    call.count = 1;
-    call.dtype = Some(accelerate_kernels::DType::F32);
-    call.reduce = Some(ReduceOp::Min);
-    let mut flag = if ok { 1.0f32 } else { 0.0 }.to_le_bytes();
-    setup.all_reduce(&call, &mut flag, None)?;
-    Ok(f32::from_le_bytes(flag) == 1.0)
 }
 
 /// A process-unique tag for a new group.

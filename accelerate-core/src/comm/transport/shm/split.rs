@@ -4,11 +4,9 @@
 
 use std::path::PathBuf;
 
-use accelerate_kernels::{DType, ReduceOp};
-
 use super::{ShmEngine, create_segment};
 use crate::comm::call::CallDesc;
-use crate::comm::engine::{Engine, part_of};
+use crate::comm::engine::{all_agree, part_of};
 use crate::error::CommError;
 
 impl ShmEngine {
@@ -36,7 +34,7 @@ impl ShmEngine {
         } else {
             Ok(())
         };
-        if !self.agree(call, created.is_ok())? {
+        if !all_agree(self, *call, created.is_ok())? {
             if creator {
                 let _ = std::fs::remove_file(&path);
             }
@@ -53,16 +51,5 @@ impl ShmEngine {
         }
         let index = mine.iter().position(|&r| r == self.rank).unwrap_or(0);
         ShmEngine::open(&path, index, mine.len(), slot_bytes, self.timeout).map(Some)
-    }
-
-    /// Whether `ok` holds on every rank of the group (a minimum).
-    fn agree(&mut self, call: &CallDesc, ok: bool) -> Result<bool, CommError> {
-        let mut vote = *call;
-        vote.count = 1;
-        vote.dtype = Some(DType::F32);
-        vote.reduce = Some(ReduceOp::Min);
-        let mut flag = if ok { 1.0f32 } else { 0.0 }.to_le_bytes();
-        self.all_reduce(&vote, &mut flag, None)?;
-        Ok(f32::from_le_bytes(flag) == 1.0)
     }
 }
