@@ -240,10 +240,6 @@ fn human(bytes: u64) -> String {
 mod tests {
     use super::*;
 
-    fn text_of_four() -> String {
-        table("m", 1 << 28, (4, 4), OptimizerKind::Adamw, None, false)
-    }
-
     #[test]
     fn the_table_gives_each_stage_its_bytes_in_binary_units() {
         // 2^28 parameters (1 GiB in f32), AdamW, 4 processes.
@@ -282,7 +278,7 @@ mod tests {
         assert!(saving.contains("snapshot: what the main process holds"));
         assert!(text.contains("not counted: give --largest-unit"), "{text}");
         // A unit of 2^24 parameters adds 128 MiB to ZeRO-3's peak.
-        let text = table(
+        let with_unit = table(
             "m",
             1 << 28,
             (4, 4),
@@ -290,11 +286,11 @@ mod tests {
             Some(("layers.0", 1 << 24)),
             false,
         );
-        assert!(text.contains("ZeRO-3     256 MiB"), "{text}");
-        assert!(text.contains("1.12 GiB"), "{text}");
+        assert!(with_unit.contains("ZeRO-3     256 MiB"), "{with_unit}");
+        assert!(with_unit.contains("1.12 GiB"), "{with_unit}");
         assert!(
-            text.contains("layers.0: 16777216 parameters, 128 MiB"),
-            "{text}"
+            with_unit.contains("layers.0: 16777216 parameters, 128 MiB"),
+            "{with_unit}"
         );
         // Hybrid sharding: 8 processes in shard groups of 4 hold what 4 processes do.
         let hybrid = table("m", 1 << 28, (8, 4), OptimizerKind::Adamw, None, false);
@@ -303,7 +299,7 @@ mod tests {
             "{hybrid}"
         );
         for stage in ["ZeRO-1", "ZeRO-2", "ZeRO-3"] {
-            assert_eq!(row(&hybrid, stage), row(&text_of_four(), stage));
+            assert_eq!(row(&hybrid, stage), row(&text, stage));
         }
         assert_eq!(human(1536), "1.5 KiB");
         assert_eq!(human(124_000_000 * 4), "473 MiB");
