@@ -175,9 +175,9 @@ pub enum CommError {
         call: String,
         /// This rank.
         rank: usize,
-        /// The rank that failed first.
+        /// The rank that told this one.
         peer: usize,
-        /// Its error.
+        /// The first failure's words, passed on unchanged from rank to rank.
         reason: String,
     },
 
@@ -275,6 +275,16 @@ fn ranks(list: &[usize]) -> String {
 }
 
 impl CommError {
+    /// What this rank tells its peers when this error ends its part of the job: its own
+    /// words, or, for a failure passed on from a peer, that first failure's words unchanged
+    /// (a chain of ranks does not nest them, and the cause fits the room transports keep).
+    pub(crate) fn reason_for_peers(&self) -> String {
+        match self {
+            Self::PeerFailed { reason, .. } => reason.clone(),
+            other => other.to_string(),
+        }
+    }
+
     /// This error of a group split from the job, with its ranks named as the job numbers them
     /// (`members[r]` is the group's rank `r`), and the call said to be the group's: a user
     /// reads the job's ranks in every log line.

@@ -91,6 +91,20 @@ fn child() {
                 );
                 println!("SHARED {}", group.transport() == "shm");
             }
+            "split_disagree" => {
+                // Ranks 2 and 3 disagree within their pair, then stay alive a while: ranks 0
+                // and 1, waiting for them in a collective of the job, can learn why only from
+                // what the pair's failure told the job's group.
+                let mut pair = group.split(&[vec![0, 1], vec![2, 3]])?;
+                if group.rank() >= 2 {
+                    let mut buf = vec![1.0_f32; 10 + pair.rank()];
+                    let failed = pair.all_reduce(&mut buf, Reduction::Sum);
+                    std::thread::sleep(Duration::from_secs(2));
+                    failed?;
+                }
+                let mut buf = vec![1.0_f32; 4];
+                group.all_reduce(&mut buf, Reduction::Sum)?;
+            }
             "mismatch" => {
                 let mut buf = vec![1.0_f32; 100 + group.rank()];
                 group.all_reduce(&mut buf, Reduction::Sum)?;
@@ -377,6 +391,39 @@ fn split_groups_match_the_reference_over_shared_memory_and_tcp() {
             assert!(stdout.contains(&expected), "rank {rank}: {stdout}");
         }
         assert_eq!(leftovers(&segment), Vec::<std::path::PathBuf>::new());
+    }
+}
+
+/// A group split from the job that fails tells the job: ranks waiting for its ranks in a
+/// collective of the whole job (over shared memory) fail with its error, whole with its hint,
+/// naming the calls the pair disagreed on, not with "rank 2 is gone" once its process exits.
+#[test]
+fn a_split_groups_failure_is_told_to_the_ranks_waiting_in_the_job() {
+    let results = start(
+        "split_disagree",
+        "shm",
+        4,
+        &[0, 1, 2, 3],
+        &[("ACCELERATE_TIMEOUT", "20")],
+    )
+    .finish(Duration::from_secs(60));
+    for r in &results {
+        eprintln!("DEBUG {} {}", r.0, r.2);
+    }
+    for (rank, (code, _, stderr)) in results.iter().enumerate() {
+        assert_eq!(*code, 3, "rank {rank}: {stderr}");
+        assert!(
+            stderr.contains("all_reduce #0 (10 x f32, sum)")
+                && stderr.contains("all_reduce #0 (11 x f32, sum)"),
+            "rank {rank}: {stderr}"
+        );
+    }
+    for (rank, (_, _, stderr)) in results.iter().enumerate().take(2) {
+        // Told by rank 2 or 3, or by the other of ranks 0 and 1, whichever looked first.
+        assert!(
+            stderr.contains("failed: mismatch on rank") && stderr.contains("hint: every rank"),
+            "rank {rank}: {stderr}"
+        );
     }
 }
 

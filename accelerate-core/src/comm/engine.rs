@@ -1,8 +1,18 @@
 //! The interface every transport's collectives implement, on raw bytes; the typed, checked
 //! API on top of it is [`ProcessGroup`](super::ProcessGroup).
 
+use std::sync::Arc;
+
 use super::call::CallDesc;
 use crate::error::CommError;
+
+/// Tells a group's peers, from any thread, that this rank failed: how a group that fails warns
+/// the peers of the job's other groups, which may be waiting for this rank in a collective of
+/// their own (they read why, instead of seeing only this process exit and naming it).
+pub trait AbortNotice: Send + Sync {
+    /// Posts `reason` for the peers, unless one is posted already (the first failure stays).
+    fn tell(&self, reason: &str);
+}
 
 /// Collectives on byte buffers. Callers have checked sizes and roots; every rank calls with
 /// the same [`CallDesc`], which implementations verify against their peers'.
@@ -44,8 +54,15 @@ pub trait Engine: Send {
     /// Returns once every rank has called it.
     fn barrier(&mut self, call: &CallDesc) -> Result<(), CommError>;
 
-    /// Tells every peer that this rank failed with `error` (best effort).
-    fn abort(&mut self, error: &CommError);
+    /// Tells every peer that this rank failed, and why (best effort).
+    fn abort(&mut self, reason: &str);
+
+    /// A handle that tells this group's peers of a failure from any thread without waiting
+    /// for this engine (shared memory's control words); `None` where telling would wait for a
+    /// collective that another thread runs (message links, MPI).
+    fn abort_notice(&self) -> Option<Arc<dyn AbortNotice>> {
+        None
+    }
 
     /// Sets how long any wait may last.
     fn set_timeout(&mut self, timeout: std::time::Duration);

@@ -168,11 +168,17 @@ impl<L: Link + 'static> Engine for HierarchicalEngine<L> {
         self.flat.barrier(call)
     }
 
-    fn abort(&mut self, error: &CommError) {
+    fn abort(&mut self, reason: &str) {
         if let Some(local) = self.local.as_mut() {
-            local.abort(error);
+            local.abort(reason);
         }
-        self.flat.abort(error);
+        self.flat.abort(reason);
+    }
+
+    fn abort_notice(&self) -> Option<std::sync::Arc<dyn crate::comm::engine::AbortNotice>> {
+        // This host's ranks; those of other hosts learn over TCP when this rank's own groups
+        // tell them, or see its connections close.
+        self.local.as_ref().and_then(|local| local.abort_notice())
     }
 
     fn split(&mut self, call: &CallDesc, parts: &[Vec<usize>]) -> Result<Split, CommError> {

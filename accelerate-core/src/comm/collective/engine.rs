@@ -269,9 +269,8 @@ impl<L: Link + 'static> Engine for MessageEngine<L> {
         })
     }
 
-    fn abort(&mut self, error: &CommError) {
+    fn abort(&mut self, reason: &str) {
         let call = CallDesc::new(OpKind::Abort, u64::MAX);
-        let reason = error.to_string();
         for peer in 0..self.world_size() {
             if peer != self.rank() {
                 let _ = self.send(peer, &call, reason.as_bytes());

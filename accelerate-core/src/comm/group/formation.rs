@@ -2,9 +2,11 @@
 //! every rank is on one host, TCP (flat, or hierarchical when hosts hold several ranks), MPI
 //! under an MPI launcher, or channels between the threads of one process.
 
+use std::sync::Arc;
 use std::time::Instant;
 
 use super::ProcessGroup;
+use super::alarm::JobAlarm;
 use crate::comm::call::{CallDesc, OpKind};
 use crate::comm::collective::MessageEngine;
 use crate::comm::engine::{Engine, all_agree};
@@ -138,6 +140,9 @@ impl ProcessGroup {
         world_size: usize,
         engine: Option<Box<dyn Engine>>,
     ) -> Self {
+        let tag = next_tag();
+        let alarm = Arc::new(JobAlarm::default());
+        alarm.join(tag, engine.as_ref().and_then(|e| e.abort_notice()));
         Self {
             rank,
             world_size,
@@ -145,8 +150,9 @@ impl ProcessGroup {
             seq: 0,
             failed: None,
             buffers: 0,
-            tag: next_tag(),
+            tag,
             members: None,
+            alarm,
         }
     }
 

@@ -1,6 +1,7 @@
 //! [`ProcessGroup`]: the typed, checked collectives API over whichever transport the group
 //! formed with (how it forms is `formation`'s).
 
+use std::sync::Arc;
 use std::time::Duration;
 
 use accelerate_kernels::schedule::chunk_range;
@@ -13,6 +14,7 @@ use super::engine::Engine;
 use super::shared_buffer::SharedBuffer;
 use crate::error::CommError;
 
+mod alarm;
 mod formation;
 mod split;
 
@@ -64,6 +66,15 @@ pub struct ProcessGroup {
     tag: u64,
     /// For a group split from the job: the job's rank of each of its ranks (errors name those).
     members: Option<Vec<usize>>,
+    /// Shared with the job's other groups in this process: a failure here is told to their
+    /// peers too.
+    alarm: Arc<alarm::JobAlarm>,
+}
+
+impl Drop for ProcessGroup {
+    fn drop(&mut self) {
+        self.alarm.leave(self.tag);
+    }
 }
 
 impl ProcessGroup {
@@ -132,7 +143,9 @@ impl ProcessGroup {
             *err = err.clone().in_job(members);
         }
         if let Err(err) = &result {
-            engine.abort(err);
+            let reason = err.reason_for_peers();
+            engine.abort(&reason);
+            self.alarm.raise(self.tag, &reason);
             self.failed = Some(err.clone());
         }
         result

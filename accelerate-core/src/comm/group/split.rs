@@ -2,6 +2,8 @@
 //! within a host and across hosts, formed from the group's own connections and shared
 //! memory, with no rendezvous of their own.
 
+use std::sync::Arc;
+
 use super::{ProcessGroup, Reduction};
 use crate::comm::call::OpKind;
 use crate::comm::engine::{Split, part_of};
@@ -80,7 +82,11 @@ impl ProcessGroup {
                 ));
             }
         };
+        let notice = engine.as_ref().and_then(|e| e.abort_notice());
         let mut group = Self::with_engine(rank, mine.len(), engine);
+        // One alarm for the job: a failure of this group is told to the job's other groups.
+        group.alarm = Arc::clone(&self.alarm);
+        group.alarm.join(group.tag, notice);
         // Errors name the job's ranks: this group's own, as the job numbers them.
         let job = |r: usize| {
             self.members

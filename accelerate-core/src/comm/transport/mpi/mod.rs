@@ -306,10 +306,10 @@ impl Engine for MpiEngine {
         self.guarded(call, |e| e.reduce_checked(call, &[], ReduceOp::Sum))
     }
 
-    fn abort(&mut self, error: &CommError) {
+    fn abort(&mut self, reason: &str) {
         // MPI cannot tell the peers; the exit hook aborts the job when this process ends, and
         // the peers' watchdogs bound their wait until then.
-        tracing::debug!(rank = self.rank, "{error}");
+        tracing::debug!(rank = self.rank, "{reason}");
         runtime::mark_failed();
     }
 

@@ -60,7 +60,16 @@ impl ShmEngine {
                 }
                 sleepers.fetch_sub(1, Ordering::SeqCst);
             }
-            self.check_peers(call, target, started, deadline, &mut next_liveness)?;
+            if let Err(err) = self.check_peers(call, target, started, deadline, &mut next_liveness)
+            {
+                // The last rank may have arrived since the loop looked, and a rank failed in
+                // what it did next (a collective of another group, which told this one too):
+                // this barrier is passed, and this rank meets that failure at its next call.
+                if all_arrived(&self.region) {
+                    break;
+                }
+                return Err(err);
+            }
         }
         if check {
             self.check_calls(call)?;
@@ -76,14 +85,19 @@ impl ShmEngine {
         deadline: Instant,
         next_liveness: &mut Instant,
     ) -> Result<(), CommError> {
-        for peer in (0..self.world_size).filter(|&p| p != self.rank) {
-            if let Some(reason) = self.region.abort_reason(peer) {
-                return Err(CommError::PeerFailed {
+        let told = |peer: usize| {
+            self.region
+                .abort_reason(peer)
+                .map(|reason| CommError::PeerFailed {
                     call: call.to_string(),
                     rank: self.rank,
                     peer,
                     reason,
-                });
+                })
+        };
+        for peer in (0..self.world_size).filter(|&p| p != self.rank) {
+            if let Some(failed) = told(peer) {
+                return Err(failed);
             }
         }
         let now = Instant::now();
@@ -103,12 +117,13 @@ impl ShmEngine {
                 let comparable = own_namespace != 0
                     && self.region.pid_namespace(peer).load(Ordering::Relaxed) == own_namespace;
                 if pid != 0 && comparable && !crate::process::process_alive(pid) {
-                    return Err(CommError::PeerLost {
+                    // It may have posted why just before it exited, after the check above.
+                    return Err(told(peer).unwrap_or_else(|| CommError::PeerLost {
                         call: call.to_string(),
                         rank: self.rank,
                         peer,
                         detail: format!("process {pid} exited"),
-                    });
+                    }));
                 }
             }
         }

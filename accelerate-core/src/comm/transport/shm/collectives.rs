@@ -1,6 +1,7 @@
 //! The collectives over the slots: each one goes through its buffer in segments of one slot,
 //! with a barrier between writing and reading the peers' slots.
 
+use std::sync::Arc;
 use std::time::Duration;
 
 use accelerate_kernels::reduce::{reduce_bytes, scale_bytes};
@@ -8,7 +9,7 @@ use memmap2::MmapMut;
 
 use super::ShmEngine;
 use crate::comm::call::CallDesc;
-use crate::comm::engine::{Engine, Split, chunk_bytes};
+use crate::comm::engine::{AbortNotice, Engine, Split, chunk_bytes};
 use crate::error::CommError;
 
 impl Engine for ShmEngine {
@@ -201,7 +202,11 @@ impl Engine for ShmEngine {
         self.all_reduce_in_shared(call, buf, dtype, op, scale)
     }
 
-    fn abort(&mut self, error: &CommError) {
-        self.region.set_abort(self.rank, &error.to_string());
+    fn abort(&mut self, reason: &str) {
+        self.board.tell(reason);
+    }
+
+    fn abort_notice(&self) -> Option<Arc<dyn AbortNotice>> {
+        Some(Arc::clone(&self.board) as Arc<dyn AbortNotice>)
     }
 }

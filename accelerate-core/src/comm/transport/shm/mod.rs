@@ -43,7 +43,7 @@ use crate::comm::call::{CallDesc, OpKind};
 use crate::comm::rendezvous::SharedMemoryHooks;
 use crate::error::CommError;
 use memmap2::Mmap;
-use region::Region;
+use region::{AbortBoard, Region};
 
 /// Default bytes per slot (each rank has two).
 pub const DEFAULT_SLOT_BYTES: usize = 4 << 20;
@@ -59,6 +59,8 @@ pub struct ShmEngine {
     rank: usize,
     world_size: usize,
     region: Region,
+    /// Where this rank posts why it failed, from any thread (see [`Engine::abort_notice`]).
+    board: Arc<AbortBoard>,
     timeout: Duration,
     arrivals: u64,
     segments: u64,
@@ -244,8 +246,9 @@ impl ShmEngine {
         let file = Region::size(world_size, slot_bytes)
             .and_then(|len| open_private(path, true, len))
             .map_err(|e| CommError::io(rank, format!("opening {}", path.display()), e))?;
-        let region = Region::map(&file, world_size, slot_bytes)
-            .map_err(|e| CommError::io(rank, format!("mapping {}", path.display()), e))?;
+        let mapping = |e| CommError::io(rank, format!("mapping {}", path.display()), e);
+        let region = Region::map(&file, world_size, slot_bytes).map_err(mapping)?;
+        let board = Arc::new(AbortBoard::map(&file, world_size, rank).map_err(mapping)?);
         region
             .pid_namespace(rank)
             .store(crate::process::pid_namespace(), Ordering::Relaxed);
@@ -257,6 +260,7 @@ impl ShmEngine {
             rank,
             world_size,
             region,
+            board,
             timeout,
             arrivals: 0,
             segments: 0,

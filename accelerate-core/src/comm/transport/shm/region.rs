@@ -19,7 +19,7 @@
 //! | 192 | `doorbell` (rank 0's block only, a futex) | any rank that arrives while someone sleeps | sleeping ranks |
 //! | 196 | `sleepers` (rank 0's block only) | ranks about to sleep, and after | arriving ranks |
 //! | 224 | `cookie` (rank 0's block only, 16 bytes) | rank 0, before the segment is mapped | the rendezvous probe |
-//! | 256 | `aborted` flag | its rank, `Release`, after `reason` | all ranks |
+//! | 256 | `aborted` flag (0, then 2 while posting, then 1) | its rank, `Release`, after `reason` | all ranks |
 //! | 320 | `reason` length + bytes | its rank | all ranks, after `aborted` |
 //!
 //! Data slots are plain bytes. The barrier protocol (see the module `engine`) guarantees that a
@@ -32,10 +32,10 @@
 use std::fs::File;
 use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
 
-use memmap2::{Mmap, MmapMut};
+use memmap2::{Mmap, MmapMut, MmapOptions};
 
 /// Bytes of one rank's control block.
-pub const CONTROL_BYTES: usize = 512;
+pub const CONTROL_BYTES: usize = 1024;
 const PID: usize = 0;
 const PID_NAMESPACE: usize = 8;
 const ARRIVED: usize = 64;
@@ -46,6 +46,9 @@ const SLEEPERS: usize = 196;
 /// others read back to prove they opened the same segment.
 pub const COOKIE: usize = 224;
 const ABORTED: usize = 256;
+/// The abort flag's values: a reason is posted (readable), or being written.
+const POSTED: u64 = 1;
+const POSTING: u64 = 2;
 const REASON_LEN: usize = 320;
 const REASON: usize = 328;
 /// Longest abort reason kept, in bytes.
@@ -105,12 +108,8 @@ impl Region {
     }
 
     fn word(&self, rank: usize, offset: usize) -> &AtomicU64 {
-        assert!(rank < self.ranks && offset + 8 <= CONTROL_BYTES && offset.is_multiple_of(8));
-        let at = rank * CONTROL_BYTES + offset;
-        // SAFETY: `at` is 8-aligned (the mapping is page-aligned, CONTROL_BYTES and `offset`
-        // are multiples of 8) and in bounds (checked above, and `map` covers every control
-        // block). Control words are only ever accessed atomically, by every process.
-        unsafe { &*(self.map.as_ptr().add(at) as *const AtomicU64) }
+        assert!(rank < self.ranks);
+        control_word(&self.map, rank, offset)
     }
 
     fn word32(&self, offset: usize) -> &AtomicU32 {
@@ -152,28 +151,9 @@ impl Region {
         self.word(rank, CALL + (parity % 2) * 32 + i * 8)
     }
 
-    /// Rank `rank`'s abort flag.
-    pub fn aborted(&self, rank: usize) -> &AtomicU64 {
-        self.word(rank, ABORTED)
-    }
-
-    /// Publishes this rank's abort reason, then raises its flag.
-    pub fn set_abort(&self, rank: usize, reason: &str) {
-        let bytes = &reason.as_bytes()[..reason.len().min(REASON_CAPACITY)];
-        for (i, chunk) in bytes.chunks(8).enumerate() {
-            let mut word = [0u8; 8];
-            word[..chunk.len()].copy_from_slice(chunk);
-            self.word(rank, REASON + i * 8)
-                .store(u64::from_le_bytes(word), Ordering::Relaxed);
-        }
-        self.word(rank, REASON_LEN)
-            .store(bytes.len() as u64, Ordering::Relaxed);
-        self.aborted(rank).store(1, Ordering::Release);
-    }
-
     /// Rank `rank`'s abort reason, if it raised its flag.
     pub fn abort_reason(&self, rank: usize) -> Option<String> {
-        if self.aborted(rank).load(Ordering::Acquire) == 0 {
+        if self.word(rank, ABORTED).load(Ordering::Acquire) != POSTED {
             return None;
         }
         let len =
@@ -224,6 +204,68 @@ impl Region {
                 bytes.len(),
             );
         }
+    }
+}
+
+/// Control word `offset` of rank `rank`'s block in `map`, which must cover that block.
+fn control_word(map: &MmapMut, rank: usize, offset: usize) -> &AtomicU64 {
+    assert!(offset + 8 <= CONTROL_BYTES && offset.is_multiple_of(8));
+    let at = rank * CONTROL_BYTES + offset;
+    assert!(at + 8 <= map.len());
+    // SAFETY: `at` is 8-aligned (the mapping is page-aligned, CONTROL_BYTES and `offset`
+    // are multiples of 8) and in bounds (checked above). Control words are only ever accessed
+    // atomically, by every process and by both mappings of a segment.
+    unsafe { &*(map.as_ptr().add(at) as *const AtomicU64) }
+}
+
+/// Where this rank posts why it failed, in a segment: a second mapping of the control blocks
+/// alone, shared by the process's threads, so that a failure in another group of the job can
+/// be told to this group's peers while this group's engine (owner of the whole mapping) is
+/// busy in a collective.
+pub struct AbortBoard {
+    map: MmapMut,
+    rank: usize,
+}
+
+impl AbortBoard {
+    /// Maps the control blocks of `file`, a segment of `ranks` ranks, for rank `rank`.
+    pub fn map(file: &File, ranks: usize, rank: usize) -> std::io::Result<Self> {
+        let len = ranks
+            .checked_mul(CONTROL_BYTES)
+            .filter(|_| rank < ranks)
+            .ok_or_else(|| {
+                std::io::Error::new(
+                    std::io::ErrorKind::InvalidInput,
+                    format!("rank {rank} of a segment of {ranks} ranks"),
+                )
+            })?;
+        // SAFETY: as in `Region::map`: the segment's size never changes while it is mapped,
+        // and it is at least `len` bytes (checked by the caller's `Region::map` of it).
+        let map = unsafe { MmapOptions::new().len(len).map_mut(file)? };
+        Ok(Self { map, rank })
+    }
+}
+
+impl crate::comm::engine::AbortNotice for AbortBoard {
+    /// Posts this rank's reason and raises its flag, unless a reason is posted already: the
+    /// peers read the first failure, which the later ones follow from.
+    fn tell(&self, reason: &str) {
+        let flag = control_word(&self.map, self.rank, ABORTED);
+        if flag
+            .compare_exchange(0, POSTING, Ordering::AcqRel, Ordering::Relaxed)
+            .is_err()
+        {
+            return;
+        }
+        let bytes = &reason.as_bytes()[..reason.len().min(REASON_CAPACITY)];
+        for (i, chunk) in bytes.chunks(8).enumerate() {
+            let mut word = [0u8; 8];
+            word[..chunk.len()].copy_from_slice(chunk);
+            control_word(&self.map, self.rank, REASON + i * 8)
+                .store(u64::from_le_bytes(word), Ordering::Relaxed);
+        }
+        control_word(&self.map, self.rank, REASON_LEN).store(bytes.len() as u64, Ordering::Relaxed);
+        flag.store(POSTED, Ordering::Release);
     }
 }
 
