@@ -92,7 +92,8 @@ pub(super) fn product<T: HalfElement, O: Element>(
     let steps = k.div_ceil(2);
     let blocks = steps.div_ceil(TILE);
     let panel_len = blocks * TILE_LANES;
-    let mut packed_b = pack::pack_b(b, (steps, blocks * TILE), 2);
+    let mut packed_b = Vec::new();
+    pack::pack_b(b, (steps, blocks * TILE), 2, &mut packed_b);
     // The kernel takes two panels of `b` at a time: an odd last one is paired with zeros.
     if (packed_b.len() / panel_len) % 2 == 1 {
         packed_b.resize(packed_b.len() + panel_len, 0);

@@ -382,11 +382,12 @@ fn packed<T: HalfElement, O: Element>(
     let (m, n, k) = (a.rows, b.cols, a.cols);
     let per_lane = pack::per_lane(path);
     let steps = k.div_ceil(per_lane);
-    let packed_b = pack::pack_b(b, (steps, steps), per_lane);
+    let mut packed_b = pack::take_buffer();
+    pack::pack_b(b, (steps, steps), per_lane, &mut packed_b);
     let block = |(index, rows_out): (usize, &mut [MaybeUninit<O>])| {
         let start = index * BLOCK_ROWS;
         let rows = start..(start + BLOCK_ROWS).min(m);
-        let mut packed_a = Vec::new();
+        let mut packed_a = pack::take_buffer();
         pack::pack_a(a, rows.clone(), steps, per_lane, &mut packed_a);
         let mut tile = [0.0f32; MR * NR];
         for (p, b_panel) in packed_b.chunks(steps * NR).enumerate() {
@@ -412,12 +413,14 @@ fn packed<T: HalfElement, O: Element>(
                 }
             }
         }
+        pack::give_back(packed_a);
     };
     if m.saturating_mul(n).saturating_mul(k) >= PARALLEL_FROM {
         c.par_chunks_mut(BLOCK_ROWS * n).enumerate().for_each(block);
     } else {
         c.chunks_mut(BLOCK_ROWS * n).enumerate().for_each(block);
     }
+    pack::give_back(packed_b);
 }
 
 /// The tile `a_panel b_panel` (`steps` steps along `k`) into `tile` (row-major, `MR x NR`),
@@ -633,6 +636,56 @@ mod tests {
             let one = on(1);
             assert_eq!(one, on(2), "{path:?}");
             assert_eq!(one, on(3), "{path:?}");
+        }
+    }
+
+    /// Packing buffers reused from earlier products, full of garbage (NaN lanes), change no
+    /// bit of a product with partial panels of both operands and an odd `k` (every lane that
+    /// reaches a result is written: the pairs' zeros past `k`, AMX's steps past `k`), for bf16
+    /// and f16 operands on every path.
+    #[test]
+    fn reused_packing_buffers_leave_no_trace() {
+        let (m, n, k) = (29, 21, 37);
+        let a = values(m * k, 16);
+        let b = values(k * n, 17);
+        let f16s =
+            |x: &[bf16]| -> Vec<f16> { x.iter().map(|v| f16::from_f32(v.to_f32())).collect() };
+        let (a16, b16) = (f16s(&a), f16s(&b));
+        let bits = |c: Vec<f32>| c.iter().map(|v| v.to_bits()).collect::<Vec<_>>();
+        let products = |path| {
+            (
+                bits(matmul_half_on(
+                    path,
+                    Bf16Mat::row_major(&a, m, k),
+                    Bf16Mat::row_major(&b, k, n),
+                )),
+                bits(matmul_half_on(
+                    path,
+                    HalfMat::row_major(&a16, m, k),
+                    HalfMat::row_major(&b16, k, n),
+                )),
+            )
+        };
+        for path in paths() {
+            // On a thread of its own: its buffers hold nothing yet.
+            let fresh = std::thread::scope(|s| s.spawn(|| products(path)).join().unwrap());
+            let soiled = std::thread::scope(|s| {
+                s.spawn(|| {
+                    let pool = rayon::ThreadPoolBuilder::new()
+                        .num_threads(1)
+                        .build()
+                        .unwrap();
+                    pool.install(|| {
+                        for _ in 0..pack::KEPT_BUFFERS {
+                            pack::give_back(vec![u32::MAX; 1 << 16]);
+                        }
+                        products(path)
+                    })
+                })
+                .join()
+                .unwrap()
+            });
+            assert_eq!(fresh, soiled, "{path:?}");
         }
     }
 

@@ -2,8 +2,14 @@
 //! panels of [`NR`] columns, each step along `k` one 32-bit lane per row or column (a pair of
 //! bf16 for `vdpbf16ps`, one value widened to f32 for the FMAs), read in contiguous runs
 //! wherever the operand's strides allow.
+//!
+//! A packed operand is written whole, its padding included, into a buffer each thread keeps
+//! between products ([`take_buffer`], [`give_back`]): a fresh zeroed one per block of rows
+//! and per product cost the allocator's clearing (`memset`, 4.5-4.9 % of a weight gradient's
+//! profile; RESULTS, issue 60 part seven).
 
 use std::any::TypeId;
+use std::cell::RefCell;
 use std::ops::Range;
 
 use half::f16;
@@ -11,6 +17,47 @@ use half::f16;
 use rayon::prelude::*;
 
 use super::{Bf16Path, HalfElement, HalfMat, MR, NR};
+
+/// Buffers a thread keeps for packing: at most this many (an operand of each kind).
+pub(super) const KEPT_BUFFERS: usize = 2;
+
+thread_local! {
+    /// This thread's packing buffers between products.
+    static BUFFERS: RefCell<Vec<Vec<u32>>> = const { RefCell::new(Vec::new()) };
+    /// This thread's space for widening f16 runs.
+    static WIDE: RefCell<Vec<f32>> = const { RefCell::new(Vec::new()) };
+}
+
+/// A packing buffer of this thread's, with whatever it held (the packing overwrites it).
+pub(super) fn take_buffer() -> Vec<u32> {
+    BUFFERS
+        .try_with(|kept| kept.borrow_mut().pop())
+        .ok()
+        .flatten()
+        .unwrap_or_default()
+}
+
+/// Keeps `buffer` for this thread's next product (the largest ones, up to [`KEPT_BUFFERS`]).
+pub(super) fn give_back(buffer: Vec<u32>) {
+    let _ = BUFFERS.try_with(|kept| {
+        let mut kept = kept.borrow_mut();
+        kept.push(buffer);
+        kept.sort_by_key(|b| std::cmp::Reverse(b.capacity()));
+        kept.truncate(KEPT_BUFFERS);
+    });
+}
+
+/// `f` on `len` f32 of this thread's widening space, whose old contents `f` overwrites (a
+/// nested call gets a space of its own).
+fn with_wide<R>(len: usize, f: impl FnOnce(&mut [f32]) -> R) -> R {
+    let mut wide = WIDE
+        .try_with(|kept| std::mem::take(&mut *kept.borrow_mut()))
+        .unwrap_or_default();
+    wide.resize(len, 0.0);
+    let result = f(&mut wide[..len]);
+    let _ = WIDE.try_with(|kept| *kept.borrow_mut() = wide);
+    result
+}
 
 /// Values of `k` one packed 32-bit lane holds on `path`: a pair of bf16 for `vdpbf16ps`, one
 /// value widened to f32 for the FMAs.
@@ -110,12 +157,13 @@ fn put_runs<T: HalfElement>(
         if TypeId::of::<T>() == TypeId::of::<f16>() {
             // f16 runs widened whole first (8 values an instruction with F16C), then placed
             // as bits: widening each placed value alone was a tenth of the fp16 step.
-            let mut wide = vec![0.0f32; runs.len() * k_len];
-            for (wide, run) in wide.chunks_exact_mut(k_len).zip(runs) {
-                crate::cast::widen_into(&run[..k_len], wide);
-            }
-            let wide: Vec<&[f32]> = wide.chunks_exact(k_len).collect();
-            place(out, width, &wide, steps, f32::to_bits);
+            with_wide(runs.len() * k_len, |wide| {
+                for (wide, run) in wide.chunks_exact_mut(k_len).zip(runs) {
+                    crate::cast::widen_into(&run[..k_len], wide);
+                }
+                let wide: Vec<&[f32]> = wide.chunks_exact(k_len).collect();
+                place(out, width, &wide, steps, f32::to_bits);
+            });
         } else {
             place(out, width, runs, steps, |v| v.to_f32().to_bits());
         }
@@ -167,19 +215,29 @@ pub(super) fn runs_along_k<'a, T: HalfElement>(
     lines.map(|line| run(m, along_row, line, 0, len)).collect()
 }
 
-/// `b` as panels of [`NR`] columns: panel `p` holds, for each step along `k`, the lanes of
-/// columns `p * NR ..` (zeros past the last column), then zeros up to `padded` steps.
+/// `b` as panels of [`NR`] columns into `packed` (every lane written, whatever it held):
+/// panel `p` holds, for each step along `k`, the lanes of columns `p * NR ..` (zeros past the
+/// last column), then zeros up to `padded` steps.
 #[cfg_attr(not(target_arch = "x86_64"), allow(dead_code))]
 pub(super) fn pack_b<T: HalfElement>(
     b: HalfMat<'_, T>,
     (steps, padded): (usize, usize),
     per_lane: usize,
-) -> Vec<u32> {
+    packed: &mut Vec<u32>,
+) {
     let panels = b.cols.div_ceil(NR);
-    let mut packed = vec![0u32; panels * padded * NR];
+    packed.resize(panels * padded * NR, 0);
     let fill = |(p, panel): (usize, &mut [u32])| {
         let width = NR.min(b.cols - p * NR);
         let columns = p * NR..p * NR + width;
+        // The padding: columns past the last one, and steps past `k`.
+        let (lanes, beyond) = panel.split_at_mut(steps * NR);
+        beyond.fill(0);
+        if width < NR {
+            lanes
+                .chunks_exact_mut(NR)
+                .for_each(|step| step[width..].fill(0));
+        }
         // Columns of `b` read in runs where each lies contiguous (`W^T` of an input gradient).
         if let Some(runs) = runs_along_k(&b, false, columns, b.rows) {
             put_runs(panel, NR, &runs, b.rows, per_lane);
@@ -208,11 +266,10 @@ pub(super) fn pack_b<T: HalfElement>(
         .par_chunks_mut(padded * NR)
         .enumerate()
         .for_each(fill);
-    packed
 }
 
-/// Rows `rows` of `a` as panels of [`MR`] rows: for each step along `k`, the lanes of each
-/// row (zeros past the last row).
+/// Rows `rows` of `a` as panels of [`MR`] rows into `packed` (every lane written, whatever it
+/// held): for each step along `k`, the lanes of each row (zeros past the last row).
 #[cfg_attr(not(target_arch = "x86_64"), allow(dead_code))]
 pub(super) fn pack_a<T: HalfElement>(
     a: HalfMat<'_, T>,
@@ -222,12 +279,16 @@ pub(super) fn pack_a<T: HalfElement>(
     packed: &mut Vec<u32>,
 ) {
     let panels = rows.len().div_ceil(MR);
-    packed.clear();
     packed.resize(panels * steps * MR, 0);
     let k_len = a.cols;
     for (p, panel) in packed.chunks_mut(steps * MR).enumerate() {
         let height = MR.min(rows.len() - p * MR);
         let first = rows.start + p * MR;
+        if height < MR {
+            panel
+                .chunks_exact_mut(MR)
+                .for_each(|step| step[height..].fill(0));
+        }
         if let Some(runs) = runs_along_k(&a, true, first..first + height, k_len) {
             // A row-major `a`: each row's `k` values in one run.
             put_runs(panel, MR, &runs, k_len, per_lane);
