@@ -52,6 +52,8 @@ mod avx2;
 #[cfg(target_arch = "x86_64")]
 mod avx512;
 mod pack;
+#[cfg(target_arch = "x86_64")]
+mod transpose;
 
 /// Rows of the microkernel's tile.
 #[cfg_attr(not(target_arch = "x86_64"), allow(dead_code))]

@@ -6,13 +6,11 @@
 //! A packed operand is written whole, its padding included, into a buffer each thread keeps
 //! between products ([`take_buffer`], [`give_back`]): a fresh zeroed one per block of rows
 //! and per product cost the allocator's clearing (`memset`, 4.5-4.9 % of a weight gradient's
-//! profile; RESULTS, issue 60 part seven).
+//! profile; RESULTS, issue 60 part seven). The FMA paths' lanes (one value widened to f32
+//! each) are transposed 8 x 8 in registers where the CPU has AVX2 (`transpose`).
 
-use std::any::TypeId;
 use std::cell::RefCell;
 use std::ops::Range;
-
-use half::f16;
 
 use rayon::prelude::*;
 
@@ -24,8 +22,6 @@ pub(super) const KEPT_BUFFERS: usize = 2;
 thread_local! {
     /// This thread's packing buffers between products.
     static BUFFERS: RefCell<Vec<Vec<u32>>> = const { RefCell::new(Vec::new()) };
-    /// This thread's space for widening f16 runs.
-    static WIDE: RefCell<Vec<f32>> = const { RefCell::new(Vec::new()) };
 }
 
 /// A packing buffer of this thread's, with whatever it held (the packing overwrites it).
@@ -45,18 +41,6 @@ pub(super) fn give_back(buffer: Vec<u32>) {
         kept.sort_by_key(|b| std::cmp::Reverse(b.capacity()));
         kept.truncate(KEPT_BUFFERS);
     });
-}
-
-/// `f` on `len` f32 of this thread's widening space, whose old contents `f` overwrites (a
-/// nested call gets a space of its own).
-fn with_wide<R>(len: usize, f: impl FnOnce(&mut [f32]) -> R) -> R {
-    let mut wide = WIDE
-        .try_with(|kept| std::mem::take(&mut *kept.borrow_mut()))
-        .unwrap_or_default();
-    wide.resize(len, 0.0);
-    let result = f(&mut wide[..len]);
-    let _ = WIDE.try_with(|kept| *kept.borrow_mut() = wide);
-    result
 }
 
 /// Values of `k` one packed 32-bit lane holds on `path`: a pair of bf16 for `vdpbf16ps`, one
@@ -131,7 +115,8 @@ pub(super) fn run<'a, T: HalfElement>(
 fn put_lanes<T: HalfElement>(out: &mut [u32], lo: &[T], hi: Option<&[T]>, per_lane: usize) {
     let slots = out.iter_mut();
     match (per_lane, hi) {
-        (1, _) => slots.zip(lo).for_each(|(o, v)| *o = v.to_f32().to_bits()),
+        // Widened in place (f16 8 values an instruction with F16C), the f32's bits the lanes.
+        (1, _) => crate::cast::widen_into(lo, bytemuck::cast_slice_mut(out)),
         (_, Some(hi)) => slots
             .zip(lo.iter().zip(hi))
             .for_each(|(o, (&l, &h))| *o = pair_lane(l, h)),
@@ -154,18 +139,23 @@ fn put_runs<T: HalfElement>(
 ) {
     let steps = k_len.div_ceil(per_lane);
     if per_lane == 1 {
-        if TypeId::of::<T>() == TypeId::of::<f16>() {
-            // f16 runs widened whole first (8 values an instruction with F16C), then placed
-            // as bits: widening each placed value alone was a tenth of the fp16 step.
-            with_wide(runs.len() * k_len, |wide| {
-                for (wide, run) in wide.chunks_exact_mut(k_len).zip(runs) {
-                    crate::cast::widen_into(&run[..k_len], wide);
-                }
-                let wide: Vec<&[f32]> = wide.chunks_exact(k_len).collect();
-                place(out, width, &wide, steps, f32::to_bits);
-            });
-        } else {
-            place(out, width, runs, steps, |v| v.to_f32().to_bits());
+        // Blocks of 8 runs x 8 steps widened and transposed in registers; the rest one value
+        // at a time.
+        #[cfg(target_arch = "x86_64")]
+        let (runs_done, steps_done) = super::transpose::place_widened(out, width, runs, steps);
+        #[cfg(not(target_arch = "x86_64"))]
+        let (runs_done, steps_done) = (0, 0);
+        let lane = |v: T| v.to_f32().to_bits();
+        for (s, out) in out.chunks_exact_mut(width).take(steps).enumerate() {
+            let (done, rest) = out[..runs.len()].split_at_mut(runs_done);
+            rest.iter_mut()
+                .zip(&runs[runs_done..])
+                .for_each(|(o, run)| *o = lane(run[s]));
+            if s >= steps_done {
+                done.iter_mut()
+                    .zip(runs)
+                    .for_each(|(o, run)| *o = lane(run[s]));
+            }
         }
         return;
     }
@@ -180,22 +170,6 @@ fn put_runs<T: HalfElement>(
             for (o, run) in out.iter_mut().zip(runs) {
                 *o = u32::from(run[2 * s].bits());
             }
-        }
-    }
-}
-
-/// One value a lane: `out[s * width + i] = lane(runs[i][s])` for the first `steps` steps.
-#[inline(always)]
-fn place<X: Copy>(
-    out: &mut [u32],
-    width: usize,
-    runs: &[&[X]],
-    steps: usize,
-    lane: impl Fn(X) -> u32,
-) {
-    for (s, out) in out.chunks_exact_mut(width).take(steps).enumerate() {
-        for (o, run) in out[..runs.len()].iter_mut().zip(runs) {
-            *o = lane(run[s]);
         }
     }
 }
