@@ -65,10 +65,11 @@ fn unscale(c: &mut Criterion) {
 /// The three products of a linear layer 256 -> 768 over 4,096 tokens (the transformer
 /// example's QKV shapes), bf16 operands into f32: forward `x W`, input gradient `dY W^T`,
 /// weight gradient `X^T dY`; on each path this CPU can take (AMX tiles, `vdpbf16ps`, AVX-512
-/// or AVX2 FMAs on widened panels, widened then the f32 product),
-/// and the f32 product of the same shapes. Throughput counts 2 flops per multiply-add.
+/// or AVX2 FMAs on widened panels, widened then the f32 product), f16 operands on the path
+/// this CPU gives them (fp16 autocast's products), and the f32 product of the same shapes.
+/// Throughput counts 2 flops per multiply-add.
 fn matmul_bf16(c: &mut Criterion) {
-    use accelerate_kernels::bf16_matmul::{Bf16Mat, Bf16Path, matmul_bf16_on};
+    use accelerate_kernels::bf16_matmul::{Bf16Mat, Bf16Path, F16Mat, matmul_bf16_on, matmul_f16};
     use accelerate_kernels::linear::{Weight, forward, input_grad, weight_grad};
     let (tokens, d_in, d_out) = (4096usize, 256usize, 768usize);
     let value = |i: usize| ((i * 7919 % 1000) as f32 - 500.0) * 1e-3;
@@ -119,6 +120,32 @@ fn matmul_bf16(c: &mut Criterion) {
             })
         });
     }
+    let f16s = |v: &[f32]| -> Vec<f16> { v.iter().map(|&x| f16::from_f32(x)).collect() };
+    let (x16, w16, dy16) = (f16s(&x32), f16s(&w32), f16s(&dy32));
+    group.bench_function("f16/forward", |b| {
+        b.iter(|| {
+            matmul_f16(
+                F16Mat::row_major(black_box(&x16), tokens, d_in),
+                F16Mat::row_major(&w16, d_in, d_out),
+            )
+        })
+    });
+    group.bench_function("f16/input_grad", |b| {
+        b.iter(|| {
+            matmul_f16(
+                F16Mat::row_major(black_box(&dy16), tokens, d_out),
+                F16Mat::row_major(&w16, d_in, d_out).t(),
+            )
+        })
+    });
+    group.bench_function("f16/weight_grad", |b| {
+        b.iter(|| {
+            matmul_f16(
+                F16Mat::row_major(black_box(&x16), tokens, d_in).t(),
+                F16Mat::row_major(&dy16, tokens, d_out),
+            )
+        })
+    });
     let weight = Weight::rows_of(&w32, d_in, d_out);
     group.bench_function("f32/forward", |b| {
         b.iter(|| forward(black_box(&x32), weight, None))

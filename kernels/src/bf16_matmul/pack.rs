@@ -115,8 +115,7 @@ pub(super) fn run<'a, T: HalfElement>(
 fn put_lanes<T: HalfElement>(out: &mut [u32], lo: &[T], hi: Option<&[T]>, per_lane: usize) {
     let slots = out.iter_mut();
     match (per_lane, hi) {
-        // Widened in place (f16 8 values an instruction with F16C), the f32's bits the lanes.
-        (1, _) => crate::cast::widen_into(lo, bytemuck::cast_slice_mut(out)),
+        (1, _) => slots.zip(lo).for_each(|(o, v)| *o = v.to_f32().to_bits()),
         (_, Some(hi)) => slots
             .zip(lo.iter().zip(hi))
             .for_each(|(o, (&l, &h))| *o = pair_lane(l, h)),
