@@ -407,9 +407,6 @@ fn a_split_groups_failure_is_told_to_the_ranks_waiting_in_the_job() {
         &[("ACCELERATE_TIMEOUT", "20")],
     )
     .finish(Duration::from_secs(60));
-    for r in &results {
-        eprintln!("DEBUG {} {}", r.0, r.2);
-    }
     for (rank, (code, _, stderr)) in results.iter().enumerate() {
         assert_eq!(*code, 3, "rank {rank}: {stderr}");
         assert!(

@@ -144,16 +144,10 @@ fn put_runs<T: HalfElement>(
         let (runs_done, steps_done) = super::transpose::place_widened(out, width, runs, steps);
         #[cfg(not(target_arch = "x86_64"))]
         let (runs_done, steps_done) = (0, 0);
-        let lane = |v: T| v.to_f32().to_bits();
         for (s, out) in out.chunks_exact_mut(width).take(steps).enumerate() {
-            let (done, rest) = out[..runs.len()].split_at_mut(runs_done);
-            rest.iter_mut()
-                .zip(&runs[runs_done..])
-                .for_each(|(o, run)| *o = lane(run[s]));
-            if s >= steps_done {
-                done.iter_mut()
-                    .zip(runs)
-                    .for_each(|(o, run)| *o = lane(run[s]));
+            let from = if s < steps_done { runs_done } else { 0 };
+            for (o, run) in out[from..runs.len()].iter_mut().zip(&runs[from..]) {
+                *o = run[s].to_f32().to_bits();
             }
         }
         return;

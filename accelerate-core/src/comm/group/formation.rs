@@ -140,8 +140,18 @@ impl ProcessGroup {
         world_size: usize,
         engine: Option<Box<dyn Engine>>,
     ) -> Self {
+        Self::with_engine_in(rank, world_size, engine, Arc::new(JobAlarm::default()))
+    }
+
+    /// A group of the job whose groups in this process share `alarm` (a new job's own, or
+    /// the job's it is split from).
+    pub(super) fn with_engine_in(
+        rank: usize,
+        world_size: usize,
+        engine: Option<Box<dyn Engine>>,
+        alarm: Arc<JobAlarm>,
+    ) -> Self {
         let tag = next_tag();
-        let alarm = Arc::new(JobAlarm::default());
         alarm.join(tag, engine.as_ref().and_then(|e| e.abort_notice()));
         Self {
             rank,

@@ -82,11 +82,8 @@ impl ProcessGroup {
                 ));
             }
         };
-        let notice = engine.as_ref().and_then(|e| e.abort_notice());
-        let mut group = Self::with_engine(rank, mine.len(), engine);
         // One alarm for the job: a failure of this group is told to the job's other groups.
-        group.alarm = Arc::clone(&self.alarm);
-        group.alarm.join(group.tag, notice);
+        let mut group = Self::with_engine_in(rank, mine.len(), engine, Arc::clone(&self.alarm));
         // Errors name the job's ranks: this group's own, as the job numbers them.
         let job = |r: usize| {
             self.members
