@@ -250,6 +250,12 @@ pub(crate) fn into_f32(data: TensorData) -> TensorData {
     }
 }
 
+/// `data`'s values as an f32 vector: its own buffer when it already is one and nothing else
+/// shares it (no copy), else converted or copied.
+pub(crate) fn into_f32_vec(data: TensorData) -> Result<Vec<f32>, burn::tensor::DataError> {
+    into_f32(data).try_into_vec::<f32>()
+}
+
 /// Appends `values` to `out` as little-endian f32 bytes (one copy on a little-endian CPU,
 /// where checkpoints' flat state and shards are serialised on the training thread).
 pub(crate) fn extend_le_bytes(out: &mut Vec<u8>, values: &[f32]) {

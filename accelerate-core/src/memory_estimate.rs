@@ -28,6 +28,10 @@
 //! micro-batch and keeps the shard of the sum, in a buffer of the shard's length that the
 //! first window of several micro-batches makes and later ones reuse (counted here; a run
 //! without accumulation holds what stage 1 holds).
+//! A model whose layers are units (`Accelerator::unit`) hands each unit's gradients over as
+//! backward leaves it: at stage 2 they are reduce-scattered into the shard then (its buffer,
+//! 4P/N, kept from the first step), and backward holds one unit's gradients at a time instead
+//! of every one; this estimate still counts 4P for backward, the bound for models without units.
 //! Checkpoints saved in the background (`async_checkpoints`) hold a snapshot of what the main
 //! process writes while training goes on: its model (4P, or 4P/N at stage 3) and its part of
 //! the optimizer state, counted in the peak ([`MemoryEstimate::checkpoint_snapshot`]).

@@ -146,6 +146,24 @@ fn usage_errors_are_reported_before_any_communication() {
     );
     let err = group.broadcast(&mut [0.0_f32; 2], 7).unwrap_err();
     assert!(err.to_string().contains("root 7"), "{err}");
+    let err = group
+        .reduce_scatter_counts(&[1.0_f32; 4], &mut [0.0; 1], &[1, 2], Reduction::Sum)
+        .unwrap_err();
+    assert!(err.to_string().contains("adding up to Some(3)"), "{err}");
+}
+
+/// Ranks that cut a reduce-scatter into different counts fail naming the mismatch (the
+/// counts travel as a fingerprint), instead of reducing each other's chunks.
+#[test]
+fn ranks_cutting_a_reduce_scatter_differently_fail_on_both() {
+    on_threads(2, &options(AllReduceAlgorithm::Ring), |group| {
+        let counts = if group.rank() == 0 { [1, 3] } else { [3, 1] };
+        let mut out = vec![0.0_f32; counts[group.rank()]];
+        let err = group
+            .reduce_scatter_counts(&[1.0_f32; 4], &mut out, &counts, Reduction::Sum)
+            .unwrap_err();
+        assert!(err.to_string().contains("counts"), "{err}");
+    });
 }
 
 /// A rank announcing the largest value an object may be, in a group of five: padded for every

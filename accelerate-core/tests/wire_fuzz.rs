@@ -193,9 +193,9 @@ fn run_call(
             engine.all_gather(call, &buf, &mut out)
         }
         OpKind::ReduceScatter => {
-            let chunk = accelerate_kernels::schedule::chunk_range(elems, world_size, rank).len();
-            let mut mine = vec![0u8; chunk * dtype.size()];
-            engine.reduce_scatter(call, &buf, &mut mine)
+            let counts = accelerate_core::comm::engine::even_counts(elems, world_size);
+            let mut mine = vec![0u8; counts[rank] * dtype.size()];
+            engine.reduce_scatter(call, &buf, &mut mine, &counts)
         }
         _ => engine.barrier(call),
     }

@@ -329,15 +329,16 @@ fn two_processes_train_the_transformer_like_one_with_the_same_global_batches() {
 /// Overlap (each layer a unit whose gradients a communication thread averages while backward
 /// goes on through the layers before it) trains the same bits as averaging after backward, on
 /// two processes: fused AdamW over summed token losses, with accumulation windows of 2 and a
-/// bf16 wire, and Burn's AdamW in fp16 (loss scaling, its first steps skipped). On a GPU
-/// backend the fused optimizer's buffers live on the device and average after backward (no
-/// overlap yet); Burn's optimizer overlaps there without Burn's fusion (with it, the taps'
-/// reads end fused kernels elsewhere than after backward, and results move: overlap stays
-/// off there).
+/// bf16 wire, Burn's AdamW in fp16 (loss scaling, its first steps skipped), and ZeRO-2 (each
+/// layer's gradients reduce-scattered into the shards from the taps and let go; windows of 2
+/// and an fp16 wire too). On a GPU backend the fused optimizer's buffers live on the device
+/// and average after backward (no overlap yet) except ZeRO-2's, on the host; Burn's optimizer
+/// and ZeRO-2 overlap there without Burn's fusion (with it, the taps' reads end fused kernels
+/// elsewhere than after backward, and results move: overlap stays off there).
 #[test]
 fn overlapped_communication_trains_the_same_bits_as_averaging_after_backward() {
     let batch = ("TEST_BATCH", "8".to_string());
-    let settings: [&[(&str, &str)]; 3] = [
+    let settings: [&[(&str, &str)]; 5] = [
         &[],
         &[
             ("ACCELERATE_GRADIENT_ACCUMULATION_STEPS", "2"),
@@ -348,10 +349,22 @@ fn overlapped_communication_trains_the_same_bits_as_averaging_after_backward() {
             ("TEST_MIXED", "fp16"),
             ("ACCELERATE_FUSION", "false"),
         ],
+        &[
+            ("ACCELERATE_ZERO_STAGE", "2"),
+            ("ACCELERATE_FUSION", "false"),
+        ],
+        &[
+            ("ACCELERATE_ZERO_STAGE", "2"),
+            ("ACCELERATE_FUSION", "false"),
+            ("ACCELERATE_GRADIENT_ACCUMULATION_STEPS", "2"),
+            ("ACCELERATE_GRADIENT_COMMUNICATION", "fp16"),
+        ],
     ];
     for setting in settings {
-        let burn_optimizer = setting.iter().any(|(k, _)| *k == "TEST_BURN_OPTIMIZER");
-        let overlaps = burn_optimizer || !<DefaultBackend as AcceleratorBackend>::DEVICE_KERNELS;
+        let on_host = setting
+            .iter()
+            .any(|(k, _)| *k == "TEST_BURN_OPTIMIZER" || *k == "ACCELERATE_ZERO_STAGE");
+        let overlaps = on_host || !<DefaultBackend as AcceleratorBackend>::DEVICE_KERNELS;
         let [on, off] = ["true", "false"].map(|overlap| {
             let mut env = vec![
                 batch.clone(),
@@ -397,7 +410,9 @@ fn assert_overlap_changed_no_bit(
 
 /// Overlap across hosts: 4 processes, two in each of two network namespaces joined by a link
 /// shaped to 200 Mbit/s (`tc`'s `tbf`), each its own host over our TCP engine, train the same
-/// bits with and without overlap (the ring's two crossings carry every bucket).
+/// bits with and without overlap (the ring's two crossings carry every bucket); and so do
+/// ZeRO-2's units, their pieces reduce-scattered onto their owners over the TCP ring, or
+/// under hybrid sharding within each host and averaged across the hosts.
 #[test]
 fn overlap_over_a_shaped_link_between_two_hosts_trains_the_same_bits() {
     let Some(hosts) = netns::TwoHosts::new("overlap") else {
@@ -405,15 +420,32 @@ fn overlap_over_a_shaped_link_between_two_hosts_trains_the_same_bits() {
     };
     hosts.shape_link("200mbit");
     let namespaces = [0, 0, 1, 1].map(|machine| hosts.namespaces[machine].clone());
-    let [on, off] = ["true", "false"].map(|overlap| {
-        let env = [
-            ("TEST_BATCH", "4".to_string()),
-            ("ACCELERATE_OVERLAP_COMMUNICATION", overlap.to_string()),
-        ];
-        common::run_on_hosts(&namespaces, &hosts.addresses[0], "transformer", &env)
-    });
-    let overlaps = !<DefaultBackend as AcceleratorBackend>::DEVICE_KERNELS;
-    assert_overlap_changed_no_bit(&on, &off, overlaps, "2 hosts x 2 processes");
+    let settings: [&[(&str, &str)]; 3] = [
+        &[],
+        &[
+            ("ACCELERATE_ZERO_STAGE", "2"),
+            ("ACCELERATE_FUSION", "false"),
+        ],
+        &[
+            ("ACCELERATE_ZERO_STAGE", "2"),
+            ("ACCELERATE_FUSION", "false"),
+            ("ACCELERATE_SHARD_GROUP_SIZE", "host"),
+        ],
+    ];
+    for setting in settings {
+        let [on, off] = ["true", "false"].map(|overlap| {
+            let mut env = vec![
+                ("TEST_BATCH", "4".to_string()),
+                ("ACCELERATE_OVERLAP_COMMUNICATION", overlap.to_string()),
+            ];
+            env.extend(setting.iter().map(|&(k, v)| (k, v.to_string())));
+            common::run_on_hosts(&namespaces, &hosts.addresses[0], "transformer", &env)
+        });
+        let overlaps =
+            !setting.is_empty() || !<DefaultBackend as AcceleratorBackend>::DEVICE_KERNELS;
+        let context = format!("2 hosts x 2 processes, {setting:?}");
+        assert_overlap_changed_no_bit(&on, &off, overlaps, &context);
+    }
     assert_eq!(
         (hosts.leftovers(0), hosts.leftovers(1)),
         (String::new(), String::new())

@@ -1,6 +1,7 @@
 //! `backward` through the gradient pipe ([`crate::overlap`]): the pipe averages a completed
 //! window's gradients on the host, while backward runs where units feed it, and the reducer
-//! takes them averaged (with a group of one).
+//! takes them averaged (with a group of one); under ZeRO-2 it reduces each micro-batch into
+//! the reducer's shard of the window's sum, the units' gradients let go as they go.
 
 use std::collections::HashMap;
 use std::sync::Arc;
@@ -13,6 +14,7 @@ use super::Accelerator;
 use crate::backend::AcceleratorBackend;
 use crate::error::AccelerateError;
 use crate::overlap::pipe::{Averager, Delivery, PipePlan, PipeRun, WindowStart};
+use crate::overlap::throttle::Throttle;
 use crate::params::{self, ParamLayout, ParamList};
 use crate::reducer::{GradientReducer, ReducerKind};
 
@@ -28,6 +30,78 @@ impl<B: AcceleratorBackend> Accelerator<B> {
             self.taps.unit_of(id)
         });
         (reducer.kind() == ReducerKind::Burn || plan.has_units).then(|| Arc::new(plan))
+    }
+
+    /// The pipe's plan for a ZeRO-2 reducer's micro-batches, when the units' taps feed it:
+    /// several processes, overlap on, a model with units.
+    pub(crate) fn shard_pipe_plan(&self, reducer: &dyn GradientReducer) -> Option<Arc<PipePlan>> {
+        if !self.comm.is_distributed() || !self.taps.enabled() || !reducer.holds_window_sum() {
+            return None;
+        }
+        let plan = PipePlan::new(reducer.layout(), self.config.gradient_bucket_bytes, |id| {
+            self.taps.unit_of(id)
+        });
+        plan.has_units.then(|| Arc::new(plan))
+    }
+
+    /// ZeRO-2 over units' taps: runs `loss`'s backward pass with the micro-batch's gradients
+    /// reduce-scattered into `reducer`'s shard of the window's sum bucket by bucket, on a
+    /// communication thread the taps feed as backward leaves each unit (each unit's gradients
+    /// let go once in their bucket, so whole gradients never all exist at once: 4P + 12P/N),
+    /// the other parameters' after backward. `first`: the window's first micro-batch.
+    pub(crate) fn backward_into_shard<M: Module>(
+        &self,
+        loss: Tensor<1>,
+        model: &M,
+        reducer: &mut dyn GradientReducer,
+        plan: Arc<PipePlan>,
+        first: bool,
+    ) -> Result<(), AccelerateError> {
+        let rank = self.state.rank;
+        let Some(sink) = reducer.lend_shard(first, &self.comm) else {
+            return Err(AccelerateError::UnexpectedGradients { rank });
+        };
+        let layout = Arc::clone(reducer.layout());
+        let mut delivered: Vec<bool> = plan.handed_in_at_start();
+        // Each unit's anchor holds backward until the unit's gradients are sent: one unit's
+        // gradients at a time beside the shards (ZeRO-2 is for memory; without the hold a busy
+        // machine lets several units' pile up, 8P/N more on 4 processes here).
+        let throttle = Arc::new(Throttle::new(0));
+        let averager = Averager::into_shard(Arc::clone(&plan), sink, Arc::clone(&throttle));
+        let mut run = PipeRun::spawn(averager)?;
+        if let Some(sender) = run.sender() {
+            self.taps.arm(
+                entry_map(&layout),
+                delivered.clone(),
+                sender,
+                Some(throttle),
+            );
+        }
+        let grads = loss.backward();
+        let (tapped, failure) = self.taps.disarm();
+        if !tapped.is_empty() {
+            delivered = tapped;
+        }
+        let list = layout
+            .take_grads(GradientsParams::from_grads(grads, model))
+            .map_err(|unknown| AccelerateError::ModelChanged {
+                rank,
+                detail: unknown.to_string(),
+            });
+        // The pipe is finished whatever happened, so that no peer waits for this process.
+        let handed = self.deliver_rest(&mut run, list.as_ref().ok(), &delivered, &plan);
+        let sink = run.finish(rank).and_then(|sink| sink.into_shard(rank))?;
+        reducer.return_shard(sink, first);
+        handed?;
+        list?;
+        match failure {
+            Some(cause) => Err(AccelerateError::Tensor {
+                rank,
+                op: "reducing a unit's gradients into the shards during backward",
+                detail: cause,
+            }),
+            None => Ok(()),
+        }
     }
 
     /// Runs `loss`'s backward pass with the window's gradients going through the pipe: on a
@@ -52,13 +126,8 @@ impl<B: AcceleratorBackend> Accelerator<B> {
         let run = if self.taps.enabled() && plan.has_units {
             let run = PipeRun::spawn(averager)?;
             if let Some(sender) = run.sender() {
-                let entries: HashMap<ParamId, usize> = layout
-                    .entries
-                    .iter()
-                    .enumerate()
-                    .map(|(i, e)| (e.id, i))
-                    .collect();
-                self.taps.arm(Arc::new(entries), delivered.clone(), sender);
+                self.taps
+                    .arm(entry_map(layout), delivered.clone(), sender, None);
             }
             run
         } else {
@@ -122,21 +191,10 @@ impl<B: AcceleratorBackend> Accelerator<B> {
         delivered: &[bool],
         plan: &PipePlan,
     ) -> Result<ParamList, AccelerateError> {
-        for entry in (0..plan.len()).rev() {
-            if delivered.get(entry).copied().unwrap_or(false) {
-                continue;
-            }
-            let grad = list.and_then(|list| list.get(entry).cloned().flatten());
-            let delivery = match grad {
-                Some(grad) => Delivery::Grad {
-                    entry,
-                    values: params::to_host_f32(grad),
-                },
-                None => Delivery::Absent { entry },
-            };
-            run.deliver(delivery)?;
-        }
-        let buckets = run.finish(self.state.rank)?;
+        self.deliver_rest(&mut run, list, delivered, plan)?;
+        let buckets = run
+            .finish(self.state.rank)?
+            .into_averaged(self.state.rank)?;
         // Where backward's gradients live: the inner backend's device (the accelerator's
         // device is autodiff's, whose tensors would be tracked).
         let device = list
@@ -162,6 +220,45 @@ impl<B: AcceleratorBackend> Accelerator<B> {
         }
         Ok(averaged)
     }
+
+    /// Hands the pipe every gradient of `list` no tap delivered, last entry first (as
+    /// backward finishes them); without a list (backward failed) every entry goes in absent.
+    fn deliver_rest(
+        &self,
+        run: &mut PipeRun,
+        list: Option<&ParamList>,
+        delivered: &[bool],
+        plan: &PipePlan,
+    ) -> Result<(), AccelerateError> {
+        for entry in (0..plan.len()).rev() {
+            if delivered.get(entry).copied().unwrap_or(false) {
+                continue;
+            }
+            let grad = list.and_then(|list| list.get(entry).cloned().flatten());
+            let delivery = match grad {
+                Some(grad) => Delivery::Grad {
+                    entry,
+                    values: params::to_host_f32(grad),
+                    tapped: false,
+                },
+                None => Delivery::Absent { entry },
+            };
+            run.deliver(delivery)?;
+        }
+        Ok(())
+    }
+}
+
+/// Each layout entry's index, by parameter id (what the taps look their parameter up in).
+fn entry_map(layout: &ParamLayout) -> Arc<HashMap<ParamId, usize>> {
+    Arc::new(
+        layout
+            .entries
+            .iter()
+            .enumerate()
+            .map(|(i, e)| (e.id, i))
+            .collect(),
+    )
 }
 
 /// The host copy of a window's earlier micro-batches' sum, for the pipe to add first.

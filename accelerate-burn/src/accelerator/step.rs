@@ -120,28 +120,24 @@ impl<B: AcceleratorBackend> Accelerator<B> {
             let averaged = self.backward_through_pipe(loss, model, &layout, plan, start)?;
             (averaged, &self.local_comm)
         } else {
-            let grads = loss.backward();
-            // Hybrid sharding: the shards' averages across the replicas, from the thread that
-            // ran them during backward (done before any collective of the job's).
-            let across_replicas = self.shards.finish_replicas();
-            // A sharded unit's gather or reduce-scatter that failed inside the graph.
-            self.sharding_failure()?;
-            let grads = GradientsParams::from_grads(grads, model);
-            let mut list = reducer.layout().take_grads(grads).map_err(|unknown| {
-                AccelerateError::ModelChanged {
-                    rank: self.state.rank,
-                    detail: unknown.to_string(),
-                }
-            })?;
-            self.take_replica_averages(&mut list, reducer.layout(), across_replicas)?;
             let mut summed = if reducer.holds_window_sum() {
-                // ZeRO-2: the reducer averages each micro-batch into its shard of the sum now.
-                reducer.accumulate(list, step.first, &self.comm)?;
+                // ZeRO-2: each micro-batch is averaged into the reducer's shard of the sum now,
+                // bucket by bucket while backward runs where units hand their gradients over.
+                match self.shard_pipe_plan(&**reducer) {
+                    Some(plan) => {
+                        self.backward_into_shard(loss, model, &mut **reducer, plan, step.first)?;
+                    }
+                    None => {
+                        let list = self.backward_list(loss, model, reducer.layout())?;
+                        reducer.accumulate(list, step.first, &self.comm)?;
+                    }
+                }
                 if !step.sync {
                     return Ok(Gradients::new(Outcome::NotDue, 0, id));
                 }
                 ParamList::new()
             } else {
+                let list = self.backward_list(loss, model, reducer.layout())?;
                 let Some(summed) = windows.accumulate(list, step) else {
                     return Ok(Gradients::new(Outcome::NotDue, 0, id));
                 };
@@ -167,6 +163,32 @@ impl<B: AcceleratorBackend> Accelerator<B> {
             return Ok(Gradients::new(Outcome::Skipped, window, id));
         }
         Ok(Gradients::new(reduced.outcome, window, id))
+    }
+
+    /// Runs `loss`'s backward pass and returns its gradients (`layout` order), the shards'
+    /// averages across hybrid sharding's replicas in place.
+    fn backward_list<M: Module>(
+        &self,
+        loss: Tensor<1>,
+        model: &M,
+        layout: &ParamLayout,
+    ) -> Result<ParamList, AccelerateError> {
+        let grads = loss.backward();
+        // Hybrid sharding: the shards' averages across the replicas, from the thread that
+        // ran them during backward (done before any collective of the job's).
+        let across_replicas = self.shards.finish_replicas();
+        // A sharded unit's gather or reduce-scatter that failed inside the graph.
+        self.sharding_failure()?;
+        let grads = GradientsParams::from_grads(grads, model);
+        let mut list =
+            layout
+                .take_grads(grads)
+                .map_err(|unknown| AccelerateError::ModelChanged {
+                    rank: self.state.rank,
+                    detail: unknown.to_string(),
+                })?;
+        self.take_replica_averages(&mut list, layout, across_replicas)?;
+        Ok(list)
     }
 
     /// A reducer of its own for `model`, outside the accelerator's prepared models, for a

@@ -1,6 +1,8 @@
 //! [`TapHub`]: what the taps of an accelerator's units share with its backward pass. The
 //! accelerator arms it with a window's pipe before Burn's backward pass runs; each tap's
-//! backward hands its parameter's gradient to the pipe's communication thread and goes on.
+//! backward hands its parameter's gradient to the pipe's communication thread and goes on,
+//! passing the gradient on to the parameter too, or (ZeRO-2, whose pipe reduces it into this
+//! rank's shard) letting it go, so that Burn never holds every gradient at once.
 
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -11,6 +13,7 @@ use burn::module::ParamId;
 use burn::tensor::TensorData;
 
 use super::pipe::Delivery;
+use super::throttle::Throttle;
 
 /// The units of one accelerator and the window whose gradients their taps feed, if any.
 pub(crate) struct TapHub {
@@ -39,6 +42,27 @@ struct Armed {
     /// Entries handed in by a tap.
     delivered: Vec<bool>,
     sender: Sender<Delivery>,
+    /// The taps pass their gradients on to the parameters (else they let them go, and wait
+    /// here when the communication thread falls behind).
+    pass_on: bool,
+    throttle: Option<Arc<Throttle>>,
+}
+
+/// What a tap does with its parameter's gradient in this backward pass.
+pub(crate) enum TapClaim {
+    /// Nothing to hand over (not armed, or not a parameter the pipe averages): pass it on.
+    Pass,
+    /// Hand a copy to the pipe and pass it on to the parameter.
+    Copy(Handover),
+    /// Hand it to the pipe and let it go (the parameter gets no gradient from Burn).
+    Take(Handover),
+}
+
+/// Where one claimed gradient goes.
+pub(crate) struct Handover {
+    entry: usize,
+    sender: Sender<Delivery>,
+    throttle: Option<Arc<Throttle>>,
 }
 
 /// What a tap carries: where its gradient goes (shared, cheap to clone).
@@ -94,11 +118,14 @@ impl TapHub {
 
     /// Sends the taps' gradients of the parameters in `entries` to `sender` until
     /// [`disarm`](Self::disarm); `delivered` starts with the entries handed in already.
+    /// Without a `throttle` the taps also pass each gradient on to its parameter; with one
+    /// they let it go, and wait on the throttle when the communication thread falls behind.
     pub fn arm(
         &self,
         entries: Arc<HashMap<ParamId, usize>>,
         delivered: Vec<bool>,
         sender: Sender<Delivery>,
+        throttle: Option<Arc<Throttle>>,
     ) {
         let mut state = self.lock();
         state.failure = None;
@@ -106,6 +133,8 @@ impl TapHub {
             entries,
             delivered,
             sender,
+            pass_on: throttle.is_none(),
+            throttle,
         });
     }
 
@@ -117,41 +146,87 @@ impl TapHub {
         (delivered, state.failure.take())
     }
 
-    /// A tap's backward: hands `grad`, parameter `id`'s gradient, to the armed window (if
-    /// it averages that parameter). `read` gives the values on the host.
-    pub fn deliver(&self, id: ParamId, read: impl FnOnce() -> Result<TensorData, TapReadError>) {
-        let (entry, sender) = {
-            let mut state = self.lock();
-            let Some(armed) = state.armed.as_mut() else {
-                return;
-            };
-            let Some(&entry) = armed.entries.get(&id) else {
-                return;
-            };
-            let first = armed.delivered.get(entry).is_some_and(|done| !done);
-            if let Some(done) = armed.delivered.get_mut(entry) {
-                *done = true;
-            }
-            if !first {
-                // A second gradient for the entry: the pipe reports the misuse.
-                let _ = armed.sender.send(Delivery::Absent { entry });
-                return;
-            }
-            (entry, armed.sender.clone())
+    /// A tap's backward: what to do with parameter `id`'s gradient (hand it to the armed
+    /// window, if it averages that parameter, and whether to pass it on too).
+    pub fn claim(&self, id: ParamId) -> TapClaim {
+        let mut state = self.lock();
+        let Some(armed) = state.armed.as_mut() else {
+            return TapClaim::Pass;
         };
-        let delivery = match read() {
-            Ok(data) => {
-                // A half-precision gradient (a unit under autocast taps its parameters' casts)
-                // widens exactly: the f32 master's gradient, which the cast's backward makes
-                // the same way.
-                let mut values = vec![0.0; data.num_elements()];
-                crate::params::copy_f32(data, &mut values);
-                Delivery::Grad { entry, values }
+        let Some(&entry) = armed.entries.get(&id) else {
+            return TapClaim::Pass;
+        };
+        let first = armed.delivered.get(entry).is_some_and(|done| !done);
+        if let Some(done) = armed.delivered.get_mut(entry) {
+            *done = true;
+        }
+        if !first {
+            // A second gradient for the entry: the pipe reports the misuse.
+            let _ = armed.sender.send(Delivery::Absent { entry });
+            return TapClaim::Pass;
+        }
+        let handover = Handover {
+            entry,
+            sender: armed.sender.clone(),
+            throttle: armed.throttle.clone(),
+        };
+        if armed.pass_on {
+            TapClaim::Copy(handover)
+        } else {
+            TapClaim::Take(handover)
+        }
+    }
+
+    /// A unit's anchor in backward (the unit's gradients handed over, the operations before
+    /// it not yet run): waits on the armed window's throttle, if any.
+    pub fn gate(&self) {
+        let throttle = self
+            .lock()
+            .armed
+            .as_ref()
+            .and_then(|armed| armed.throttle.clone());
+        if let Some(throttle) = throttle {
+            throttle.gate();
+        }
+    }
+
+    /// Hands a claimed gradient to the pipe; `read` gives its values on the host.
+    pub fn hand_over(
+        &self,
+        handover: Handover,
+        read: impl FnOnce() -> Result<TensorData, TapReadError>,
+    ) {
+        let Handover {
+            entry,
+            sender,
+            throttle,
+        } = handover;
+        // A half-precision gradient (a unit under autocast taps its parameters' casts) widens
+        // exactly: the f32 master's gradient, which the cast's backward makes the same way. An
+        // f32 one the tap let go hands its buffer over uncopied.
+        let values = read().and_then(|data| {
+            crate::params::into_f32_vec(data).map_err(|e| TapReadError::Backend(format!("{e:?}")))
+        });
+        let (delivery, bytes) = match values {
+            Ok(values) => {
+                let bytes = values.len() * size_of::<f32>();
+                let tapped = throttle.is_some();
+                (
+                    Delivery::Grad {
+                        entry,
+                        values,
+                        tapped,
+                    },
+                    bytes,
+                )
             }
             Err(e) => return self.fail(&e, entry, &sender),
         };
         if sender.send(delivery).is_ok() {
             self.handed.fetch_add(1, Ordering::Relaxed);
+            if let Some(throttle) = throttle {
+                throttle.handed(bytes);
+            }
         }
     }
 

@@ -12,5 +12,6 @@
 
 pub(crate) mod hub;
 pub(crate) mod pipe;
+pub(crate) mod throttle;
 
-pub(crate) use hub::{TapHub, TapReadError, TapSpec};
+pub(crate) use hub::{TapClaim, TapHub, TapReadError, TapSpec};

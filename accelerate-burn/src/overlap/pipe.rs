@@ -1,22 +1,25 @@
 //! The gradient pipe: one window's gradients, handed in parameter by parameter as they become
-//! final, averaged over the processes bucket by bucket. The same [`Averager`] runs on the
-//! caller's thread (gradients handed in after backward) or on a communication thread that
-//! the units' taps feed during backward: the buckets, their order and every addition are the
-//! same, so the two give the same bits.
+//! final, averaged over the processes bucket by bucket: all-reduced for the reducer to take,
+//! or under ZeRO-2 reduce-scattered into this rank's shard of the window's sum
+//! ([`BucketSink`]). The same [`Averager`] runs on the caller's thread (gradients handed in
+//! after backward) or on a communication thread that the units' taps feed during backward:
+//! the buckets, their order and every addition are the same, so the two give the same bits.
 
 use std::ops::Range;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::mpsc::{Receiver, Sender, channel};
+use std::sync::mpsc::{Receiver, Sender, TryRecvError, channel};
 use std::thread::JoinHandle;
 
 use accelerate_core::MixedPrecision;
 use burn::module::ParamId;
 
+use super::throttle::Throttle;
 use crate::error::AccelerateError;
 use crate::group::Comm;
 use crate::params::ParamLayout;
 use crate::reducer::wire::Wire;
+use crate::reducer::{BucketGrad, ShardSink};
 
 /// How a window's gradients are cut into buckets, and the order the buckets are sent in.
 pub(crate) struct PipePlan {
@@ -84,8 +87,13 @@ impl PipePlan {
 
 /// One parameter's gradient of the window's last micro-batch, as it reaches the pipe.
 pub(crate) enum Delivery {
-    /// Its values (f32, flattened).
-    Grad { entry: usize, values: Vec<f32> },
+    /// Its values (f32, flattened); `tapped`: a tap let it go and counted it on the
+    /// pipe's throttle.
+    Grad {
+        entry: usize,
+        values: Vec<f32>,
+        tapped: bool,
+    },
     /// It has no gradient in this micro-batch.
     Absent { entry: usize },
 }
@@ -106,6 +114,37 @@ pub(crate) struct WindowStart {
     pub factor: Option<f32>,
 }
 
+/// Where each complete bucket goes.
+pub(crate) enum BucketSink {
+    /// All-reduced (mean) over the job and kept for the reducer to take (ZeRO 0 and 1,
+    /// Burn's optimizers).
+    Averaged {
+        wire: Wire,
+        comm: Comm,
+        done: Vec<AveragedBucket>,
+    },
+    /// ZeRO-2: reduce-scattered into this rank's shard of the window's sum, and let go.
+    Shard(Box<ShardSink>),
+}
+
+impl BucketSink {
+    /// The averaged buckets (an error where the buckets went into a shard).
+    pub fn into_averaged(self, rank: usize) -> Result<Vec<AveragedBucket>, AccelerateError> {
+        match self {
+            Self::Averaged { done, .. } => Ok(done),
+            Self::Shard(_) => Err(AccelerateError::UnexpectedGradients { rank }),
+        }
+    }
+
+    /// The shard the buckets went into (an error where they were averaged whole).
+    pub fn into_shard(self, rank: usize) -> Result<ShardSink, AccelerateError> {
+        match self {
+            Self::Shard(sink) => Ok(*sink),
+            Self::Averaged { .. } => Err(AccelerateError::UnexpectedGradients { rank }),
+        }
+    }
+}
+
 /// The state machine both runners drive: entries filled in, buckets sent in plan order as
 /// soon as each is complete.
 pub(crate) struct Averager {
@@ -117,9 +156,15 @@ pub(crate) struct Averager {
     waiting: Vec<usize>,
     /// The next bucket to send (an index into the plan's order).
     next: usize,
-    wire: Wire,
-    comm: Comm,
-    done: Vec<AveragedBucket>,
+    /// Per entry: handed over by a tap that counted it on `throttle`.
+    tapped: Vec<bool>,
+    /// Gradients received from such taps.
+    tapped_received: u64,
+    /// How far the taps may run ahead (ZeRO-2's taps, which let their gradients go).
+    throttle: Option<Arc<Throttle>>,
+    /// The rank errors name.
+    rank: usize,
+    sink: BucketSink,
     /// The bucket before which this process aborts, on a communication thread (tests).
     fault_at: Option<u64>,
 }
@@ -133,9 +178,35 @@ const FAULT_AT: &str = "ACCELERATE_FAULT_OVERLAP_AT";
 static SENT_ON_THREADS: AtomicU64 = AtomicU64::new(0);
 
 impl Averager {
+    /// Buckets all-reduced over `comm`, travelling in `wire`'s precision.
     pub fn new(plan: Arc<PipePlan>, start: WindowStart, wire: MixedPrecision, comm: Comm) -> Self {
+        let rank = comm.rank();
+        let sink = BucketSink::Averaged {
+            wire: Wire::new(wire),
+            comm,
+            done: Vec::new(),
+        };
+        Self::with_sink(plan, start, rank, sink)
+    }
+
+    /// ZeRO-2: buckets reduce-scattered into `sink`, this rank's shard of the window's sum
+    /// (each micro-batch communicates; no earlier sum or factor to apply here).
+    /// The taps wait on `throttle` when this averager falls behind them.
+    pub fn into_shard(plan: Arc<PipePlan>, sink: ShardSink, throttle: Arc<Throttle>) -> Self {
+        let start = WindowStart {
+            held: Vec::new(),
+            factor: None,
+        };
+        let rank = sink.rank();
+        let mut averager = Self::with_sink(plan, start, rank, BucketSink::Shard(Box::new(sink)));
+        averager.throttle = Some(throttle);
+        averager
+    }
+
+    fn with_sink(plan: Arc<PipePlan>, start: WindowStart, rank: usize, sink: BucketSink) -> Self {
         let mut waiting: Vec<usize> = plan.buckets.iter().map(Range::len).collect();
-        let mut slots = vec![None; plan.len()];
+        let plan_len = plan.len();
+        let mut slots = vec![None; plan_len];
         for (i, slot) in slots.iter_mut().enumerate() {
             if plan.frozen(i) {
                 *slot = Some(None);
@@ -148,9 +219,11 @@ impl Averager {
             slots,
             waiting,
             next: 0,
-            wire: Wire::new(wire),
-            comm,
-            done: Vec::new(),
+            tapped: vec![false; plan_len],
+            tapped_received: 0,
+            throttle: None,
+            rank,
+            sink,
             fault_at: None,
         }
     }
@@ -158,10 +231,22 @@ impl Averager {
     /// Takes one entry's gradient and sends every bucket that is now due.
     pub fn receive(&mut self, delivery: Delivery) -> Result<(), AccelerateError> {
         let (entry, grad) = match delivery {
-            Delivery::Grad { entry, values } => (entry, Some(values)),
+            Delivery::Grad {
+                entry,
+                values,
+                tapped,
+            } => {
+                if tapped {
+                    self.tapped_received += 1;
+                    if let Some(slot) = self.tapped.get_mut(entry) {
+                        *slot = true;
+                    }
+                }
+                (entry, Some(values))
+            }
             Delivery::Absent { entry } => (entry, None),
         };
-        let rank = self.comm.rank();
+        let rank = self.rank;
         let slot = self
             .slots
             .get_mut(entry)
@@ -198,11 +283,12 @@ impl Averager {
     }
 
     /// Sends the buckets that are complete, in plan order. A bucket carries every trained
-    /// entry (zeros where this process has no gradient) and, after them, one flag per entry
-    /// (1 where it has one): the lengths match on every process whatever each one's backward
-    /// reached, and an entry any process had a gradient for is averaged with the others'
-    /// zeros, as one process over the global batch would see it; one no process had stays
-    /// without a gradient.
+    /// entry (zeros where this process has no gradient), so the lengths match on every
+    /// process whatever each one's backward reached, and an entry any process had a gradient
+    /// for is averaged with the others' zeros, as one process over the global batch would see
+    /// it. All-reduced, it carries after them one flag per entry (1 where this process has a
+    /// gradient), so that one no process had stays without a gradient; reduce-scattered, the
+    /// reducer agrees on that once per window.
     fn send_due(&mut self) -> Result<(), AccelerateError> {
         while let Some(&b) = self.plan.order.get(self.next) {
             if self.waiting[b] > 0 {
@@ -216,23 +302,6 @@ impl Averager {
             if trained.is_empty() {
                 continue;
             }
-            let len: usize = trained.iter().map(|&e| self.plan.numel[e]).sum();
-            let mut values = Vec::with_capacity(len + trained.len());
-            let mut flags = Vec::with_capacity(trained.len());
-            for &entry in &trained {
-                let numel = self.plan.numel[entry];
-                match self.slots[entry].replace(None).flatten() {
-                    Some(grad) if grad.len() == numel => {
-                        values.extend_from_slice(&grad);
-                        flags.push(1.0);
-                    }
-                    _ => {
-                        values.resize(values.len() + numel, 0.0);
-                        flags.push(0.0);
-                    }
-                }
-            }
-            values.extend_from_slice(&flags);
             if let Some(at) = self.fault_at {
                 let sent = SENT_ON_THREADS.fetch_add(1, Ordering::Relaxed) + 1;
                 if sent == at {
@@ -240,9 +309,50 @@ impl Averager {
                     std::process::abort();
                 }
             }
-            let wire = &mut self.wire;
-            self.comm
-                .timed(|group| wire.all_reduce_mean(&mut values, group))?;
+            // The bucket's gradients (`None` where this process has none), each with the
+            // bytes a tap counted on the throttle for it.
+            let mut grads = Vec::with_capacity(trained.len());
+            for &entry in &trained {
+                let numel = self.plan.numel[entry];
+                let counted = std::mem::take(&mut self.tapped[entry]);
+                let grad = self.slots[entry]
+                    .replace(None)
+                    .flatten()
+                    .filter(|grad| grad.len() == numel);
+                let counted = if counted { numel * size_of::<f32>() } else { 0 };
+                grads.push(BucketGrad {
+                    entry,
+                    grad,
+                    counted,
+                });
+            }
+            let (wire, comm, done) = match &mut self.sink {
+                BucketSink::Shard(sink) => {
+                    let throttle = self.throttle.as_deref();
+                    sink.reduce(grads, throttle)?;
+                    continue;
+                }
+                BucketSink::Averaged { wire, comm, done } => (wire, comm, done),
+            };
+            let len: usize = trained.iter().map(|&e| self.plan.numel[e]).sum();
+            let mut values = Vec::with_capacity(len + trained.len());
+            let mut had = Vec::with_capacity(trained.len());
+            for bucket_grad in grads {
+                let numel = self.plan.numel[bucket_grad.entry];
+                // Each gradient is let go as soon as it is in the bucket.
+                match bucket_grad.grad {
+                    Some(grad) => {
+                        values.extend_from_slice(&grad);
+                        had.push(true);
+                    }
+                    None => {
+                        values.resize(values.len() + numel, 0.0);
+                        had.push(false);
+                    }
+                }
+            }
+            values.extend(had.iter().map(|&has| if has { 1.0 } else { 0.0 }));
+            comm.timed(|group| wire.all_reduce_mean(&mut values, group))?;
             let mut entries = Vec::with_capacity(trained.len());
             let mut offset = 0;
             for (i, &entry) in trained.iter().enumerate() {
@@ -254,19 +364,18 @@ impl Averager {
                 offset += numel;
             }
             values.truncate(len);
-            self.done.push(AveragedBucket { entries, values });
+            done.push(AveragedBucket { entries, values });
         }
         Ok(())
     }
 
-    /// The averaged buckets, once every entry was handed in.
-    fn finish(self) -> Result<Vec<AveragedBucket>, AccelerateError> {
+    /// Where the buckets went (the averaged ones, or the shard), once every entry was handed
+    /// in.
+    fn finish(self) -> Result<BucketSink, AccelerateError> {
         if self.next < self.plan.order.len() {
-            return Err(AccelerateError::UnexpectedGradients {
-                rank: self.comm.rank(),
-            });
+            return Err(AccelerateError::UnexpectedGradients { rank: self.rank });
         }
-        Ok(self.done)
+        Ok(self.sink)
     }
 }
 
@@ -277,7 +386,7 @@ pub(crate) enum PipeRun {
     /// On a communication thread fed by a channel (the taps hold clones of the sender).
     Thread {
         sender: Sender<Delivery>,
-        thread: JoinHandle<Result<Vec<AveragedBucket>, AccelerateError>>,
+        thread: JoinHandle<Result<BucketSink, AccelerateError>>,
     },
 }
 
@@ -285,7 +394,7 @@ impl PipeRun {
     /// The averager on a thread of its own.
     pub fn spawn(mut averager: Averager) -> Result<Self, AccelerateError> {
         let (sender, receiver) = channel();
-        let rank = averager.comm.rank();
+        let rank = averager.rank;
         averager.fault_at = crate::fault::fault_at(FAULT_AT, rank);
         let thread = std::thread::Builder::new()
             .name("accelerate-overlap".into())
@@ -319,8 +428,8 @@ impl PipeRun {
         }
     }
 
-    /// Waits for every bucket and returns them averaged.
-    pub fn finish(self, rank: usize) -> Result<Vec<AveragedBucket>, AccelerateError> {
+    /// Waits for every bucket and returns where they went.
+    pub fn finish(self, rank: usize) -> Result<BucketSink, AccelerateError> {
         match self {
             Self::Inline(averager) => averager.finish(),
             Self::Thread { sender, thread } => {
@@ -340,11 +449,37 @@ impl PipeRun {
 fn run(
     mut averager: Averager,
     receiver: Receiver<Delivery>,
-) -> Result<Vec<AveragedBucket>, AccelerateError> {
-    for delivery in receiver {
-        averager.receive(delivery)?;
+) -> Result<BucketSink, AccelerateError> {
+    let throttle = averager.throttle.clone();
+    let result = (|| {
+        loop {
+            let delivery = match receiver.try_recv() {
+                Ok(delivery) => delivery,
+                Err(TryRecvError::Empty) => {
+                    // Nothing to send until more gradients come: no gate waits for this thread.
+                    if let Some(throttle) = &throttle {
+                        throttle.stall(Some(averager.tapped_received));
+                    }
+                    let next = receiver.recv();
+                    if let Some(throttle) = &throttle {
+                        throttle.stall(None);
+                    }
+                    match next {
+                        Ok(delivery) => delivery,
+                        Err(_) => break,
+                    }
+                }
+                Err(TryRecvError::Disconnected) => break,
+            };
+            averager.receive(delivery)?;
+        }
+        averager.finish()
+    })();
+    // No tap waits for a thread that stopped.
+    if let Some(throttle) = throttle {
+        throttle.close();
     }
-    averager.finish()
+    result
 }
 
 #[cfg(test)]
@@ -412,11 +547,12 @@ mod tests {
             .receive(Delivery::Grad {
                 entry: 0,
                 values: vec![3.0, 4.0],
+                tapped: false,
             })
             .unwrap();
-        assert!(averager.done.is_empty());
+        assert!(matches!(&averager.sink, BucketSink::Averaged { done, .. } if done.is_empty()));
         averager.receive(Delivery::Absent { entry: 1 }).unwrap();
-        let done = averager.finish().unwrap();
+        let done = averager.finish().unwrap().into_averaged(0).unwrap();
         // Entry 1 had no gradient anywhere: its bucket carries nothing; entry 2 is frozen.
         assert_eq!(done.len(), 2);
         assert!(done[0].entries.is_empty());
@@ -432,6 +568,7 @@ mod tests {
         let grad = || Delivery::Grad {
             entry: 0,
             values: vec![1.0, 1.0],
+            tapped: false,
         };
         averager.receive(grad()).unwrap();
         let error = averager.receive(grad()).unwrap_err().to_string();
@@ -458,6 +595,7 @@ mod tests {
                             1 => Delivery::Grad {
                                 entry: 1,
                                 values: vec![8.0],
+                                tapped: false,
                             },
                             _ => Delivery::Absent { entry: 1 },
                         };
@@ -465,9 +603,10 @@ mod tests {
                         run.deliver(Delivery::Grad {
                             entry: 0,
                             values: vec![rank as f32, 2.0],
+                            tapped: false,
                         })
                         .unwrap();
-                        run.finish(rank).unwrap()
+                        run.finish(rank).unwrap().into_averaged(rank).unwrap()
                     })
                 })
                 .collect();

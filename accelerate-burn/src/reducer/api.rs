@@ -14,7 +14,7 @@ use crate::error::AccelerateError;
 use crate::fused::HeldBytes;
 use crate::group::Comm;
 use crate::params::{ParamLayout, ParamList, ParamUpdate};
-use crate::reducer::flat::{FusedStateFile, Segment};
+use crate::reducer::flat::{FusedStateFile, Segment, ShardSink};
 use crate::stage_error::StageError;
 
 /// The payload of [`Gradients`](super::Gradients).
@@ -227,6 +227,17 @@ pub(crate) trait GradientReducer: Send {
     ) -> Result<(), AccelerateError> {
         Err(AccelerateError::UnexpectedGradients { rank: comm.rank() })
     }
+
+    /// ZeRO-2 over units' taps: lends this rank's shard of the window's sum to the gradient
+    /// pipe for one micro-batch's backward pass (`first`: the window's first), which reduces
+    /// each bucket into it as the taps hand the bucket's gradients over; `None` where the
+    /// reducer holds no sharded sum.
+    fn lend_shard(&mut self, _first: bool, _comm: &Comm) -> Option<ShardSink> {
+        None
+    }
+
+    /// Takes back the shard [`lend_shard`](Self::lend_shard) lent, with the micro-batch in it.
+    fn return_shard(&mut self, _sink: ShardSink, _first: bool) {}
 
     /// Multiplies the held window sum by `factor` (a window of summed losses, weighted by
     /// its items).

@@ -35,6 +35,7 @@ pub(crate) use api::{
     global_norm,
 };
 use bucketed::BucketedReducer;
+pub(crate) use flat::{BucketGrad, ShardSink};
 use flat::{FlatOptions, FlatReducer};
 use sharded::ShardedReducer;
 

@@ -3,6 +3,7 @@
 //! that averages on the host.
 
 use accelerate_core::MixedPrecision;
+use accelerate_core::comm::engine::even_counts;
 use accelerate_core::comm::{ProcessGroup, Reduction, SharedBuffer};
 use accelerate_kernels::convert;
 use half::{bf16, f16};
@@ -68,30 +69,40 @@ impl Wire {
         }
     }
 
-    /// This rank's shard of the mean of `values` over the ranks, into `shard` (ZeRO).
-    /// `values` is scaled in place on the fp16 wire.
+    /// This rank's shard of the mean of `values` over the ranks, into `shard` (ZeRO): the
+    /// chunks of `counts` elements per rank, or even ones. `values` is scaled in place on the
+    /// fp16 wire.
     pub fn reduce_scatter_mean(
         &mut self,
         values: &mut [f32],
         shard: &mut [f32],
+        counts: Option<&[usize]>,
         group: &mut ProcessGroup,
     ) -> Result<(), AccelerateError> {
         let (n, m) = (values.len(), shard.len());
+        let even;
+        let counts = match counts {
+            Some(counts) => counts,
+            None => {
+                even = even_counts(n, group.world_size());
+                &even[..]
+            }
+        };
         match self.precision {
-            MixedPrecision::No => group.reduce_scatter(values, shard, Reduction::Mean)?,
+            MixedPrecision::No => {
+                group.reduce_scatter_counts(values, shard, counts, Reduction::Mean)?;
+            }
             MixedPrecision::Bf16 => {
-                sized(&mut self.bf16, n + m, bf16::ZERO);
-                let (all, mine) = self.bf16.split_at_mut(n);
+                let (all, mine) = sized(&mut self.bf16, n + m, bf16::ZERO).split_at_mut(n);
                 convert::f32_to_bf16_slice(values, all);
-                group.reduce_scatter(all, mine, Reduction::Mean)?;
+                group.reduce_scatter_counts(all, mine, counts, Reduction::Mean)?;
                 convert::bf16_to_f32_slice(mine, shard);
             }
             MixedPrecision::Fp16 => {
                 accelerate_kernels::scale_in_place(values, 1.0 / group.world_size() as f32);
-                sized(&mut self.f16, n + m, f16::ZERO);
-                let (all, mine) = self.f16.split_at_mut(n);
+                let (all, mine) = sized(&mut self.f16, n + m, f16::ZERO).split_at_mut(n);
                 convert::f32_to_f16_slice(values, all);
-                group.reduce_scatter(all, mine, Reduction::Sum)?;
+                group.reduce_scatter_counts(all, mine, counts, Reduction::Sum)?;
                 convert::f16_to_f32_slice(mine, shard);
             }
         }
@@ -148,5 +159,27 @@ pub(crate) fn average_on_device(
             Ok((joined, flag.found()))
         }
         None => Ok((joined, false)),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A half-precision wire's scratch space grows to the largest call and stays: a smaller
+    /// call after it (ZeRO's last, shorter column) still gets a result of its own length.
+    #[test]
+    fn a_smaller_reduce_scatter_after_a_larger_one_gets_its_own_length() {
+        for precision in [MixedPrecision::Bf16, MixedPrecision::Fp16] {
+            let mut wire = Wire::new(precision);
+            let mut group = ProcessGroup::single();
+            for len in [8, 3] {
+                let mut values: Vec<f32> = (0..len).map(|i| i as f32).collect();
+                let mut shard = vec![0.0; len];
+                wire.reduce_scatter_mean(&mut values, &mut shard, None, &mut group)
+                    .unwrap();
+                assert_eq!(shard, values, "{precision:?}, {len} elements");
+            }
+        }
     }
 }

@@ -36,7 +36,7 @@ use burn::module::ParamId;
 use burn::tensor::{DType, TensorData, bf16, f16, try_read_sync};
 
 use super::group::ShardGroup;
-use crate::overlap::{TapReadError, TapSpec};
+use crate::overlap::{TapClaim, TapHub, TapReadError, TapSpec};
 
 /// The fused GPU backends' gathers: resolved, then as on the unfused backend.
 #[cfg(all(feature = "fusion", feature = "device-kernels"))]
@@ -86,9 +86,12 @@ pub(crate) struct GatherSpec(pub Arc<ParamShard>);
 )]
 pub(crate) trait ShardOps: Backend {
     /// `input` as a new node that follows it in the autodiff graph (backward sends `input` no
-    /// gradient through it): a gather's anchor. No operation runs: the anchor is `input`'s
-    /// buffer, and nothing reads it.
-    fn shard_anchor(input: FloatTensor<Self>) -> FloatTensor<Self>;
+    /// gradient through it): a gather's or a unit's anchor. No operation runs: the anchor is
+    /// `input`'s buffer, and nothing reads it. Its backward runs when backward has gone
+    /// through every operation after `input` that the anchor's followers feed (the unit) and
+    /// before the operations that made `input`: there a unit's `gate` may hold backward until
+    /// the unit's gradients are on their way (ZeRO-2's throttle).
+    fn shard_anchor(input: FloatTensor<Self>, gate: AnchorGate) -> FloatTensor<Self>;
 
     /// Every rank's `shard` (`[shard_len]`), concatenated in rank order and cut to the
     /// parameter's shape; its gradient is reduce-scattered (mean) into the shard's. Under
@@ -120,7 +123,7 @@ pub(crate) trait ShardOps: Backend {
 macro_rules! host_shard_ops {
     ($backend:ty) => {
         impl ShardOps for $backend {
-            fn shard_anchor(input: FloatTensor<Self>) -> FloatTensor<Self> {
+            fn shard_anchor(input: FloatTensor<Self>, _: AnchorGate) -> FloatTensor<Self> {
                 input
             }
 
@@ -157,7 +160,7 @@ host_shard_ops!(burn::backend::NdArray);
 
 #[cfg(feature = "device-kernels")]
 impl ShardOps for burn_cubecl::CubeBackend {
-    fn shard_anchor(input: FloatTensor<Self>) -> FloatTensor<Self> {
+    fn shard_anchor(input: FloatTensor<Self>, _: AnchorGate) -> FloatTensor<Self> {
         input
     }
 
@@ -185,9 +188,9 @@ impl ShardOps for burn_cubecl::CubeBackend {
 }
 
 impl<B: ShardOps, C: CheckpointStrategy> ShardOps for Autodiff<B, C> {
-    fn shard_anchor(input: FloatTensor<Self>) -> FloatTensor<Self> {
-        let value = B::shard_anchor(input.primitive().clone());
-        AnchorBackward
+    fn shard_anchor(input: FloatTensor<Self>, gate: AnchorGate) -> FloatTensor<Self> {
+        let value = B::shard_anchor(input.primitive().clone(), gate.clone());
+        AnchorBackward { gate }
             .prepare::<C>([input.node()])
             .compute_bound()
             .stateless(value)
@@ -270,16 +273,24 @@ impl<B: ShardOps> Backward<B, 2> for TapBackward {
     fn backward(self, ops: Ops<Self::State, 2>, grads: &mut Gradients, _: &mut Checkpointer) {
         let [parent, _anchor] = ops.parents;
         let grad = grads.consume::<B>(&ops.node);
-        if let Some(parent) = parent {
-            let copy = grad.clone();
-            self.tap.hub.deliver(self.tap.id, || {
-                match try_read_sync(B::float_into_data(copy)) {
-                    Some(Ok(data)) => Ok(data),
-                    Some(Err(e)) => Err(TapReadError::Backend(format!("{e:?}"))),
-                    None => Err(TapReadError::NotSynchronous),
-                }
-            });
-            grads.register::<B>(parent.id, grad);
+        let Some(parent) = parent else {
+            return;
+        };
+        let read = |grad: FloatTensor<B>| match try_read_sync(B::float_into_data(grad)) {
+            Some(Ok(data)) => Ok(data),
+            Some(Err(e)) => Err(TapReadError::Backend(format!("{e:?}"))),
+            None => Err(TapReadError::NotSynchronous),
+        };
+        let hub = &self.tap.hub;
+        match hub.claim(self.tap.id) {
+            TapClaim::Pass => grads.register::<B>(parent.id, grad),
+            TapClaim::Copy(handover) => {
+                let copy = grad.clone();
+                hub.hand_over(handover, || read(copy));
+                grads.register::<B>(parent.id, grad);
+            }
+            // Let go here: the pipe reduces it into this rank's shard (ZeRO-2).
+            TapClaim::Take(handover) => hub.hand_over(handover, || read(grad)),
         }
     }
 }
@@ -305,14 +316,34 @@ impl<B: ShardOps> Backward<B, 2> for GatherBackward {
     }
 }
 
-/// The anchor's backward node: nothing flows back through an anchor.
+/// What an anchor's backward waits for: nothing, or a unit's hub (whose throttle holds
+/// backward there while the unit's gradients wait to be reduced).
+#[derive(Clone, Default)]
+pub(crate) struct AnchorGate(pub Option<Arc<TapHub>>);
+
+impl fmt::Debug for AnchorGate {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_tuple("AnchorGate")
+            .field(&self.0.is_some())
+            .finish()
+    }
+}
+
+/// The anchor's backward node: nothing flows back through an anchor; a unit's anchor holds
+/// backward at its gate before the operations before the unit run.
 #[derive(Debug)]
-struct AnchorBackward;
+struct AnchorBackward {
+    gate: AnchorGate,
+}
 
 impl<B: Backend> Backward<B, 1> for AnchorBackward {
     type State = ();
 
-    fn backward(self, _: Ops<Self::State, 1>, _: &mut Gradients, _: &mut Checkpointer) {}
+    fn backward(self, _: Ops<Self::State, 1>, _: &mut Gradients, _: &mut Checkpointer) {
+        if let Some(hub) = &self.gate.0 {
+            hub.gate();
+        }
+    }
 }
 
 /// Gathers the parameter again when a backward pass needs it (reshard after forward).

@@ -104,7 +104,8 @@ impl<M: Module> Sharded<M> {
     /// x = block.gather_for(&x).forward(x);
     /// ```
     pub fn gather_for<const D: usize>(&self, input: &Tensor<D>) -> M {
-        let anchor = <Dispatch as ShardOps>::shard_anchor(input.clone().into_dispatch());
+        let gate = gather::AnchorGate::default();
+        let anchor = <Dispatch as ShardOps>::shard_anchor(input.clone().into_dispatch(), gate);
         self.gather_after(Some(Tensor::<1>::from_dispatch(anchor)))
     }
 

@@ -13,7 +13,7 @@ use burn::module::{
 use burn::tensor::{Device, Tensor};
 
 use super::Unit;
-use super::gather::ShardOps;
+use super::gather::{AnchorGate, ShardOps};
 use crate::overlap::{TapHub, TapSpec};
 
 /// A unit of a model kept whole on every process, made by
@@ -59,7 +59,8 @@ impl<M: Module + ModuleDisplay> Unit<M> for WholeUnit<M> {
         if !self.hub.enabled() {
             return self.module.clone();
         }
-        let anchor = <Dispatch as ShardOps>::shard_anchor(input.clone().into_dispatch());
+        let gate = AnchorGate(Some(Arc::clone(&self.hub)));
+        let anchor = <Dispatch as ShardOps>::shard_anchor(input.clone().into_dispatch(), gate);
         self.module.clone().map(&mut Tapper {
             anchor: Tensor::<1>::from_dispatch(anchor),
             hub: &self.hub,

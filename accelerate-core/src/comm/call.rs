@@ -78,7 +78,8 @@ pub struct CallDesc {
     pub dtype: Option<DType>,
     /// Reduction, for all_reduce and reduce_scatter.
     pub reduce: Option<ReduceOp>,
-    /// Root rank, for broadcast.
+    /// Root rank, for broadcast; for a reduce-scatter onto chunks of unequal counts, a
+    /// fingerprint of the counts (ranks that cut differently then disagree on the call).
     pub root: Option<u32>,
     /// Shared buffer id, for `shared_buffer` and `all_reduce_shared`.
     pub buffer: Option<u32>,
@@ -182,8 +183,12 @@ impl fmt::Display for CallDesc {
         if let Some(r) = self.reduce {
             write!(f, ", {}", r.name())?;
         }
-        if let Some(root) = self.root {
-            write!(f, ", root {root}")?;
+        match (self.op, self.root) {
+            (OpKind::ReduceScatter, Some(fingerprint)) => {
+                write!(f, ", counts {fingerprint:08x}")?;
+            }
+            (_, Some(root)) => write!(f, ", root {root}")?,
+            _ => {}
         }
         if let Some(buffer) = self.buffer {
             write!(f, ", buffer {buffer}")?;

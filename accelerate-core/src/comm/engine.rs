@@ -42,13 +42,17 @@ pub trait Engine: Send {
     ) -> Result<(), CommError>;
 
     /// Reduces `input` across ranks (the call's dtype and reduction) and leaves rank `r` with
-    /// chunk `r` of the result (`accelerate_kernels::schedule::chunk_range` over elements) in
-    /// `output`.
+    /// chunk `r` of the result in `output`: the chunks lie one after another in rank order,
+    /// `counts[r]` elements each (the caller checked that they add up to `input` and that
+    /// every rank gives the same; [`even_counts`] is the usual cut). Each element is reduced
+    /// in an order set by the ranks and its chunk's owner alone, so a cut into other chunks
+    /// leaves an element that keeps its owner with the same bits.
     fn reduce_scatter(
         &mut self,
         call: &CallDesc,
         input: &[u8],
         output: &mut [u8],
+        counts: &[usize],
     ) -> Result<(), CommError>;
 
     /// Returns once every rank has called it.
@@ -134,6 +138,28 @@ pub(crate) fn part_of(parts: &[Vec<usize>], rank: usize) -> &[usize] {
         .map_or(&[], Vec::as_slice)
 }
 
+/// Elements of each rank's chunk when `count` elements are cut evenly over `world` ranks
+/// (`accelerate_kernels::schedule::chunk_range`): what a reduce-scatter without explicit
+/// counts scatters.
+pub fn even_counts(count: usize, world: usize) -> Vec<usize> {
+    (0..world)
+        .map(|r| accelerate_kernels::schedule::chunk_range(count, world, r).len())
+        .collect()
+}
+
+/// Byte ranges of chunks of `counts` elements of `elem` bytes, one after another.
+pub(crate) fn count_bytes(counts: &[usize], elem: usize) -> Vec<std::ops::Range<usize>> {
+    let mut start = 0;
+    counts
+        .iter()
+        .map(|&count| {
+            let range = start..start + count * elem;
+            start = range.end;
+            range
+        })
+        .collect()
+}
+
 /// Byte range of chunk `index` when `bytes` of `elem`-byte elements are cut into `parts`.
 pub(crate) fn chunk_bytes(
     bytes: usize,
@@ -143,4 +169,19 @@ pub(crate) fn chunk_bytes(
 ) -> std::ops::Range<usize> {
     let r = accelerate_kernels::schedule::chunk_range(bytes / elem, parts, index);
     r.start * elem..r.end * elem
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn even_counts_cut_like_chunk_bytes_and_counts_lie_end_to_end() {
+        assert_eq!(even_counts(10, 3), vec![4, 3, 3]);
+        assert_eq!(even_counts(2, 4), vec![1, 1, 0, 0]);
+        let ranges = count_bytes(&even_counts(10, 3), 4);
+        let chunks: Vec<_> = (0..3).map(|i| chunk_bytes(40, 4, 3, i)).collect();
+        assert_eq!(ranges, chunks);
+        assert_eq!(count_bytes(&[0, 3, 1], 2), vec![0..0, 0..6, 6..8]);
+    }
 }

@@ -20,7 +20,7 @@ use accelerate_kernels::reduce::scale_bytes;
 
 use super::call::CallDesc;
 use super::collective::{AllReduceAlgorithm, MessageEngine};
-use super::engine::{Engine, Split, part_of};
+use super::engine::{Engine, Split, even_counts, part_of};
 use super::link::Link;
 use super::sub_link::SubLink;
 use super::transport::shm::ShmEngine;
@@ -119,7 +119,8 @@ impl<L: Link + 'static> Engine for HierarchicalEngine<L> {
         {
             // Every rank sees the same length, so every rank takes this path or none does.
             self.slice.resize(buf.len() / self.host.len(), 0);
-            local.reduce_scatter(call, buf, &mut self.slice)?;
+            let counts = even_counts(elements, self.host.len());
+            local.reduce_scatter(call, buf, &mut self.slice, &counts)?;
             rail.all_reduce(call, &mut self.slice, None)?;
             if let Some(factor) = scale {
                 scale_bytes(dtype, &mut self.slice, factor);
@@ -160,8 +161,9 @@ impl<L: Link + 'static> Engine for HierarchicalEngine<L> {
         call: &CallDesc,
         input: &[u8],
         output: &mut [u8],
+        counts: &[usize],
     ) -> Result<(), CommError> {
-        self.flat.reduce_scatter(call, input, output)
+        self.flat.reduce_scatter(call, input, output, counts)
     }
 
     fn barrier(&mut self, call: &CallDesc) -> Result<(), CommError> {

@@ -70,6 +70,21 @@ pub fn check_all<T: Convert>(group: &mut ProcessGroup, lens: &[usize]) {
                 out, want,
                 "reduce_scatter {reduction:?} len {len} rank {rank}"
             );
+
+            // Unequal chunks, the first ranks' small or empty, the last rank's the rest.
+            let mut counts: Vec<usize> = (0..world).map(|r| len * r / (2 * world)).collect();
+            let others: usize = counts[..world - 1].iter().sum();
+            counts[world - 1] = len - others;
+            let start: usize = counts[..rank].iter().sum();
+            let mut out = vec![T::from_f32(0.0); counts[rank]];
+            group
+                .reduce_scatter_counts(&full, &mut out, &counts, reduction)
+                .unwrap();
+            let want = reduced::<T>(world, len, reduction)[start..start + counts[rank]].to_vec();
+            assert_eq!(
+                out, want,
+                "reduce_scatter_counts {counts:?} {reduction:?} len {len} rank {rank}"
+            );
         }
         let root = len % world;
         let mut buf = input::<T>(rank, len);

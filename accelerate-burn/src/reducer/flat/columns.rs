@@ -270,7 +270,7 @@ fn by_columns(
         }
         mine.resize(width, 0.0);
         cut.shard
-            .timed(|group| wire.reduce_scatter_mean(&mut input, &mut mine, group))?;
+            .timed(|group| wire.reduce_scatter_mean(&mut input, &mut mine, None, group))?;
         cut.across_replicas(&mut mine, wire)?;
         deliver(grads, columns.range(k), &mine);
         for &index in done {

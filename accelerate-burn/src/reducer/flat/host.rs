@@ -171,6 +171,23 @@ impl HostFlat {
         }
     }
 
+    /// ZeRO-2 over units' taps: the vector of this rank's shard of the window's sum, for the
+    /// gradient pipe to reduce into (made here the first time, of the shard's length; a
+    /// window's first micro-batch replaces what it holds).
+    pub fn take_shard_sum(&mut self, plan: &FlatPlan, first: bool) -> Vec<f32> {
+        match std::mem::replace(&mut self.shard_grads, ShardGrads::none()) {
+            ShardGrads::Buffer(sum) if sum.len() == plan.shard.len() => sum,
+            // A window begun after backward (without taps) goes on here.
+            ShardGrads::InSegments(held) if !first => held.shard_values(plan),
+            _ => vec![0.0; plan.shard.len()],
+        }
+    }
+
+    /// Takes back the window's sum [`take_shard_sum`](Self::take_shard_sum) lent.
+    pub fn keep_shard_sum(&mut self, sum: Vec<f32>) {
+        self.shard_grads = ShardGrads::Buffer(sum);
+    }
+
     /// ZeRO-2: multiplies the window's held sum by `factor` (a window of summed losses,
     /// weighted by its items).
     pub fn scale_held(&mut self, plan: &FlatPlan, factor: f32) {

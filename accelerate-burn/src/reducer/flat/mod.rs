@@ -19,6 +19,7 @@ mod grads;
 mod host;
 mod in_place;
 mod plan;
+mod shard_sink;
 mod state_file;
 
 use columns::SegmentGrads;
@@ -30,6 +31,8 @@ use host::HostFlat;
 use in_place::StepRates;
 pub(crate) use plan::FlatPlan;
 use plan::Sharding;
+use shard_sink::ShardSinkParts;
+pub(crate) use shard_sink::{BucketGrad, ShardSink};
 pub(crate) use state_file::FusedStateError;
 pub(crate) use state_file::{FusedStateFile, Segment};
 
@@ -305,6 +308,41 @@ impl GradientReducer for FlatReducer {
         let taken = self.plan.entries.iter().map(|&e| grads[e].take());
         let cut = Cut::new(comm, self.options.hybrid.as_ref());
         host.accumulate(&self.plan, taken, first, &mut self.wire, cut)
+    }
+
+    fn lend_shard(&mut self, first: bool, comm: &Comm) -> Option<ShardSink> {
+        if !self.holds_window_sum() {
+            return None;
+        }
+        let host = self.buffers.host_mut()?;
+        let mut flat = vec![None; self.layout.entries.len()];
+        for (segment, &entry) in self.plan.segments.iter().zip(&self.plan.entries) {
+            if let Some(slot) = flat.get_mut(entry) {
+                *slot = Some(segment.offset..segment.offset + segment.len);
+            }
+        }
+        let cut = Cut::new(comm, self.options.hybrid.as_ref());
+        Some(ShardSink::new(ShardSinkParts {
+            flat,
+            shard_len: self.plan.shard.len(),
+            sum: host.take_shard_sum(&self.plan, first),
+            first,
+            shard: cut.shard.clone(),
+            replicas: cut.replicas.cloned(),
+            wire: std::mem::replace(&mut self.wire, Wire::new(self.options.wire)),
+        }))
+    }
+
+    fn return_shard(&mut self, sink: ShardSink, first: bool) {
+        let (sum, had, wire) = sink.into_parts();
+        self.wire = wire;
+        for (index, &entry) in self.plan.entries.iter().enumerate() {
+            let has = had.get(entry).copied().unwrap_or(false);
+            self.plan.has_grad[index] = has || !first && self.plan.has_grad[index];
+        }
+        if let Some(host) = self.buffers.host_mut() {
+            host.keep_shard_sum(sum);
+        }
     }
 
     fn scale_held(&mut self, factor: f64) {

@@ -9,7 +9,7 @@ use burn_cubecl::CubeBackend;
 use burn_cubecl::fusion::FusionCubeRuntime;
 use burn_cubecl::tensor::CubeTensor;
 
-use super::{GatherSpec, ParamShard, ShardOps, gather, on_gpus, reduce_scatter};
+use super::{AnchorGate, GatherSpec, ParamShard, ShardOps, gather, on_gpus, reduce_scatter};
 use crate::backend::fusion::register;
 use crate::nccl::DeviceCollectives;
 use crate::overlap::TapSpec;
@@ -17,7 +17,7 @@ use crate::overlap::TapSpec;
 type Fused = FusionTensor<FusionCubeRuntime>;
 
 impl ShardOps for Fusion<CubeBackend> {
-    fn shard_anchor(input: Fused) -> Fused {
+    fn shard_anchor(input: Fused, _: AnchorGate) -> Fused {
         input
     }
 

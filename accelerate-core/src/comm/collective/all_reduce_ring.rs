@@ -28,7 +28,7 @@ impl<L: Link> MessageEngine<L> {
             .saturating_mul(n);
         let deadline = self.deadline();
         for part in buf.chunks_mut(window) {
-            self.ring_reduce_scatter_in_place(call, part, dtype, op, deadline)?;
+            self.ring_reduce_scatter_in_place(call, part, dtype, op, deadline, &[])?;
             if let Some(factor) = scale {
                 let mine = chunk_bytes(part.len(), elem, n, rank);
                 scale_bytes(dtype, &mut part[mine], factor);

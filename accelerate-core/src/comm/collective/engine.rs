@@ -239,9 +239,10 @@ impl<L: Link + 'static> Engine for MessageEngine<L> {
         call: &CallDesc,
         input: &[u8],
         output: &mut [u8],
+        counts: &[usize],
     ) -> Result<(), CommError> {
         let (dtype, op) = call.reduction(self.rank())?;
-        let result = self.reduce_scatter_ring(call, input, output, dtype, op);
+        let result = self.reduce_scatter_ring(call, input, output, dtype, op, counts);
         self.finish(call, result)
     }
 

@@ -1,5 +1,7 @@
 //! Ring reduce-scatter: `n - 1` steps in which each rank passes one partially reduced chunk
-//! to its right neighbour; rank `r` ends with the fully reduced chunk `r`.
+//! to its right neighbour; rank `r` ends with the fully reduced chunk `r`. The chunks may
+//! differ in length (each rank's count); an element is reduced in the order its chunk's
+//! place in the ring sets, whatever the other chunks hold.
 
 use std::time::Instant;
 
@@ -9,7 +11,9 @@ use accelerate_kernels::{DType, ReduceOp};
 
 use super::engine::MessageEngine;
 use crate::comm::call::CallDesc;
-use crate::comm::engine::chunk_bytes;
+use std::ops::Range;
+
+use crate::comm::engine::{chunk_bytes, count_bytes};
 use crate::comm::link::Link;
 use crate::error::CommError;
 
@@ -21,17 +25,19 @@ impl<L: Link> MessageEngine<L> {
         output: &mut [u8],
         dtype: DType,
         op: ReduceOp,
+        counts: &[usize],
     ) -> Result<(), CommError> {
         let mut work = input.to_vec();
         let deadline = self.deadline();
-        self.ring_reduce_scatter_in_place(call, &mut work, dtype, op, deadline)?;
-        let mine = chunk_bytes(work.len(), dtype.size(), self.world_size(), self.rank());
-        output.copy_from_slice(&work[mine]);
+        let parts = count_bytes(counts, dtype.size());
+        self.ring_reduce_scatter_in_place(call, &mut work, dtype, op, deadline, &parts)?;
+        output.copy_from_slice(&work[parts[self.rank()].clone()]);
         Ok(())
     }
 
-    /// The reduce-scatter steps on `work`, cut into `n` chunks: afterwards chunk `rank` of
-    /// `work` holds the reduction of every rank's chunk `rank` (other chunks hold partials).
+    /// The reduce-scatter steps on `work`, cut into the `n` chunks `parts` (byte ranges; all
+    /// of equal length where `None`): afterwards chunk `rank` of `work` holds the reduction of
+    /// every rank's chunk `rank` (other chunks hold partials).
     pub(super) fn ring_reduce_scatter_in_place(
         &mut self,
         call: &CallDesc,
@@ -39,27 +45,20 @@ impl<L: Link> MessageEngine<L> {
         dtype: DType,
         op: ReduceOp,
         deadline: Instant,
+        parts: &[Range<usize>],
     ) -> Result<(), CommError> {
         let (n, rank) = (self.world_size(), self.rank());
         let (left, right) = ring_neighbours(rank, n);
         let (len, elem) = (work.len(), dtype.size());
+        let part = |index: usize| match parts.get(index) {
+            Some(range) => range.clone(),
+            None => chunk_bytes(len, elem, n, index),
+        };
         for step in 0..n - 1 {
             let (send, recv) = ring_reduce_scatter_step(rank, n, step);
-            let expect = chunk_bytes(len, elem, n, recv).len();
-            let incoming = self.exchange(
-                call,
-                right,
-                &work[chunk_bytes(len, elem, n, send)],
-                left,
-                expect,
-                deadline,
-            )?;
-            reduce_bytes(
-                dtype,
-                op,
-                &mut work[chunk_bytes(len, elem, n, recv)],
-                incoming,
-            );
+            let expect = part(recv).len();
+            let incoming = self.exchange(call, right, &work[part(send)], left, expect, deadline)?;
+            reduce_bytes(dtype, op, &mut work[part(recv)], incoming);
         }
         Ok(())
     }

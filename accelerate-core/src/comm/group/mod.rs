@@ -16,6 +16,7 @@ use crate::error::CommError;
 
 mod alarm;
 mod formation;
+mod reduce_scatter;
 mod split;
 
 /// Largest value [`ProcessGroup::broadcast_object`] and the object gathers carry, in bytes.
@@ -254,44 +255,6 @@ impl ProcessGroup {
             output.copy_from_slice(input);
         }
         self.run(&call, |e| e.all_gather(&call, input, output))
-    }
-
-    /// Reduces `input` across ranks and leaves this rank's chunk of the result in `output`:
-    /// chunk `r` of `n` holds `len / n` elements, one more for the first `len % n` ranks
-    /// ([`chunk_len`](Self::chunk_len) tells the size).
-    pub fn reduce_scatter<T: Element>(
-        &mut self,
-        input: &[T],
-        output: &mut [T],
-        reduction: Reduction,
-    ) -> Result<(), CommError> {
-        let want = self.chunk_len(input.len());
-        if output.len() != want {
-            return Err(self.usage(
-                OpKind::ReduceScatter,
-                format!(
-                    "output holds {} elements, this rank's chunk of {} has {want}",
-                    output.len(),
-                    input.len()
-                ),
-            ));
-        }
-        let mut call = self.call(OpKind::ReduceScatter);
-        call.count = input.len() as u64;
-        call.dtype = Some(T::DTYPE);
-        call.reduce = Some(reduction.op());
-        if self.engine.is_none() {
-            output.copy_from_slice(input);
-        }
-        let n = self.world_size;
-        self.run(&call, |e| {
-            let out = bytemuck::cast_slice_mut(output);
-            e.reduce_scatter(&call, bytemuck::cast_slice(input), out)?;
-            if reduction == Reduction::Mean {
-                accelerate_kernels::reduce::scale_bytes(T::DTYPE, out, 1.0 / n as f32);
-            }
-            Ok(())
-        })
     }
 
     /// Allocates a zeroed buffer of `len` elements that [`all_reduce_shared`](Self::all_reduce_shared)

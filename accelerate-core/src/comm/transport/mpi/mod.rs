@@ -218,13 +218,6 @@ fn hex(bytes: &[u8]) -> String {
     bytes.iter().map(|b| format!("{b:02x}")).collect()
 }
 
-/// Elements of each rank's chunk when `count` elements are scattered over `world` ranks.
-fn chunk_counts(count: usize, world: usize) -> Vec<usize> {
-    (0..world)
-        .map(|r| accelerate_kernels::schedule::chunk_range(count, world, r).len())
-        .collect()
-}
-
 impl Drop for MpiEngine {
     /// The last look at the board: calls made since the watchdog's last tick are compared
     /// too, so that a job never ends well after a mismatch.
@@ -291,13 +284,13 @@ impl Engine for MpiEngine {
         call: &CallDesc,
         input: &[u8],
         output: &mut [u8],
+        counts: &[usize],
     ) -> Result<(), CommError> {
         let (dtype, op) = call.reduction(self.rank)?;
-        let counts = chunk_counts(input.len() / dtype.size(), self.world_size);
         self.guarded(call, |e| {
             e.agree_in_band(call)?;
             e.comm
-                .reduce_scatter(input, output, &counts, dtype, op, call)
+                .reduce_scatter(input, output, counts, dtype, op, call)
         })
     }
 
@@ -315,16 +308,5 @@ impl Engine for MpiEngine {
 
     fn set_timeout(&mut self, timeout: Duration) {
         self.watchdog.set_timeout(timeout);
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn chunks_cover_the_buffer_like_the_other_engines() {
-        assert_eq!(chunk_counts(10, 3), vec![4, 3, 3]);
-        assert_eq!(chunk_counts(2, 4), vec![1, 1, 0, 0]);
     }
 }

@@ -9,7 +9,7 @@ use memmap2::MmapMut;
 
 use super::ShmEngine;
 use crate::comm::call::CallDesc;
-use crate::comm::engine::{AbortNotice, Engine, Split, chunk_bytes};
+use crate::comm::engine::{AbortNotice, Engine, Split, chunk_bytes, count_bytes};
 use crate::error::CommError;
 
 impl Engine for ShmEngine {
@@ -127,14 +127,13 @@ impl Engine for ShmEngine {
         call: &CallDesc,
         input: &[u8],
         output: &mut [u8],
+        counts: &[usize],
     ) -> Result<(), CommError> {
         let (dtype, op) = call.reduction(self.rank)?;
         self.publish(call);
         let (n, rank) = (self.world_size, self.rank);
         let elem = dtype.size();
-        let parts: Vec<_> = (0..n)
-            .map(|p| chunk_bytes(input.len(), elem, n, p))
-            .collect();
+        let parts = count_bytes(counts, elem);
         let longest = parts.iter().map(|p| p.len()).max().unwrap_or(0);
         output.copy_from_slice(&input[parts[rank].clone()]);
         if longest == 0 {
