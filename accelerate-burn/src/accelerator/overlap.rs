@@ -33,9 +33,15 @@ impl<B: AcceleratorBackend> Accelerator<B> {
     }
 
     /// The pipe's plan for a ZeRO-2 reducer's micro-batches, when the units' taps feed it:
-    /// several processes, overlap on, a model with units.
+    /// several processes, overlap on, a model with units, computing in f32. (Under autocast
+    /// the taps see the parameters' casts, whose gradients Burn must carry on to the f32
+    /// parameters: nothing would be let go, so ZeRO-2 averages after backward there.)
     pub(crate) fn shard_pipe_plan(&self, reducer: &dyn GradientReducer) -> Option<Arc<PipePlan>> {
-        if !self.comm.is_distributed() || !self.taps.enabled() || !reducer.holds_window_sum() {
+        if !self.comm.is_distributed()
+            || !self.taps.enabled()
+            || !reducer.holds_window_sum()
+            || self.compute_dtype != DType::F32
+        {
             return None;
         }
         let plan = PipePlan::new(reducer.layout(), self.config.gradient_bucket_bytes, |id| {
@@ -77,17 +83,7 @@ impl<B: AcceleratorBackend> Accelerator<B> {
                 Some(throttle),
             );
         }
-        let grads = loss.backward();
-        let (tapped, failure) = self.taps.disarm();
-        if !tapped.is_empty() {
-            delivered = tapped;
-        }
-        let list = layout
-            .take_grads(GradientsParams::from_grads(grads, model))
-            .map_err(|unknown| AccelerateError::ModelChanged {
-                rank,
-                detail: unknown.to_string(),
-            });
+        let (list, failure) = self.backward_tapped(loss, model, &layout, &mut delivered);
         // The pipe is finished whatever happened, so that no peer waits for this process.
         let handed = self.deliver_rest(&mut run, list.as_ref().ok(), &delivered, &plan);
         let sink = run.finish(rank).and_then(|sink| sink.into_shard(rank))?;
@@ -133,17 +129,7 @@ impl<B: AcceleratorBackend> Accelerator<B> {
         } else {
             PipeRun::Inline(Box::new(averager))
         };
-        let grads = loss.backward();
-        let (tapped, failure) = self.taps.disarm();
-        if !tapped.is_empty() {
-            delivered = tapped;
-        }
-        let list = layout
-            .take_grads(GradientsParams::from_grads(grads, model))
-            .map_err(|unknown| AccelerateError::ModelChanged {
-                rank: self.state.rank,
-                detail: unknown.to_string(),
-            });
+        let (list, failure) = self.backward_tapped(loss, model, layout, &mut delivered);
         // The pipe is finished whatever happened, so that no peer waits for this process.
         let averaged = self.finish_pipe(run, list.as_ref().ok(), &delivered, &plan);
         let averaged = averaged?;
@@ -156,6 +142,30 @@ impl<B: AcceleratorBackend> Accelerator<B> {
             });
         }
         Ok(averaged)
+    }
+
+    /// Runs `loss`'s backward pass with the taps armed, then disarms them: the gradients Burn
+    /// returned (`layout` order; none for what the taps let go), with `delivered` updated to
+    /// what the taps handed over, and the first tap's failure to read a gradient.
+    fn backward_tapped<M: Module>(
+        &self,
+        loss: Tensor<1>,
+        model: &M,
+        layout: &ParamLayout,
+        delivered: &mut Vec<bool>,
+    ) -> (Result<ParamList, AccelerateError>, Option<String>) {
+        let grads = loss.backward();
+        let (tapped, failure) = self.taps.disarm();
+        if !tapped.is_empty() {
+            *delivered = tapped;
+        }
+        let list = layout
+            .take_grads(GradientsParams::from_grads(grads, model))
+            .map_err(|unknown| AccelerateError::ModelChanged {
+                rank: self.state.rank,
+                detail: unknown.to_string(),
+            });
+        (list, failure)
     }
 
     /// Averages a window's summed gradients through the pipe on this thread (the Learner's

@@ -42,9 +42,8 @@ struct Armed {
     /// Entries handed in by a tap.
     delivered: Vec<bool>,
     sender: Sender<Delivery>,
-    /// The taps pass their gradients on to the parameters (else they let them go, and wait
-    /// here when the communication thread falls behind).
-    pass_on: bool,
+    /// ZeRO-2: the taps let their gradients go (they pass them on to the parameters without
+    /// one), counting them here, and the units' anchors hold backward on it.
     throttle: Option<Arc<Throttle>>,
 }
 
@@ -119,7 +118,7 @@ impl TapHub {
     /// Sends the taps' gradients of the parameters in `entries` to `sender` until
     /// [`disarm`](Self::disarm); `delivered` starts with the entries handed in already.
     /// Without a `throttle` the taps also pass each gradient on to its parameter; with one
-    /// they let it go, and wait on the throttle when the communication thread falls behind.
+    /// they let it go, and the units' anchors hold backward on the throttle.
     pub fn arm(
         &self,
         entries: Arc<HashMap<ParamId, usize>>,
@@ -133,7 +132,6 @@ impl TapHub {
             entries,
             delivered,
             sender,
-            pass_on: throttle.is_none(),
             throttle,
         });
     }
@@ -170,10 +168,10 @@ impl TapHub {
             sender: armed.sender.clone(),
             throttle: armed.throttle.clone(),
         };
-        if armed.pass_on {
-            TapClaim::Copy(handover)
-        } else {
+        if handover.throttle.is_some() {
             TapClaim::Take(handover)
+        } else {
+            TapClaim::Copy(handover)
         }
     }
 

@@ -8,7 +8,10 @@
 //!
 //! One seam: without overlap (or without units) the same pipe runs on the caller's thread
 //! after backward, with the same buckets, order and additions, so results are the same bits
-//! either way.
+//! either way. At ZeRO-2 the pipe reduce-scatters each bucket into the reducer's shard of the
+//! window's sum instead (`reducer::ShardSink`), the taps let their gradients go, and each
+//! unit's anchor holds backward on the [`throttle`] until the unit's gradients are sent, so
+//! that one unit's gradients exist at a time.
 
 pub(crate) mod hub;
 pub(crate) mod pipe;

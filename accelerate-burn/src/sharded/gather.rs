@@ -282,15 +282,18 @@ impl<B: ShardOps> Backward<B, 2> for TapBackward {
             None => Err(TapReadError::NotSynchronous),
         };
         let hub = &self.tap.hub;
+        // A parameter is a leaf (order 0), whose gradient nothing in backward reads; anything
+        // else (a cast under autocast, a computed weight) has a backward that consumes it.
+        let leaf = parent.order == 0;
         match hub.claim(self.tap.id) {
             TapClaim::Pass => grads.register::<B>(parent.id, grad),
-            TapClaim::Copy(handover) => {
+            // Let go here: the pipe reduces it into this rank's shard (ZeRO-2).
+            TapClaim::Take(handover) if leaf => hub.hand_over(handover, || read(grad)),
+            TapClaim::Copy(handover) | TapClaim::Take(handover) => {
                 let copy = grad.clone();
                 hub.hand_over(handover, || read(copy));
                 grads.register::<B>(parent.id, grad);
             }
-            // Let go here: the pipe reduces it into this rank's shard (ZeRO-2).
-            TapClaim::Take(handover) => hub.hand_over(handover, || read(grad)),
         }
     }
 }
