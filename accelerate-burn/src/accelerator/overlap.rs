@@ -26,10 +26,16 @@ impl<B: AcceleratorBackend> Accelerator<B> {
         if !self.comm.is_distributed() || !reducer.takes_averaged() {
             return None;
         }
-        let plan = PipePlan::new(reducer.layout(), self.config.gradient_bucket_bytes, |id| {
-            self.taps.unit_of(id)
-        });
+        let plan = self.units_plan(reducer);
         (reducer.kind() == ReducerKind::Burn || plan.has_units).then(|| Arc::new(plan))
+    }
+
+    /// `reducer`'s gradients cut into buckets at the accelerator's bucket size and at its
+    /// units' edges.
+    fn units_plan(&self, reducer: &dyn GradientReducer) -> PipePlan {
+        PipePlan::new(reducer.layout(), self.config.gradient_bucket_bytes, |id| {
+            self.taps.unit_of(id)
+        })
     }
 
     /// The pipe's plan for a ZeRO-2 reducer's micro-batches, when the units' taps feed it:
@@ -44,9 +50,7 @@ impl<B: AcceleratorBackend> Accelerator<B> {
         {
             return None;
         }
-        let plan = PipePlan::new(reducer.layout(), self.config.gradient_bucket_bytes, |id| {
-            self.taps.unit_of(id)
-        });
+        let plan = self.units_plan(reducer);
         plan.has_units.then(|| Arc::new(plan))
     }
 
@@ -87,7 +91,7 @@ impl<B: AcceleratorBackend> Accelerator<B> {
         // The pipe is finished whatever happened, so that no peer waits for this process.
         let handed = self.deliver_rest(&mut run, list.as_ref().ok(), &delivered, &plan);
         let sink = run.finish(rank).and_then(|sink| sink.into_shard(rank))?;
-        reducer.return_shard(sink, first);
+        reducer.return_shard(sink);
         handed?;
         list?;
         match failure {

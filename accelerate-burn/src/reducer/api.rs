@@ -237,7 +237,7 @@ pub(crate) trait GradientReducer: Send {
     }
 
     /// Takes back the shard [`lend_shard`](Self::lend_shard) lent, with the micro-batch in it.
-    fn return_shard(&mut self, _sink: ShardSink, _first: bool) {}
+    fn return_shard(&mut self, _sink: ShardSink) {}
 
     /// Multiplies the held window sum by `factor` (a window of summed losses, weighted by
     /// its items).

@@ -333,8 +333,8 @@ impl GradientReducer for FlatReducer {
         }))
     }
 
-    fn return_shard(&mut self, sink: ShardSink, first: bool) {
-        let (sum, had, wire) = sink.into_parts();
+    fn return_shard(&mut self, sink: ShardSink) {
+        let (sum, had, wire, first) = sink.into_parts();
         self.wire = wire;
         for (index, &entry) in self.plan.entries.iter().enumerate() {
             let has = had.get(entry).copied().unwrap_or(false);

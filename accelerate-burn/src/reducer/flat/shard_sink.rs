@@ -45,12 +45,12 @@ pub(crate) struct ShardSink {
     /// The window's first micro-batch: its buckets replace the sum instead of adding to it.
     first: bool,
     /// Per layout entry: this process had a gradient for it in this micro-batch.
-    pub(super) had: Vec<bool>,
+    had: Vec<bool>,
     /// The processes the shards are cut across.
     shard: Comm,
     /// Hybrid sharding: this process's counterparts in the other shard groups.
     replicas: Option<Comm>,
-    pub(super) wire: Wire,
+    wire: Wire,
     /// This rank's part of the latest bucket (kept between buckets).
     mine: Vec<f32>,
 }
@@ -161,9 +161,10 @@ impl ShardSink {
         values: &mut [f32],
     ) -> Result<(), AccelerateError> {
         let world = self.shard.world_size().max(1);
+        // Where rank r's shard meets the piece (empty where it does not).
         let owned = |r: usize| {
-            let shard = r * self.shard_len..(r + 1) * self.shard_len;
-            piece.start.max(shard.start)..piece.end.min(shard.end).max(piece.start)
+            let start = piece.start.max(r * self.shard_len).min(piece.end);
+            start..piece.end.min((r + 1) * self.shard_len).max(start)
         };
         let me = if self.shard.is_distributed() {
             self.shard.rank()
@@ -198,8 +199,9 @@ impl ShardSink {
         Ok(())
     }
 
-    /// The shard of the window's sum, and which entries had gradients here.
-    pub(super) fn into_parts(self) -> (Vec<f32>, Vec<bool>, Wire) {
-        (self.sum, self.had, self.wire)
+    /// The shard of the window's sum, which entries had gradients here, the wire, and
+    /// whether the micro-batch began its window.
+    pub(super) fn into_parts(self) -> (Vec<f32>, Vec<bool>, Wire, bool) {
+        (self.sum, self.had, self.wire, self.first)
     }
 }

@@ -2,6 +2,7 @@
 //! chunk of, cut evenly or into the counts the caller gives (ZeRO-2's owners of a bucket).
 
 use accelerate_kernels::Element;
+use accelerate_kernels::schedule::chunk_range;
 
 use super::ProcessGroup;
 use crate::comm::Reduction;
@@ -65,7 +66,9 @@ impl ProcessGroup {
         call.reduce = Some(reduction.op());
         // Uneven counts travel as a fingerprint, so that ranks that cut differently fail as
         // a mismatch instead of reducing each other's chunks.
-        if counts != even_counts(input.len(), self.world_size) {
+        let even = (0..self.world_size)
+            .all(|r| counts[r] == chunk_range(input.len(), self.world_size, r).len());
+        if !even {
             call.root = Some(counts_fingerprint(counts));
         }
         if self.engine.is_none() {
